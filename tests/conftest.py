@@ -4,3 +4,5 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("PIPETORCH_DEVICE", "cpu")
+# A stage worker that stops answering fails a test in a minute, not after the 10-minute default.
+os.environ.setdefault("PIPETORCH_TIMEOUT", "60")

@@ -1,8 +1,9 @@
 """A probe forward pass that finds the blocks, the loss and the buffers a model changes."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -53,28 +54,37 @@ class _BlockGuard(TorchFunctionMode):
         return out
 
 
-def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool) -> Capture:
-    """Run forward once without gradients, leaving the model's buffers and the RNG untouched."""
+@contextmanager
+def preserved(model: nn.Module) -> Iterator[list[str]]:
+    """Leave the model's buffers and the RNG as they were; yields the names of the buffers the
+    block changed (filled in on exit)."""
     buffers = dict(model.named_buffers())
     saved = {n: b.detach().clone() for n, b in buffers.items()}
     versions = {n: b._version for n, b in buffers.items()}
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    model.train(training)
+    mutated: list[str] = []
     try:
-        with torch.no_grad(), blocks.recording() as rec, ops.record_calls() as calls, \
-                _BlockGuard(rec), ops.running_on_device():
-            output = model(*args, **kwargs)
+        yield mutated
     finally:
         # Kernels such as batch_norm update running statistics without bumping the version
         # counter, so values are compared too.
-        mutated = [n for n, b in buffers.items()
-                   if b._version != versions[n] or not torch.equal(b, saved[n])]
+        mutated += [n for n, b in buffers.items()
+                    if b._version != versions[n] or not torch.equal(b, saved[n])]
         with torch.no_grad():
             for n in mutated:
                 buffers[n].copy_(saved[n])
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool) -> Capture:
+    """Run forward once without gradients, leaving the model's buffers and the RNG untouched."""
+    model.train(training)
+    with preserved(model) as mutated:
+        with torch.no_grad(), blocks.recording() as rec, ops.record_calls() as calls, \
+                _BlockGuard(rec), ops.running_on_device():
+            output = model(*args, **kwargs)
     return Capture(rec.ordered(), rec.ops_before_blocks, calls["loss"] + calls["identity_loss"],
                    calls["recomputationCheckpoint"] > 0, mutated, output)

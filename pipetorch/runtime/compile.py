@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +24,14 @@ __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
+EXECUTION_ENV = "PIPETORCH_EXECUTION"
+
 
 @dataclass
 class Compiled:
     """Everything a wrapper needs to run host calls."""
 
-    engine: LocalEngine
+    engine: Any  # LocalEngine or parallel.engine.ProcessEngine
     stages: list[StageSpec]
     capture: Capture
     devices: int
@@ -89,22 +92,52 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                                     auto_round=options.auto_round_num_ipus)
         bar.update()
         replica_buffers = _replica_buffers(model, capture, options, batching)
-        forward: Any = model
-        if training and capture.uses_recomputation:
-            from pipetorch.runtime.recompute import with_recomputation
+        engine: Any
+        if _in_processes(stages, replica_buffers):
+            from pipetorch.parallel.build import process_engine
 
-            forward = with_recomputation(model)
-        bar.update()
-        device_opt = device_optimizer(optimizer, user_model, model) if training else None
-        engine = LocalEngine(model, forward, optimizer=device_opt, batching=batching,
-                             replica_buffers=replica_buffers)
+            model = model.to("cpu")  # the host copy; each worker moves its stage to its device
+            bar.update()
+            device_opt = device_optimizer(optimizer, user_model, model) if training else None
+            engine = process_engine(
+                model, to_device(micro[0], torch.device("cpu")), stages, batching=batching,
+                optimizer=device_opt, pipelined=strategy.pipelined, training=training,
+                recomputation=capture.uses_recomputation)
+        else:
+            forward: Any = model
+            if training and capture.uses_recomputation:
+                from pipetorch.runtime.recompute import with_recomputation
+
+                forward = with_recomputation(model)
+            bar.update()
+            device_opt = device_optimizer(optimizer, user_model, model) if training else None
+            engine = LocalEngine(model, forward, optimizer=device_opt, batching=batching,
+                                 replica_buffers=replica_buffers)
         bar.update()
     finally:
         bar.close()
-    synthetic = _synthetic_like(micro, device) if options.enable_synthetic_data else None
+    synthetic = (_synthetic_like(micro, engine.input_device) if options.enable_synthetic_data
+                 else None)
     seconds = time.perf_counter() - start
     logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices, seconds)
     return Compiled(engine, stages, capture, devices, seconds, synthetic)
+
+
+def _in_processes(stages: list[StageSpec], replica_buffers: ReplicaBuffers | None) -> bool:
+    """Whether stages run in worker processes ($PIPETORCH_EXECUTION: auto, processes, local).
+
+    auto: when the stages are on more than one logical device. Replicas whose buffers differ
+    (broadcastBuffers(False)) still run in this process.
+    """
+    mode = os.environ.get(EXECUTION_ENV, "auto")
+    if mode not in ("auto", "processes", "local"):
+        raise ConfigError(f"{EXECUTION_ENV}={mode!r}: use 'auto', 'processes' or 'local'")
+    wanted = mode == "processes" or (mode == "auto" and len({s.ipu_id for s in stages}) > 1)
+    if wanted and replica_buffers is not None:
+        logger.warning("Replicas that keep their own buffers run in this process, one after "
+                       "another, not on separate devices")
+        return False
+    return wanted
 
 
 def _replica_buffers(model: nn.Module, capture: Capture, options: Any,

@@ -106,7 +106,7 @@ class PoplarExecutor:
         if not self._training:
             self._refresh_from_host()
         o = self._options
-        micro = compiled.synthetic or [to_device(mb, self._device) for mb in split_micro_batches(
+        micro = compiled.synthetic or [to_device(mb, compiled.engine.input_device) for mb in split_micro_batches(
             args, kwargs, device_iterations=o.device_iterations,
             gradient_accumulation=o.Training.gradient_accumulation,
             replication_factor=o.replication_factor)]
@@ -139,6 +139,7 @@ class PoplarExecutor:
     def _fetch(self) -> None:
         assert self._compiled is not None
         engine = self._compiled.engine
+        engine.pull()
         weights.copy_state(engine.model, self._user_model)
         if engine.optimizer is not None and self._user_optimizer is not None:
             copy_state_to_host(engine.optimizer, self._user_optimizer)
@@ -149,6 +150,7 @@ class PoplarExecutor:
         self._sync.flush()
         if self._sync.generation != self._uploaded_generation:
             weights.copy_state(self._user_model, self._compiled.engine.model)
+            self._compiled.engine.push()
             self._uploaded_generation = self._sync.generation
 
     def copyWeightsToHost(self) -> None:
@@ -162,6 +164,7 @@ class PoplarExecutor:
         if self._compiled is not None and self._sync is not None:
             self._sync.forget(self._fetch)  # the host copy is what the user asks to upload
             weights.copy_state(self._user_model, self._compiled.engine.model)
+            self._compiled.engine.push()
             self._uploaded_generation = self._sync.generation
 
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -171,6 +174,7 @@ class PoplarExecutor:
         self._user_optimizer = optimizer
         if self._compiled is not None and self._compiled.engine.optimizer is not None:
             copy_hyperparameters(optimizer, self._compiled.engine.optimizer)
+            self._compiled.engine.set_hyperparameters()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The user model's state_dict, holding the device's latest weights."""
@@ -205,6 +209,8 @@ class PoplarExecutor:
         if self._sync is not None:
             self._sync.flush()
             weights.detach(self._sync)
+        if self._compiled is not None:
+            self._compiled.engine.close()
         self._compiled, self._signature, self._sync = None, None, None
         if self._training and _training_wrappers.get(self._user_model) is not None:
             if _training_wrappers[self._user_model]() is self:

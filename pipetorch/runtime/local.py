@@ -48,6 +48,15 @@ def find_loss(output: Any) -> torch.Tensor:
     return loss
 
 
+def loss_multiplier(optimizer: torch.optim.Optimizer, batching: Batching) -> float:
+    """What each micro-batch's loss is multiplied by before backward: the loss scaling,
+    divided by the G x R micro-batches of a step when gradients are averaged."""
+    scale = float(getattr(optimizer, "loss_scaling", None) or 1.0)
+    if batching.reduction == ReductionType.Mean:
+        scale /= batching.gradient_accumulation * batching.replication_factor
+    return scale
+
+
 def _detach(output: Any) -> Any:
     return pytree.tree_map(
         lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x, output)
@@ -87,6 +96,21 @@ class LocalEngine:
         self.model, self.forward, self.optimizer = model, forward, optimizer
         self.batching = batching
         self._replica_buffers = replica_buffers
+        self.input_device = next((t.device for t in [*model.parameters(), *model.buffers()]),
+                                 torch.device("cpu"))
+
+    # The device copy lives in this process: there is nothing to fetch, send or stop.
+    def pull(self) -> None:
+        """Device weights are `self.model` already."""
+
+    def push(self) -> None:
+        """Host edits copied into `self.model` are on the device already."""
+
+    def set_hyperparameters(self) -> None:
+        """`self.optimizer` is the device's optimiser already."""
+
+    def close(self) -> None:
+        """Nothing runs outside this process."""
 
     @contextmanager
     def _replica(self, replica: int) -> Iterator[None]:
@@ -110,10 +134,7 @@ class LocalEngine:
         b = self.batching
         assert self.optimizer is not None and len(micro_batches) == b.micro_batches
         self.model.train()
-        share = b.gradient_accumulation * b.replication_factor
-        scale = float(getattr(self.optimizer, "loss_scaling", None) or 1.0)
-        if b.reduction == ReductionType.Mean:
-            scale /= share
+        scale = loss_multiplier(self.optimizer, b)
         with ops.running_on_device():
             for d in range(b.device_iterations):
                 self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,41 @@
+"""From a probed model to running stage workers: split, route, measure shapes, place, start."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from pipetorch.parallel.engine import ProcessEngine
+from pipetorch.parallel.placement import place
+from pipetorch.parallel.routes import routes_of, value_specs
+from pipetorch.partition.blocks import removeBlocks
+from pipetorch.partition.split import split_stages
+from pipetorch.partition.strategies import StageSpec
+from pipetorch.runtime.capture import preserved
+from pipetorch.runtime.local import Batching
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
+                   batching: Batching, optimizer: torch.optim.Optimizer | None, pipelined: bool,
+                   training: bool, recomputation: bool) -> ProcessEngine:
+    """Split `model` (the host copy, on the CPU) into `stages` and start one worker per stage.
+
+    `first` is one micro-batch, used to learn the shapes of the values crossing stages.
+    """
+    args, kwargs = first
+    staged = split_stages(model, args, kwargs, stages)
+    removeBlocks(model)  # the stages are cut: BeginBlock's hooks have done their work
+    routes = routes_of(staged, training=training)
+    with preserved(model):
+        specs = value_specs(staged, args, kwargs, training=training)
+    if recomputation:
+        logger.warning("recomputationCheckpoint is not applied inside stage workers yet: "
+                       "results are the same, but every activation is kept for backward")
+    return ProcessEngine(model, staged, routes, specs, batching=batching, optimizer=optimizer,
+                         schedule="pipelined" if pipelined else "sharded",
+                         placements=place(stages))

@@ -1,0 +1,272 @@
+"""The host side of multi-device execution: starts one worker per stage and runs host calls.
+
+A host call is one round trip: the host sends each worker the inputs its stage reads (all
+D x G x R micro-batches at once), the workers run their schedules (all device iterations)
+talking to each other directly, and each sends back the outputs the host asked for.
+
+    user process ---- run(inputs, scale, wanted) ---->  stage 0 <-> stage 1 <-> ... (p2p)
+                 <--- outputs, trace spans -----------  every stage
+
+The engine keeps a host copy of the model and optimiser (`model`, `optimizer`): `pull` fills
+them from the workers, `push` sends the host copy's weights to the workers.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import weakref
+from collections import defaultdict
+from multiprocessing.connection import Connection
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from pipetorch.errors import CompileError, DeviceError
+from pipetorch.parallel import placement as places
+from pipetorch.parallel import wire
+from pipetorch.parallel.routes import Constant, Route, TensorSpec
+from pipetorch.parallel.stage import Call, Trace
+from pipetorch.parallel.worker import Launch, Setup
+from pipetorch.partition.split import Source, StagedModel, map_leaves
+from pipetorch.runtime.local import Batching, loss_multiplier
+from pipetorch.runtime.outputs import OutputCollector
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+_STOP_GRACE = 5.0  # seconds a worker gets to stop before it is killed
+
+
+def stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
+    """A copy of `optimizer` restricted to `module`'s parameters; groups keep their order."""
+    own = {id(p) for p in module.parameters()}
+    shared = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+    clone = copy.deepcopy(optimizer, dict(shared))  # the same Parameter objects, not copies
+    for group in clone.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in own]
+    clone.state = defaultdict(dict, {p: s for p, s in clone.state.items() if id(p) in own})
+    return clone
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [p for p in sys.path if p] + env.get("PYTHONPATH", "").split(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    return env
+
+
+class ProcessEngine:
+    """Runs host calls on one worker process per stage (the stages' devices)."""
+
+    def __init__(self, model: nn.Module, staged: StagedModel, routes: Sequence[Route],
+                 specs: dict[Source, TensorSpec | Constant], *, batching: Batching,
+                 optimizer: torch.optim.Optimizer | None, schedule: str,
+                 placements: Sequence[places.Placement]) -> None:
+        self.model, self.optimizer, self.batching = model, optimizer, batching
+        self.staged, self.routes = staged, list(routes)
+        self.input_device = torch.device("cpu")
+        self.last_trace: list[Trace] = []
+        self.timeout = wire.timeout_seconds()
+        self._lost: str | None = None
+        self._folder = tempfile.mkdtemp(prefix="pipetorch-")
+        self.peers: list[wire.Peer] = []
+        self._finalizer = weakref.finalize(self, _shutdown, self.peers, self._folder)
+        devices = tuple(p.device for p in placements)
+        for route, placement in zip(self.routes, placements):
+            self.peers.append(self._start(route, placement, len(self.routes)))
+        for peer, route in zip(self.peers, self.routes):
+            module = staged.modules[route.index]
+            setup = Setup(module, stage_optimizer(optimizer, module) if optimizer else None,
+                          route, staged.io[route.index].inputs, specs, schedule, devices)
+            launch = Launch(placements[route.index], len(self.routes),
+                            os.path.join(self._folder, "store"), self.timeout, os.getpid())
+            try:
+                payload = pickle.dumps((launch, setup), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                self.close()
+                raise CompileError(
+                    f"Stage {route.index} cannot be sent to its worker process: pickling it "
+                    f"failed with {type(exc).__name__}: {exc}. Hooks or attributes holding "
+                    "lambdas or local functions cannot cross processes: remove them from the "
+                    "model, or run every stage in this process with PIPETORCH_EXECUTION=local"
+                ) from exc
+            self._send(peer, payload, raw=True)
+        self._gather("start-up")
+        logger.info("Started %d stage worker(s): %s", len(self.peers),
+                    ", ".join(p.describe() for p in self.peers))
+
+    def _start(self, route: Route, placement: places.Placement, world: int) -> wire.Peer:
+        ours, theirs = socket.socketpair()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "pipetorch.parallel.worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), env=_worker_env(), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        return wire.Peer(route.index, placement.device, Connection(ours.detach()), process)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.process.pid for p in self.peers]
+
+    # -- host calls -------------------------------------------------------------------------
+    def train(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
+        """D optimiser steps of G x R micro-batches each, laid out [D][G][R]."""
+        b = self.batching
+        assert self.optimizer is not None and len(micro_batches) == b.micro_batches
+        self._run(micro_batches, collector, training=True, iterations=b.device_iterations,
+                  per_iteration=b.gradient_accumulation * b.replication_factor,
+                  scale=loss_multiplier(self.optimizer, b))
+
+    def infer(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
+        """Forward of every micro-batch of the call, through one fill-drain (or sharded) plan."""
+        self._run(micro_batches, collector, training=False, iterations=1,
+                  per_iteration=len(micro_batches), scale=1.0)
+
+    def _run(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector, *,
+             training: bool, iterations: int, per_iteration: int, scale: float) -> None:
+        replicas = self.batching.replication_factor
+        flat = [self.staged.flatten_inputs(*args, **kwargs) for args, kwargs in micro_batches]
+        wanted = frozenset(m for m in range(len(flat)) if collector.wants(m // replicas))
+        stacked: dict[int, torch.Tensor] = {}
+        for peer, route in zip(self.peers, self.routes):
+            for i in route.host_inputs:
+                if i not in stacked:
+                    stacked[i] = torch.stack([f[i] for f in flat])
+            call = Call({i: stacked[i] for i in route.host_inputs}, iterations, per_iteration,
+                        wanted, scale)
+            self._send(peer, ("run", (call, training)))
+        replies = self._gather("a training call" if training else "an inference call")
+        self.last_trace = [trace for _, trace in replies]
+        outputs = [out for out, _ in replies]
+        for m in sorted(wanted):
+            def fetch(source: Source, m: int = m) -> Any:
+                if source.kind == "input":
+                    return flat[m][source[1]]
+                stage = source[1]
+                return outputs[stage][m][self.routes[stage].host_outputs.index(source)]
+
+            collector.add(m // replicas, m % replicas, map_leaves(self.staged.output, Source, fetch))
+
+    # -- weights ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def pull(self) -> None:
+        """Copy every stage's weights and optimiser state into the host copy."""
+        if self._lost:
+            logger.warning("The stage workers are gone (%s): the host copy keeps the weights of "
+                           "the last sync", self._lost)
+            return
+        for peer in self.peers:
+            self._send(peer, ("pull", None))
+        for route, (state, optimizer_state) in zip(self.routes, self._gather("copyWeightsToHost")):
+            module = self.staged.modules[route.index]
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                tensor.copy_(state[name])
+            if self.optimizer is not None:
+                params = dict(module.named_parameters())
+                for name, values in optimizer_state.items():
+                    self.optimizer.state[params[name]] = dict(values)
+
+    def push(self) -> None:
+        """Send the host copy's weights to every stage."""
+        self._check_alive()
+        for peer, module in zip(self.peers, self.staged.modules):
+            self._send(peer, ("push", {n: t.detach() for n, t in
+                                       [*module.named_parameters(), *module.named_buffers()]}))
+        self._gather("copyWeightsToDevice")
+
+    def set_hyperparameters(self) -> None:
+        """Send the host optimiser's hyper-parameters (after setOptimizer) to every stage."""
+        self._check_alive()
+        assert self.optimizer is not None
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        for peer in self.peers:
+            self._send(peer, ("hyper", (groups, {})))
+        self._gather("setOptimizer")
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the workers (killing any that do not stop) and remove their files."""
+        self._finalizer()
+
+    def _check_alive(self) -> None:
+        if self._lost:
+            raise DeviceError(
+                f"The stage workers were lost ({self._lost}); this wrapper cannot run again: "
+                "call destroy() and build a new trainingModel/inferenceModel. The model keeps "
+                "the weights of the last copy to the host")
+
+    def _send(self, peer: wire.Peer, message: Any, *, raw: bool = False) -> None:
+        try:
+            if raw:
+                peer.conn.send_bytes(message)
+            else:
+                wire.send(peer.conn, message)
+        except OSError as exc:
+            self._fail(f"the worker running {peer.describe()} cannot be reached ({exc})")
+            self._check_alive()
+
+    def _gather(self, what: str) -> list[Any]:
+        self._check_alive()
+        try:
+            return wire.gather(self.peers, timeout=self.timeout, what=what)
+        except wire.WorkerFailed as exc:
+            message = self._describe(exc.failure) if exc.failure else str(exc)
+            self._fail(message.splitlines()[0])
+            raise wire.WorkerFailed(message, exc.failure) from None
+        except BaseException:  # KeyboardInterrupt: stop the workers before giving up
+            self._fail("interrupted")
+            raise
+
+    def _fail(self, reason: str) -> None:
+        self._lost = reason
+        _shutdown(self.peers, self._folder, grace=0.0)
+
+    def _describe(self, failure: wire.Failure) -> str:
+        where = "outside the schedule"
+        if failure.action is not None:
+            names = {"F": "the forward", "B": "the backward", "STEP": "the optimiser step"}
+            what = names.get(failure.action, f"the transfer {failure.action}")
+            where = f"in {what}"
+            if failure.micro_batch is not None:
+                where += f" of micro-batch {failure.micro_batch} ({self._locate(failure.micro_batch)})"
+        return (f"Stage {failure.stage} on {failure.device} (pid {failure.pid}) failed {where}: "
+                f"{failure.error}\n\nWorker traceback:\n{failure.traceback}")
+
+    def _locate(self, micro: int) -> str:
+        b = self.batching
+        step, replica = divmod(micro, b.replication_factor)
+        iteration, accumulation = divmod(step, b.gradient_accumulation)
+        return f"device iteration {iteration}, accumulation step {accumulation}, replica {replica}"
+
+
+def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE) -> None:
+    """Ask every live worker to stop, then kill whatever is left; idempotent."""
+    live = [p for p in peers if p.process.poll() is None]
+    if grace > 0 and live:
+        try:
+            for peer in live:
+                wire.send(peer.conn, ("stop", None))
+            wire.gather(live, timeout=grace, what="shutdown")
+        except Exception:
+            pass
+    for peer in peers:
+        if peer.process.poll() is None:
+            peer.process.kill()
+        try:
+            peer.process.wait(timeout=grace + 5.0)
+        except subprocess.TimeoutExpired:
+            logger.error("Worker pid %d did not exit after SIGKILL", peer.process.pid)
+        places.unregister(peer.process.pid)
+        peer.conn.close()
+    peers.clear()
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,133 @@
+"""Which physical device each stage's worker computes on, and the registry of live workers.
+
+A logical device (an `ipu_id`) maps to `cuda:i` when GPUs are present, else to a share of the
+CPU cores: each worker gets cores // workers intra-op threads, so the workers together never
+ask for more threads than there are cores. Workers register themselves in a directory that
+`pipetorch devices` reads (like `gc-monitor`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from pipetorch.errors import ConfigError
+from pipetorch.partition.strategies import StageSpec
+from pipetorch.runtime.devices import default_device
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+NUM_DEVICES_ENV = "PIPETORCH_NUM_DEVICES"
+THREADS_ENV = "PIPETORCH_THREADS_PER_DEVICE"
+REGISTRY_ENV = "PIPETORCH_REGISTRY"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where stage `stage` (on logical device `ipu`) runs."""
+
+    stage: int
+    ipu: int
+    device: str    # "cpu" or "cuda:N"
+    threads: int   # intra-op threads of the worker
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _positive_env(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"{name}={raw!r} must be a positive whole number")
+    return int(raw)
+
+
+def place(stages: Sequence[StageSpec]) -> list[Placement]:
+    """One placement per stage, following $PIPETORCH_DEVICE and $PIPETORCH_NUM_DEVICES."""
+    device = default_device()
+    workers = len(stages)
+    ipus = sorted({s.ipu_id for s in stages})
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        limit = _positive_env(NUM_DEVICES_ENV)
+        count = min(count, limit) if limit else count
+        first = device.index or 0
+        gpus = {ipu: f"cuda:{(first + n) % count}" for n, ipu in enumerate(ipus)}
+        if len(ipus) > count:
+            logger.warning("%d logical devices share %d GPU(s): stages on the same GPU take "
+                           "turns", len(ipus), count)
+        threads = max(1, cpu_cores() // workers)
+        return [Placement(s.index, s.ipu_id, gpus[s.ipu_id], threads) for s in stages]
+    cores = cpu_cores()
+    limit = _positive_env(NUM_DEVICES_ENV)
+    cores = min(cores, limit) if limit else cores
+    threads = _positive_env(THREADS_ENV) or max(1, cores // workers)
+    if workers > cores:
+        logger.warning("%d stages share %d CPU core(s): their workers take turns; expect no "
+                       "speed-up from pipelining", workers, cores)
+    else:
+        logger.info("%d stage worker(s) on the CPU, %d thread(s) each", workers, threads)
+    return [Placement(s.index, s.ipu_id, "cpu", threads) for s in stages]
+
+
+# -- registry --------------------------------------------------------------------------------
+def registry_dir() -> Path:
+    """$PIPETORCH_REGISTRY, else a per-user folder in the temp directory."""
+    custom = os.environ.get(REGISTRY_ENV)
+    path = Path(custom) if custom else Path(tempfile.gettempdir()) / f"pipetorch-{os.getuid()}"
+    return path
+
+
+def register(placement: Placement, *, host_pid: int) -> Path:
+    """Record this worker; the file goes away in `unregister` (or is pruned once stale)."""
+    folder = registry_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"worker-{os.getpid()}.json"
+    record = asdict(placement) | {"pid": os.getpid(), "host_pid": host_pid}
+    path.write_text(json.dumps(record))
+    return path
+
+
+def unregister(pid: int) -> None:
+    (registry_dir() / f"worker-{pid}.json").unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_workers() -> list[dict[str, Any]]:
+    """Records of running workers; files of workers that died without cleaning up are removed."""
+    folder = registry_dir()
+    records = []
+    for path in sorted(folder.glob("worker-*.json")) if folder.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(int(record.get("pid", -1))):
+            records.append(record)
+        else:
+            path.unlink(missing_ok=True)
+    return records

@@ -1,0 +1,141 @@
+"""Where a micro-batch crosses devices: bundles of tensors sent point-to-point between stages.
+
+A bundle (the activations one stage hands the next, or the gradients coming back) travels
+as one message: its tensors are packed back to back into one byte buffer, so a transfer pays
+the per-message latency once. Both ends know every bundle's shapes and dtypes from the
+compile-time shape pass, so nothing but the data crosses. Transfers go through
+torch.distributed: gloo between CPU processes, NCCL between GPUs (gloo with a copy through
+host memory when two stages share one GPU, which NCCL refuses).
+"""
+from __future__ import annotations
+
+import datetime
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipetorch.errors import DeviceError
+from pipetorch.parallel.routes import TensorSpec
+
+__all__: list[str] = []
+
+_ALIGN = 16  # bytes: every packed tensor starts at an offset its dtype can be viewed at
+
+
+class Tag(enum.IntEnum):
+    """Message tags, one per kind of traffic, so a pair of stages never mixes them up."""
+
+    ACTIVATIONS = 1
+    GRADIENTS = 2
+    DONE = 3
+
+
+def _aligned(size: int) -> int:
+    return (size + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class BundleLayout:
+    """Byte offsets of a bundle's tensors inside its packed buffer."""
+
+    specs: tuple[TensorSpec, ...]
+
+    @property
+    def offsets(self) -> list[int]:
+        offsets, at = [], 0
+        for spec in self.specs:
+            offsets.append(at)
+            at += _aligned(spec.nbytes)
+        return offsets
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_aligned(spec.nbytes) for spec in self.specs)
+
+    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """One uint8 buffer holding `tensors` (checked against the layout)."""
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        for spec, at, tensor in zip(self.specs, self.offsets, tensors, strict=True):
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                raise DeviceError(
+                    f"A value crossing stages has shape {list(tensor.shape)} and dtype "
+                    f"{tensor.dtype}, but the stages were compiled for {list(spec.shape)} "
+                    f"{spec.dtype}: forward must produce the same shapes on every call (no "
+                    "shape that depends on the data)")
+            if spec.nbytes:
+                raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+                buffer[at:at + spec.nbytes].copy_(raw)
+        return buffer
+
+    def unpack(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Fresh leaf tensors viewing `buffer`'s bytes."""
+        return [buffer[at:at + spec.nbytes].view(spec.dtype).view(spec.shape).detach()
+                for spec, at in zip(self.specs, self.offsets)]
+
+
+class PeerLink:
+    """Point-to-point bundles between this stage's process and its neighbours.
+
+    Sends are asynchronous: the buffer is kept until `flush` (called once per schedule step)
+    makes sure every send finished. Receives block for at most `timeout` seconds.
+    """
+
+    def __init__(self, *, device: torch.device, wire_device: torch.device, timeout: float) -> None:
+        self.device, self.wire_device = device, wire_device
+        self.timeout = datetime.timedelta(seconds=timeout)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send(self, layout: BundleLayout, tensors: Sequence[torch.Tensor], peer: int,
+             tag: Tag) -> None:
+        if not layout.specs:
+            return
+        buffer = layout.pack(tensors, self.wire_device)
+        self._pending.append((dist.isend(buffer, peer, tag=int(tag)), buffer))
+        self.bytes_sent += buffer.numel()
+
+    def recv(self, layout: BundleLayout, peer: int, tag: Tag) -> list[torch.Tensor]:
+        if not layout.specs:
+            return []
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.wire_device)
+        self._wait(dist.irecv(buffer, peer, tag=int(tag)), peer)
+        self.bytes_received += buffer.numel()
+        if self.wire_device != self.device:
+            buffer = buffer.to(self.device, non_blocking=True)
+        return layout.unpack(buffer)
+
+    def signal(self, peer: int) -> None:
+        """A data-less message (one byte): 'micro-batch done' in sharded inference."""
+        flag = torch.ones(1, dtype=torch.uint8, device=self.wire_device)
+        self._pending.append((dist.isend(flag, peer, tag=int(Tag.DONE)), flag))
+
+    def wait_signal(self, peer: int) -> None:
+        flag = torch.empty(1, dtype=torch.uint8, device=self.wire_device)
+        self._wait(dist.irecv(flag, peer, tag=int(Tag.DONE)), peer)
+
+    def _wait(self, work: dist.Work, peer: int) -> None:
+        if not work.wait(self.timeout):
+            raise DeviceError(f"No data from stage {peer} within "
+                              f"{self.timeout.total_seconds():.0f}s (PIPETORCH_TIMEOUT)")
+
+    def flush(self) -> None:
+        """Wait until every send of this step has left; their buffers can then be freed."""
+        for work, _ in self._pending:
+            work.wait(self.timeout)
+        self._pending.clear()
+
+
+def backend_for(devices: Sequence[torch.device]) -> tuple[str, bool]:
+    """(torch.distributed backend, whether bundles go through host memory) for these devices.
+
+    NCCL needs every process on its own GPU; stages sharing a GPU, or CPU stages, use gloo.
+    """
+    if all(d.type == "cuda" for d in devices):
+        if len({d.index for d in devices}) == len(devices) and dist.is_nccl_available():
+            return "nccl", False
+        return "gloo", True
+    return "gloo", False

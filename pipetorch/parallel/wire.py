@@ -1,0 +1,131 @@
+"""Messages between the user's process and its workers: pickled over pipes, every wait bounded."""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Sequence
+
+from pipetorch.errors import DeviceError
+
+__all__: list[str] = []
+
+TIMEOUT_ENV = "PIPETORCH_TIMEOUT"
+_POLL = 0.2  # seconds between liveness checks while waiting
+
+
+def timeout_seconds() -> float:
+    """How long any single wait may last: $PIPETORCH_TIMEOUT seconds, default 600."""
+    raw = os.environ.get(TIMEOUT_ENV, "600")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def send(conn: Connection, message: Any) -> None:
+    """Pickle by value (no shared-memory handles that could outlive their sender) and send."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(conn: Connection, *, timeout: float, parent: int | None = None) -> Any:
+    """The next message; raises TimeoutError after `timeout` s, EOFError if the sender is gone
+    or (in a worker) if the process `parent` that started it has exited."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(_POLL):
+        if parent is not None and os.getppid() != parent:
+            raise EOFError("the process that started this worker has exited")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no message within {timeout:.0f}s")
+    return pickle.loads(conn.recv_bytes())
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An exception in a worker, as the worker saw it."""
+
+    stage: int
+    device: str
+    pid: int
+    action: str | None      # "F", "B", "S>F", ... or None outside the schedule
+    micro_batch: int | None
+    error: str              # "IndexError: Target 10 is out of bounds."
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The host's view of one worker: its pipe, its process sentinel and what it runs."""
+
+    stage: int
+    device: str
+    conn: Connection
+    process: Any  # subprocess.Popen
+
+    def describe(self) -> str:
+        return f"stage {self.stage} on {self.device} (pid {self.process.pid})"
+
+
+class WorkerFailed(DeviceError):
+    """A worker raised; the message carries its traceback and where it was."""
+
+    def __init__(self, message: str, failure: Failure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+
+
+def gather(peers: Sequence[Peer], *, timeout: float, what: str) -> list[Any]:
+    """One reply from every worker, in stage order.
+
+    A worker's error, its death (its end of the pipe closes), or `timeout` seconds without
+    progress raises WorkerFailed naming the worker; the caller then stops all workers.
+    """
+    replies: dict[int, Any] = {}
+    waiting = {p.conn: p for p in peers}
+    deadline = time.monotonic() + timeout
+    while waiting:
+        for conn in wait(list(waiting), timeout=_POLL * 5):
+            peer = waiting.pop(conn)  # type: ignore[arg-type]
+            try:
+                kind, payload = pickle.loads(peer.conn.recv_bytes())
+            except (EOFError, OSError):
+                raise WorkerFailed(
+                    f"The worker running {peer.describe()} died during {what} (exit code "
+                    f"{_exit(_exit_code(peer.process))}). Running out of memory or a kill signal "
+                    "are the usual causes; the wrapper cannot continue: call destroy() and "
+                    "build a new one") from None
+            if kind == "error":
+                raise WorkerFailed(payload.error, payload)
+            replies[peer.stage] = payload
+            deadline = time.monotonic() + timeout
+        if waiting and time.monotonic() > deadline:
+            stuck = ", ".join(p.describe() for p in waiting.values())
+            raise WorkerFailed(
+                f"No reply during {what} from {stuck} within {timeout:.0f}s; raise "
+                f"{TIMEOUT_ENV} if a call legitimately takes longer")
+    return [replies[p.stage] for p in peers]
+
+
+def _exit_code(process: Any) -> int | None:
+    try:
+        return process.wait(timeout=2)
+    except Exception:
+        return None
+
+
+def _exit(code: int | None) -> str:
+    if code is None:
+        return "unknown"
+    if code < 0:
+        import signal
+
+        try:
+            return f"{code}, killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return str(code)
+    return str(code)
