@@ -196,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         TrainingModelWithLoss(model), train_opts,
         optimizer=poptorch.optim.AdamW(model.parameters(), lr=args.learning_rate))
     train(training_model, training_data, args.epochs)
+    training_model.detachFromDevice()  # frees the training workers; the model keeps its weights
 
     inference_model = poptorch.inferenceModel(model, inf_opts)
     print(f"Accuracy on test set: {test(inference_model, test_data):0.2f}%")

@@ -13,6 +13,7 @@ __all__ = ["build_parser", "main"]
 # A new subcommand is one more line here.
 _SUBCOMMAND_MODULES = (
     "pipetorch.cli.run",
+    "pipetorch.cli.devices",
 )
 
 

@@ -236,7 +236,7 @@ class PopTorchOptimizer:
                 for param in working:
                     param.grad.div_(loss_scaling)
             if max_grad_norm != math.inf:
-                torch.nn.utils.clip_grad_norm_(working, max_grad_norm)
+                _clip_grad_norm(working, max_grad_norm, getattr(self, "_pipetorch_reduce", None))
             self._update()
         finally:
             for group, params, group_swaps in zip(self.param_groups, originals, swaps):
@@ -308,3 +308,18 @@ def _store_state(state: dict[str, Any], formats: StateFormats) -> dict[str, Any]
         if isinstance(state.get(key), torch.Tensor):
             stored[key] = (state[key] * scale).to(dtype) if scale != 1.0 else state[key].to(dtype)
     return stored
+
+
+def _clip_grad_norm(params: list[torch.Tensor], max_norm: float,
+                    reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+    """clip_grad_norm_ over the whole model; with `reduce` (a sum over the stages' processes,
+    set by a stage worker) the norm covers the parameters every stage holds."""
+    if reduce is None:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    squares = [p.grad.detach().float().pow(2).sum() for p in params]
+    local = torch.stack(squares).sum() if squares else torch.zeros(())
+    total = reduce(local).sqrt()
+    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for param in params:
+        param.grad.mul_(coefficient.to(param.grad.dtype))

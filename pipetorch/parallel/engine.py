@@ -76,19 +76,26 @@ class ProcessEngine:
         self.input_device = torch.device("cpu")
         self.last_trace: list[Trace] = []
         self.timeout = wire.timeout_seconds()
+        self._specs, self._schedule, self._placements = specs, schedule, list(placements)
         self._lost: str | None = None
         self._folder = tempfile.mkdtemp(prefix="pipetorch-")
         self.peers: list[wire.Peer] = []
         self._finalizer = weakref.finalize(self, _shutdown, self.peers, self._folder)
-        devices = tuple(p.device for p in placements)
-        for route, placement in zip(self.routes, placements):
+        self._launch()
+
+    def _launch(self) -> None:
+        """Start one worker per stage with the host copy's weights and optimiser state."""
+        devices = tuple(p.device for p in self._placements)
+        store = tempfile.mktemp(prefix="store-", dir=self._folder)  # fresh per launch
+        for route, placement in zip(self.routes, self._placements):
             self.peers.append(self._start(route, placement, len(self.routes)))
         for peer, route in zip(self.peers, self.routes):
-            module = staged.modules[route.index]
-            setup = Setup(module, stage_optimizer(optimizer, module) if optimizer else None,
-                          route, staged.io[route.index].inputs, specs, schedule, devices)
-            launch = Launch(placements[route.index], len(self.routes),
-                            os.path.join(self._folder, "store"), self.timeout, os.getpid())
+            module = self.staged.modules[route.index]
+            optimizer = stage_optimizer(self.optimizer, module) if self.optimizer else None
+            setup = Setup(module, optimizer, route, self.staged.io[route.index].inputs,
+                          self._specs, self._schedule, devices)
+            launch = Launch(self._placements[route.index], len(self.routes), store,
+                            self.timeout, os.getpid())
             try:
                 payload = pickle.dumps((launch, setup), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:
@@ -103,6 +110,16 @@ class ProcessEngine:
         self._gather("start-up")
         logger.info("Started %d stage worker(s): %s", len(self.peers),
                     ", ".join(p.describe() for p in self.peers))
+
+    def release(self) -> None:
+        """detachFromDevice: bring weights and optimiser state home, then stop the workers."""
+        self.pull()
+        _shutdown(self.peers, self._folder, remove=False)
+
+    def acquire(self) -> None:
+        """attachToDevice: start the workers again from the host copy."""
+        if not self.peers:
+            self._launch()
 
     def _start(self, route: Route, placement: places.Placement, world: int) -> wire.Peer:
         ours, theirs = socket.socketpair()
@@ -249,7 +266,8 @@ class ProcessEngine:
         return f"device iteration {iteration}, accumulation step {accumulation}, replica {replica}"
 
 
-def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE) -> None:
+def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE,
+              remove: bool = True) -> None:
     """Ask every live worker to stop, then kill whatever is left; idempotent."""
     live = [p for p in peers if p.process.poll() is None]
     if grace > 0 and live:
@@ -269,4 +287,5 @@ def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE
         places.unregister(peer.process.pid)
         peer.conn.close()
     peers.clear()
-    shutil.rmtree(folder, ignore_errors=True)
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)

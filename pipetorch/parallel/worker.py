@@ -69,17 +69,17 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.module = setup.module.to(self.device)
         self.optimizer = setup.optimizer
+        backend, staged = backend_for([torch.device(d) for d in setup.devices])
+        wire_device = torch.device("cpu") if staged else self.device
         if self.optimizer is not None:
             _move_state(self.optimizer, self.device)
-            if any(g.get("max_grad_norm", float("inf")) != float("inf")
-                   for g in self.optimizer.param_groups):
-                self.optimizer._pipetorch_reduce = _all_reduce_sum  # type: ignore[attr-defined]
-        backend, staged = backend_for([torch.device(d) for d in setup.devices])
+            # Global-norm clipping needs the squared norms of every stage's gradients.
+            self.optimizer._pipetorch_reduce = (  # type: ignore[attr-defined]
+                lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device))
         dist.init_process_group(backend, init_method=f"file://{launch.store}",
                                 rank=setup.route.index, world_size=launch.world_size,
                                 timeout=datetime.timedelta(seconds=launch.timeout))
-        link = PeerLink(device=self.device, wire_device=torch.device("cpu") if staged else self.device,
-                        timeout=launch.timeout)
+        link = PeerLink(device=self.device, wire_device=wire_device, timeout=launch.timeout)
         self.executor = StageExecutor(self.module, setup.route, setup.specs, inputs=setup.inputs,
                                       link=link, device=self.device, optimizer=self.optimizer)
         self._plans: dict[tuple[int, bool], list] = {}

@@ -191,10 +191,14 @@ class PoplarExecutor:
         """Release the device; the user's model keeps the trained weights."""
         if self._sync is not None:
             self._sync.flush()
+        if self._compiled is not None and self._attached:
+            self._compiled.engine.release()
         self._attached = False
 
     def attachToDevice(self) -> None:
         """Take the device again, with the user model's current weights."""
+        if self._compiled is not None and not self._attached:
+            self._compiled.engine.acquire()
         self._attached = True
         self.copyWeightsToDevice()
 

@@ -112,6 +112,12 @@ class LocalEngine:
     def close(self) -> None:
         """Nothing runs outside this process."""
 
+    def release(self) -> None:
+        """The device copy stays in this process while detached."""
+
+    def acquire(self) -> None:
+        """Nothing to restart."""
+
     @contextmanager
     def _replica(self, replica: int) -> Iterator[None]:
         if self._replica_buffers is None:

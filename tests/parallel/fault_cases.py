@@ -1,0 +1,176 @@
+"""Models, options and process checks shared by the fault, cleanup and trace tests.
+
+Run as a script (`python fault_cases.py SCENARIO`) it plays a user's program in its own
+interpreter, so a test can watch what the program's exit, death or Ctrl-C does to the stage
+workers. Each scenario prints one JSON line {"host": pid, "pids": [...], "folder": ...} once
+its workers run, then:
+    exit       returns without destroy() (the interpreter's exit must stop the workers)
+    linger     sleeps until killed (the test SIGKILLs it)
+    interrupt  prints "calling", runs a call of several seconds that the test interrupts with
+               SIGINT, then prints {"interrupted": ..., "alive": [...]} and exits
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+import pipetorch as poptorch
+
+VOCAB = 10
+CLASSES = 3
+
+
+class TokenNet(nn.Module):
+    """An embedding and a layer on ipu 0; the head and the loss on ipu 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, CLASSES)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor):
+        with poptorch.Block(ipu_id=0):
+            x = torch.relu(self.fc1(self.embed(tokens).mean(1)))
+        with poptorch.Block(ipu_id=1):
+            out = self.fc2(x)
+            loss = nn.functional.cross_entropy(out, labels)
+        return out, loss
+
+
+def token_data(n: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """n rows of 5 valid token ids and n valid labels."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, 5), generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+class HeavyNet(nn.Module):
+    """`depth` square layers per stage, wide enough that a forward takes milliseconds."""
+
+    def __init__(self, width: int = 384, depth: int = 3) -> None:
+        super().__init__()
+        self.first = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+        self.second = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+        self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor):
+        with poptorch.Block("S0", ipu_id=0):
+            x = torch.tanh(self.first(x))
+        with poptorch.Block("S1", ipu_id=1):
+            out = self.head(torch.tanh(self.second(x)))
+            loss = nn.functional.cross_entropy(out, labels)
+        return out, loss
+
+
+def heavy_data(n: int, *, width: int = 384, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def options(*, D: int = 1, G: int = 4, R: int = 1, mode: str = "All",
+            sharded: bool = False) -> poptorch.Options:
+    """Training options; two stages need G >= 3 when pipelined."""
+    opts = poptorch.Options().deviceIterations(D).replicationFactor(R)
+    opts.Training.gradientAccumulation(G)
+    opts.outputMode(getattr(poptorch.OutputMode, mode))
+    if sharded:
+        opts.setExecutionStrategy(poptorch.ShardedExecution(poptorch.AutoStage.SameAsIpu))
+    return opts.showCompilationProgressBar(False)
+
+
+# -- processes -----------------------------------------------------------------------------
+def alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (dead, not yet reaped) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], *, timeout: float = 5.0) -> list[int]:
+    """The pids still alive after waiting up to `timeout` seconds for them to go."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def new_shm_entries(before: set[str]) -> set[str]:
+    """Entries in /dev/shm now that were not in `before` and stay for 0.5 s (others' tests on
+    this machine may create short-lived ones)."""
+    first = shm_entries() - before
+    if not first:
+        return first
+    time.sleep(0.5)
+    return first & shm_entries()
+
+
+def script_env(registry: str) -> dict[str, str]:
+    """Environment for a scenario subprocess: tests/ importable, a private worker registry."""
+    env = dict(os.environ)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests, env.get("PYTHONPATH", "")) if p)
+    env["PIPETORCH_REGISTRY"] = registry
+    env.setdefault("PIPETORCH_DEVICE", "cpu")
+    env.setdefault("PIPETORCH_TIMEOUT", "60")
+    return env
+
+
+def _scenario(name: str) -> None:
+    torch.manual_seed(0)
+    if name == "interrupt":
+        model: nn.Module = HeavyNet()
+        opts = options(D=60, G=4)
+        x, y = heavy_data(60 * 4 * 16)
+    else:
+        model = TokenNet()
+        opts = options(G=4)
+        x, y = token_data(8)
+    wrapper = poptorch.trainingModel(model, opts, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    if name == "interrupt":
+        wrapper.compile(x, y)
+    else:
+        wrapper(x, y)
+    engine = wrapper._compiled.engine
+    pids = list(engine.worker_pids)
+    print(json.dumps({"host": os.getpid(), "pids": pids, "folder": engine._folder}), flush=True)
+    if name == "exit":
+        return
+    if name == "linger":
+        time.sleep(600)
+        return
+    assert name == "interrupt", name
+    print("calling", flush=True)
+    start = time.monotonic()
+    try:
+        wrapper(x, y)
+        report = {"interrupted": False}
+    except KeyboardInterrupt:
+        report = {"interrupted": True}
+    report["seconds"] = time.monotonic() - start
+    report["alive"] = [p for p in pids if alive(p)]
+    print(json.dumps(report), flush=True)
+    wrapper.destroy()
+
+
+if __name__ == "__main__":
+    _scenario(sys.argv[1])
