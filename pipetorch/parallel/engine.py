@@ -76,7 +76,7 @@ class ProcessEngine:
         self.input_device = torch.device("cpu")
         self.last_trace: list[Trace] = []
         self.timeout = wire.timeout_seconds()
-        self._specs, self._schedule, self._placements = specs, schedule, list(placements)
+        self.specs, self.schedule, self.placements = specs, schedule, list(placements)
         self._lost: str | None = None
         self._folder = tempfile.mkdtemp(prefix="pipetorch-")
         self.peers: list[wire.Peer] = []
@@ -85,16 +85,16 @@ class ProcessEngine:
 
     def _launch(self) -> None:
         """Start one worker per stage with the host copy's weights and optimiser state."""
-        devices = tuple(p.device for p in self._placements)
+        devices = tuple(p.device for p in self.placements)
         store = tempfile.mktemp(prefix="store-", dir=self._folder)  # fresh per launch
-        for route, placement in zip(self.routes, self._placements):
+        for route, placement in zip(self.routes, self.placements):
             self.peers.append(self._start(route, placement, len(self.routes)))
         for peer, route in zip(self.peers, self.routes):
             module = self.staged.modules[route.index]
             optimizer = stage_optimizer(self.optimizer, module) if self.optimizer else None
             setup = Setup(module, optimizer, route, self.staged.io[route.index].inputs,
-                          self._specs, self._schedule, devices)
-            launch = Launch(self._placements[route.index], len(self.routes), store,
+                          self.specs, self.schedule, devices)
+            launch = Launch(self.placements[route.index], len(self.routes), store,
                             self.timeout, os.getpid())
             try:
                 payload = pickle.dumps((launch, setup), protocol=pickle.HIGHEST_PROTOCOL)

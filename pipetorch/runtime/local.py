@@ -96,6 +96,8 @@ class LocalEngine:
         self.model, self.forward, self.optimizer = model, forward, optimizer
         self.batching = batching
         self._replica_buffers = replica_buffers
+        self.schedule = "local"  # every stage in this process, one after another
+        self.last_trace: list = []  # no per-action spans in this engine
         self.input_device = next((t.device for t in [*model.parameters(), *model.buffers()]),
                                  torch.device("cpu"))
 

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
+import signal
+import subprocess
 import sys
 import time
+from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -23,6 +28,7 @@ import pipetorch as poptorch
 
 VOCAB = 10
 CLASSES = 3
+LONG_D = 100  # device iterations of a HeavyNet call that lasts several seconds (B=32, G=4)
 
 
 class TokenNet(nn.Module):
@@ -135,12 +141,85 @@ def script_env(registry: str) -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def registry(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A private worker registry: workers started by this test register there."""
+    folder = str(tmp_path / "registry")
+    monkeypatch.setenv("PIPETORCH_REGISTRY", folder)
+    return folder
+
+
+def records_of(host_pid: int) -> list[dict[str, Any]]:
+    """Live registry records of workers started by `host_pid`."""
+    from pipetorch.parallel import placement
+
+    return [r for r in placement.live_workers() if r["host_pid"] == host_pid]
+
+
+class Script:
+    """A scenario of this file running in its own interpreter (and process group)."""
+
+    def __init__(self, scenario: str, registry: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), scenario], env=script_env(registry),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self._buffer = b""
+        self.lines: list[str] = []
+
+    def line(self, *, timeout: float = 60.0, prefix: str = "") -> str:
+        """The next stdout line starting with `prefix` (others, like log lines, are kept)."""
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.process.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+            while True:
+                while b"\n" in self._buffer:
+                    raw, self._buffer = self._buffer.split(b"\n", 1)
+                    text = raw.decode(errors="replace")
+                    self.lines.append(text)
+                    if text.startswith(prefix):
+                        return text
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    raise AssertionError(f"no line starting with {prefix!r} within {timeout}s; "
+                                         "output so far:\n" + "\n".join(self.lines))
+                chunk = os.read(self.process.stdout.fileno(), 65536)  # type: ignore[union-attr]
+                if not chunk:
+                    raise AssertionError(f"the script ended (exit {self.process.wait()}) before a "
+                                         f"line starting with {prefix!r}:\n" + "\n".join(self.lines))
+                self._buffer += chunk
+
+    def json(self, prefix: str, *, timeout: float = 60.0) -> dict[str, Any]:
+        return json.loads(self.line(prefix=prefix, timeout=timeout))
+
+    def finish(self, *, timeout: float = 30.0) -> int:
+        """Wait for the script to end (killing it and its group after `timeout`)."""
+        try:
+            out, _ = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            out, _ = self.process.communicate()
+        self.lines += (self._buffer + out).decode(errors="replace").splitlines()
+        self._buffer = b""
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the script's whole process group if anything of it still runs (teardown)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
 def _scenario(name: str) -> None:
     torch.manual_seed(0)
     if name == "interrupt":
         model: nn.Module = HeavyNet()
-        opts = options(D=60, G=4)
-        x, y = heavy_data(60 * 4 * 16)
+        opts = options(D=LONG_D, G=4)
+        x, y = heavy_data(LONG_D * 4 * 32)
     else:
         model = TokenNet()
         opts = options(G=4)
