@@ -94,6 +94,8 @@ def routes_of(staged: StagedModel, *, training: bool) -> list[Route]:
 
 def _loss_source(output: Any) -> Source | None:
     """The loss is forward's output or the last element of its tuple (as `find_loss` reads it)."""
+    if isinstance(output, Source):  # forward returns the loss alone (Source is a tuple too)
+        return output
     loss = output[-1] if isinstance(output, (tuple, list)) and output else output
     return loss if isinstance(loss, Source) else None
 

@@ -180,7 +180,7 @@ class StageExecutor:
             self.outputs[m] = [_for_host(values[s]) for s in route.host_outputs]
         if self._training:
             self._forwards[m] = _Forward(values, received, loss)
-        elif route.send:
+        elif not route.is_last:  # kept until its S>F, even for an empty bundle
             self._forwards[m] = _Forward(values, received)
 
     def _backward(self, m: int, action: Action) -> None:

@@ -202,3 +202,23 @@ def test_loss_only_output_and_an_output_returned_twice():
     routes = routes_of(staged, training=True)
     assert routes[1].host_outputs == (stage(1, 0),)  # listed once however often forward returns it
     assert routes[1].loss == stage(1, 0) and routes[0].host_outputs == ()
+
+
+def test_forward_returning_only_the_loss_locates_it():
+    class LossOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+        def forward(self, x, labels):
+            with poptorch.Block("A"):
+                h = self.a(x)
+            with poptorch.Block("B"):
+                return F.cross_entropy(self.b(h), labels)
+
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    staged = split_stages(LossOnly(), (x, y), {}, stages("A", "B"))
+    assert staged.output == stage(1, 0)  # a bare Source, itself a tuple ("stage", 1, 0)
+    routes = routes_of(staged, training=True)
+    assert routes[1].host_outputs == (stage(1, 0),)
+    assert [r.loss for r in routes] == [None, stage(1, 0)]

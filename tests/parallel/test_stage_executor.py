@@ -23,7 +23,7 @@ from helpers.reference import plain_train_call
 from pipetorch.errors import DeviceError
 from pipetorch.parallel.routes import routes_of, value_specs
 from pipetorch.parallel.stage import Call, StageExecutor, inplace_inputs
-from pipetorch.parallel.transport import PeerLink
+from pipetorch.parallel.transport import PeerLink, Tag
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.schedule.plans import plan
@@ -224,10 +224,10 @@ class QueueLink:
         return layout.unpack(buffer)
 
     def signal(self, peer):
-        self._box(self.rank, peer, "done").put(None)
+        self._box(self.rank, peer, Tag.DONE).put(None)
 
     def wait_signal(self, peer):
-        self._box(peer, self.rank, "done").get(timeout=10)
+        self._box(peer, self.rank, Tag.DONE).get(timeout=10)
 
     def flush(self):
         pass
@@ -345,8 +345,9 @@ class InplaceOnReceived(nn.Module):
             h = self.a(x)
         with poptorch.Block("B"):
             h = F.relu(h, True) if self.positional else F.relu(h, inplace=True)
-            loss = F.cross_entropy(self.b(h), labels)
-        return loss
+            out = self.b(h)
+            loss = F.cross_entropy(out, labels)
+        return out, loss
 
 
 @pytest.mark.parametrize("positional", [False, True])
@@ -361,8 +362,45 @@ def test_inplace_op_on_a_received_activation_matches_plain_pytorch(positional):
     call = Call({0: stacked(x, G), 1: stacked(y, G)}, 1, G, frozenset(range(G)), 1 / G)
     executors = run_stages(staged, (x[:B], y[:B]), call, training=True, schedule="pipelined",
                            optimizer_of=sgd)
-    expected = plain_train_call(lambda *a: (None, reference(*a)), sgd(reference.parameters()),
-                                x, y, D=1, G=G, R=1)
+    expected = plain_train_call(reference, sgd(reference.parameters()), x, y, D=1, G=G, R=1)
+    for m, (_, _, out, loss) in enumerate(expected):
+        assert torch.allclose(executors[1].outputs[m][0], out, rtol=0, atol=1e-6)
+        assert torch.allclose(executors[1].outputs[m][1], loss, rtol=0, atol=1e-6)
+    for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(p, ref, rtol=0, atol=1e-6), name
+
+
+class LossOnly(nn.Module):
+    """forward returns the loss alone (no tuple), as many PopTorch models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x, labels):
+        with poptorch.Block("A"):
+            h = torch.tanh(self.a(x))
+        with poptorch.Block("B"):
+            return F.cross_entropy(self.b(h), labels)
+
+
+def test_forward_returning_only_the_loss_trains_every_stage():
+    G, B = 2, 3
+    torch.manual_seed(0)
+    model = LossOnly()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(G * B, 4), torch.randint(0, 3, (G * B,))
+    staged = split_stages(model, (x[:B], y[:B]), {},
+                          [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",))])
+    call = Call({0: stacked(x, G), 1: stacked(y, G)}, 1, G, frozenset(range(G)), 1 / G)
+    executors = run_stages(staged, (x[:B], y[:B]), call, training=True, schedule="pipelined",
+                           optimizer_of=sgd)
+
+    def loss_twice(*args):  # plain_train_call wants (output, loss)
+        loss = reference(*args)
+        return loss, loss
+
+    expected = plain_train_call(loss_twice, sgd(reference.parameters()), x, y, D=1, G=G, R=1)
     for m, (_, _, _, loss) in enumerate(expected):
         assert torch.allclose(executors[1].outputs[m][0], loss, rtol=0, atol=1e-6)
     for (name, p), (_, ref) in zip(model.named_parameters(), reference.named_parameters()):
