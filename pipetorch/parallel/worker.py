@@ -83,6 +83,10 @@ class Worker:
         self.executor = StageExecutor(self.module, setup.route, setup.specs, inputs=setup.inputs,
                                       link=link, device=self.device, optimizer=self.optimizer)
         self._plans: dict[tuple[int, bool], list] = {}
+        if self.optimizer is not None:
+            # torch.optim imports torch._dynamo on the first zero_grad/step (seconds): pay it
+            # while compiling, not inside the first training call.
+            import torch._dynamo  # noqa: F401
 
     def handle(self, kind: str, payload: Any) -> Any:
         return getattr(self, f"_{kind}")(payload)
