@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib
 import datetime
 import os
 import signal
@@ -86,7 +87,7 @@ class Worker:
         if self.optimizer is not None:
             # torch.optim imports torch._dynamo on the first zero_grad/step (seconds): pay it
             # while compiling, not inside the first training call.
-            import torch._dynamo  # noqa: F401
+            importlib.import_module("torch._dynamo")
 
     def handle(self, kind: str, payload: Any) -> Any:
         return getattr(self, f"_{kind}")(payload)
