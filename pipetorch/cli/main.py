@@ -14,6 +14,7 @@ __all__ = ["build_parser", "main"]
 _SUBCOMMAND_MODULES = (
     "pipetorch.cli.run",
     "pipetorch.cli.devices",
+    "pipetorch.cli.report",
 )
 
 

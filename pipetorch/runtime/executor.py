@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 import weakref
 from typing import Any
 
@@ -90,6 +92,8 @@ class PoplarExecutor:
         self._sync: weights.HostSync | None = None
         self._uploaded_generation = -1
         self._attached = True
+        self._profiler: Any = None
+        self._profile_writer: weakref.finalize | None = None
 
     # -- calls ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -112,12 +116,19 @@ class PoplarExecutor:
             replication_factor=o.replication_factor)]
         collector = OutputCollector(o.output_mode, steps=compiled.engine.batching.steps,
                                     replicas=o.replication_factor, period=o.output_return_period)
+        start = time.monotonic_ns()
         if self._training:
             compiled.engine.train(micro, collector)
             assert self._sync is not None
             self._sync.mark_stale(self._fetch)
+        else:
+            compiled.engine.infer(micro, collector)
+        if self._profiler is not None:
+            items = next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
+                         if isinstance(leaf, torch.Tensor))
+            self._profiler.record_call(start, time.monotonic_ns(), items)
+        if self._training:
             return pytree.tree_map(_mark_training_output, collector.result())
-        compiled.engine.infer(micro, collector)
         return collector.result()
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
@@ -131,9 +142,31 @@ class PoplarExecutor:
             self._user_model, args, kwargs, options=self._options, training=self._training,
             optimizer=self._user_optimizer, device=self._device)
         self._signature = signature
+        if self._options.profiling_dir:
+            self._start_profiler(args, kwargs)
         self._sync = weights.attach(self._user_model)
         self._uploaded_generation = self._sync.generation
         return self._compiled
+
+    def _start_profiler(self, args: tuple, kwargs: dict) -> None:
+        """Reports go to <profiling dir>/training or /inference, rewritten at detach/destroy/exit."""
+        from pipetorch.profiling.recorder import Profiler
+
+        assert self._compiled is not None
+        o = self._options
+        sample = to_device(split_micro_batches(
+            args, kwargs, device_iterations=o.device_iterations,
+            gradient_accumulation=o.Training.gradient_accumulation,
+            replication_factor=o.replication_factor)[0], self._compiled.engine.input_device)
+        directory = os.path.join(o.profiling_dir, "training" if self._training else "inference")
+        self._profiler = Profiler(directory, self._compiled, training=self._training, options=o,
+                                  sample=sample)
+        self._profile_writer = weakref.finalize(self, _write_report, self._profiler)
+
+    def _write_profile(self) -> None:
+        if self._profile_writer is not None:
+            self._profile_writer()  # at most once; a later call starts a new profiler
+        self._profiler, self._profile_writer = None, None
 
     # -- weights ----------------------------------------------------------------------------
     def _fetch(self) -> None:
@@ -191,6 +224,8 @@ class PoplarExecutor:
         """Release the device; the user's model keeps the trained weights."""
         if self._sync is not None:
             self._sync.flush()
+        if self._profiler is not None:
+            self._profiler.write()
         if self._compiled is not None and self._attached:
             self._compiled.engine.release()
         self._attached = False
@@ -213,6 +248,7 @@ class PoplarExecutor:
         if self._sync is not None:
             self._sync.flush()
             weights.detach(self._sync)
+        self._write_profile()
         if self._compiled is not None:
             self._compiled.engine.close()
         self._compiled, self._signature, self._sync = None, None, None
@@ -249,6 +285,14 @@ class PoplarExecutor:
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
         return f"{kind}({self._user_model!r})"
+
+
+def _write_report(profiler: Any) -> None:
+    try:
+        path = profiler.write()
+        logger.info("Profiling report written to %s", os.path.join(path, "report.html"))
+    except Exception as exc:  # at exit: a report must not turn a clean exit into a crash
+        logger.warning("Could not write the profiling report: %s", exc)
 
 
 def trainingModel(model: nn.Module, options: Any = None,

@@ -1,0 +1,166 @@
+"""summary.json: devices, replicas, stages with blocks and parameters, batching, throughput."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from pipetorch.profiling.timing import CallRecord, timing_summary
+
+__all__: list[str] = []
+
+FORMAT = "pipetorch-report/1"
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One device lane of the report: a worker process, or this process for the local engine."""
+
+    stage: int | None  # None: every stage, run in this process
+    ipu: int
+    device: str
+    threads: int
+
+    @property
+    def label(self) -> str:
+        where = "all stages" if self.stage is None else f"stage {self.stage}"
+        return f"IPU {self.ipu} · {where} · {self.device}"
+
+
+def is_local(engine: Any) -> bool:
+    """Whether every stage runs in this process (the reference LocalEngine)."""
+    return getattr(engine, "schedule", "local") == "local"
+
+
+def lanes_of(compiled: Any) -> list[Lane]:
+    """The device lanes: one per stage worker, or a single one for the local engine."""
+    engine = compiled.engine
+    if is_local(engine):
+        device = getattr(engine, "input_device", torch.device("cpu"))
+        return [Lane(None, compiled.stages[0].ipu_id if compiled.stages else 0, str(device),
+                     torch.get_num_threads())]
+    return [Lane(p.stage, p.ipu, p.device, p.threads) for p in engine.placements]
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def stage_modules(compiled: Any) -> list[nn.Module] | None:
+    """Each stage's module (owning its parameters), or None when the stages share one model."""
+    engine = compiled.engine
+    if not is_local(engine):
+        return list(engine.staged.modules)
+    return [engine.model] if len(compiled.stages) == 1 else None
+
+
+def build(compiled: Any, calls: Sequence[CallRecord], *, training: bool, options: Any,
+          totals: dict[str, int]) -> dict[str, Any]:
+    """The summary of a compiled model and its recorded calls.
+
+    `totals` counts every call: calls, items, ns, and first_items / first_ns of the first one.
+    """
+    engine, batching = compiled.engine, compiled.engine.batching
+    modules = stage_modules(compiled)
+    stages = [{"index": s.index, "ipu": s.ipu_id, "blocks": list(s.block_ids),
+               "parameters": count_parameters(modules[i]) if modules else None}
+              for i, s in enumerate(compiled.stages)]
+    lanes = lanes_of(compiled)
+    schedule = engine.schedule
+    calls_total, items, seconds = totals["calls"], totals["items"], totals["ns"] * 1e-9
+    micro = batching.micro_batches
+    strategy = getattr(options, "execution_strategy", None)
+    return {
+        "format": FORMAT,
+        "model": type(engine.model).__name__,
+        "mode": "training" if training else "inference",
+        "engine": "local" if is_local(engine) else "processes",
+        "schedule": schedule,
+        "execution_strategy": type(strategy).__name__ if strategy is not None else None,
+        "devices": compiled.devices,
+        "replicas": batching.replication_factor,
+        "lanes": [{"stage": lane.stage, "ipu": lane.ipu, "device": lane.device,
+                   "threads": lane.threads, "label": lane.label} for lane in lanes],
+        "stages": stages,
+        "parameters": count_parameters(engine.model),
+        "batch": {
+            "device_iterations": batching.device_iterations,
+            "gradient_accumulation": batching.gradient_accumulation,
+            "replication_factor": batching.replication_factor,
+            "micro_batches_per_call": micro,
+            "items_per_call": items // calls_total if calls_total else None,
+            "micro_batch_size": items // (calls_total * micro) if calls_total else None,
+        },
+        "compile_seconds": compiled.seconds,
+        "throughput": {
+            "calls": calls_total,
+            "items": items,
+            "seconds_in_calls": seconds,
+            "items_per_second": _rate(items, totals["ns"]),
+            "mean_call_ms": seconds * 1e3 / calls_total if calls_total else None,
+            # The first call also warms up (allocations, worker caches): left out here.
+            "steady_items_per_second": _rate(items - totals["first_items"],
+                                             totals["ns"] - totals["first_ns"]),
+        },
+        "timing": timing_summary(calls, stages=1 if is_local(engine) else len(compiled.stages),
+                                 schedule=schedule, batching=batching, training=training),
+    }
+
+
+def _rate(items: int, ns: int) -> float | None:
+    return items / (ns * 1e-9) if ns > 0 else None
+
+
+def _number(value: Any, spec: str) -> str:
+    return "-" if value is None else f"{value:{spec}}"
+
+
+def render_text(summary: dict[str, Any], memory: dict[str, Any] | None = None) -> str:
+    """The summary as `pipetorch report DIR` prints it."""
+    b, t = summary["batch"], summary["throughput"]
+    timing = summary["timing"]
+    lines = [
+        f"{summary['model']} ({summary['mode']}), {summary['engine']} engine, "
+        f"{summary['schedule']} schedule",
+        f"devices {summary['devices']}, replicas {summary['replicas']}, "
+        f"parameters {summary['parameters']:,}",
+        f"batch: deviceIterations {b['device_iterations']}, gradientAccumulation "
+        f"{b['gradient_accumulation']}, replicationFactor {b['replication_factor']}, "
+        f"micro-batch size {_number(b['micro_batch_size'], 'd')}, "
+        f"{b['micro_batches_per_call']} micro-batches per call",
+        f"compile {summary['compile_seconds']:.2f} s; {t['calls']} call(s), {t['items']} items, "
+        f"throughput {_number(t['items_per_second'], '.1f')} items/s (after the first call "
+        f"{_number(t['steady_items_per_second'], '.1f')}), "
+        f"mean call {_number(t['mean_call_ms'], '.1f')} ms",
+        "stages:",
+    ]
+    for stage in summary["stages"]:
+        params = _number(stage["parameters"], ",d")
+        lines.append(f"  stage {stage['index']} on IPU {stage['ipu']}: blocks "
+                     f"{', '.join(stage['blocks']) or '-'}; parameters {params}")
+    bubble = timing["bubble"]
+    if timing["spans"]:
+        lines.append(f"bubble: measured {_number(bubble['measured'], '.1%')}, theoretical "
+                     f"{_number(bubble['theoretical'], '.1%')} ({bubble['formula']}) over the "
+                     f"last {timing['calls_analysed']} call(s)")
+        for lane, row in zip(summary["lanes"], timing["per_device"]):
+            lines.append(f"  {lane['label']}: utilisation {_number(row['utilisation'], '.1%')}, "
+                         f"compute {row['compute_ms']:.1f} ms, idle {row['idle_ms']:.1f} ms "
+                         f"(transfers and waits {row['transfer_ms']:.1f} ms, optimiser "
+                         f"{row['step_ms']:.1f} ms)")
+    else:
+        lines.append(timing["note"])
+    if memory is not None:
+        lines.append(f"memory per device, {memory['method']}:")
+        for device in memory["devices"]:
+            lines.append(f"  {device['label']}: total {_mib(device['total'])}, parameters "
+                         f"{_mib(device['parameters'])}, gradients {_mib(device['gradients'])}, "
+                         f"optimiser {_mib(device['optimiser_state'])}, activations "
+                         f"{_mib(device['activations'])}")
+    return "\n".join(lines)
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.2f} MiB"
