@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import weakref
 from typing import Any
@@ -257,6 +258,8 @@ class PoplarExecutor:
                 del _training_wrappers[self._user_model]
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # torch may be half torn down; workers stop via their finalizer
+            return
         try:
             self.destroy()
         except Exception:  # interpreter shutdown: modules may already be gone

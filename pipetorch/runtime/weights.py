@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -30,19 +32,26 @@ class HostSync:
         self._busy = False
 
     def mark_stale(self, fetch: Callable[[], None]) -> None:
-        """The device has newer weights; `fetch` copies them into the user model."""
-        self._pending = fetch
+        """The device has newer weights; `fetch` copies them into the user model.
+
+        A wrapper's bound method is held weakly so the model does not keep its wrapper
+        alive: such a cycle is only broken at interpreter exit, too late to copy safely.
+        The wrapper flushes when it is deleted.
+        """
+        self._pending = _weak(fetch)
 
     def forget(self, fetch: Callable[[], None]) -> None:
         """Drop a pending fetch (its wrapper is going away after fetching)."""
-        if self._pending == fetch:
+        if self._pending is not None and _strong(self._pending) == fetch:
             self._pending = None
 
     def flush(self) -> None:
         """Copy the device's weights to the user model if they are newer."""
         if self._pending is None or self._busy:
             return
-        fetch, self._pending = self._pending, None
+        fetch, self._pending = _strong(self._pending), None
+        if fetch is None:  # its wrapper is gone
+            return
         self._busy = True  # the fetch itself touches the model's attributes
         try:
             fetch()
@@ -53,6 +62,14 @@ class HostSync:
     def bump(self) -> None:
         """The host weights changed (loaded by the user): device copies must be refreshed."""
         self.generation += 1
+
+
+def _weak(fn: Callable[[], None]) -> Any:
+    return weakref.WeakMethod(fn) if inspect.ismethod(fn) else fn
+
+
+def _strong(ref: Any) -> Callable[[], None] | None:
+    return ref() if isinstance(ref, weakref.WeakMethod) else ref
 
 
 def _new_module(cls: type) -> nn.Module:
