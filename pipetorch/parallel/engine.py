@@ -182,9 +182,15 @@ class ProcessEngine:
             logger.warning("The stage workers are gone (%s): the host copy keeps the weights of "
                            "the last sync", self._lost)
             return
-        for peer in self.peers:
-            self._send(peer, ("pull", None))
-        for route, (state, optimizer_state) in zip(self.routes, self._gather("copyWeightsToHost")):
+        try:
+            for peer in self.peers:
+                self._send(peer, ("pull", None))
+            replies = self._gather("copyWeightsToHost")
+        except DeviceError as exc:
+            logger.warning("Could not copy the weights from the stage workers (%s): the host "
+                           "copy keeps the weights of the last sync", str(exc).splitlines()[0])
+            return
+        for route, (state, optimizer_state) in zip(self.routes, replies):
             module = self.staged.modules[route.index]
             for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
                 tensor.copy_(state[name])

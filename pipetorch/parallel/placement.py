@@ -108,13 +108,18 @@ def unregister(pid: int) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, does not count)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def live_workers() -> list[dict[str, Any]]:

@@ -40,6 +40,7 @@ class _Forward:
     values: dict[Source, Any]          # this stage's outputs and the values it received
     received: dict[Source, torch.Tensor]
     loss: torch.Tensor | None = None
+    rewritten: set[Source] = field(default_factory=set)  # received values changed in place
 
 
 @dataclass
@@ -159,10 +160,15 @@ class StageExecutor:
         values.update({s: self.specs[s].value for s in route.receive  # type: ignore[union-attr]
                        if isinstance(self.specs[s], Constant)})
         args = [values[s] for s in self.inputs]
+        rewritten: set[Source] = set()
         for i in self.clone_inputs:
             if isinstance(args[i], torch.Tensor) and args[i].requires_grad:
-                args[i] = args[i].clone()  # an in-place op must not touch a leaf or a relayed value
+                args[i] = args[i].clone()  # autograd forbids in-place ops on a leaf
+                rewritten.add(self.inputs[i])
         outputs = self.module(*args)
+        for i in self.clone_inputs:  # later stages read the value as this stage left it
+            if self.inputs[i] in rewritten:
+                values[self.inputs[i]] = args[i]
         for k, value in enumerate(outputs):
             source = Source.stage(route.index, k)
             spec = self.specs.get(source)
@@ -179,7 +185,7 @@ class StageExecutor:
         if m in self._call.wanted:
             self.outputs[m] = [_for_host(values[s]) for s in route.host_outputs]
         if self._training:
-            self._forwards[m] = _Forward(values, received, loss)
+            self._forwards[m] = _Forward(values, received, loss, rewritten)
         elif not route.is_last:  # kept until its S>F, even for an empty bundle
             self._forwards[m] = _Forward(values, received)
 
@@ -189,7 +195,8 @@ class StageExecutor:
         grads = self._grads.pop(m, [])
         tensors, seeds = [], []
         for source, grad in zip(sources, grads):
-            if source[1] == self.route.index:  # computed here: back-propagate through it
+            if source[1] == self.route.index or source in forward.rewritten:
+                # computed (or changed in place) here: back-propagate through it
                 tensors.append(forward.values[source])
                 seeds.append(grad)
             else:  # relayed through this stage: its gradient passes on, plus ours if we read it

@@ -1,13 +1,14 @@
 """A stage's worker process: joins the stages' process group, then serves the host's commands."""
 from __future__ import annotations
 
-import ctypes
 import importlib
 import datetime
 import os
 import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -26,6 +27,8 @@ from pipetorch.partition.split import Source
 from pipetorch.schedule import plans
 
 __all__: list[str] = []
+
+_WATCH_PERIOD = 0.25  # seconds between checks that the host process is still there
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,18 @@ class Launch:
     host_pid: int
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker if the process that started it dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _die_with_parent(parent: int) -> None:
+    """Exit when the process that started this worker is gone, even mid-transfer.
+
+    (PR_SET_PDEATHSIG would fire when the *thread* that started the worker ends, which
+    kills the workers of a wrapper built in a short-lived thread.)
+    """
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_WATCH_PERIOD)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="pipetorch-parent-watch", daemon=True).start()
 
 
 class Worker:
@@ -157,9 +166,9 @@ def _failure(launch: Launch, executor: StageExecutor | None, exc: BaseException)
 
 def main(conn: Connection) -> None:
     """Serve the host on `conn` until it says stop or goes away."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle
     parent = os.getppid()
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle
     launch, setup = wire.receive(conn, timeout=wire.timeout_seconds(), parent=parent)
     torch.set_num_threads(launch.placement.threads)
     record = places.register(launch.placement, host_pid=launch.host_pid)

@@ -246,16 +246,19 @@ class PoplarExecutor:
 
     def destroy(self) -> None:
         """Free the device copy; the user's model keeps the latest weights."""
-        if self._sync is not None:
-            self._sync.flush()
-            weights.detach(self._sync)
-        self._write_profile()
-        if self._compiled is not None:
-            self._compiled.engine.close()
-        self._compiled, self._signature, self._sync = None, None, None
-        if self._training and _training_wrappers.get(self._user_model) is not None:
-            if _training_wrappers[self._user_model]() is self:
-                del _training_wrappers[self._user_model]
+        try:
+            if self._sync is not None:
+                self._sync.flush()
+        finally:
+            if self._sync is not None:
+                weights.detach(self._sync)
+            self._write_profile()
+            if self._compiled is not None:
+                self._compiled.engine.close()
+            self._compiled, self._signature, self._sync = None, None, None
+            if self._training and _training_wrappers.get(self._user_model) is not None:
+                if _training_wrappers[self._user_model]() is self:
+                    del _training_wrappers[self._user_model]
 
     def __del__(self) -> None:
         if sys.is_finalizing():  # torch may be half torn down; workers stop via their finalizer

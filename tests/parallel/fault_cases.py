@@ -5,7 +5,7 @@ interpreter, so a test can watch what the program's exit, death or Ctrl-C does t
 workers. Each scenario prints one JSON line {"host": pid, "pids": [...], "folder": ...} once
 its workers run, then:
     exit       returns without destroy() (the interpreter's exit must stop the workers)
-    linger     sleeps until killed (the test SIGKILLs it)
+    linger     (an inferenceModel) sleeps until killed (the test SIGKILLs it)
     interrupt  prints "calling", runs a call of several seconds that the test interrupts with
                SIGINT, then prints {"interrupted": ..., "alive": [...]} and exits
 """
@@ -28,7 +28,9 @@ import pipetorch as poptorch
 
 VOCAB = 10
 CLASSES = 3
-LONG_D = 100  # device iterations of a HeavyNet call that lasts several seconds (B=32, G=4)
+# A HeavyNet(depth=LONG_DEPTH) call of LONG_D x G=4 x B=32 samples lasts several seconds;
+# the tests that use it kill or interrupt it once its last stage computes.
+LONG_D, LONG_DEPTH = 100, 8
 
 
 class TokenNet(nn.Module):
@@ -52,7 +54,8 @@ class TokenNet(nn.Module):
 def token_data(n: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """n rows of 5 valid token ids and n valid labels."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (n, 5), generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+    tokens = torch.randint(0, VOCAB, (n, 5), generator=g)
+    return tokens, torch.randint(0, CLASSES, (n,), generator=g)
 
 
 class HeavyNet(nn.Module):
@@ -116,18 +119,53 @@ def wait_gone(pids: list[int], *, timeout: float = 5.0) -> list[int]:
         time.sleep(0.05)
 
 
+def cpu_ticks(pid: int) -> int:
+    """CPU time (clock ticks, user + system) that `pid` has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def wait_busy(pid: int, *, ticks: int = 20, timeout: float = 30.0) -> None:
+    """Wait until `pid` has computed for `ticks` more clock ticks (0.2 s at 100 Hz): a stage
+    worker that computes is inside a call, whose inputs the host has all sent."""
+    base = cpu_ticks(pid)
+    deadline = time.monotonic() + timeout
+    while cpu_ticks(pid) - base < ticks:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker {pid} did not compute within {timeout}s")
+        time.sleep(0.02)
+
+
 def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def _held_by_live_processes(names: set[str]) -> set[str]:
+    """Those of `names` that a running process has open or mapped."""
+    held = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        held |= {n for n in names if f"/dev/shm/{n}" in maps
+                 or any(link.startswith(f"/dev/shm/{n}") for link in links)}
+    return held
+
+
 def new_shm_entries(before: set[str]) -> set[str]:
-    """Entries in /dev/shm now that were not in `before` and stay for 0.5 s (others' tests on
-    this machine may create short-lived ones)."""
+    """Entries in /dev/shm that were not in `before`, stay for 0.5 s and no running process
+    holds: called once this test's processes have ended, so they are what it leaked (other
+    people's programs on a shared machine make and hold entries of their own)."""
     first = shm_entries() - before
     if not first:
         return first
     time.sleep(0.5)
-    return first & shm_entries()
+    lasting = first & shm_entries()
+    return lasting - _held_by_live_processes(lasting)
 
 
 def script_env(registry: str) -> dict[str, str]:
@@ -154,6 +192,16 @@ def records_of(host_pid: int) -> list[dict[str, Any]]:
     from pipetorch.parallel import placement
 
     return [r for r in placement.live_workers() if r["host_pid"] == host_pid]
+
+
+def wait_no_records(host_pid: int, *, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """Registry records of `host_pid`'s workers still listed as live after up to `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = records_of(host_pid)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 class Script:
@@ -184,8 +232,9 @@ class Script:
                                          "output so far:\n" + "\n".join(self.lines))
                 chunk = os.read(self.process.stdout.fileno(), 65536)  # type: ignore[union-attr]
                 if not chunk:
-                    raise AssertionError(f"the script ended (exit {self.process.wait()}) before a "
-                                         f"line starting with {prefix!r}:\n" + "\n".join(self.lines))
+                    raise AssertionError(
+                        f"the script ended (exit {self.process.wait()}) before a line "
+                        f"starting with {prefix!r}:\n" + "\n".join(self.lines))
                 self._buffer += chunk
 
     def json(self, prefix: str, *, timeout: float = 60.0) -> dict[str, Any]:
@@ -214,21 +263,29 @@ class Script:
         return "\n".join(self.lines)
 
 
-def _scenario(name: str) -> None:
+def _wrapper_for(name: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The scenario's wrapper, with its workers started, and one call's inputs."""
     torch.manual_seed(0)
     if name == "interrupt":
-        model: nn.Module = HeavyNet()
-        opts = options(D=LONG_D, G=4)
+        model = HeavyNet(depth=LONG_DEPTH)
         x, y = heavy_data(LONG_D * 4 * 32)
-    else:
-        model = TokenNet()
-        opts = options(G=4)
-        x, y = token_data(8)
-    wrapper = poptorch.trainingModel(model, opts, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    if name == "interrupt":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapper = poptorch.trainingModel(model, options(D=LONG_D, G=4), optimizer=optimizer)
         wrapper.compile(x, y)
+        return wrapper, x, y
+    model = TokenNet()
+    x, y = token_data(8)
+    if name == "linger":  # an inferenceModel: its workers start faster
+        wrapper = poptorch.inferenceModel(model, options(D=2, G=1))
     else:
-        wrapper(x, y)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapper = poptorch.trainingModel(model, options(G=4), optimizer=optimizer)
+    wrapper(x, y)
+    return wrapper, x, y
+
+
+def _scenario(name: str) -> None:
+    wrapper, x, y = _wrapper_for(name)
     engine = wrapper._compiled.engine
     pids = list(engine.worker_pids)
     print(json.dumps({"host": os.getpid(), "pids": pids, "folder": engine._folder}), flush=True)

@@ -16,8 +16,9 @@ import torch
 from torch.testing import assert_close
 
 import pipetorch as poptorch
-from fault_cases import (CLASSES, LONG_D, VOCAB, HeavyNet, Script, TokenNet, alive, heavy_data,
-                         options, records_of, registry, token_data, wait_gone)  # noqa: F401
+from fault_cases import registry  # noqa: F401 - the fixture
+from fault_cases import (CLASSES, LONG_D, LONG_DEPTH, VOCAB, HeavyNet, Script, TokenNet, alive,
+                         heavy_data, options, records_of, token_data, wait_busy, wait_gone)
 from helpers.reference import expected_outputs, plain_train_call
 from pipetorch.errors import DeviceError
 from pipetorch.parallel.wire import WorkerFailed
@@ -103,10 +104,10 @@ def test_loss_error_in_a_late_micro_batch_names_where_and_a_new_wrapper_trains(r
 def test_forward_error_on_the_first_stage_names_it(registry, wrappers):
     torch.manual_seed(0)
     model = TokenNet()
-    G, B = 4, 2
-    wrapper = poptorch.trainingModel(model, options(G=G), optimizer=_sgd(model))
+    D, B = 4, 2
+    wrapper = poptorch.inferenceModel(model, options(D=D, G=1))  # fill-drain over 4 micro-batches
     wrappers.append(wrapper)
-    tokens, labels = token_data(G * B)
+    tokens, labels = token_data(D * B)
     wrapper(tokens, labels)
     pids = list(wrapper._compiled.engine.worker_pids)
     bad = tokens.clone()
@@ -118,11 +119,11 @@ def test_forward_error_on_the_first_stage_names_it(registry, wrappers):
     message = str(info.value)
     assert message.startswith(
         f"Stage 0 on cpu (pid {pids[0]}) failed in the forward of micro-batch 2 (device "
-        "iteration 0, accumulation step 2, replica 0): IndexError: index out of range"), message
+        "iteration 2, accumulation step 0, replica 0): IndexError: index out of range"), message
     traceback = message.split("\n\nWorker traceback:\n", 1)[1]
     assert "embedding" in traceback and "IndexError: index out of range" in traceback
     assert (info.value.failure.stage, info.value.failure.micro_batch) == (0, 2)
-    assert wait_gone(pids) == []
+    assert wait_gone(pids) == []  # stage 1, waiting for micro-batch 2's activations, too
     assert records_of(os.getpid()) == []
     with pytest.raises(DeviceError, match="The stage workers were lost"):
         wrapper(tokens, labels)
@@ -130,7 +131,7 @@ def test_forward_error_on_the_first_stage_names_it(registry, wrappers):
 
 def test_worker_killed_during_a_call_fails_the_call_fast(registry, wrappers):
     torch.manual_seed(0)
-    model = HeavyNet()
+    model = HeavyNet(depth=LONG_DEPTH)
     wrapper = poptorch.trainingModel(model, options(D=LONG_D, G=4), optimizer=_sgd(model))
     wrappers.append(wrapper)
     x, y = heavy_data(LONG_D * 4 * 32)
@@ -147,7 +148,7 @@ def test_worker_killed_during_a_call_fails_the_call_fast(registry, wrappers):
 
     thread = threading.Thread(target=call)
     thread.start()
-    time.sleep(1.5)
+    wait_busy(pids[1])  # the last stage computes: the call is under way
     assert thread.is_alive(), "the call ended before the worker could be killed"
     os.kill(pids[1], signal.SIGKILL)
     killed = time.monotonic()
@@ -189,7 +190,7 @@ def test_ctrl_c_during_a_call_interrupts_it_and_stops_the_workers(registry):
     try:
         pids = script.json('{"host"')["pids"]
         script.line(prefix="calling")
-        time.sleep(1.5)
+        wait_busy(pids[1])  # the last stage computes: the call is under way
         # Ctrl-C in a terminal signals the whole foreground group: the program and its workers.
         os.killpg(script.process.pid, signal.SIGINT)
         signalled = time.monotonic()
@@ -202,3 +203,25 @@ def test_ctrl_c_during_a_call_interrupts_it_and_stops_the_workers(registry):
         assert wait_gone(pids) == []
     finally:
         script.kill()
+
+
+def test_destroy_after_a_worker_died_between_calls_releases_the_model(registry):
+    """A worker lost while the wrapper sat idle (OOM killer, a stray kill) must not make
+    destroy() raise: the user's way out is destroy() and a new wrapper of the same model."""
+    torch.manual_seed(0)
+    model = TokenNet()
+    tokens, labels = token_data(8)
+    wrapper = poptorch.trainingModel(model, options(G=4), optimizer=_sgd(model))
+    try:
+        wrapper(tokens, labels)  # the device now holds newer weights than the host
+        pids = list(wrapper._compiled.engine.worker_pids)
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_gone([pids[1]]) == []
+    except BaseException:
+        wrapper.destroy()
+        raise
+    wrapper.destroy()  # must not raise: the lost weights are reported, not fatal
+    assert wait_gone(pids) == [] and not wrapper.isCompiled()
+    # The model is free again (a model wrapped by a live trainingModel cannot be wrapped twice);
+    # building a wrapper starts no worker until its first call.
+    poptorch.trainingModel(model, options(G=4), optimizer=_sgd(model)).destroy()
