@@ -104,10 +104,8 @@ def test_local_report_through_the_cli(tmp_path, capsys):
         in capsys.readouterr().out
 
 
-def test_report_runs_through_the_pipetorch_command(reports, monkeypatch, capsys):
+def test_report_runs_through_the_pipetorch_command(reports, capsys):
     from pipetorch.cli import main
 
-    monkeypatch.setattr(main, "_SUBCOMMAND_MODULES",
-                        (*main._SUBCOMMAND_MODULES, "pipetorch.cli.report"))
     assert main.main(["report", str(reports["sharded"])]) == 0
     assert "sharded schedule" in capsys.readouterr().out
