@@ -168,6 +168,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--strategy", choices=("pipelined", "sharded"), default="pipelined",
                         help="execution strategy of the 2 stages (default: pipelined)")
     parser.add_argument("--debug", action="store_true", help="log pipetorch at DEBUG level")
+    parser.add_argument("--profile", action="store_true",
+                        help="write an execution trace and memory report (see --profile-dir)")
+    parser.add_argument("--profile-dir", default="profile",
+                        help="where --profile writes its reports (default: ./profile)")
     parser.add_argument("--max-train-items", type=positive_int, default=None,
                         help="train on only the first N training images (quick checks)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
@@ -233,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     train_opts.deviceIterations(args.device_iterations)
     train_opts.Training.gradientAccumulation(args.gradient_accumulation)
     train_opts.setExecutionStrategy(strategy(args.strategy))
+    if args.profile:
+        train_opts.enableProfiling(args.profile_dir)
 
     training_data = poptorch.DataLoader(train_opts, train_dataset,
                                         batch_size=args.batch_size, shuffle=True)
@@ -274,7 +280,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     training_model.detachFromDevice()  # frees the training workers; the model keeps its weights
 
     inference_model = poptorch.inferenceModel(model, inf_opts)
-    print(f"Accuracy on test set: {test(inference_model, test_data):0.2f}%")
+    result = test(inference_model, test_data)
+    inference_model.detachFromDevice()  # writes the inference report when profiling
+    if args.profile:
+        print(f"Profiling reports: {args.profile_dir}/training/report.html and "
+              f"{args.profile_dir}/inference/report.html (summary: pipetorch report "
+              f"{args.profile_dir}/training)")
+    else:
+        print("Run with --profile for an execution trace and memory report of each device.")
+    print(f"Accuracy on test set: {result:0.2f}%")
 
 
 if __name__ == "__main__":
