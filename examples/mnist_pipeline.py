@@ -276,18 +276,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     training_model.compile(torch.zeros(call, 1, 28, 28), torch.zeros(call, dtype=torch.long))
     print(f"Training model compiled in {time.perf_counter() - start:.1f} s "
           "(not counted in the throughput).")
+    if args.profile:
+        print(f"Profiling: reports go to {args.profile_dir}/training/report.html and "
+              f"{args.profile_dir}/inference/report.html (summary: pipetorch report "
+              f"{args.profile_dir}/training)")
+    else:
+        print("Run with --profile for an execution trace and memory report of each device.")
     train(training_model, training_data, args.epochs)
     training_model.detachFromDevice()  # frees the training workers; the model keeps its weights
 
     inference_model = poptorch.inferenceModel(model, inf_opts)
     result = test(inference_model, test_data)
     inference_model.detachFromDevice()  # writes the inference report when profiling
-    if args.profile:
-        print(f"Profiling reports: {args.profile_dir}/training/report.html and "
-              f"{args.profile_dir}/inference/report.html (summary: pipetorch report "
-              f"{args.profile_dir}/training)")
-    else:
-        print("Run with --profile for an execution trace and memory report of each device.")
     print(f"Accuracy on test set: {result:0.2f}%")
 
 
