@@ -1,0 +1,61 @@
+"""benchmarks/pipeline.py: its hand-built stages match the model, and --quick runs end to end."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "pipeline.py"
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("pipeline_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_blocks_compose_to_the_network_the_torch_pipelining_row_splits() -> None:
+    bench = load_benchmark()
+    for size, features in ((28, 320), (128, 16820)):  # seed 000's view(-1, 320) at 28x28
+        widths = bench.Widths(size)
+        assert widths.features == features
+        network = bench.new_network(widths)
+        x = torch.randn(3, 1, size, size)
+        blocks = network.blocks()
+        for boundary in (1, 2, 3):
+            staged = torch.nn.Sequential(*blocks[boundary:])(
+                torch.nn.Sequential(*blocks[:boundary])(x))
+            torch.testing.assert_close(staged, network(x), rtol=0, atol=0)
+
+
+def test_closest_split_and_imbalance() -> None:
+    bench = load_benchmark()
+    assert bench.closest_split([75.0, 105.0, 20.0, 0.2]) == 1  # 75 / 125.2 beats 180 / 20.2
+    assert bench.closest_split([60.0, 50.0, 100.0, 10.0]) == 2  # 110 / 110
+    assert bench.imbalance([120.0, 100.0, 15.0, 0.2], 1) == pytest.approx(120.0 / 115.2)
+
+
+@pytest.mark.slow  # starts 2 pipetorch workers twice and 2 torch.distributed ranks
+def test_quick_run_prints_every_row_ratio_and_trace() -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--models", "seed"],
+                          capture_output=True, text=True, timeout=170, cwd=SCRIPT.parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    cores = int(re.match(r"(\d+) cores;", out).group(1))
+    assert re.search(r"split B[1-3](\+B\d)* \| B\d(\+B\d)*: [\d.]+ / [\d.]+ ms per stage", out)
+    for row in ("plain PyTorch, 1 thread", f"plain PyTorch, {cores} threads",
+                "pipetorch, 1 device, 1 thread", "pipetorch, sharded over 2 devices",
+                "pipetorch, pipelined over 2 devices",
+                "torch.distributed.pipelining Schedule1F1B"):
+        assert re.search(rf"^{re.escape(row)}\s+[\d,]+\s", out, re.M), (row, out)
+    verdicts = re.findall(r"^\S.*\s\d+\.\d{3}  target >= \d\.\d\d  (?:NOT )?reached", out, re.M)
+    assert len(verdicts) == 5, out
+    assert re.search(r"pipelined over 2 devices: last call \d+ ms on the host", out)
+    assert len(re.findall(r"^  [01] +\d+ +\d+", out, re.M)) == 4  # 2 stages x 2 traced rows
