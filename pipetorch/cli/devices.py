@@ -188,9 +188,7 @@ def _int(value: Any) -> int:
 
 
 def _default(placement: Any) -> dict[str, Any]:
-    """Where stage workers would go now: the same rules as `placement.place`."""
-    import torch
-
+    """Where stage workers would go now (`placement.physical`, which `place` follows)."""
     from pipetorch.errors import ConfigError
     from pipetorch.runtime.devices import default_device
 
@@ -198,20 +196,13 @@ def _default(placement: Any) -> dict[str, Any]:
                               "threads_per_worker": None, "error": None}
     try:
         device = default_device()
-        limit = placement._positive_env(placement.NUM_DEVICES_ENV)
-        threads = placement._positive_env(placement.THREADS_ENV)
+        found = placement.physical()
     except ConfigError as exc:
         return result | {"error": str(exc)}
     result["device"] = str(device)
     if device.type == "cuda":
-        count = torch.cuda.device_count()
-        count = min(count, limit) if limit else count
-        first = device.index or 0
-        result["devices"] = [f"cuda:{(first + n) % count}" for n in range(count)]
-        return result
-    cores = placement.cpu_cores()
-    return result | {"devices": ["cpu"], "cores": min(cores, limit) if limit else cores,
-                     "threads_per_worker": threads}
+        return result | {"devices": list(found.devices)}
+    return result | {"devices": ["cpu"], "cores": found.cores, "threads_per_worker": found.threads}
 
 
 # -- rendering ---------------------------------------------------------------------------------

@@ -57,26 +57,45 @@ def _positive_env(name: str) -> int | None:
     return int(raw)
 
 
-def place(stages: Sequence[StageSpec]) -> list[Placement]:
-    """One placement per stage, following $PIPETORCH_DEVICE and $PIPETORCH_NUM_DEVICES."""
+@dataclass(frozen=True)
+class Physical:
+    """The physical devices stage workers get, in the order logical devices take them."""
+
+    devices: tuple[str, ...]  # ("cuda:0", "cuda:1", ...) or ("cpu",)
+    cores: int                # CPU cores shared out as the workers' threads
+    threads: int | None       # $PIPETORCH_THREADS_PER_DEVICE, else None (cores // workers)
+
+
+def physical() -> Physical:
+    """What $PIPETORCH_DEVICE, $PIPETORCH_NUM_DEVICES and $PIPETORCH_THREADS_PER_DEVICE give."""
     device = default_device()
-    workers = len(stages)
-    ipus = sorted({s.ipu_id for s in stages})
+    limit = _positive_env(NUM_DEVICES_ENV)
+    threads = _positive_env(THREADS_ENV)
+    cores = cpu_cores()
     if device.type == "cuda":
         count = torch.cuda.device_count()
-        limit = _positive_env(NUM_DEVICES_ENV)
         count = min(count, limit) if limit else count
         first = device.index or 0
-        gpus = {ipu: f"cuda:{(first + n) % count}" for n, ipu in enumerate(ipus)}
+        return Physical(tuple(f"cuda:{(first + n) % count}" for n in range(count)), cores,
+                        threads)
+    return Physical(("cpu",), min(cores, limit) if limit else cores, threads)
+
+
+def place(stages: Sequence[StageSpec]) -> list[Placement]:
+    """One placement per stage on the `physical()` devices."""
+    found = physical()
+    workers = len(stages)
+    ipus = sorted({s.ipu_id for s in stages})
+    if found.devices[0].startswith("cuda"):
+        count = len(found.devices)
+        gpus = {ipu: found.devices[n % count] for n, ipu in enumerate(ipus)}
         if len(ipus) > count:
             logger.warning("%d logical devices share %d GPU(s): stages on the same GPU take "
                            "turns", len(ipus), count)
-        threads = max(1, cpu_cores() // workers)
+        threads = max(1, found.cores // workers)
         return [Placement(s.index, s.ipu_id, gpus[s.ipu_id], threads) for s in stages]
-    cores = cpu_cores()
-    limit = _positive_env(NUM_DEVICES_ENV)
-    cores = min(cores, limit) if limit else cores
-    threads = _positive_env(THREADS_ENV) or max(1, cores // workers)
+    cores = found.cores
+    threads = found.threads or max(1, cores // workers)
     if workers > cores:
         logger.warning("%d stages share %d CPU core(s): their workers take turns; expect no "
                        "speed-up from pipelining", workers, cores)
