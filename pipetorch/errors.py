@@ -1,7 +1,8 @@
 """Named errors that pipetorch raises for user mistakes and failures on a device."""
 from __future__ import annotations
 
-__all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError"]
+__all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
+           "OutOfMemoryError"]
 
 
 class Error(Exception):
@@ -22,3 +23,7 @@ class DeviceError(Error, RuntimeError):
 
 class LoaderError(Error, RuntimeError):
     """A data loader process failed or stopped answering."""
+
+
+class OutOfMemoryError(ConfigError):
+    """A configuration whose estimated memory exceeds a device's budget (raised at compile)."""

@@ -98,7 +98,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
 
             model = model.to("cpu")  # the host copy; each worker moves its stage to its device
             bar.update()
-            device_opt = device_optimizer(optimizer, user_model, model) if training else None
+            device_opt = device_optimizer(optimizer, user_model, model, options=options) if training else None
             engine = process_engine(
                 model, to_device(micro[0], torch.device("cpu")), stages, batching=batching,
                 optimizer=device_opt, pipelined=strategy.pipelined, training=training,
@@ -110,7 +110,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
 
                 forward = with_recomputation(model)
             bar.update()
-            device_opt = device_optimizer(optimizer, user_model, model) if training else None
+            device_opt = device_optimizer(optimizer, user_model, model, options=options) if training else None
             engine = LocalEngine(model, forward, optimizer=device_opt, batching=batching,
                                  replica_buffers=replica_buffers)
         bar.update()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -19,7 +20,7 @@ def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def device_optimizer(optimizer: torch.optim.Optimizer, host: nn.Module,
-                     device: nn.Module) -> torch.optim.Optimizer:
+                     device: nn.Module, *, options: Any = None) -> torch.optim.Optimizer:
     """A copy of `optimizer` (hyper-parameters and state) that updates `device`'s parameters."""
     memo: dict[int, object] = {}
     for (name, h), (_, d) in zip(host.named_parameters(remove_duplicate=False),
