@@ -1,6 +1,7 @@
 """What every PopTorch optimiser adds to torch's: loss scaling, clipping, state dtypes."""
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from dataclasses import dataclass
@@ -8,7 +9,11 @@ from typing import Any, Callable
 
 import torch
 
+from pipetorch.optim import scaling
+
 __all__: list[str] = []
+
+logger = logging.getLogger(__name__)
 
 #: Dtypes an optimiser state (or gradient accumulator) may be stored in.
 ACCUM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -222,8 +227,11 @@ class PopTorchOptimizer:
         for group in self.param_groups:
             for name in self._option_names:
                 group[name] = normalize_option(name, group[name])
-        loss_scaling = self._global_option("loss_scaling")
+        self._global_option("loss_scaling")  # one value, even while a dynamic scale rules
         max_grad_norm = self._global_option("max_grad_norm")
+        if scaling.is_automatic(self) and self._skip_on_overflow():
+            return loss
+        loss_scaling = scaling.loss_scale(self)
         fresh_grads = loss_scaling != 1.0 or max_grad_norm != math.inf
         swaps = [[self._swap_in(group, param, fresh_grads) for param in group["params"]]
                  for group in self.param_groups]
@@ -243,7 +251,30 @@ class PopTorchOptimizer:
                 group["params"] = params
                 for swap in group_swaps:
                     self._swap_out(group, swap)
+        if scaling.is_automatic(self):
+            scaling.record_clean_step(self)
         return loss
+
+    def _skip_on_overflow(self) -> bool:
+        """Automatic loss scaling: on inf/NaN gradients (on any stage or replica), drop
+        every gradient, lower the scale and report the step as skipped."""
+        params = [param for group in self.param_groups for param in group["params"]]
+        if not scaling.overflowed(self, params):
+            return False
+        for param in params:
+            param.grad = None
+        scaling.record_overflow(self)
+        logger.info("Gradients overflowed: step skipped, loss scale lowered to %g",
+                    scaling.loss_scale(self))
+        return True
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch pickles (and deep-copies) only defaults, state and param_groups: the dynamic
+        # loss scale must travel too (to stage workers, to the device copy).
+        state = super().__getstate__()  # type: ignore[misc]
+        if scaling.is_automatic(self):
+            state[scaling._ATTR] = getattr(self, scaling._ATTR)
+        return state
 
     def _update(self) -> None:
         own = [group for group in self.param_groups if self._uses_own_update(group)]

@@ -22,6 +22,7 @@ class _TrainingOptions(OptionGroup):
         "mean_accumulation_and_replication_reduction_strategy": MeanReductionStrategy.Post,
         "auto_loss_scaling": False,
         "convolution_dithering": False,
+        "recomputation": False,
     }
 
     gradient_accumulation = readback(
@@ -35,6 +36,8 @@ class _TrainingOptions(OptionGroup):
     auto_loss_scaling = readback("auto_loss_scaling", "Whether automatic loss scaling is on.")
     convolution_dithering = readback(
         "convolution_dithering", "Whether convolution dithering was requested (no-op here).")
+    recomputation = readback(
+        "recomputation", "Whether every stage's activations are recomputed in backward.")
 
     def gradientAccumulation(self, gradient_accumulation: int) -> _TrainingOptions:
         """Number of micro-batches to accumulate before each optimiser step (default 1).
@@ -76,6 +79,18 @@ class _TrainingOptions(OptionGroup):
         """Spread convolutions over different tiles (no-op here)."""
         self._set(convolution_dithering=check.boolean(
             "setConvolutionDithering", "enabled", enabled))
+        return self
+
+    def setRecomputation(self, enabled: bool) -> _TrainingOptions:
+        """Recompute each stage's activations in backward instead of keeping them (default off).
+
+        A pipetorch extension: every stage's forward runs under activation checkpointing, so
+        a stage keeps only its inputs for each micro-batch in flight and reruns its forward
+        (same dropout masks) before its backward. Results are identical; memory drops, compute
+        grows by about one forward. PopTorch's spelling
+        `opts._Popart.set("autoRecomputation", 3)` (RecomputationType.Pipeline) sets it too.
+        """
+        self._set(recomputation=check.boolean("setRecomputation", "enabled", enabled))
         return self
 
 
@@ -146,6 +161,8 @@ class _JitOptions(OptionGroup):
 
 
 _POPART_VALUE_TYPES = (bool, int, float, str, list, tuple, set, frozenset, dict)
+# popart.RecomputationType: None, Standard, NormOnly, Pipeline, RecomputeAll.
+_RECOMPUTATION_TYPES = ("None", "Standard", "NormOnly", "Pipeline", "RecomputeAll")
 
 
 class _PopartOptions(OptionGroup):
@@ -156,18 +173,38 @@ class _PopartOptions(OptionGroup):
 
     options = readback("options", "Every PopART option set so far, by key.")
 
+    def __init__(self, *, training: _TrainingOptions | None = None) -> None:
+        super().__init__()
+        self._training = training  # where "autoRecomputation" takes effect
+
     def set(self, key: str, value: Any) -> _PopartOptions:
         """Set PopART session option `key` (any name) to `value` (no-op here).
 
-        `value` must be a bool, int, float, str, or a list/set/dict of those.
+        `value` must be a bool, int, float, str, or a list/set/dict of those. The one key
+        acted on is "autoRecomputation" (an int of popart.RecomputationType): any type but
+        None (0) turns on Training.setRecomputation, None turns it off.
         """
         key = check.text("_Popart.set", "key", key)
         if not isinstance(value, _POPART_VALUE_TYPES):
             raise check.type_error("_Popart.set", "value", value,
                                    "a bool, int, float, str, list, set or dict")
         self._check_not_frozen()
+        if key == "autoRecomputation":
+            self._set_recomputation(value)
         self._values["options"][key] = value
         return self
+
+    def _set_recomputation(self, value: Any) -> None:
+        kinds = ", ".join(f"{i} ({name})" for i, name in enumerate(_RECOMPUTATION_TYPES))
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not 0 <= value < len(_RECOMPUTATION_TYPES):
+            raise ValueError(
+                f"_Popart.set: autoRecomputation must be an int of popart.RecomputationType, "
+                f"one of {kinds}, not {value!r}; e.g. "
+                "opts._Popart.set(\"autoRecomputation\", 3), or use "
+                "opts.Training.setRecomputation(True)")
+        if self._training is not None:
+            self._training.setRecomputation(value != 0)
 
     def setPatterns(self, patterns: dict[str, bool], level: int = 2) -> _PopartOptions:
         """Enable/disable PopART graph patterns by name, from `level`'s defaults (no-op here)."""

@@ -1,6 +1,7 @@
-"""IPU-only Options knobs: accepted, validated and stored so PopTorch scripts run (no-op here)."""
+"""IPU-only Options knobs (stored so PopTorch scripts run, no-op here) and the memory budget."""
 from __future__ import annotations
 
+import numbers
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -15,10 +16,37 @@ __all__ = ["IpuSetters"]
 
 _IPU_KEY = re.compile(r"IPU\d+")
 _IPU_VERSIONS = (1, 2, 21)  # Mk1, Mk2, Bow
+# SI prefixes are powers of 1000, binary ones powers of 1024 ("897MB" != "897MiB").
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*")
+_BUDGET_FORMS = ('bytes as an int > 0, a size string such as "897MB", "16GB" or "512 MiB" '
+                 '(B, KB, MB, GB, TB in powers of 1000; KiB, MiB, GiB, TiB in powers of 1024), '
+                 'a dict of those per logical device such as {"IPU0": "897MB", "IPU1": "897MB"}, '
+                 "or None for no budget")
+
+
+def _budget_bytes(arg: str, value: Any) -> int:
+    """One device's budget in bytes, from an int or a size string."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
+        raise check.type_error("setMemoryBudget", arg, value, _BUDGET_FORMS)
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise check.value_error("setMemoryBudget", arg, value, _BUDGET_FORMS)
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        if number != int(number):
+            raise check.value_error("setMemoryBudget", arg, value,
+                                    "a whole number of bytes; " + _BUDGET_FORMS)
+        value = int(number)
+    if value <= 0:
+        raise check.value_error("setMemoryBudget", arg, value, _BUDGET_FORMS)
+    return int(value)
 
 
 class IpuSetters(OptionGroup):
-    """The part of `Options` that only matters on IPU hardware; none of it has an effect here."""
+    """The part of `Options` that only matters on IPU hardware (no effect here), and the
+    per-device memory budget that compile checks its estimate against."""
 
     _OWN_DEFAULTS: dict[str, Any] = {
         "use_ipu_model": False,
@@ -32,6 +60,7 @@ class IpuSetters(OptionGroup):
         "log_cycle_count": False,
         "module_namescope_enabled": True,
         "source_location_excludes": [],
+        "memory_budget": None,
     }
 
     use_ipu_model = readback("use_ipu_model", "Whether the IPU Model simulator was asked for.")
@@ -48,6 +77,9 @@ class IpuSetters(OptionGroup):
         "module_namescope_enabled", "Whether op names carry their module's name.")
     source_location_excludes = readback(
         "source_location_excludes", "Frames ignored when tracing op source locations.")
+    memory_budget = readback(
+        "memory_budget", "Bytes each logical device may use: an int for every device, a dict "
+        "{ipu index: bytes}, or None (no check on the CPU; a GPU's total memory on a GPU).")
 
     def useIpuModel(self, use_model: bool) -> Options:
         """Run on the IPU Model simulator instead of hardware (no-op here)."""
@@ -116,6 +148,35 @@ class IpuSetters(OptionGroup):
         self._check_not_frozen()
         self._values["anchored_tensors"][short_name] = {
             "long_name": long_name, "output_mode": output_mode, "output_return_period": period}
+        return self
+
+    def setMemoryBudget(self, budget: int | str | dict[str, int | str] | None) -> Options:
+        """Memory each logical device may use; pipetorch extension (PopTorch has none).
+
+        The model is refused at compile time, with remedies, when the estimated peak of a
+        device exceeds it. `budget` is bytes (int), a size string ("897MB", "16GB",
+        "512 MiB"; KB/MB/GB are powers of 1000, KiB/MiB/GiB powers of 1024), or a dict per
+        logical device ({"IPU0": "897MB", "IPU1": "1GB"}; devices not named are not
+        checked). None removes the budget: then a GPU's total memory is the budget, and on
+        the CPU nothing is checked. Read back as bytes: `memory_budget` is an int, a dict
+        {ipu index: bytes}, or None.
+        """
+        if budget is None:
+            self._set(memory_budget=None)
+            return self
+        if isinstance(budget, dict):
+            if not budget:
+                raise check.value_error("setMemoryBudget", "budget", budget, _BUDGET_FORMS)
+            per_device = {}
+            for key, value in budget.items():
+                if not isinstance(key, str) or not _IPU_KEY.fullmatch(key):
+                    raise check.value_error("setMemoryBudget", "every key", key,
+                                            '"IPU<n>" where n is the logical device index, '
+                                            'e.g. "IPU0"')
+                per_device[int(key[3:])] = _budget_bytes(f"budget[{key!r}]", value)
+            self._set(memory_budget=per_device)
+            return self
+        self._set(memory_budget=_budget_bytes("budget", budget))
         return self
 
     def enableStableNorm(self, enabled: bool) -> Options:

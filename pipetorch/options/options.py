@@ -42,7 +42,7 @@ class Options(RunSetters, IpuSetters):
         self._tensor_locations = _TensorLocationOptions()
         self._precision = _PrecisionOptions()
         self._jit = _JitOptions()
-        self._popart = _PopartOptions()
+        self._popart = _PopartOptions(training=self._training)
         self._env_profiling_dir = environment.profiling_dir()
         cache_dir = environment.cache_dir()
         if cache_dir:

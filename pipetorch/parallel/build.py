@@ -1,6 +1,7 @@
 """From a probed model to running stage workers: split, route, measure shapes, place, start."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -13,6 +14,7 @@ from pipetorch.partition.blocks import removeBlocks
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.runtime.capture import preserved
+from pipetorch.runtime.recompute import stage_module
 from pipetorch.runtime.local import Batching
 
 __all__: list[str] = []
@@ -22,8 +24,11 @@ logger = logging.getLogger(__name__)
 
 def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
                    batching: Batching, optimizer: torch.optim.Optimizer | None, pipelined: bool,
-                   training: bool, recomputation: bool) -> ProcessEngine:
-    """Split `model` (the host copy, on the CPU) into `stages` and start one worker per stage.
+                   training: bool, recomputation: bool,
+                   process: tuple[int, int] = (0, 1), seed: int | None = None) -> ProcessEngine:
+    """Split `model` (the host copy, on the CPU) into `stages` and start one worker per stage
+    and replica. `process` is (this process's id, the number of host processes);
+    `recomputation` checkpoints every stage's activations (Training.setRecomputation).
 
     `first` is one micro-batch, used to learn the shapes of the values crossing stages.
     """
@@ -33,9 +38,10 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     routes = routes_of(staged, training=training)
     with preserved(model):
         specs = value_specs(staged, args, kwargs, training=training)
-    if recomputation:
-        logger.warning("recomputationCheckpoint is not applied inside stage workers yet: "
-                       "results are the same, but every activation is kept for backward")
+    if training:  # recomputationCheckpoint segments, or the whole stage with `recomputation`
+        staged = dataclasses.replace(
+            staged, modules=[stage_module(m, checkpoint=recomputation) for m in staged.modules])
     return ProcessEngine(model, staged, routes, specs, batching=batching, optimizer=optimizer,
                          schedule="pipelined" if pipelined else "sharded",
-                         placements=place(stages))
+                         placements=place(stages, replicas=batching.replication_factor),
+                         process=process, seed=seed)

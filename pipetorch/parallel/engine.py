@@ -13,6 +13,7 @@ them from the workers, `push` sends the host copy's weights to the workers.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import pickle
@@ -31,12 +32,13 @@ import torch.nn as nn
 
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import wire
+from pipetorch.parallel import snapshot, wire
+from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, Trace
 from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
-from pipetorch.runtime.local import Batching, loss_multiplier
+from pipetorch.runtime.local import Batching, reduction_multiplier
 from pipetorch.runtime.outputs import OutputCollector
 
 __all__: list[str] = []
@@ -65,13 +67,23 @@ def _worker_env() -> dict[str, str]:
 
 
 class ProcessEngine:
-    """Runs host calls on one worker process per stage (the stages' devices)."""
+    """Runs host calls on one worker process per stage and replica (their devices).
+
+    Workers are ordered replica-major: `peers[r * stages + s]` is stage s of replica r.
+    """
 
     def __init__(self, model: nn.Module, staged: StagedModel, routes: Sequence[Route],
                  specs: dict[Source, TensorSpec | Constant], *, batching: Batching,
                  optimizer: torch.optim.Optimizer | None, schedule: str,
-                 placements: Sequence[places.Placement]) -> None:
+                 placements: Sequence[places.Placement], process: tuple[int, int] = (0, 1),
+                 seed: int | None = None) -> None:
         self.model, self.optimizer, self.batching = model, optimizer, batching
+        self.process_id, self.num_processes = process
+        self.replicas = batching.replication_factor  # this process's replicas
+        self._commits = 0  # calls (and pushes) that changed the weights, since the launch
+        # randomSeed, else torch's (so torch.manual_seed repeats runs; the user's stream of
+        # random numbers is left as it is)
+        self.seed = seed if seed is not None else torch.initial_seed()
         self.staged, self.routes = staged, list(routes)
         self.input_device = torch.device("cpu")
         self.last_trace: list[Trace] = []
@@ -84,18 +96,25 @@ class ProcessEngine:
         self._launch()
 
     def _launch(self) -> None:
-        """Start one worker per stage with the host copy's weights and optimiser state."""
+        """Start a worker per stage and replica with the host copy's weights and optimiser state."""
+        stages = len(self.routes)
+        meeting = next_rendezvous(process_id=self.process_id, num_processes=self.num_processes,
+                                  stages=stages, replicas=self.replicas, timeout=self.timeout)
         devices = tuple(p.device for p in self.placements)
-        store = tempfile.mktemp(prefix="store-", dir=self._folder)  # fresh per launch
-        for route, placement in zip(self.routes, self.placements):
-            self.peers.append(self._start(route, placement, len(self.routes)))
-        for peer, route in zip(self.peers, self.routes):
+        keep = self.optimizer is not None and snapshot.enabled()
+        self._commits = 0
+        for placement in self.placements:
+            self.peers.append(self._start(placement))
+        for peer, placement in zip(self.peers, self.placements):
+            route = self.routes[placement.stage]
             module = self.staged.modules[route.index]
             optimizer = stage_optimizer(self.optimizer, module) if self.optimizer else None
             setup = Setup(module, optimizer, route, self.staged.io[route.index].inputs,
                           self.specs, self.schedule, devices)
-            launch = Launch(self.placements[route.index], len(self.routes), store,
-                            self.timeout, os.getpid())
+            launch = Launch(placement, meeting,
+                            self.process_id * self.replicas + placement.replica, self.timeout,
+                            os.getpid(), self._folder if keep and placement.replica == 0 else None,
+                            self.seed)
             try:
                 payload = pickle.dumps((launch, setup), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:
@@ -121,7 +140,7 @@ class ProcessEngine:
         if not self.peers:
             self._launch()
 
-    def _start(self, route: Route, placement: places.Placement, world: int) -> wire.Peer:
+    def _start(self, placement: places.Placement) -> wire.Peer:
         ours, theirs = socket.socketpair()
         try:
             process = subprocess.Popen(
@@ -129,83 +148,109 @@ class ProcessEngine:
                 pass_fds=(theirs.fileno(),), env=_worker_env(), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
-        return wire.Peer(route.index, placement.device, Connection(ours.detach()), process)
+        return wire.Peer(placement.stage, placement.device, Connection(ours.detach()), process,
+                         placement.replica, self.replicas)
 
     @property
     def worker_pids(self) -> list[int]:
         return [p.process.pid for p in self.peers]
 
+    @property
+    def _first_replica(self) -> list[wire.Peer]:
+        """Replica 0's workers, by stage: the replicas hold the same weights."""
+        return self.peers[:len(self.routes)]
+
     # -- host calls -------------------------------------------------------------------------
     def train(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
-        """D optimiser steps of G x R micro-batches each, laid out [D][G][R]."""
+        """D optimiser steps of G micro-batches on each replica (laid out [D][G][R])."""
         b = self.batching
         assert self.optimizer is not None and len(micro_batches) == b.micro_batches
+        every = dataclasses.replace(b, replication_factor=self.replicas * self.num_processes)
         self._run(micro_batches, collector, training=True, iterations=b.device_iterations,
-                  per_iteration=b.gradient_accumulation * b.replication_factor,
-                  scale=loss_multiplier(self.optimizer, b))
+                  per_iteration=b.gradient_accumulation,
+                  scale=reduction_multiplier(every))
 
     def infer(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
-        """Forward of every micro-batch of the call, through one fill-drain (or sharded) plan."""
+        """Forward of every micro-batch of the call, each replica through one plan."""
         self._run(micro_batches, collector, training=False, iterations=1,
-                  per_iteration=len(micro_batches), scale=1.0)
+                  per_iteration=len(micro_batches) // self.replicas, scale=1.0)
 
     def _run(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector, *,
              training: bool, iterations: int, per_iteration: int, scale: float) -> None:
-        replicas = self.batching.replication_factor
+        """Send replica r the micro-batches r, r + R, r + 2R, ... and collect what comes back."""
+        replicas, stages = self.replicas, len(self.routes)
         flat = [self.staged.flatten_inputs(*args, **kwargs) for args, kwargs in micro_batches]
-        wanted = frozenset(m for m in range(len(flat)) if collector.wants(m // replicas))
-        stacked: dict[int, torch.Tensor] = {}
-        for peer, route in zip(self.peers, self.routes):
-            for i in route.host_inputs:
-                if i not in stacked:
-                    stacked[i] = torch.stack([f[i] for f in flat])
-            call = Call({i: stacked[i] for i in route.host_inputs}, iterations, per_iteration,
-                        wanted, scale)
-            self._send(peer, ("run", (call, training)))
+        steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
+        wanted = frozenset(j for j in range(steps) if collector.wants(j))
+        commit = self._commits + 1
+        for n, peer in enumerate(self.peers):
+            route, replica = self.routes[n % stages], n // stages
+            inputs = {i: torch.stack([f[i] for f in flat[replica::replicas]])
+                      for i in route.host_inputs}
+            call = Call(inputs, iterations, per_iteration, wanted, scale)
+            self._send(peer, ("run", (call, training, commit)))
         replies = self._gather("a training call" if training else "an inference call")
+        if training:
+            self._commits = commit
         self.last_trace = [trace for _, trace in replies]
         outputs = [out for out, _ in replies]
-        for m in sorted(wanted):
-            def fetch(source: Source, m: int = m) -> Any:
-                if source.kind == "input":
-                    return flat[m][source[1]]
-                stage = source[1]
-                return outputs[stage][m][self.routes[stage].host_outputs.index(source)]
+        for j in sorted(wanted):
+            for replica in range(replicas):
+                m = j * replicas + replica
 
-            collector.add(m // replicas, m % replicas, map_leaves(self.staged.output, Source, fetch))
+                def fetch(source: Source, m: int = m, base: int = replica * stages) -> Any:
+                    if source.kind == "input":
+                        return flat[m][source[1]]
+                    stage = source[1]
+                    index = self.routes[stage].host_outputs.index(source)
+                    return outputs[base + stage][m // replicas][index]
+
+                collector.add(j, replica, map_leaves(self.staged.output, Source, fetch))
 
     # -- weights ----------------------------------------------------------------------------
-    @torch.no_grad()
     def pull(self) -> None:
         """Copy every stage's weights and optimiser state into the host copy."""
         if self._lost:
             logger.warning("The stage workers are gone (%s): the host copy keeps the weights of "
-                           "the last sync", self._lost)
+                           "the last completed call", self._lost)
             return
         try:
-            for peer in self.peers:
+            for peer in self._first_replica:
                 self._send(peer, ("pull", None))
-            replies = self._gather("copyWeightsToHost")
+            replies = self._gather("copyWeightsToHost", self._first_replica)
         except DeviceError as exc:
             logger.warning("Could not copy the weights from the stage workers (%s): the host "
-                           "copy keeps the weights of the last sync", str(exc).splitlines()[0])
+                           "copy keeps the weights of the last completed call",
+                           str(exc).splitlines()[0])
             return
-        for route, (state, optimizer_state) in zip(self.routes, replies):
-            module = self.staged.modules[route.index]
-            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-                tensor.copy_(state[name])
-            if self.optimizer is not None:
-                params = dict(module.named_parameters())
-                for name, values in optimizer_state.items():
-                    self.optimizer.state[params[name]] = dict(values)
+        for route, stage in zip(self.routes, replies):
+            snapshot.load_stage_state(self.staged.modules[route.index], self.optimizer, stage)
+
+    def _restore_last_call(self) -> None:
+        """After a failure: the host copy takes the state the workers saved after the last
+        completed call (nothing to do if none completed since the launch or the last pull)."""
+        if self._commits == 0 or self.optimizer is None:
+            return
+        saved = [snapshot.read(self._folder, r.index, self._commits) for r in self.routes]
+        if any(s is None for s in saved):
+            logger.warning("The state after the last completed call was not saved "
+                           "(%s=0?): the host copy keeps the weights of the last copy to the "
+                           "host", snapshot.SNAPSHOT_ENV)
+            return
+        for route, stage in zip(self.routes, saved):
+            snapshot.load_stage_state(self.staged.modules[route.index], self.optimizer, stage)
 
     def push(self) -> None:
-        """Send the host copy's weights to every stage."""
+        """Send the host copy's weights to every stage of every replica."""
         self._check_alive()
-        for peer, module in zip(self.peers, self.staged.modules):
-            self._send(peer, ("push", {n: t.detach() for n, t in
-                                       [*module.named_parameters(), *module.named_buffers()]}))
+        commit = self._commits + 1
+        for n, peer in enumerate(self.peers):
+            module = self.staged.modules[n % len(self.routes)]
+            weights = {name: t.detach() for name, t in
+                       [*module.named_parameters(), *module.named_buffers()]}
+            self._send(peer, ("push", ((weights, {}, {}), commit)))
         self._gather("copyWeightsToDevice")
+        self._commits = commit
 
     def set_hyperparameters(self) -> None:
         """Send the host optimiser's hyper-parameters (after setOptimizer) to every stage."""
@@ -238,12 +283,14 @@ class ProcessEngine:
             self._fail(f"the worker running {peer.describe()} cannot be reached ({exc})")
             self._check_alive()
 
-    def _gather(self, what: str) -> list[Any]:
+    def _gather(self, what: str, peers: list[wire.Peer] | None = None) -> list[Any]:
         self._check_alive()
         try:
-            return wire.gather(self.peers, timeout=self.timeout, what=what)
+            return wire.gather(self.peers if peers is None else peers, timeout=self.timeout,
+                               what=what)
         except wire.WorkerFailed as exc:
             message = self._describe(exc.failure) if exc.failure else str(exc)
+            self._restore_last_call()  # before the workers' files go
             self._fail(message.splitlines()[0])
             raise wire.WorkerFailed(message, exc.failure) from None
         except BaseException:  # KeyboardInterrupt: stop the workers before giving up
@@ -261,8 +308,11 @@ class ProcessEngine:
             what = names.get(failure.action, f"the transfer {failure.action}")
             where = f"in {what}"
             if failure.micro_batch is not None:
-                where += f" of micro-batch {failure.micro_batch} ({self._locate(failure.micro_batch)})"
-        return (f"Stage {failure.stage} on {failure.device} (pid {failure.pid}) failed {where}: "
+                micro = failure.micro_batch * self.replicas + failure.replica
+                where += f" of micro-batch {micro} ({self._locate(micro)})"
+        replica = f" of replica {failure.replica}" if self.replicas > 1 else ""
+        return (f"Stage {failure.stage}{replica} on {failure.device} (pid {failure.pid}) failed "
+                f"{where}: "
                 f"{failure.error}\n\nWorker traceback:\n{failure.traceback}")
 
     def _locate(self, micro: int) -> str:

@@ -32,12 +32,13 @@ REGISTRY_ENV = "PIPETORCH_REGISTRY"
 
 @dataclass(frozen=True)
 class Placement:
-    """Where stage `stage` (on logical device `ipu`) runs."""
+    """Where stage `stage` (on logical device `ipu`) of replica `replica` runs."""
 
     stage: int
     ipu: int
     device: str    # "cpu" or "cuda:N"
     threads: int   # intra-op threads of the worker
+    replica: int = 0  # this process's replica (0 .. replicationFactor - 1)
 
 
 def cpu_cores() -> int:
@@ -81,27 +82,38 @@ def physical() -> Physical:
     return Physical(("cpu",), min(cores, limit) if limit else cores, threads)
 
 
-def place(stages: Sequence[StageSpec]) -> list[Placement]:
-    """One placement per stage on the `physical()` devices."""
+def place(stages: Sequence[StageSpec], *, replicas: int = 1) -> list[Placement]:
+    """One placement per stage and replica on the `physical()` devices, replica-major.
+
+    Replica r's logical devices come after replica r-1's, as on IPUs: with 2 stages and 2
+    replicas, GPUs 0 and 1 hold replica 0, GPUs 2 and 3 replica 1. Several processes on one
+    machine (torchrun's LOCAL_RANK) take the next devices in turn.
+    """
     found = physical()
-    workers = len(stages)
+    workers = len(stages) * replicas
     ipus = sorted({s.ipu_id for s in stages})
     if found.devices[0].startswith("cuda"):
         count = len(found.devices)
-        gpus = {ipu: found.devices[n % count] for n, ipu in enumerate(ipus)}
-        if len(ipus) > count:
-            logger.warning("%d logical devices share %d GPU(s): stages on the same GPU take "
-                           "turns", len(ipus), count)
+        first = int(os.environ.get("LOCAL_RANK", "0")) * len(ipus) * replicas
+        if len(ipus) * replicas > count:
+            logger.warning("%d logical devices (%d per replica x %d replicas) share %d GPU(s): "
+                           "stages on the same GPU take turns", len(ipus) * replicas, len(ipus),
+                           replicas, count)
         threads = max(1, found.cores // workers)
-        return [Placement(s.index, s.ipu_id, gpus[s.ipu_id], threads) for s in stages]
+        return [Placement(s.index, s.ipu_id,
+                          found.devices[(first + r * len(ipus) + ipus.index(s.ipu_id)) % count],
+                          threads, r)
+                for r in range(replicas) for s in stages]
     cores = found.cores
     threads = found.threads or max(1, cores // workers)
     if workers > cores:
-        logger.warning("%d stages share %d CPU core(s): their workers take turns; expect no "
-                       "speed-up from pipelining", workers, cores)
+        logger.warning("%d stage workers (%d stages x %d replicas) share %d CPU core(s): they "
+                       "take turns; expect no speed-up from more devices", workers, len(stages),
+                       replicas, cores)
     else:
         logger.info("%d stage worker(s) on the CPU, %d thread(s) each", workers, threads)
-    return [Placement(s.index, s.ipu_id, "cpu", threads) for s in stages]
+    return [Placement(s.index, s.ipu_id, "cpu", threads, r)
+            for r in range(replicas) for s in stages]
 
 
 # -- registry --------------------------------------------------------------------------------

@@ -12,8 +12,10 @@ import torch.nn as nn
 
 from pipetorch import ops
 from pipetorch.errors import DeviceError
+from pipetorch.optim.scaling import loss_scale
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.transport import BundleLayout, PeerLink, Tag
+from pipetorch.runtime.recompute import original_module
 from pipetorch.partition.split import Source
 from pipetorch.schedule.actions import Action, Kind
 
@@ -30,7 +32,7 @@ class Call:
     iterations: int                  # times the plan runs (D when training, 1 for inference)
     micro_batches: int               # micro-batches per run of the plan
     wanted: frozenset[int]           # micro-batches whose outputs go back to the host
-    scale: float = 1.0               # the loss's multiplier: loss scaling / (G*R) for a mean
+    scale: float = 1.0               # the loss's multiplier before loss scaling: 1/(G*R) for a mean
 
 
 @dataclass
@@ -56,10 +58,11 @@ class Span:
 
 @dataclass
 class Trace:
-    """The spans of one host call on one stage."""
+    """The spans of one host call on one stage (of one replica)."""
 
     stage: int
     spans: list[Span] = field(default_factory=list)
+    replica: int = 0
 
 
 def _bundle(sources: tuple[Source, ...], specs: dict[Source, Spec], *,
@@ -98,11 +101,12 @@ class StageExecutor:
 
     def __init__(self, module: nn.Module, route: Route, specs: dict[Source, Spec], *,
                  inputs: tuple[Source, ...], link: PeerLink, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None) -> None:
+                 optimizer: torch.optim.Optimizer | None, replica: int = 0) -> None:
         self.module, self.route, self.specs, self.link = module, route, specs, link
+        self.replica = replica
         self.device, self.optimizer = device, optimizer
         self.inputs = inputs  # where each argument of the stage module comes from
-        self.clone_inputs = inplace_inputs(module)
+        self.clone_inputs = inplace_inputs(original_module(module))
         self.act_in = _bundle(route.receive, specs)
         self.act_out = _bundle(route.send, specs)
         self.grad_in = _bundle(route.send, specs, grads=True)
@@ -113,7 +117,7 @@ class StageExecutor:
             Kind.RECV_GRAD: self._recv_grad, Kind.SEND_GRAD: self._send_grad,
             Kind.SEND_DONE: lambda m, a: self.link.signal(a.peer),
             Kind.RECV_DONE: lambda m, a: self.link.wait_signal(a.peer),
-            Kind.STEP: self._step,
+            Kind.ALL_REDUCE: self._all_reduce, Kind.STEP: self._step,
         }
         self._reset()
         self.current: tuple[Action, int] | None = None  # for error messages
@@ -124,19 +128,21 @@ class StageExecutor:
         self._grads: dict[int, list[torch.Tensor]] = {}
         self._grads_out: dict[int, list[torch.Tensor]] = {}
         self.outputs: dict[int, list[Any]] = {}
-        self.trace = Trace(self.route.index)
+        self.trace = Trace(self.route.index, replica=self.replica)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, actions: list[Action], call: Call, *, training: bool) -> None:
         """Run `actions` call.iterations times; outputs the host wants land in `self.outputs`."""
         self._reset()
-        self._call, self._training = call, training
+        self._call, self._training, self._scale = call, training, call.scale
         self.module.train(training)
         with ops.running_on_device(), torch.set_grad_enabled(training):
             for iteration in range(call.iterations):
                 base = iteration * call.micro_batches
                 if training and self.optimizer is not None:
                     self.optimizer.zero_grad(set_to_none=True)
+                    # automatic loss scaling changes the scale between optimiser steps
+                    self._scale = call.scale * loss_scale(self.optimizer)
                 for action in actions:
                     self.current = (action, base)
                     micro = base + action.micro_batch if action.micro_batch is not None else -1
@@ -181,7 +187,7 @@ class StageExecutor:
         loss = None
         if self._training and route.loss is not None:
             loss = values[route.loss]
-            loss = (loss.sum() if loss.dim() else loss) * self._call.scale
+            loss = (loss.sum() if loss.dim() else loss) * self._scale
         if m in self._call.wanted:
             self.outputs[m] = [_for_host(values[s]) for s in route.host_outputs]
         if self._training:
@@ -210,6 +216,9 @@ class StageExecutor:
         out_sources, _ = self.grad_out
         if out_sources:
             self._grads_out[m] = [_grad_or_zeros(forward.received[s]) for s in out_sources]
+
+    def _all_reduce(self, m: int, action: Action) -> None:
+        self.link.all_reduce([p.grad for p in self.module.parameters() if p.grad is not None])
 
     def _step(self, m: int, action: Action) -> None:
         self.link.flush()

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import datetime
 import enum
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,8 +84,11 @@ class PeerLink:
     makes sure every send finished. Receives block for at most `timeout` seconds.
     """
 
-    def __init__(self, *, device: torch.device, wire_device: torch.device, timeout: float) -> None:
+    def __init__(self, *, device: torch.device, wire_device: torch.device, timeout: float,
+                 offset: int = 0, replica_group: Any = None) -> None:
         self.device, self.wire_device = device, wire_device
+        self.offset = offset                 # rank of this replica's stage 0
+        self.replica_group = replica_group   # this stage in every replica (None: one replica)
         self.timeout = datetime.timedelta(seconds=timeout)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -95,14 +99,14 @@ class PeerLink:
         if not layout.specs:
             return
         buffer = layout.pack(tensors, self.wire_device)
-        self._pending.append((dist.isend(buffer, peer, tag=int(tag)), buffer))
+        self._pending.append((dist.isend(buffer, self.offset + peer, tag=int(tag)), buffer))
         self.bytes_sent += buffer.numel()
 
     def recv(self, layout: BundleLayout, peer: int, tag: Tag) -> list[torch.Tensor]:
         if not layout.specs:
             return []
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.wire_device)
-        self._wait(dist.irecv(buffer, peer, tag=int(tag)), peer)
+        self._wait(dist.irecv(buffer, self.offset + peer, tag=int(tag)), peer)
         self.bytes_received += buffer.numel()
         if self.wire_device != self.device:
             buffer = buffer.to(self.device, non_blocking=True)
@@ -111,15 +115,34 @@ class PeerLink:
     def signal(self, peer: int) -> None:
         """A data-less message (one byte): 'micro-batch done' in sharded inference."""
         flag = torch.ones(1, dtype=torch.uint8, device=self.wire_device)
-        self._pending.append((dist.isend(flag, peer, tag=int(Tag.DONE)), flag))
+        self._pending.append((dist.isend(flag, self.offset + peer, tag=int(Tag.DONE)), flag))
 
     def wait_signal(self, peer: int) -> None:
         flag = torch.empty(1, dtype=torch.uint8, device=self.wire_device)
-        self._wait(dist.irecv(flag, peer, tag=int(Tag.DONE)), peer)
+        self._wait(dist.irecv(flag, self.offset + peer, tag=int(Tag.DONE)), peer)
 
-    def _wait(self, work: dist.Work, peer: int) -> None:
+    def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Sum `tensors` in place over this stage's replicas: one flat buffer per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        for tensor in tensors:
+            by_dtype[tensor.dtype].append(tensor)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group]).to(self.wire_device)
+            self._wait(dist.all_reduce(flat, group=self.replica_group, async_op=True),
+                       "the other replicas")
+            flat = flat.to(group[0].device)
+            at = 0
+            for tensor in group:
+                tensor.copy_(flat[at:at + tensor.numel()].view_as(tensor))
+                at += tensor.numel()
+            nbytes = flat.numel() * flat.element_size()
+            self.bytes_sent += nbytes
+            self.bytes_received += nbytes
+
+    def _wait(self, work: dist.Work, peer: int | str) -> None:
         if not work.wait(self.timeout):
-            raise DeviceError(f"No data from stage {peer} within "
+            who = f"stage {peer}" if isinstance(peer, int) else peer
+            raise DeviceError(f"No data from {who} within "
                               f"{self.timeout.total_seconds():.0f}s (PIPETORCH_TIMEOUT)")
 
     def flush(self) -> None:

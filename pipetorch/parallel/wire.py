@@ -56,6 +56,7 @@ class Failure:
     micro_batch: int | None
     error: str              # "IndexError: Target 10 is out of bounds."
     traceback: str
+    replica: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,12 @@ class Peer:
     device: str
     conn: Connection
     process: Any  # subprocess.Popen
+    replica: int = 0
+    replicas: int = 1  # this process's replicas: named in messages only when more than one
 
     def describe(self) -> str:
-        return f"stage {self.stage} on {self.device} (pid {self.process.pid})"
+        replica = f" of replica {self.replica}" if self.replicas > 1 else ""
+        return f"stage {self.stage}{replica} on {self.device} (pid {self.process.pid})"
 
 
 class WorkerFailed(DeviceError):
@@ -80,17 +84,17 @@ class WorkerFailed(DeviceError):
 
 
 def gather(peers: Sequence[Peer], *, timeout: float, what: str) -> list[Any]:
-    """One reply from every worker, in stage order.
+    """One reply from every worker, in the order of `peers`.
 
     A worker's error, its death (its end of the pipe closes), or `timeout` seconds without
     progress raises WorkerFailed naming the worker; the caller then stops all workers.
     """
     replies: dict[int, Any] = {}
-    waiting = {p.conn: p for p in peers}
+    waiting = {p.conn: (n, p) for n, p in enumerate(peers)}
     deadline = time.monotonic() + timeout
     while waiting:
         for conn in wait(list(waiting), timeout=_POLL * 5):
-            peer = waiting.pop(conn)  # type: ignore[arg-type]
+            n, peer = waiting.pop(conn)  # type: ignore[arg-type]
             try:
                 kind, payload = pickle.loads(peer.conn.recv_bytes())
             except (EOFError, OSError):
@@ -101,14 +105,14 @@ def gather(peers: Sequence[Peer], *, timeout: float, what: str) -> list[Any]:
                     "build a new one") from None
             if kind == "error":
                 raise WorkerFailed(payload.error, payload)
-            replies[peer.stage] = payload
+            replies[n] = payload
             deadline = time.monotonic() + timeout
         if waiting and time.monotonic() > deadline:
-            stuck = ", ".join(p.describe() for p in waiting.values())
+            stuck = ", ".join(p.describe() for _, p in waiting.values())
             raise WorkerFailed(
                 f"No reply during {what} from {stuck} within {timeout:.0f}s; raise "
                 f"{TIMEOUT_ENV} if a call legitimately takes longer")
-    return [replies[p.stage] for p in peers]
+    return [replies[n] for n in range(len(peers))]
 
 
 def _exit_code(process: Any) -> int | None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib
-import datetime
 import os
 import signal
 import socket
@@ -18,13 +17,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from pipetorch.optim import offload
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import wire
+from pipetorch.parallel import snapshot, wire
+from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, StageExecutor
 from pipetorch.parallel.transport import PeerLink, backend_for
 from pipetorch.partition.split import Source
 from pipetorch.schedule import plans
+from pipetorch.schedule.actions import Action, Kind
 
 __all__: list[str] = []
 
@@ -41,7 +43,7 @@ class Setup:
     inputs: tuple[Source, ...]
     specs: dict[Source, TensorSpec | Constant]
     schedule: str              # plans.KINDS: "pipelined" or "sharded"
-    devices: tuple[str, ...]   # every stage's device, by stage
+    devices: tuple[str, ...]   # the device of every worker of this host process
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,12 @@ class Launch:
     """The small arguments a worker is started with."""
 
     placement: places.Placement
-    world_size: int
-    store: str        # file for torch.distributed's FileStore rendezvous
+    rendezvous: Rendezvous
+    replica: int               # global replica: process_id x replicationFactor + local replica
     timeout: float
     host_pid: int
+    snapshots: str | None      # folder for the state after each call (None: keep none)
+    seed: int                  # random numbers: seed + rank, so runs repeat exactly
 
 
 def _die_with_parent(parent: int) -> None:
@@ -79,19 +83,28 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.module = setup.module.to(self.device)
         self.optimizer = setup.optimizer
+        meeting = launch.rendezvous
         backend, staged = backend_for([torch.device(d) for d in setup.devices])
         wire_device = torch.device("cpu") if staged else self.device
+        rank = meeting.rank(launch.replica, setup.route.index)
+        torch.manual_seed(launch.seed + rank)  # dropout differs between workers, not runs
+        join(meeting, rank=rank, backend=backend, timeout=launch.timeout)
+        # Every worker creates every stage's group, in the same order (a collective call).
+        groups = [dist.new_group(meeting.stage_ranks(s)) if meeting.replicas > 1 else None
+                  for s in range(meeting.stages)]
         if self.optimizer is not None:
-            _move_state(self.optimizer, self.device)
-            # Global-norm clipping needs the squared norms of every stage's gradients.
+            if not offload.is_offloaded(self.optimizer):  # else it moves in for each step
+                _move_state(self.optimizer, self.device)
+            # Global-norm clipping and overflow checks need sums over every stage. Summed
+            # over all workers, each replica's (identical) share counts `replicas` times.
             self.optimizer._pipetorch_reduce = (  # type: ignore[attr-defined]
-                lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device))
-        dist.init_process_group(backend, init_method=f"file://{launch.store}",
-                                rank=setup.route.index, world_size=launch.world_size,
-                                timeout=datetime.timedelta(seconds=launch.timeout))
-        link = PeerLink(device=self.device, wire_device=wire_device, timeout=launch.timeout)
+                lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas)
+        link = PeerLink(device=self.device, wire_device=wire_device, timeout=launch.timeout,
+                        offset=meeting.rank(launch.replica, 0),
+                        replica_group=groups[setup.route.index])
         self.executor = StageExecutor(self.module, setup.route, setup.specs, inputs=setup.inputs,
-                                      link=link, device=self.device, optimizer=self.optimizer)
+                                      link=link, device=self.device, optimizer=self.optimizer,
+                                      replica=launch.placement.replica)
         self._plans: dict[tuple[int, bool], list] = {}
         if self.optimizer is not None:
             # torch.optim imports torch._dynamo on the first zero_grad/step (seconds): pay it
@@ -101,34 +114,41 @@ class Worker:
     def handle(self, kind: str, payload: Any) -> Any:
         return getattr(self, f"_{kind}")(payload)
 
-    def _run(self, payload: tuple[Call, bool]) -> Any:
-        call, training = payload
+    def _run(self, payload: tuple[Call, bool, int]) -> Any:
+        call, training, commit = payload
         key = (call.micro_batches, training)
         if key not in self._plans:
-            whole = plans.plan(self.setup.schedule, self.setup.route.stages, call.micro_batches,
-                               training=training)
-            self._plans[key] = whole[self.setup.route.index]
+            self._plans[key] = self._plan(call.micro_batches, training)
         call = Call({i: x.to(self.device, non_blocking=True) for i, x in call.inputs.items()},
                     call.iterations, call.micro_batches, call.wanted, call.scale)
         self.executor.run(self._plans[key], call, training=training)
+        if training:
+            self._snapshot(commit)
         return self.executor.outputs, self.executor.trace
 
-    def _pull(self, payload: None) -> Any:
-        state = {n: t.detach().to("cpu", copy=True) for n, t in
-                 [*self.module.named_parameters(), *self.module.named_buffers()]}
-        optimizer_state: dict[str, dict[str, Any]] = {}
-        if self.optimizer is not None:
-            for name, param in self.module.named_parameters():
-                if param in self.optimizer.state:
-                    optimizer_state[name] = {
-                        k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-                        for k, v in self.optimizer.state[param].items()}
-        return state, optimizer_state
+    def _plan(self, micro_batches: int, training: bool) -> list[Action]:
+        stage = self.setup.route.index
+        actions = plans.plan(self.setup.schedule, self.setup.route.stages, micro_batches,
+                             training=training)[stage]
+        if self.launch.rendezvous.replicas == 1:
+            return actions
+        # The replicas' gradients are summed just before each optimiser step.
+        at = next(n for n, a in enumerate(actions) if a.kind is Kind.STEP) if training else None
+        return actions if at is None else [*actions[:at], Action(Kind.ALL_REDUCE, stage),
+                                           *actions[at:]]
 
-    @torch.no_grad()
-    def _push(self, state: dict[str, torch.Tensor]) -> None:
-        for name, tensor in [*self.module.named_parameters(), *self.module.named_buffers()]:
-            tensor.copy_(state[name])
+    def _snapshot(self, commit: int) -> None:
+        if self.launch.snapshots is not None:
+            snapshot.write(self.launch.snapshots, self.setup.route.index, commit,
+                           snapshot.stage_state(self.module, self.optimizer))
+
+    def _pull(self, payload: None) -> snapshot.StageState:
+        return snapshot.stage_state(self.module, self.optimizer)
+
+    def _push(self, payload: tuple[snapshot.StageState, int]) -> None:
+        stage, commit = payload
+        snapshot.load_stage_state(self.module, self.optimizer, stage)
+        self._snapshot(commit)
 
     def _hyper(self, payload: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
         groups, attributes = payload
@@ -161,7 +181,8 @@ def _failure(launch: Launch, executor: StageExecutor | None, exc: BaseException)
         action = step.kind.value
         micro = base + step.micro_batch if step.micro_batch is not None else None
     return wire.Failure(launch.placement.stage, launch.placement.device, os.getpid(), action,
-                        micro, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                        micro, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                        launch.placement.replica)
 
 
 def main(conn: Connection) -> None:

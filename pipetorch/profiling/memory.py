@@ -3,18 +3,21 @@
 On the CPU nothing reports allocations, so every figure is computed from tensor sizes:
 parameters and buffers as they are; gradients as one tensor per trainable parameter;
 optimiser state from the optimiser's state tensors (or, before the first step reached the
-host copy, from the state one step creates on stand-ins of the parameters' dtypes); and the
-activations kept for backward as the most micro-batches the schedule stashes on the stage
-(`schedule.checks`' peak stash) times what one micro-batch's forward keeps: the tensors
-autograd saves plus the values the stage received and produced, each storage counted once.
+host copy, from the state one step creates on stand-ins of the parameters' dtypes), counted
+in host memory instead of the device's when it is offloaded
+(`setOptimizerLocation(useOnChipStorage(False))`); and the activations kept for backward,
+measured by one forward of each stage under saved-tensor hooks (`Footprint`): the values the
+stage received, the tensors autograd saved and the values it produced, each storage once.
+At the schedule's peak a stage holds all three for each stashed micro-batch
+(`schedule.checks`' peak stash); with recomputation only what it received and produced,
+plus one micro-batch's saved tensors while its backward recomputes them (`kept_bytes`).
 On a GPU in this process the peak is also measured with `torch.cuda.max_memory_allocated`.
 """
 from __future__ import annotations
 
 import copy
 import logging
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -37,16 +40,21 @@ def _nbytes(tensors: Any) -> int:
 
 
 def optimiser_state_bytes(optimizer: torch.optim.Optimizer | None,
-                          params: list[nn.Parameter]) -> tuple[int, str]:
-    """Bytes of `optimizer`'s state for `params`, and how they were found."""
+                          params: list[nn.Parameter], *,
+                          dtype: torch.dtype | None = None) -> tuple[int, str]:
+    """Bytes of `optimizer`'s state for `params`, and how they were found.
+
+    With `dtype`, the state the optimiser would keep if every parameter had that dtype (what
+    `model.half()` would make of it), from one step on stand-ins.
+    """
     if optimizer is None or not params:
         return 0, "no optimiser"
     present = [p for p in params if optimizer.state.get(p)]
-    if len(present) == len(params):
+    if dtype is None and len(present) == len(params):
         return sum(_nbytes(v for v in optimizer.state[p].values()
                            if isinstance(v, torch.Tensor)) for p in params), "state tensors"
     try:
-        per_element = _state_layout(optimizer, params)
+        per_element = _state_layout(optimizer, params, dtype)
     except Exception as exc:  # an optimiser that cannot step on stand-ins: say so, guess nothing
         logger.warning("Cannot size the state of %s: %s", type(optimizer).__name__, exc)
         return 0, f"unknown ({type(optimizer).__name__} could not step on stand-ins)"
@@ -57,13 +65,15 @@ def optimiser_state_bytes(optimizer: torch.optim.Optimizer | None,
     return total, "estimated from the state one step creates"
 
 
-def _state_layout(optimizer: torch.optim.Optimizer,
-                  params: list[nn.Parameter]) -> dict[int, tuple[int, int]]:
+def _state_layout(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+                  dtype: torch.dtype | None) -> dict[int, tuple[int, int]]:
     """Per parameter: (state bytes per element of the parameter, bytes of scalar state)."""
-    stand_ins = {id(p): nn.Parameter(torch.ones(2, dtype=p.dtype)) for p in params}
+    def stand_in(p: nn.Parameter) -> nn.Parameter:
+        return nn.Parameter(torch.ones(2, dtype=dtype or p.dtype))
+
+    stand_ins = {id(p): stand_in(p) for p in params}
     everything = [p for g in optimizer.param_groups for p in g["params"]]
-    memo = {id(p): stand_ins.get(id(p), nn.Parameter(torch.ones(2, dtype=p.dtype)))
-            for p in everything}
+    memo = {id(p): stand_ins[id(p)] if id(p) in stand_ins else stand_in(p) for p in everything}
     clone = copy.deepcopy(optimizer, dict(memo))
     clone.state.clear()
     for stand_in in memo.values():
@@ -80,32 +90,116 @@ def _state_layout(optimizer: torch.optim.Optimizer,
     return layout
 
 
-@contextmanager
-def _saving(parameters: set[int]) -> Iterator[Callable[[list[torch.Tensor]], int]]:
-    """Collects the tensors autograd saves for backward (not the weights); yields a counter of
-    those plus any other tensors given. Views of one storage count once, as the largest."""
-    storages: dict[int, int] = {}
+class Size(NamedTuple):
+    """Bytes as they are, and as they would be with every float wider than 16 bits halved."""
 
-    def note(tensor: torch.Tensor) -> None:
-        key = tensor.untyped_storage().data_ptr()
-        if key not in parameters:
-            storages[key] = max(storages.get(key, 0), tensor.numel() * tensor.element_size())
+    bytes: int
+    half: int
+
+    def __add__(self, other: object) -> "Size":
+        assert isinstance(other, Size)
+        return Size(self.bytes + other.bytes, self.half + other.half)
+
+    def scaled(self, factor: int) -> "Size":
+        return Size(self.bytes * factor, self.half * factor)
+
+
+ZERO = Size(0, 0)
+
+
+def size_of(tensors: Any) -> Size:
+    """The Size of some tensors (each counted whole, shared storages more than once)."""
+    total = ZERO
+    for t in tensors:
+        total += _sized(t, t.numel() * t.element_size())
+    return total
+
+
+def _sized(tensor: torch.Tensor, nbytes: int) -> Size:
+    wide = tensor.is_floating_point() and tensor.element_size() > 2
+    return Size(nbytes, nbytes * 2 // tensor.element_size() if wide else nbytes)
+
+
+class Footprint(NamedTuple):
+    """What one micro-batch's forward leaves on its stage, each storage counted once: the
+    values it received (host inputs and values from other stages), the values it produced
+    (kept until their gradients come back), and the other tensors autograd saved for
+    backward (weights excluded)."""
+
+    received: Size
+    saved: Size
+    outputs: Size
+
+    @property
+    def total(self) -> Size:
+        return self.received + self.saved + self.outputs
+
+
+def measure_forward(forward: Callable[..., Any], values: list[Any], weights: set[int], *,
+                    training: bool) -> tuple[Footprint, Any]:
+    """Run `forward(*values)` once (with gradients when `training`) and size its Footprint.
+
+    Tensor values are given to forward as fresh copies, as a stage worker receives them, so
+    views of a larger batch count only their own bytes. Returns the Footprint and the output.
+    """
+    values = [_received(v) for v in values]
+    storages: dict[int, Size] = {}
+    received = {_key(t) for t in _tensors(values)}
+    for t in _tensors(values):
+        storages.setdefault(_key(t), _sized(t, t.untyped_storage().nbytes()))
+    saved: set[int] = set()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        note(tensor)
+        key = _key(tensor)
+        if key not in weights and key not in received:
+            saved.add(key)
+            storages.setdefault(key, _sized(tensor, tensor.untyped_storage().nbytes()))
         return tensor
 
-    def total(extra: list[torch.Tensor]) -> int:
-        for tensor in extra:
-            note(tensor)
-        return sum(storages.values())
+    with torch.set_grad_enabled(training), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = forward(*values)
+    produced = set()
+    for t in _tensors(output):
+        key = _key(t)
+        if key not in weights and key not in received:
+            produced.add(key)
+            storages.setdefault(key, _sized(t, t.untyped_storage().nbytes()))
+    saved -= produced  # a produced value stays for backward even when recomputing
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield total
+    def total(keys: set[int]) -> Size:
+        return sum((storages[k] for k in keys), ZERO)
+
+    return Footprint(total(received), total(saved), total(produced)), output
 
 
-def _weights(module: nn.Module) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+def kept_bytes(footprint: Footprint, in_flight: int, *, training: bool,
+               recomputation: bool) -> tuple[Size, Size]:
+    """(activations, received values) a stage holds at its peak with `in_flight` micro-batches
+    awaiting backward. Inference keeps one micro-batch's inputs and nothing for backward.
+    Recomputation keeps each micro-batch's inputs and outputs only, and re-creates the saved
+    tensors of one micro-batch at a time during backward."""
+    if not training:
+        return ZERO, footprint.received
+    received = footprint.received.scaled(in_flight)
+    if recomputation:
+        return footprint.outputs.scaled(in_flight) + footprint.saved, received
+    return (footprint.saved + footprint.outputs).scaled(in_flight), received
+
+
+def weight_storages(module: nn.Module) -> set[int]:
+    """Storage keys of a module's parameters and buffers (never counted as activations)."""
+    return {_key(t) for t in [*module.parameters(), *module.buffers()]}
+
+
+def _key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _received(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().clone().requires_grad_(value.requires_grad)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -113,8 +207,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
-def stashed_per_micro_batch(compiled: Any, sample: tuple[tuple, dict]) -> list[int]:
-    """Bytes one micro-batch's forward keeps for its backward, per lane (see the module doc)."""
+def footprints(compiled: Any, sample: tuple[tuple, dict]) -> list[Footprint]:
+    """Each lane's Footprint for one training micro-batch (see the module doc)."""
     from pipetorch import ops
     from pipetorch.runtime.capture import preserved
 
@@ -122,45 +216,47 @@ def stashed_per_micro_batch(compiled: Any, sample: tuple[tuple, dict]) -> list[i
     args, kwargs = sample
     modes = {m: m.training for m in engine.model.modules()}
     try:
-        with preserved(engine.model), torch.enable_grad(), ops.running_on_device():
+        with preserved(engine.model), ops.running_on_device():
             engine.model.train(True)
             if is_local(engine):
                 device = engine.input_device
                 args, kwargs = torch.utils._pytree.tree_map(
                     lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-                with _saving(_weights(engine.model)) as total:
-                    output = engine.forward(*args, **kwargs)
-                    return [total(_tensors(output))]
-            return _staged_stash(engine, args, kwargs)
+                flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+
+                def whole(*leaves: Any) -> Any:
+                    a, k = torch.utils._pytree.tree_unflatten(list(leaves), spec)
+                    return engine.forward(*a, **k)
+
+                return [measure_forward(whole, flat, weight_storages(engine.model),
+                                        training=True)[0]]
+            return staged_footprints(engine.staged, args, kwargs, training=True)
     finally:
         for module, mode in modes.items():
             module.training = mode
 
 
-def _staged_stash(engine: Any, args: tuple, kwargs: dict) -> list[int]:
-    """What each stage worker's forward keeps: saved tensors, received and produced values."""
-    staged = engine.staged
+def staged_footprints(staged: Any, args: tuple, kwargs: dict, *,
+                      training: bool) -> list[Footprint]:
+    """Each stage's Footprint, running the stages in order on one micro-batch. A stage
+    receives the host inputs it reads and the bundle from the stage before it, which holds
+    the values it relays (`parallel.routes`) as well as those it reads."""
+    from pipetorch.parallel.routes import routes_of
+
     inputs = staged.flatten_inputs(*args, **kwargs)
     produced: dict[Any, Any] = {}
-    stashes = []
-    for j, (module, io) in enumerate(zip(staged.modules, staged.io)):
-        received = []
-        values = []
-        for source in io.inputs:
-            if source.kind == "input":
-                values.append(inputs[source[1]])
-                continue
-            value = produced[source]
-            if isinstance(value, torch.Tensor):  # arrives over the wire: a fresh leaf
-                value = value.detach().clone().requires_grad_(value.requires_grad)
-                received.append(value)
-            values.append(value)
-        with _saving(_weights(module)) as total:
-            outputs = module(*values)
-            stashes.append(total(received + _tensors(outputs)))
+    result = []
+    for j, (module, io, route) in enumerate(zip(staged.modules, staged.io,
+                                                routes_of(staged, training=training))):
+        values = [inputs[s[1]] if s.kind == "input" else produced[s] for s in io.inputs]
+        relayed = [produced[s] for s in route.receive if s not in io.inputs]
+        footprint, outputs = measure_forward(lambda *v, m=module: m(*v), values,
+                                             weight_storages(module), training=training)
+        extra = size_of(_tensors(relayed))
+        result.append(footprint._replace(received=footprint.received + extra))
         for k, value in enumerate(outputs):
             produced[Source.stage(j, k)] = value
-    return stashes
+    return result
 
 
 def peak_stash(compiled: Any, *, training: bool) -> list[int]:
@@ -200,6 +296,17 @@ def measured_peak(compiled: Any) -> int | None:
     return None if device is None else int(torch.cuda.max_memory_allocated(device))
 
 
+def offloaded(options: Any) -> bool:
+    """Whether the options keep the optimiser state in host memory."""
+    location = getattr(getattr(options, "TensorLocations", None), "optimizer_location", None)
+    return location is not None and location.use_on_chip_storage is False
+
+
+def recomputing(options: Any) -> bool:
+    """Whether the options checkpoint every stage's activations (Training.recomputation)."""
+    return bool(getattr(getattr(options, "Training", None), "recomputation", False))
+
+
 def build(compiled: Any, *, training: bool, options: Any,
           sample: tuple[tuple, dict] | None) -> dict[str, Any]:
     """The content of memory.json."""
@@ -208,41 +315,51 @@ def build(compiled: Any, *, training: bool, options: Any,
     lanes = lanes_of(compiled)
     modules = stage_modules(compiled) or [engine.model]
     held = peak_stash(compiled, training=training)
+    recomputation = training and recomputing(options)
+    prints: list[Footprint | None] = [None] * len(lanes)
     if not training:
-        stashes: list[int | None] = [0] * len(lanes)
         activations_method = "inference keeps no activations for backward"
     elif sample is None:
-        stashes = [None] * len(lanes)
         activations_method = "not computed: the profiler was given no sample micro-batch"
     else:
-        activations_method = ("peak stashed micro-batches of the schedule x tensors one "
-                              "micro-batch's forward keeps for backward")
+        activations_method = (
+            "measured: the tensors one micro-batch's forward receives, saves for backward and "
+            "produces, x the schedule's peak stashed micro-batches" + (
+                "; with recomputation only the received and produced ones are stashed, plus "
+                "one micro-batch's saved tensors recomputed during its backward"
+                if recomputation else ""))
         try:
-            stashes = list(stashed_per_micro_batch(compiled, sample))
+            prints = list(footprints(compiled, sample))
         except Exception as exc:  # a report without activations beats no report at exit
             logger.warning("Sizing the stashed activations failed: %s: %s",
                            type(exc).__name__, exc)
-            stashes = [None] * len(lanes)
             activations_method = (f"not computed: the sizing forward failed with "
                                   f"{type(exc).__name__}: {exc}")
-    location = getattr(getattr(options, "TensorLocations", None), "optimizer_location", None)
-    offload = location is not None and location.use_on_chip_storage is False
+    offload = training and offloaded(options)
     devices, methods = [], set()
-    for lane, module, stashed, stash in zip(lanes, modules, held, stashes):
+    for lane, module, stashed, footprint in zip(lanes, modules, held, prints):
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = engine.optimizer if training else None
         state, how = optimiser_state_bytes(optimizer, params)
         methods.add(how)
+        activations = None
+        if footprint is not None or not training:
+            kept, received = kept_bytes(footprint or Footprint(ZERO, ZERO, ZERO), stashed,
+                                        training=training, recomputation=recomputation)
+            activations = kept.bytes + received.bytes
         row = {
             "label": lane.label, "stage": lane.stage, "ipu": lane.ipu, "device": lane.device,
             "parameters": _nbytes(module.parameters()),
             "buffers": _nbytes(module.buffers()),
             "gradients": _nbytes(params) if training else 0,
-            "optimiser_state": state,
-            "optimiser_location": "device",
-            "activations": None if stash is None else stash * stashed,
-            "activations_per_micro_batch": stash,
+            "optimiser_state": 0 if offload else state,
+            "host_optimiser_state": state if offload else 0,
+            "optimiser_location": "host" if offload else "device",
+            "activations": activations,
+            "activations_per_micro_batch": (
+                None if footprint is None else footprint.total.bytes) if training else 0,
             "peak_stashed_micro_batches": stashed,
+            "recomputation": recomputation,
             "measured_peak": peak,
         }
         parts = ("parameters", "buffers", "gradients", "optimiser_state", "activations")
@@ -254,8 +371,9 @@ def build(compiled: Any, *, training: bool, options: Any,
         "units": "bytes",
         "optimiser_method": "; ".join(sorted(methods)),
         "optimiser_offload_requested": offload,
-        "optimiser_note": ("setOptimizerLocation(useOnChipStorage(False)) was requested; the "
-                           "state is still counted on the device" if offload else None),
+        "optimiser_note": ("setOptimizerLocation(useOnChipStorage(False)): the state lives in "
+                           "host memory (host_optimiser_state), outside the device's total"
+                           if offload else None),
         "activations_method": activations_method,
         "devices": devices,
     }

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from pipetorch.errors import CompileError, ConfigError
 from pipetorch.partition import plan
+from pipetorch.profiling import estimate, memory
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.runtime import weights
 from pipetorch.runtime.batching import split_micro_batches, to_device
@@ -93,24 +94,30 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
         bar.update()
         replica_buffers = _replica_buffers(model, capture, options, batching)
         engine: Any
-        if _in_processes(stages, replica_buffers):
+        process = (options.Distributed.process_id, options.Distributed.num_processes)
+        in_processes = _in_processes(stages, batching, process[1])
+        if in_processes:
+            model = model.to("cpu")  # the host copy; each worker moves its stage to its device
+        first = to_device(micro[0], torch.device("cpu") if in_processes else device)
+        bar.update()
+        device_opt = (device_optimizer(optimizer, user_model, model, options=options)
+                      if training else None)
+        _check_memory(model, first, stages, options, batching=batching, optimizer=device_opt,
+                      pipelined=strategy.pipelined, training=training, device=device)
+        recompute = training and bool(options.Training.recomputation)
+        if in_processes:
             from pipetorch.parallel.build import process_engine
 
-            model = model.to("cpu")  # the host copy; each worker moves its stage to its device
-            bar.update()
-            device_opt = device_optimizer(optimizer, user_model, model, options=options) if training else None
             engine = process_engine(
-                model, to_device(micro[0], torch.device("cpu")), stages, batching=batching,
-                optimizer=device_opt, pipelined=strategy.pipelined, training=training,
-                recomputation=capture.uses_recomputation)
+                model, first, stages, batching=batching, optimizer=device_opt,
+                pipelined=strategy.pipelined, training=training, recomputation=recompute,
+                process=process, seed=options.random_seed)
         else:
             forward: Any = model
-            if training and capture.uses_recomputation:
-                from pipetorch.runtime.recompute import with_recomputation
+            if training and (capture.uses_recomputation or recompute):
+                from pipetorch.runtime.recompute import stage_module
 
-                forward = with_recomputation(model)
-            bar.update()
-            device_opt = device_optimizer(optimizer, user_model, model, options=options) if training else None
+                forward = stage_module(model, checkpoint=recompute)
             engine = LocalEngine(model, forward, optimizer=device_opt, batching=batching,
                                  replica_buffers=replica_buffers)
         bar.update()
@@ -123,21 +130,37 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
     return Compiled(engine, stages, capture, devices, seconds, synthetic)
 
 
-def _in_processes(stages: list[StageSpec], replica_buffers: ReplicaBuffers | None) -> bool:
+def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec],
+                  options: Any, *, batching: Batching, optimizer: torch.optim.Optimizer | None,
+                  pipelined: bool, training: bool, device: torch.device) -> None:
+    """Refuse, before any worker starts, a configuration whose estimate exceeds the budget."""
+    budget = estimate.device_budget(options.memory_budget, device=device)
+    if budget is None:  # CPU without a budget: no sizing forward
+        return
+    found = estimate.estimate_memory(
+        model, first, stages, batching=batching, optimizer=optimizer, pipelined=pipelined,
+        training=training, offload=memory.offloaded(options),
+        recomputation=memory.recomputing(options))
+    estimate.check_budget(found, budget)
+
+
+def _in_processes(stages: list[StageSpec], batching: Batching, processes: int) -> bool:
     """Whether stages run in worker processes ($PIPETORCH_EXECUTION: auto, processes, local).
 
-    auto: when the stages are on more than one logical device. Replicas whose buffers differ
-    (broadcastBuffers(False)) still run in this process.
+    auto: when there is more than one device (logical devices x replicas), or more than one
+    host process (their replicas reduce gradients together).
     """
     mode = os.environ.get(EXECUTION_ENV, "auto")
     if mode not in ("auto", "processes", "local"):
         raise ConfigError(f"{EXECUTION_ENV}={mode!r}: use 'auto', 'processes' or 'local'")
-    wanted = mode == "processes" or (mode == "auto" and len({s.ipu_id for s in stages}) > 1)
-    if wanted and replica_buffers is not None:
-        logger.warning("Replicas that keep their own buffers run in this process, one after "
-                       "another, not on separate devices")
-        return False
-    return wanted
+    if processes > 1:
+        if mode == "local":
+            raise ConfigError(
+                f"{EXECUTION_ENV}=local cannot run one of {processes} host processes: their "
+                "replicas exchange gradients through stage workers; unset it")
+        return True
+    devices = len({s.ipu_id for s in stages}) * batching.replication_factor
+    return mode == "processes" or (mode == "auto" and devices > 1)
 
 
 def _replica_buffers(model: nn.Module, capture: Capture, options: Any,

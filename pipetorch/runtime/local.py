@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 from pipetorch import ops
 from pipetorch.enums import ReductionType
 from pipetorch.errors import CompileError
+from pipetorch.optim.scaling import loss_scale
 from pipetorch.runtime.outputs import OutputCollector
 
 __all__: list[str] = []
@@ -48,13 +49,12 @@ def find_loss(output: Any) -> torch.Tensor:
     return loss
 
 
-def loss_multiplier(optimizer: torch.optim.Optimizer, batching: Batching) -> float:
-    """What each micro-batch's loss is multiplied by before backward: the loss scaling,
-    divided by the G x R micro-batches of a step when gradients are averaged."""
-    scale = float(getattr(optimizer, "loss_scaling", None) or 1.0)
+def reduction_multiplier(batching: Batching) -> float:
+    """The reduction part of the loss multiplier: 1/(G*R) when gradients are averaged over
+    the G x R micro-batches of a step (Mean), 1 when they are summed."""
     if batching.reduction == ReductionType.Mean:
-        scale /= batching.gradient_accumulation * batching.replication_factor
-    return scale
+        return 1.0 / (batching.gradient_accumulation * batching.replication_factor)
+    return 1.0
 
 
 def _detach(output: Any) -> Any:
@@ -142,9 +142,10 @@ class LocalEngine:
         b = self.batching
         assert self.optimizer is not None and len(micro_batches) == b.micro_batches
         self.model.train()
-        scale = loss_multiplier(self.optimizer, b)
         with ops.running_on_device():
             for d in range(b.device_iterations):
+                # Read at every step: automatic loss scaling changes the scale between steps.
+                scale = reduction_multiplier(b) * loss_scale(self.optimizer)
                 self.optimizer.zero_grad(set_to_none=True)
                 first = d * b.gradient_accumulation
                 for step, r, args, kwargs in self._walk(

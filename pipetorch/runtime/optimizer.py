@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 
 from pipetorch.errors import ConfigError
+from pipetorch.optim import offload, scaling
+from pipetorch.optim._common import PopTorchOptimizer
 
 __all__: list[str] = []
 
@@ -21,7 +23,12 @@ def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 def device_optimizer(optimizer: torch.optim.Optimizer, host: nn.Module,
                      device: nn.Module, *, options: Any = None) -> torch.optim.Optimizer:
-    """A copy of `optimizer` (hyper-parameters and state) that updates `device`'s parameters."""
+    """A copy of `optimizer` (hyper-parameters and state) that updates `device`'s parameters.
+
+    With `options`: automatic loss scaling on or off as `Training.auto_loss_scaling` says
+    (a scale the optimiser already carries is kept), and the state offloaded to host memory
+    when `TensorLocations.setOptimizerLocation(...useOnChipStorage(False))` asks for it.
+    """
     memo: dict[int, object] = {}
     for (name, h), (_, d) in zip(host.named_parameters(remove_duplicate=False),
                                  device.named_parameters(remove_duplicate=False)):
@@ -37,16 +44,38 @@ def device_optimizer(optimizer: torch.optim.Optimizer, host: nn.Module,
     # deepcopy with the host parameters pre-mapped: groups, state and defaults are copied,
     # and every reference to a host parameter becomes the matching device parameter.
     clone = copy.deepcopy(optimizer, memo)
-    for param, state in clone.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device != param.device and value.dim():
-                state[key] = value.to(param.device)
+    if not offload.is_offloaded(clone):
+        for param, state in clone.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device != param.device and value.dim():
+                    state[key] = value.to(param.device)
+    if options is not None:
+        _apply_options(clone, options)
     return clone
+
+
+def _apply_options(optimizer: torch.optim.Optimizer, options: Any) -> None:
+    """Automatic loss scaling and optimiser state offload, as the compile options ask."""
+    if options.Training.auto_loss_scaling:
+        if not isinstance(optimizer, PopTorchOptimizer):
+            raise ConfigError(
+                "opts.Training.setAutomaticLossScaling(True) needs a poptorch.optim optimiser "
+                "(its step() skips overflowing steps and un-scales the gradients), but the model "
+                f"trains with {type(optimizer).__module__}.{type(optimizer).__name__}: use "
+                "poptorch.optim.SGD, Adam, AdamW, RMSprop or LAMB, or call "
+                "setAutomaticLossScaling(False) and pass a static loss_scaling")
+        # Keeps the scale the user's optimiser carries from an earlier wrapper, if any.
+        scaling.enable_automatic_loss_scaling(optimizer)
+    else:
+        scaling.disable_automatic_loss_scaling(optimizer)
+    location = options.TensorLocations.optimizer_location
+    if location is not None and location.use_on_chip_storage is False:
+        offload.offload_state(optimizer)
 
 
 def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
     """setOptimizer: new learning rates etc. reach the device; its state stays."""
-    if type(source) is not type(target):
+    if _base_class(source) is not _base_class(target):
         raise ConfigError(
             f"setOptimizer got a {type(source).__name__} but the model trains with a "
             f"{type(target).__name__}: keep the optimiser type, or build a new trainingModel"
@@ -66,5 +95,13 @@ def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Opti
 
 
 def copy_state_to_host(device_opt: torch.optim.Optimizer, host_opt: torch.optim.Optimizer) -> None:
-    """Give the user's optimiser the device's state, e.g. for a checkpoint."""
+    """Give the user's optimiser the device's state (and dynamic loss scale), e.g. for a
+    checkpoint or to read `scaling.loss_scale(optimizer)` after a call."""
     host_opt.load_state_dict(copy.deepcopy(device_opt.state_dict()))
+    if scaling.is_automatic(device_opt):
+        scaling.load_scaling_state(host_opt, scaling.scaling_state(device_opt))
+
+
+def _base_class(optimizer: torch.optim.Optimizer) -> type:
+    """The optimiser's own class (an offloaded one runs as a subclass of it)."""
+    return type(optimizer).__dict__.get("_pipetorch_base", type(optimizer))

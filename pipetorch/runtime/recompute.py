@@ -1,49 +1,160 @@
-"""Activation recomputation: forward split at recomputationCheckpoint calls, run checkpointed."""
+"""Activation recomputation: forward cut at recomputationCheckpoint calls, or a whole stage
+checkpointed, so backward reruns the forward instead of keeping its activations."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import operator
 import traceback
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from pipetorch import ops
 from pipetorch.errors import CompileError
 from pipetorch.partition.trace import FX_RULES, user_line
+from pipetorch.runtime.capture import preserved
 
 __all__: list[str] = []
 
-# Frames from these folders are machinery; the first frame outside them is the user's line.
+
+def stage_module(module: nn.Module, *, checkpoint: bool) -> nn.Module:
+    """`module` (one pipeline stage, or any module) set up to recompute activations in backward.
+
+    checkpoint=True (Options.Training.setRecomputation): the whole forward runs under
+    activation checkpointing, so only the inputs stay alive until backward, which reruns the
+    forward first (same RNG state, so dropout masks match). Otherwise, when forward calls
+    poptorch.recomputationCheckpoint, the activations between checkpoints are recomputed (see
+    with_recomputation); without calls `module` itself is returned. An fx.GraphModule (a stage
+    from split_stages) is read as it is; another module is traced with torch.fx to find the
+    calls (CompileError when it can't be).
+
+    The result shares `module`'s parameters, buffers and submodules under the same names
+    (named_parameters() and state_dict() keys are identical), updates buffers once per forward
+    as `module` does, and pickles (the unpickled copy shares its own weights the same way).
+    """
+    if checkpoint:
+        return _CheckpointedStage(module)
+    if isinstance(module, fx.GraphModule):
+        calls = any(_is_checkpoint(node) for node in module.graph.nodes)
+        return _RecomputedModule(module) if calls else module
+    recomputed = _RecomputedModule(module)
+    return recomputed if recomputed.segmented else module
 
 
 def with_recomputation(module: nn.Module) -> nn.Module:
     """A module running `module` with activations between recomputationCheckpoint calls
     recomputed in backward instead of kept.
 
-    The forward is traced with torch.fx and cut after every checkpoint call; each segment that
-    ends in a checkpoint runs under torch.utils.checkpoint, so only the values crossing
-    segments stay alive. The result shares `module`'s parameters and buffers (it holds
-    `module` as its only child) and computes the same numbers. Raises CompileError when
-    forward cannot be traced.
+    The forward is traced with torch.fx (an fx.GraphModule's own graph is used as it is) and
+    cut after every checkpoint call; each segment that ends in a checkpoint runs under
+    torch.utils.checkpoint, so only the values crossing segments stay alive. The result shares
+    `module`'s parameters, buffers and submodules under the same names and computes the same
+    numbers. Raises CompileError when forward cannot be traced.
     """
     return _RecomputedModule(module)
 
 
-class _RecomputedModule(nn.Module):
-    """Runs the segmented program traced for the current train/eval modes of `module`."""
+def original_module(module: nn.Module) -> nn.Module:
+    """The module stage_module or with_recomputation wrapped; `module` itself otherwise."""
+    return module.module if isinstance(module, _SharedView) else module
+
+
+def saved_activation_bytes(module: nn.Module, args: tuple, *, training: bool = True) -> int:
+    """Bytes autograd keeps for backward during one forward of `module(*args)`.
+
+    Counts each storage a saved tensor lives in once, leaving out the module's parameters and
+    buffers (model state, resident anyway). The forward runs with gradients on, `module` in
+    train (`training=True`) or eval mode; its modes, buffers and the RNG are restored after.
+    """
+    state = {_storage_key(t) for t in itertools.chain(module.parameters(), module.buffers())}
+    kept: dict[tuple[torch.device, int], int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in state:
+            kept[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.train(training)
+        with preserved(module), torch.enable_grad(), ops.running_on_device(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            module(*args)
+    finally:
+        for submodule, mode in modes:  # parents first: each call fixes its own subtree
+            submodule.train(mode)
+    return sum(kept.values())
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+class _SharedView(nn.Module):
+    """Runs `module` while presenting its parameters, buffers and submodules as its own.
+
+    The registries are the same dict objects as `module`'s, not copies: names are identical,
+    and weights loaded, moved or replaced through either object are seen by both. `module` is
+    deliberately not a registered child (its names would gain a `module.` prefix).
+    """
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        self.module = module
+        for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+            self.__dict__[name] = module.__dict__[name]
+        self.__dict__["_wrapped"] = module
+        self.training = module.training
+
+    @property
+    def module(self) -> nn.Module:
+        """The module run."""
+        return self.__dict__["_wrapped"]
+
+    def train(self, mode: bool = True) -> nn.Module:
+        super().train(mode)
+        self.module.train(mode)  # not a registered child, and its forward may read .training
+        return self
+
+    def __reduce__(self) -> tuple[type, tuple[nn.Module]]:
+        # Unpickling rebuilds the module (a GraphModule gets new registries): share those.
+        return type(self), (self.module,)
+
+
+class _CheckpointedStage(_SharedView):
+    """The whole forward checkpointed: its inputs are kept, everything else recomputed."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self._mutated = _inplace_inputs(module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        return _checkpoint_call(self.module, self._mutated, args, kwargs,
+                                owner=f"{type(self.module).__name__}.forward")
+
+
+class _RecomputedModule(_SharedView):
+    """Runs the segmented program traced for the current train/eval modes of `module`."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
         # fx bakes Python-level branches on `self.training` into the graph, so one program is
         # kept per combination of modes. Not registered: `module` already owns the weights.
         self._programs: dict[tuple[bool, ...], fx.GraphModule] = {}
         self._program()  # trace now so an untraceable model fails at wrapping time
+
+    @property
+    def segmented(self) -> bool:
+        """Whether forward calls recomputationCheckpoint (some segment is recomputed)."""
+        return any(isinstance(m, _CheckpointedSegment) for m in self._program().children())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing is kept for backward: nothing to recompute
@@ -69,15 +180,69 @@ class _CheckpointedSegment(nn.Module):
     def __init__(self, segment: fx.GraphModule) -> None:
         super().__init__()
         self.segment = segment
+        self._mutated = _inplace_inputs(segment)
 
     def forward(self, *inputs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.segment(*inputs)
-        return checkpoint(self.segment, *inputs, use_reentrant=False,
-                          context_fn=self._contexts)
+        return _checkpoint_call(self.segment, self._mutated, inputs, {},
+                                owner="The code before a recomputationCheckpoint call")
 
-    def _contexts(self) -> tuple[contextlib.AbstractContextManager, ...]:
-        return contextlib.nullcontext(), _recomputation(list(self.segment.buffers()))
+
+def _inplace_inputs(module: nn.Module) -> tuple[int, ...]:
+    # The stage executor's own reading (imported here: the executor reads stages through
+    # original_module, and the parallel layer is not needed to recompute in one process).
+    from pipetorch.parallel.stage import inplace_inputs
+
+    return tuple(sorted(inplace_inputs(module)))
+
+
+def _checkpoint_call(module: nn.Module, mutated: tuple[int, ...], args: tuple[Any, ...],
+                     kwargs: dict[str, Any], *, owner: str) -> Any:
+    """`module(*args, **kwargs)` under non-reentrant checkpointing, RNG state kept.
+
+    Arguments at the positions in `mutated` (which forward changes in place, e.g.
+    ReLU(inplace=True)) are changed in the caller's tensors as without checkpointing, while
+    the copy checkpoint keeps for the rerun stays as it was received.
+    """
+    given = {i: args[i] for i in mutated if i < len(args) and isinstance(args[i], torch.Tensor)}
+    kept = [a.clone() if i in given else a for i, a in enumerate(args)]
+    versions = [a._version if isinstance(a, torch.Tensor) else None for a in kept]
+    outputs, changed = _checkpoint(_run_on_copies, module, tuple(given), *kept,
+                                   use_reentrant=False, context_fn=_replay_contexts(module),
+                                   **kwargs)
+    for index, (arg, version) in enumerate(zip(kept, versions)):
+        if version is not None and arg._version != version:
+            raise CompileError(
+                f"{owner} modified its input {_input_name(module, index)} in place, so it "
+                "cannot be rerun in backward from its inputs to recompute activations. Compute "
+                "it out of place (`x = x + 1`, ReLU(inplace=False)), or turn recomputation off")
+    for tensor, value in zip(given.values(), changed):
+        tensor.copy_(value)  # through autograd: the gradient reaches the recomputed value
+    return outputs
+
+
+def _run_on_copies(module: nn.Module, positions: tuple[int, ...], *args: Any,
+                   **kwargs: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    args = tuple(a.clone() if i in positions else a for i, a in enumerate(args))
+    return module(*args, **kwargs), tuple(args[i] for i in positions)
+
+
+def _input_name(module: nn.Module, index: int) -> str:
+    if isinstance(module, fx.GraphModule):
+        names = [n.name for n in module.graph.find_nodes(op="placeholder")]
+        if index < len(names):
+            return f"{index} ('{names[index]}')"
+    return str(index)
+
+
+def _replay_contexts(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
+    """checkpoint's context_fn: nothing around the forward, _recomputation around the rerun."""
+    return functools.partial(_contexts, module)
+
+
+def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
+    return contextlib.nullcontext(), _recomputation(list(module.buffers()))
 
 
 @contextlib.contextmanager
@@ -107,7 +272,8 @@ class _Segment:
 def _build_program(module: nn.Module) -> fx.GraphModule:
     before = set(vars(module))
     try:
-        return _assemble(module, _trace(module))
+        graph = module.graph if isinstance(module, fx.GraphModule) else _trace(module)
+        return _assemble(module, graph)
     finally:
         # fx stores tensor constants on the traced root; the segments hold their own references
         # by now, so the user's module is left as it was.

@@ -19,6 +19,12 @@ class Kind(enum.Enum):
     SEND_DONE = "S<D"  # no data: the micro-batch has left the last stage (sharded inference)
     RECV_DONE = "R>D"  # wait until a later stage says the micro-batch is done
     STEP = "STEP"      # one optimiser step after all the micro-batches' backwards
+    ALL_REDUCE = "AR"  # gradients summed over the replicas of the stage, before STEP
+
+    @property
+    def is_whole_step(self) -> bool:
+        """Kinds that cover every micro-batch of the step and have no peer."""
+        return self in (Kind.STEP, Kind.ALL_REDUCE)
 
     @property
     def is_compute(self) -> bool:
@@ -62,10 +68,10 @@ class Action:
             raise TypeError(f"Action kind must be a Kind, got {self.kind!r}")
         if self.stage < 0:
             raise ValueError(f"Action stage must be >= 0, got {self.stage}")
-        if self.kind is Kind.STEP:
+        if self.kind.is_whole_step:
             if self.micro_batch is not None or self.peer is not None:
                 raise ValueError(
-                    f"STEP covers every micro-batch and has no peer, got micro_batch="
+                    f"{self.kind.value} covers every micro-batch and has no peer, got micro_batch="
                     f"{self.micro_batch}, peer={self.peer}; pass only the stage")
             return
         if self.micro_batch is None or self.micro_batch < 0:
@@ -95,8 +101,8 @@ class Action:
                 and other.stage == self.peer and other.peer == self.stage)
 
     def __str__(self) -> str:
-        if self.kind is Kind.STEP:
-            return "STEP"
+        if self.kind.is_whole_step:
+            return self.kind.value
         return f"{self.kind.value}{self.micro_batch}"
 
 

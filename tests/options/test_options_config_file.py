@@ -22,7 +22,7 @@ setAvailableMemoryProportion({"IPU0": 0.25})
 TensorLocations.setOptimizerLocation(poptorch.TensorLocationSettings().useOnChipStorage(False))
 Precision.setPartialsType(torch.float16)
 setExecutionStrategy(pipetorch.ShardedExecution(poptorch.Stage("A"), poptorch.Stage("B").ipu(1)))
-_Popart.set("autoRecomputation", -3)
+_Popart.set("someOption", -3)
    logDir("logs")   
 """
 
@@ -44,7 +44,7 @@ def test_good_file_sets_every_line(tmp_path):
     assert opts.TensorLocations.optimizer_location.use_on_chip_storage is False
     assert opts.Precision.partials_type == torch.float16
     assert isinstance(opts.execution_strategy, ShardedExecution)
-    assert opts._Popart.options == {"autoRecomputation": -3}
+    assert opts._Popart.options == {"someOption": -3}
     assert opts.log_dir == "logs"
 
 

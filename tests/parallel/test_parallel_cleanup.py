@@ -43,7 +43,7 @@ def test_destroy_stops_the_workers_and_removes_their_files(registry):
         records = sorted(records_of(os.getpid()), key=lambda r: r["stage"])
         threads = max(1, placement.cpu_cores() // 2)
         assert records == [
-            {"stage": s, "ipu": s, "device": "cpu", "threads": threads, "pid": pids[s],
+            {"stage": s, "ipu": s, "device": "cpu", "threads": threads, "replica": 0, "pid": pids[s],
              "host_pid": os.getpid()} for s in range(2)]
         assert _registry_files(registry) == sorted(f"worker-{p}.json" for p in pids)
         assert os.path.isdir(folder)

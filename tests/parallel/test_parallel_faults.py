@@ -53,7 +53,7 @@ def test_loss_error_in_a_late_micro_batch_names_where_and_a_new_wrapper_trains(r
     assert out.shape == (D * G * R * B, CLASSES) and torch.isfinite(loss).all()
     engine = wrapper._compiled.engine
     pids = list(engine.worker_pids)
-    assert len(pids) == 2 and all(alive(p) for p in pids)
+    assert len(pids) == 2 * R and all(alive(p) for p in pids)  # stage s of replica r: r * 2 + s
     assert sorted(r["pid"] for r in records_of(os.getpid())) == sorted(pids)
 
     # micro-batch 11 = device iteration 1, accumulation step 1, replica 1 ([D][G][R] order);
@@ -67,7 +67,7 @@ def test_loss_error_in_a_late_micro_batch_names_where_and_a_new_wrapper_trains(r
     message = str(info.value)
     assert isinstance(info.value, DeviceError)
     assert message.startswith(
-        f"Stage 1 on cpu (pid {pids[1]}) failed in the forward of micro-batch 11 (device "
+        f"Stage 1 of replica 1 on cpu (pid {pids[3]}) failed in the forward of micro-batch 11 (device "
         f"iteration 1, accumulation step 1, replica 1): IndexError: Target {CLASSES + 4} is out "
         "of bounds."), message
     head, traceback = message.split("\n\nWorker traceback:\n", 1)
@@ -75,8 +75,9 @@ def test_loss_error_in_a_late_micro_batch_names_where_and_a_new_wrapper_trains(r
     assert "cross_entropy" in traceback and "pipetorch/parallel/stage.py" in traceback
     assert traceback.rstrip().endswith(f"IndexError: Target {CLASSES + 4} is out of bounds.")
     failure = info.value.failure
-    assert (failure.stage, failure.device, failure.pid, failure.action, failure.micro_batch) == \
-        (1, "cpu", pids[1], "F", 11)
+    # the worker counts its own replica's micro-batches: 11 is replica 1's fifth (1 * G + 1)
+    assert (failure.stage, failure.replica, failure.device, failure.pid, failure.action,
+            failure.micro_batch) == (1, 1, "cpu", pids[3], "F", 5)
 
     assert wait_gone(pids) == []  # the failing worker and its healthy neighbour
     assert records_of(os.getpid()) == []
@@ -135,7 +136,9 @@ def test_worker_killed_during_a_call_fails_the_call_fast(registry, wrappers):
     wrapper = poptorch.trainingModel(model, options(D=LONG_D, G=4), optimizer=_sgd(model))
     wrappers.append(wrapper)
     x, y = heavy_data(LONG_D * 4 * 32)
-    wrapper.compile(x, y)
+    reference = copy.deepcopy(model)
+    plain_train_call(reference, _sgd(reference), x, y, D=LONG_D, G=4, R=1)
+    wrapper(x, y)  # completed; its weights stay on the devices (no copy to the host)
     pids = list(wrapper._compiled.engine.worker_pids)
     result = {}
 
@@ -162,6 +165,9 @@ def test_worker_killed_during_a_call_fails_the_call_fast(registry, wrappers):
         "code -9, killed by SIGKILL)"), str(error)
     assert wait_gone(pids) == []
     assert records_of(os.getpid()) == []
+    # The model holds the weights of the last completed call, saved by the workers after it.
+    for name, param in reference.named_parameters():
+        assert_close(model.get_parameter(name), param, msg=name)
     wrapper.destroy()
 
     # A new wrapper (here for inference) of the same model runs in this process...

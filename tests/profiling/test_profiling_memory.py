@@ -116,3 +116,77 @@ def test_on_a_gpu_the_local_engines_peak_is_measured(tmp_path, monkeypatch):
     _, memory, _ = profiler.reports()
     assert memory["devices"][0]["measured_peak"] == 12345
     assert memory["method"].startswith("peak measured with torch.cuda.max_memory_allocated")
+
+
+class ReluStages(nn.Module):
+    """Stage A: h = 2 relu(x W1^T) (6 -> 8); stage B: out = h W2^T (8 -> 4), loss = out.sum()."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8, bias=False)
+        self.fc2 = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        with poptorch.Block("A"):
+            h = torch.relu(self.fc1(x)) * 2
+        with poptorch.Block("B"):
+            out = self.fc2(h)
+            loss = poptorch.identity_loss(out, reduction="sum")
+        return out, loss
+
+
+def staged_report(*, offload, recomputation):
+    """memory.json of a two-stage pipelined engine built from a real split (no workers), and
+    the compile-time estimate of the same configuration."""
+    from types import SimpleNamespace
+
+    from pipetorch.parallel.placement import Placement
+    from pipetorch.partition.split import split_stages
+    from pipetorch.partition.strategies import StageSpec
+    from pipetorch.profiling.estimate import estimate_memory
+    from pipetorch.profiling.memory import build
+    from pipetorch.runtime.compile import Compiled
+    from pipetorch.runtime.local import Batching
+
+    torch.manual_seed(0)
+    model, x = ReluStages(), torch.randn(2, 6)
+    stages = [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",))]
+    adam = torch.optim.Adam(model.parameters())
+    batching = Batching(1, 4, 1)
+    engine = SimpleNamespace(
+        model=model, optimizer=adam, batching=batching, schedule="pipelined",
+        staged=split_stages(model, (x,), {}, stages), last_trace=[],
+        placements=[Placement(0, 0, "cpu", 1), Placement(1, 1, "cpu", 1)])
+    location = poptorch.TensorLocationSettings().useOnChipStorage(not offload)
+    options = SimpleNamespace(TensorLocations=SimpleNamespace(optimizer_location=location),
+                              Training=SimpleNamespace(recomputation=recomputation))
+    report = build(Compiled(engine, stages, None, 2, 0.1), training=True, options=options,
+                   sample=((x,), {}))
+    estimate = estimate_memory(model, ((x,), {}), stages, batching=batching, optimizer=adam,
+                               pipelined=True, training=True, offload=offload,
+                               recomputation=recomputation)
+    return report, estimate
+
+
+def test_offloaded_optimiser_state_is_shown_on_the_host():
+    report, estimate = staged_report(offload=True, recomputation=False)
+    stage0 = report["devices"][0]
+    weight = 6 * 8 * 4
+    assert (stage0["optimiser_state"], stage0["host_optimiser_state"]) == (0, 2 * weight + 4)
+    assert stage0["optimiser_location"] == "host"
+    assert "host memory" in report["optimiser_note"]
+    assert [d["total"] for d in report["devices"]] == [d.total for d in estimate.devices.values()]
+
+
+def test_recomputation_shrinks_the_reported_stash():
+    plain, _ = staged_report(offload=False, recomputation=False)
+    recomputed, estimate = staged_report(offload=False, recomputation=True)
+    x, h = 2 * 6 * 4, 2 * 8 * 4
+    # 1F1B: stage 0 stashes 2 micro-batches of x, relu's result and h; recomputing, x and h,
+    # with relu's result back for one micro-batch during its backward.
+    assert plain["devices"][0]["activations"] == 2 * (x + h + h)
+    assert recomputed["devices"][0]["activations"] == 2 * (x + h) + h
+    assert recomputed["devices"][0]["recomputation"] is True
+    assert "with recomputation" in recomputed["activations_method"]
+    assert [d["total"] for d in recomputed["devices"]] == [
+        d.total for d in estimate.devices.values()]

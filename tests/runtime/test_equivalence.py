@@ -12,6 +12,14 @@ from helpers.reference import expected_outputs, plain_train_call
 MODES = ["All", "EveryN", "Final", "Sum", "Default"]
 
 
+@pytest.fixture(autouse=True)
+def _replicas_in_this_process(monkeypatch):
+    """The whole D x G x R x mode grid runs its replicas in this process (LocalEngine): two
+    worker start-ups per case would cost minutes. tests/parallel/test_parallel_replicas.py
+    checks the same numbers with each replica in its own worker process."""
+    monkeypatch.setenv("PIPETORCH_EXECUTION", "local")
+
+
 def make_options(D, G, R, mode, *, mean=True):
     opts = poptorch.Options().deviceIterations(D).replicationFactor(R)
     opts.Training.gradientAccumulation(G)

@@ -1,0 +1,165 @@
+"""Automatic loss scaling: a dynamic scale that halves on overflow and doubles after clean runs.
+
+The loss is multiplied by the scale before backward; `step()` first counts the non-finite
+gradients. On an overflow the update is skipped (gradients dropped, state untouched), the
+scale halves (not below `MIN_SCALE`) and the run of clean steps restarts; otherwise the
+gradients are divided back and after `growth_interval` clean steps in a row the scale
+doubles (not above `MAX_SCALE`). This is the standard overflow-skip scheme (as torch's
+GradScaler); PopTorch's own ALS adjusts the scale from gradient histograms instead.
+
+The scale starts at the optimiser's `loss_scaling` when that is set (not 1.0), else at
+`DEFAULT_INITIAL_SCALE`. Everything lives in one picklable dataclass on the optimiser, so
+it travels to stage workers with it. A stage worker sets `optimizer._pipetorch_reduce` (a
+sum over every stage and replica): the overflow count goes through it, so an overflow on
+any stage or replica skips the step on all of them.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["enable_automatic_loss_scaling", "disable_automatic_loss_scaling",
+           "is_automatic", "loss_scale", "scaling_state", "load_scaling_state",
+           "skipped_steps", "DEFAULT_INITIAL_SCALE", "DEFAULT_GROWTH_INTERVAL",
+           "MIN_SCALE", "MAX_SCALE"]
+
+#: Where the scale starts when the optimiser's `loss_scaling` is left at 1.0.
+DEFAULT_INITIAL_SCALE = 2.0 ** 15
+#: Clean steps in a row after which the scale doubles.
+DEFAULT_GROWTH_INTERVAL = 2000
+MIN_SCALE = 1.0
+MAX_SCALE = 2.0 ** 24
+
+_ATTR = "_pipetorch_dynamic_scale"
+
+
+@dataclass
+class DynamicScale:
+    """The state of automatic loss scaling (plain values: it pickles with the optimiser)."""
+
+    scale: float
+    growth_interval: int = DEFAULT_GROWTH_INTERVAL
+    clean_steps: int = 0
+    skipped_steps: int = 0
+
+
+def _dynamic(optimizer: torch.optim.Optimizer) -> DynamicScale | None:
+    return optimizer.__dict__.get(_ATTR)
+
+
+def _check_growth_interval(growth_interval: Any) -> int:
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
+        raise TypeError(f"growth_interval must be an int >= 1, got {growth_interval!r} "
+                        f"({type(growth_interval).__name__}); pass e.g. growth_interval=2000")
+    if growth_interval < 1:
+        raise ValueError(f"growth_interval must be >= 1, got {growth_interval}; pass e.g. "
+                         "growth_interval=2000")
+    return growth_interval
+
+
+def enable_automatic_loss_scaling(optimizer: torch.optim.Optimizer, *,
+                                  initial_scale: float | None = None,
+                                  growth_interval: int | None = None) -> None:
+    """Turn automatic loss scaling on for `optimizer` (a pipetorch optimiser).
+
+    Already on: the current scale and counters are kept; only the arguments given change.
+    `initial_scale` defaults to the optimiser's `loss_scaling` if set, else 2**15.
+    """
+    from pipetorch.optim._common import PopTorchOptimizer, check_number
+
+    if not isinstance(optimizer, PopTorchOptimizer):
+        raise TypeError(
+            f"Automatic loss scaling needs a pipetorch optimiser (it un-scales the gradients "
+            f"and skips overflowing steps in step()), got {type(optimizer).__module__}."
+            f"{type(optimizer).__name__}; use poptorch.optim.{type(optimizer).__name__} "
+            "(or another poptorch.optim optimiser) instead")
+    if growth_interval is not None:
+        growth_interval = _check_growth_interval(growth_interval)
+    if initial_scale is not None:
+        initial_scale = float(check_number("initial_scale", initial_scale, minimum=MIN_SCALE))
+        if initial_scale > MAX_SCALE:
+            raise ValueError(f"initial_scale must be <= 2**24 ({MAX_SCALE:g}), got "
+                             f"{initial_scale:g}; pass a smaller power of two such as 2**15")
+    state = _dynamic(optimizer)
+    if state is None:
+        static = float(getattr(optimizer, "loss_scaling", 1.0))
+        start = static if static != 1.0 else DEFAULT_INITIAL_SCALE
+        state = DynamicScale(min(max(start, MIN_SCALE), MAX_SCALE))
+        setattr(optimizer, _ATTR, state)
+    if initial_scale is not None:
+        state.scale = initial_scale
+    if growth_interval is not None:
+        state.growth_interval = growth_interval
+
+
+def disable_automatic_loss_scaling(optimizer: torch.optim.Optimizer) -> None:
+    """Back to the static `loss_scaling` (the dynamic state is dropped)."""
+    optimizer.__dict__.pop(_ATTR, None)
+
+
+def is_automatic(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` scales the loss automatically."""
+    return _dynamic(optimizer) is not None
+
+
+def loss_scale(optimizer: torch.optim.Optimizer) -> float:
+    """What the loss is multiplied by now: the dynamic scale, else `loss_scaling`, else 1.0."""
+    state = _dynamic(optimizer)
+    if state is not None:
+        return state.scale
+    return float(getattr(optimizer, "loss_scaling", None) or 1.0)
+
+
+def skipped_steps(optimizer: torch.optim.Optimizer) -> int:
+    """How many steps automatic loss scaling skipped because gradients overflowed."""
+    state = _dynamic(optimizer)
+    return 0 if state is None else state.skipped_steps
+
+
+def scaling_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The dynamic state as a plain dict ({} when automatic loss scaling is off)."""
+    state = _dynamic(optimizer)
+    return {} if state is None else asdict(state)
+
+
+def load_scaling_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Set the dynamic state from `scaling_state(...)` of another copy; {} turns it off."""
+    if not state:
+        disable_automatic_loss_scaling(optimizer)
+        return
+    setattr(optimizer, _ATTR, DynamicScale(**state))
+
+
+def overflowed(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
+    """Whether any gradient of any stage and replica is inf/NaN (only counts with ALS on)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    counts = [(~torch.isfinite(g)).sum() for g in grads]
+    device = grads[0].device if grads else torch.device("cpu")
+    count = (torch.stack([c.to(device) for c in counts]).sum().float() if counts
+             else torch.zeros((), device=device))
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = getattr(
+        optimizer, "_pipetorch_reduce", None)
+    if reduce is not None:
+        count = reduce(count)
+    return bool(count.item() > 0)
+
+
+def record_overflow(optimizer: torch.optim.Optimizer) -> None:
+    """A skipped step: halve the scale, restart the clean run, count the skip."""
+    state = _dynamic(optimizer)
+    assert state is not None
+    state.scale = max(state.scale / 2.0, MIN_SCALE)
+    state.clean_steps = 0
+    state.skipped_steps += 1
+
+
+def record_clean_step(optimizer: torch.optim.Optimizer) -> None:
+    """An applied step: after `growth_interval` of them in a row the scale doubles."""
+    state = _dynamic(optimizer)
+    assert state is not None
+    state.clean_steps += 1
+    if state.clean_steps >= state.growth_interval:
+        state.scale = min(state.scale * 2.0, MAX_SCALE)
+        state.clean_steps = 0
