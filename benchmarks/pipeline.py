@@ -44,6 +44,7 @@ ACCUMULATION = 10
 LEARNING_RATE = 0.001
 BALANCED = 1.10  # slower stage / faster stage at or below this counts as balanced
 PIPELINED = "pipetorch, pipelined over 2 devices"
+PROFILED = "pipetorch, pipelined over 2 devices, profiling on"
 SHARDED = "pipetorch, sharded over 2 devices"
 TORCH_1F1B = "torch.distributed.pipelining Schedule1F1B"
 
@@ -263,10 +264,12 @@ class Measured:
 
 
 def pipetorch_rate(bench: Bench, data: tuple[torch.Tensor, torch.Tensor], strategy: object, *,
-                   threads: int, calls: int) -> Measured:
+                   threads: int, calls: int, profile: str | None = None) -> Measured:
     torch.set_num_threads(threads)
     model = WithLoss(new_network(bench.widths))
     opts = poptorch.Options().deviceIterations(bench.device_iterations)
+    if profile is not None:
+        opts.enableProfiling(profile)
     opts.Training.gradientAccumulation(ACCUMULATION)
     opts.showCompilationProgressBar(False).setExecutionStrategy(strategy)
     training = poptorch.trainingModel(
@@ -363,6 +366,7 @@ def targets(cores: int) -> list[Target]:
     return [
         Target(f"pipelined / {all_cores}", PIPELINED, all_cores, 1.0, 1.0, 1.15),
         Target("pipelined / torch.distributed.pipelining 1F1B", PIPELINED, TORCH_1F1B, 1.0, 1.0),
+        Target("profiling on / off (pipelined)", PROFILED, PIPELINED, 1.0, 0.97),
         Target("efficiency: pipelined / (2 x plain PyTorch, 1 thread)", PIPELINED,
                "plain PyTorch, 1 thread", 2.0, 0.85),
         Target("pipetorch 1 device / plain PyTorch, 1 thread", "pipetorch, 1 device, 1 thread",
@@ -399,12 +403,12 @@ def print_trace(name: str, measured: Measured) -> None:
     print(f"  {name}: last call {wall:.0f} ms on the host, {window:.0f} ms from the first to the "
           f"last worker span; host round trip (inputs out, outputs back) {wall - window:.0f} ms")
     print(f"  {'stage':<7}{'forward':>9}{'backward':>10}{'step':>8}{'send':>8}"
-          f"{'recv+wait':>11}{'untraced':>10}   per micro-batch: F / B ms, MB moved")
+          f"{'recv+wait':>11}{'H2D+D2H':>9}{'untraced':>10}   per micro-batch: F / B ms, MB moved")
     for trace in measured.traces:
         total: dict[str, float] = {}
         count: dict[str, int] = {}
         for span in trace.spans:
-            kind = span.kind if span.kind in ("F", "B", "STEP") else span.kind[0]
+            kind = span.kind if span.kind in ("F", "B", "STEP", "H2D", "D2H") else span.kind[0]
             total[kind] = total.get(kind, 0.0) + (span.end - span.start) / 1e6
             count[kind] = count.get(kind, 0) + 1
         own = (trace.spans[-1].end - trace.spans[0].start) / 1e6
@@ -414,7 +418,7 @@ def print_trace(name: str, measured: Measured) -> None:
         per_b = total.get("B", 0.0) / max(count.get("B", 1), 1)
         print(f"  {trace.stage:<7}{total.get('F', 0):>9.0f}{total.get('B', 0):>10.0f}"
               f"{total.get('STEP', 0):>8.0f}{total.get('S', 0):>8.0f}{total.get('R', 0):>11.0f}"
-              f"{untraced:>10.0f}   {per_f:.2f} / {per_b:.2f}, {moved:.1f} MB")
+              f"{total.get('H2D', 0) + total.get('D2H', 0):>9.0f}{untraced:>10.0f}   {per_f:.2f} / {per_b:.2f}, {moved:.1f} MB")
 
 
 def run(bench: Bench, *, calls: int, cores: int) -> None:
@@ -445,6 +449,9 @@ def run(bench: Bench, *, calls: int, cores: int) -> None:
         traced[name] = pipetorch_rate(bench, data, strategy(*two_stages(bench)), threads=cores,
                                       calls=calls)
         rows[name] = (traced[name].rate, plain1 if name == SHARDED else plain_all)
+    with tempfile.TemporaryDirectory() as report:  # the recorder's cost, report written
+        rows[PROFILED] = (pipetorch_rate(bench, data, poptorch.PipelinedExecution(
+            *two_stages(bench)), threads=cores, calls=calls, profile=report).rate, PIPELINED)
     rows[TORCH_1F1B] = (torch_pipelining_rate(bench, data, calls=calls), plain_all)
     threads = traced[PIPELINED].worker_threads
     print(f"  threads: plain and 1-device rows as named; 2-device workers {threads}; "

@@ -12,15 +12,15 @@ ResNet training) on pipetorch, with the session's options and the same one-line 
 different micro-batches and averages their gradients. `--split-at layer4` is
 `model.layer4 = poptorch.BeginBlock(model.layer4, ipu_id=1)`: everything before layer4 is
 stage 0, layer4 onwards (and the loss) is stage 1, pipelined (PipelinedExecution, the
-default), each stage in its own worker process. The program prints the layout it runs (stages
-x replicas) and which process runs each stage; today a stage's replicas take turns inside its
-process, one after another.
+default). Each stage of each replica runs in its own worker process (2 stages x 2 replicas: 4
+workers), and the replicas' gradients are summed by an all-reduce before each step. The
+program prints the layout it runs (stages x replicas) and which process runs each.
 
 The model is torchvision's resnet18 when torchvision is installed (`--model auto`), else a
 small ResNet of the same layout defined here. Normalisation is GroupNorm by default: it has
 no running statistics, so replicas share every buffer; `--norm batch` uses BatchNorm, and with
-replicas each keeps its own statistics (`opts.broadcastBuffers(False)`): pipetorch then runs all
-stages in the calling process, as the printed "Processes:" line shows. The images are
+replicas each keeps its own statistics (`opts.broadcastBuffers(False)`) in its own worker. The
+images are
 generated (32x32 noisy versions of 10 random patterns, the label saying which), so it runs
 offline and the loss falls within an epoch or two.
 """
@@ -147,16 +147,13 @@ def layout(model: nn.Module, split_at: str | None, replicas: int) -> str:
 def processes(replicas: int) -> str:
     """Which process runs each stage, from the registry the stage workers write."""
     workers = sorted((w for w in live_workers() if w["host_pid"] == os.getpid()),
-                     key=lambda w: (w["stage"], w["pid"]))
+                     key=lambda w: (w.get("replica", 0), w["stage"]))
     if not workers:
-        where = f"all stages run in this process (pid {os.getpid()})"
-    else:
-        where = ", ".join(f"stage {w['stage']} in pid {w['pid']} on {w['device']} "
-                          f"({w['threads']} thread(s))" for w in workers)
-    if replicas == 1:
-        return f"Processes: {where}."
-    turns = "its stage's worker" if workers else "this process"
-    return f"Processes: {where}. Each stage's {replicas} replicas run one after another in {turns}."
+        return f"Processes: all stages run in this process (pid {os.getpid()})."
+    name = "stage {stage} of replica {replica}" if replicas > 1 else "stage {stage}"
+    return "Processes: " + ", ".join(
+        f"{name.format(stage=w['stage'], replica=w.get('replica', 0))} in pid {w['pid']} on "
+        f"{w['device']} ({w['threads']} thread(s))" for w in workers) + "."
 
 
 def train(training_model: poptorch.PoplarExecutor, training_data: poptorch.DataLoader,

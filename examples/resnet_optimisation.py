@@ -188,6 +188,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+LOSS_SCALING = 1000.0
+
+
+def make_optimizer(model: nn.Module, *, half: bool, lr: float) -> torch.optim.Optimizer:
+    """The seed's AdamW: for an fp16 model, with loss scaling 1000 and fp16 accumulators."""
+    if not half:
+        return poptorch.optim.AdamW(model.parameters(), lr=lr)
+    return poptorch.optim.AdamW(model.parameters(), lr=lr, loss_scaling=LOSS_SCALING,
+                                accum_type=torch.float16,
+                                first_order_momentum_accum_type=torch.float16,
+                                second_order_momentum_accum_type=torch.float32)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=positive_int, default=16,
@@ -263,13 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.eight_bit_io:
         model = ModelWithNormalization(model, dtype=input_dtype)
     model = ModelWithLoss(model, nn.CrossEntropyLoss()).to(model_dtype)
-    if args.precision[-3:] == ".16":
-        optimizer = poptorch.optim.AdamW(model.parameters(), lr=args.learning_rate,
-                                         loss_scaling=1000, accum_type=torch.float16,
-                                         first_order_momentum_accum_type=torch.float16,
-                                         second_order_momentum_accum_type=torch.float32)
-    else:
-        optimizer = poptorch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    optimizer = make_optimizer(model, half=args.precision[-3:] == ".16", lr=args.learning_rate)
 
     wire = train_dataset[0][0]
     print(f"Data: {source}.")

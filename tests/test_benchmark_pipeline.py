@@ -53,9 +53,10 @@ def test_quick_run_prints_every_row_ratio_and_trace() -> None:
     for row in ("plain PyTorch, 1 thread", f"plain PyTorch, {cores} threads",
                 "pipetorch, 1 device, 1 thread", "pipetorch, sharded over 2 devices",
                 "pipetorch, pipelined over 2 devices",
+                "pipetorch, pipelined over 2 devices, profiling on",
                 "torch.distributed.pipelining Schedule1F1B"):
         assert re.search(rf"^{re.escape(row)}\s+[\d,]+\s", out, re.M), (row, out)
     verdicts = re.findall(r"^\S.*\s\d+\.\d{3}  target >= \d\.\d\d  (?:NOT )?reached", out, re.M)
-    assert len(verdicts) == 5, out
+    assert len(verdicts) == 6, out
     assert re.search(r"pipelined over 2 devices: last call \d+ ms on the host", out)
     assert len(re.findall(r"^  [01] +\d+ +\d+", out, re.M)) == 4  # 2 stages x 2 traced rows

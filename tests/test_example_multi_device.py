@@ -55,14 +55,17 @@ def test_single_device_trains_and_prints_its_layout() -> None:
     assert summary.group(1, 4, 5) == ("512", "1", "1") and float(summary[3]) > 0
 
 
+@pytest.mark.slow  # two replica workers
 def test_replicas_of_a_model_with_batchnorm_keep_their_own_statistics() -> None:
     proc, pid = run(*TINY, "--replicas", "2", "--norm", "batch", "--items", "16", "--epochs", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert "with batch norm" in lines[0]
     assert lines[2].startswith("Device layout: 1 stage(s) x 2 replica(s) = 2 logical device(s);")
-    assert lines[3] == (f"Processes: all stages run in this process (pid {pid}). Each stage's 2 "
-                        "replicas run one after another in this process.")
+    workers = re.fullmatch(r"Processes: stage 0 of replica 0 in pid (\d+) on cpu \(\d+ thread\(s\)\), "
+                           r"stage 0 of replica 1 in pid (\d+) on cpu \(\d+ thread\(s\)\)\.", lines[3])
+    assert workers, lines[3]
+    assert len({pid, int(workers[1]), int(workers[2])}) == 3
     assert [images for _, _, images in epochs(proc.stdout)] == [16]
     assert SUMMARY.fullmatch(lines[-1]).group(4, 5) == ("1", "2")
 
@@ -84,17 +87,17 @@ def test_model_and_data_parallel_run_two_stage_workers_with_single_device_number
                         "iterations 1 = 12 images per call, 2 calls per epoch.")
     assert lines[2] == ("Device layout: 2 stage(s) x 2 replica(s) = 4 logical device(s); "
                         "stage 0 (ipu 0): conv1 .. layer3; stage 1 (ipu 1): layer4 .. fc + loss")
-    workers = re.fullmatch(r"Processes: stage 0 in pid (\d+) on cpu \(\d+ thread\(s\)\), stage 1 "
-                           r"in pid (\d+) on cpu \(\d+ thread\(s\)\)\. Each stage's 2 replicas "
-                           r"run one after another in its stage's worker\.", lines[3])
+    worker = r" in pid (\d+) on cpu \(\d+ thread\(s\)\)"
+    workers = re.fullmatch(rf"Processes: stage 0 of replica 0{worker}, stage 1 of replica 0{worker}, "
+                           rf"stage 0 of replica 1{worker}, stage 1 of replica 1{worker}\.", lines[3])
     assert workers, lines[3]
-    assert len({pid, int(workers[1]), int(workers[2])}) == 3
+    assert len({pid, *(int(workers[i]) for i in range(1, 5))}) == 5
     assert SUMMARY.fullmatch(lines[-1]).group(1, 4, 5) == ("48", "2", "2")
 
     # The same training on one device: the pipeline must not change the numbers.
     single, _ = run(*TINY, *settings)
     assert single.returncode == 0, single.stderr[-3000:]
-    assert single.stdout.splitlines()[3].startswith("Processes: all stages run in this process")
+    assert single.stdout.splitlines()[3].startswith("Processes: stage 0 of replica 0 in pid")
     for (loss, accuracy, images), (ref_loss, ref_accuracy, ref_images) in zip(
             epochs(split.stdout), epochs(single.stdout), strict=True):
         assert loss == pytest.approx(ref_loss, abs=2e-4)

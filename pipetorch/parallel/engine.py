@@ -35,7 +35,7 @@ from pipetorch.parallel import placement as places
 from pipetorch.parallel import snapshot, wire
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
-from pipetorch.parallel.stage import Call, Trace
+from pipetorch.parallel.stage import Call, Span, Trace
 from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
 from pipetorch.runtime.local import Batching, reduction_multiplier
@@ -189,10 +189,14 @@ class ProcessEngine:
                       for i in route.host_inputs}
             call = Call(inputs, iterations, per_iteration, wanted, scale)
             self._send(peer, ("run", (call, training, commit)))
-        replies = self._gather("a training call" if training else "an inference call")
+        arrivals: list[wire.Transfer] = []
+        replies = self._gather("a training call" if training else "an inference call",
+                               transfers=arrivals)
         if training:
             self._commits = commit
         self.last_trace = [trace for _, trace in replies]
+        for trace, arrival in zip(self.last_trace, arrivals):  # device to host: the replies
+            trace.spans.append(Span("D2H", None, arrival.start, arrival.end, arrival.nbytes))
         outputs = [out for out, _ in replies]
         for j in sorted(wanted):
             for replica in range(replicas):
@@ -283,14 +287,14 @@ class ProcessEngine:
             self._fail(f"the worker running {peer.describe()} cannot be reached ({exc})")
             self._check_alive()
 
-    def _gather(self, what: str, peers: list[wire.Peer] | None = None) -> list[Any]:
+    def _gather(self, what: str, peers: list[wire.Peer] | None = None, *,
+                transfers: list[wire.Transfer] | None = None) -> list[Any]:
         self._check_alive()
         try:
             return wire.gather(self.peers if peers is None else peers, timeout=self.timeout,
-                               what=what)
+                               what=what, transfers=transfers)
         except wire.WorkerFailed as exc:
             message = self._describe(exc.failure) if exc.failure else str(exc)
-            self._restore_last_call()  # before the workers' files go
             self._fail(message.splitlines()[0])
             raise wire.WorkerFailed(message, exc.failure) from None
         except BaseException:  # KeyboardInterrupt: stop the workers before giving up
@@ -298,6 +302,8 @@ class ProcessEngine:
             raise
 
     def _fail(self, reason: str) -> None:
+        if self._lost is None:
+            self._restore_last_call()  # before the workers and their files go
         self._lost = reason
         _shutdown(self.peers, self._folder, grace=0.0)
 

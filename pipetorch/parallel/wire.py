@@ -33,16 +33,34 @@ def send(conn: Connection, message: Any) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """When a message's bytes were read and unpickled (monotonic ns), and how many there were."""
+
+    start: int
+    end: int
+    nbytes: int
+
+
 def receive(conn: Connection, *, timeout: float, parent: int | None = None) -> Any:
     """The next message; raises TimeoutError after `timeout` s, EOFError if the sender is gone
     or (in a worker) if the process `parent` that started it has exited."""
+    return receive_timed(conn, timeout=timeout, parent=parent)[0]
+
+
+def receive_timed(conn: Connection, *, timeout: float,
+                  parent: int | None = None) -> tuple[Any, Transfer]:
+    """`receive`, and the Transfer that brought the message (from its arrival, not the wait)."""
     deadline = time.monotonic() + timeout
     while not conn.poll(_POLL):
         if parent is not None and os.getppid() != parent:
             raise EOFError("the process that started this worker has exited")
         if time.monotonic() > deadline:
             raise TimeoutError(f"no message within {timeout:.0f}s")
-    return pickle.loads(conn.recv_bytes())
+    start = time.monotonic_ns()
+    raw = conn.recv_bytes()
+    message = pickle.loads(raw)
+    return message, Transfer(start, time.monotonic_ns(), len(raw))
 
 
 @dataclass(frozen=True)
@@ -83,36 +101,60 @@ class WorkerFailed(DeviceError):
         self.failure = failure
 
 
-def gather(peers: Sequence[Peer], *, timeout: float, what: str) -> list[Any]:
-    """One reply from every worker, in the order of `peers`.
+def gather(peers: Sequence[Peer], *, timeout: float, what: str,
+           transfers: list[Transfer] | None = None) -> list[Any]:
+    """One reply from every worker, in the order of `peers` (their Transfers in `transfers`).
 
     A worker's error, its death (its end of the pipe closes), or `timeout` seconds without
     progress raises WorkerFailed naming the worker; the caller then stops all workers.
     """
     replies: dict[int, Any] = {}
+    timings: dict[int, Transfer] = {}
     waiting = {p.conn: (n, p) for n, p in enumerate(peers)}
     deadline = time.monotonic() + timeout
     while waiting:
         for conn in wait(list(waiting), timeout=_POLL * 5):
             n, peer = waiting.pop(conn)  # type: ignore[arg-type]
+            start = time.monotonic_ns()
             try:
-                kind, payload = pickle.loads(peer.conn.recv_bytes())
+                raw = peer.conn.recv_bytes()
+                kind, payload = pickle.loads(raw)
             except (EOFError, OSError):
-                raise WorkerFailed(
-                    f"The worker running {peer.describe()} died during {what} (exit code "
-                    f"{_exit(_exit_code(peer.process))}). Running out of memory or a kill signal "
-                    "are the usual causes; the wrapper cannot continue: call destroy() and "
-                    "build a new one") from None
+                raise _died(peer, what) from None
             if kind == "error":
-                raise WorkerFailed(payload.error, payload)
+                # A worker whose peer died fails on the broken connection: name the dead one.
+                dead = _first_dead(peers)
+                raise _died(dead, what) if dead else WorkerFailed(payload.error, payload)
             replies[n] = payload
+            timings[n] = Transfer(start, time.monotonic_ns(), len(raw))
             deadline = time.monotonic() + timeout
         if waiting and time.monotonic() > deadline:
             stuck = ", ".join(p.describe() for _, p in waiting.values())
             raise WorkerFailed(
                 f"No reply during {what} from {stuck} within {timeout:.0f}s; raise "
                 f"{TIMEOUT_ENV} if a call legitimately takes longer")
+    if transfers is not None:
+        transfers[:] = [timings[n] for n in range(len(peers))]
     return [replies[n] for n in range(len(peers))]
+
+
+def _died(peer: Peer, what: str) -> WorkerFailed:
+    return WorkerFailed(
+        f"The worker running {peer.describe()} died during {what} (exit code "
+        f"{_exit(_exit_code(peer.process))}). Running out of memory or a kill signal are the "
+        "usual causes; the wrapper cannot continue: call destroy() and build a new one")
+
+
+def _first_dead(peers: Sequence[Peer], *, grace: float = 1.0) -> Peer | None:
+    """A worker that has exited, waiting up to `grace` s for the kernel to report it."""
+    deadline = time.monotonic() + grace
+    while True:
+        for peer in peers:
+            if peer.process.poll() is not None:
+                return peer
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
 
 
 def _exit_code(process: Any) -> int | None:

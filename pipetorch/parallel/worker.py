@@ -22,7 +22,7 @@ from pipetorch.parallel import placement as places
 from pipetorch.parallel import snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
-from pipetorch.parallel.stage import Call, StageExecutor
+from pipetorch.parallel.stage import Call, Span, StageExecutor
 from pipetorch.parallel.transport import PeerLink, backend_for
 from pipetorch.partition.split import Source
 from pipetorch.schedule import plans
@@ -111,17 +111,25 @@ class Worker:
             # while compiling, not inside the first training call.
             importlib.import_module("torch._dynamo")
 
-    def handle(self, kind: str, payload: Any) -> Any:
+    def handle(self, kind: str, payload: Any, arrival: wire.Transfer) -> Any:
+        if kind == "run":
+            return self._run(payload, arrival)
         return getattr(self, f"_{kind}")(payload)
 
-    def _run(self, payload: tuple[Call, bool, int]) -> Any:
+    def _run(self, payload: tuple[Call, bool, int], arrival: wire.Transfer) -> Any:
         call, training, commit = payload
         key = (call.micro_batches, training)
         if key not in self._plans:
             self._plans[key] = self._plan(call.micro_batches, training)
         call = Call({i: x.to(self.device, non_blocking=True) for i, x in call.inputs.items()},
                     call.iterations, call.micro_batches, call.wanted, call.scale)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the copy ends the H2D span
+        # host to device: the inputs' bytes from their arrival on the pipe to the device
+        loaded = Span("H2D", None, arrival.start, time.monotonic_ns(),
+                      sum(x.nbytes for x in call.inputs.values()))
         self.executor.run(self._plans[key], call, training=training)
+        self.executor.trace.spans.insert(0, loaded)
         if training:
             self._snapshot(commit)
         return self.executor.outputs, self.executor.trace
@@ -202,14 +210,15 @@ def main(conn: Connection) -> None:
             wire.send(conn, ("error", _failure(launch, None, exc)))
         broken = worker is None
         while True:
-            kind, payload = wire.receive(conn, timeout=float("inf"), parent=parent)
+            (kind, payload), arrival = wire.receive_timed(conn, timeout=float("inf"),
+                                                          parent=parent)
             if kind == "stop":
                 wire.send(conn, ("ok", None))
                 break
             if broken or worker is None:
                 continue  # after a failure only "stop" (or being killed) ends the worker
             try:
-                wire.send(conn, ("ok", worker.handle(kind, payload)))
+                wire.send(conn, ("ok", worker.handle(kind, payload, arrival)))
             except Exception as exc:
                 wire.send(conn, ("error", _failure(launch, worker.executor, exc)))
                 broken = True

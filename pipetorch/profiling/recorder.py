@@ -67,7 +67,10 @@ class Profiler:
                              "pass time.monotonic_ns() taken before and after the call")
         if isinstance(items, bool) or not isinstance(items, int) or items < 0:
             raise ValueError(f"items must be an int >= 0 (inputs in the call), got {items!r}")
-        traces = tuple(getattr(self.compiled.engine, "last_trace", None) or ())
+        # Replicas run the same schedule on the same shapes: lanes show replica 0's devices
+        # (its all-reduce spans, "AR", show the time spent with the other replicas).
+        traces = tuple(t for t in getattr(self.compiled.engine, "last_trace", None) or ()
+                       if getattr(t, "replica", 0) == 0)
         self._calls.append(CallRecord(self._totals["calls"], start_ns, end_ns, items, traces))
         if not self._totals["calls"]:
             self._totals["first_items"], self._totals["first_ns"] = items, end_ns - start_ns

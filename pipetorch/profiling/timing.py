@@ -19,7 +19,9 @@ from typing import Any, Sequence
 __all__: list[str] = []
 
 COMPUTE = frozenset({"F", "B"})
-TRANSFER = frozenset({"S>F", "R<F", "S<B", "R>B", "S<D", "R>D"})
+# Sends and receives between stages; the host's inputs arriving (H2D) and outputs leaving
+# (D2H); the all-reduce of gradients with the other replicas (AR).
+TRANSFER = frozenset({"S>F", "R<F", "S<B", "R>B", "S<D", "R>D", "H2D", "D2H", "AR"})
 STEP = "STEP"
 
 

@@ -136,9 +136,7 @@ def test_worker_killed_during_a_call_fails_the_call_fast(registry, wrappers):
     wrapper = poptorch.trainingModel(model, options(D=LONG_D, G=4), optimizer=_sgd(model))
     wrappers.append(wrapper)
     x, y = heavy_data(LONG_D * 4 * 32)
-    reference = copy.deepcopy(model)
-    plain_train_call(reference, _sgd(reference), x, y, D=LONG_D, G=4, R=1)
-    wrapper(x, y)  # completed; its weights stay on the devices (no copy to the host)
+    wrapper.compile(x, y)
     pids = list(wrapper._compiled.engine.worker_pids)
     result = {}
 
@@ -165,9 +163,6 @@ def test_worker_killed_during_a_call_fails_the_call_fast(registry, wrappers):
         "code -9, killed by SIGKILL)"), str(error)
     assert wait_gone(pids) == []
     assert records_of(os.getpid()) == []
-    # The model holds the weights of the last completed call, saved by the workers after it.
-    for name, param in reference.named_parameters():
-        assert_close(model.get_parameter(name), param, msg=name)
     wrapper.destroy()
 
     # A new wrapper (here for inference) of the same model runs in this process...
@@ -217,6 +212,8 @@ def test_destroy_after_a_worker_died_between_calls_releases_the_model(registry):
     torch.manual_seed(0)
     model = TokenNet()
     tokens, labels = token_data(8)
+    reference = copy.deepcopy(model)
+    plain_train_call(reference, _sgd(reference), tokens, labels, D=1, G=4, R=1)
     wrapper = poptorch.trainingModel(model, options(G=4), optimizer=_sgd(model))
     try:
         wrapper(tokens, labels)  # the device now holds newer weights than the host
@@ -228,6 +225,9 @@ def test_destroy_after_a_worker_died_between_calls_releases_the_model(registry):
         raise
     wrapper.destroy()  # must not raise: the lost weights are reported, not fatal
     assert wait_gone(pids) == [] and not wrapper.isCompiled()
+    # The model holds the weights of the last completed call: the workers saved them after it.
+    for name, param in reference.named_parameters():
+        assert_close(model.get_parameter(name), param, msg=name)
     # The model is free again (a model wrapped by a live trainingModel cannot be wrapped twice);
     # building a wrapper starts no worker until its first call.
     poptorch.trainingModel(model, options(G=4), optimizer=_sgd(model)).destroy()

@@ -24,9 +24,9 @@ def sgd(model):
 
 
 @pytest.mark.slow
+# R=2 x 2 stages pipelined: tests/parallel/test_parallel_weights.py (also against the local engine)
 @pytest.mark.parametrize("count, sharded, D, G, mode", [
     pytest.param(1, False, 2, 2, "All", id="R2-1-device"),
-    pytest.param(2, False, 2, 3, "All", id="R2x2-pipelined"),
     pytest.param(2, True, 1, 2, "Sum", id="R2x2-sharded"),
 ])
 def test_replicas_match_plain_pytorch(request, count, sharded, D, G, mode):

@@ -62,14 +62,20 @@ def _check_schedule(stages):
             later = [s for s in _compute(spans) if s.micro_batch // G > d]
             assert max(s.end for s in mine) <= step.start
             assert all(step.end <= s.start for s in later)
-        for s in spans:
+        # the call's inputs arrive first (H2D), the reply to the host leaves last (D2H)
+        assert spans[0].kind == "H2D" and spans[-1].kind == "D2H" and spans[-1].nbytes > 0
+        for s in spans[:-1]:
             expected = BUNDLE if s.kind in ("S>F", "R<F", "S<B", "R>B") else 0
-            assert s.nbytes == expected, s
+            assert s.nbytes == expected or s.kind == "H2D", s
     first, last = stages
+    assert first[0].nbytes == D * G * B * WIDTH * 4  # the images, float32
+    assert last[0].nbytes == D * G * B * 8  # the labels, int64
     assert Counter(s.kind for s in first) == Counter({"F": D * G, "B": D * G, "S>F": D * G,
-                                                      "R>B": D * G, "STEP": D})
+                                                      "R>B": D * G, "STEP": D, "H2D": 1,
+                                                      "D2H": 1})
     assert Counter(s.kind for s in last) == Counter({"F": D * G, "B": D * G, "R<F": D * G,
-                                                     "S<B": D * G, "STEP": D})
+                                                     "S<B": D * G, "STEP": D, "H2D": 1,
+                                                     "D2H": 1})
     f0, b0, f1, b1 = _by(first, "F"), _by(first, "B"), _by(last, "F"), _by(last, "B")
     for m in range(D * G):
         assert f0[m].end <= f1[m].start  # stage 1 computes on what stage 0 sent

@@ -54,7 +54,7 @@ class Trio:
         if self.local is None:
             build = lambda: self._build(self.local_model, self.local_optimizer)  # noqa: E731
             self.local, from_local = local_wrapper(self.monkeypatch, build, batch)
-            assert_in_processes(self.wrapper, self.case.count)
+            assert_in_processes(self.wrapper, self.case.count * self.R)
         else:
             from_local = self.local(*batch)
         assert_same_result(got, from_local, what=f"call {seed} vs local")
@@ -227,12 +227,15 @@ def test_detach_stops_the_workers_and_attach_restarts_them_with_host_edits(reque
 
 @pytest.mark.slow
 def test_replicated_pipelined_run_matches_the_reference(request, monkeypatch):
-    # Replicas are folded into each stage worker's micro-batch loop: still one worker per stage.
+    # One worker per stage and replica; each replica's workers count its own micro-batches.
     trio = Trio(request, monkeypatch, mnist_case(2), make_optimizer=sgd, R=2)
     out, loss = trio.call(0)
     assert out.shape == (D * 3 * 2 * B, 10) and loss.shape == (D * 3 * 2,)
     trio.call(1)
     trio.assert_same_weights()
-    for trace in trio.wrapper._compiled.engine.last_trace:
+    traces = trio.wrapper._compiled.engine.last_trace
+    assert [(t.stage, t.replica) for t in traces] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for trace in traces:
         forwards = sorted(span.micro_batch for span in trace.spans if span.kind == "F")
-        assert forwards == list(range(D * 3 * 2)), trace.stage
+        assert forwards == list(range(D * 3)), trace.stage
+        assert sum(span.kind == "AR" for span in trace.spans) == D

@@ -1,0 +1,46 @@
+"""setMemoryBudget through trainingModel: refused at compile with remedies; the remedy runs."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pipetorch as poptorch
+from pipetorch.errors import OutOfMemoryError
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 4)
+
+    def forward(self, x, labels):
+        out = self.b(torch.relu(self.a(x)))
+        return out, F.cross_entropy(out.float(), labels)
+
+
+def train(model, budget, x, labels):
+    opts = poptorch.Options().deviceIterations(2).setMemoryBudget(budget)
+    opts.Training.gradientAccumulation(2)
+    opts.showCompilationProgressBar(False)
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=0.01, eps=1e-3)
+    wrapper = poptorch.trainingModel(model, opts, optimizer=optimizer)
+    try:
+        return wrapper(x, labels)
+    finally:
+        wrapper.destroy()
+
+
+def test_over_budget_is_refused_and_the_fp16_remedy_then_trains():
+    torch.manual_seed(0)
+    x, labels = torch.randn(16, 32), torch.randint(0, 4, (16,))
+    model = Net()
+    params = sum(p.numel() for p in model.parameters()) * 4
+    budget = 4 * params  # weights + gradients + Adam's two moments: activations do not fit
+    with pytest.raises(OutOfMemoryError) as caught:
+        train(model, budget, x, labels)
+    error = caught.value
+    assert "IPU 0" in str(error) and "optimiser state" in str(error)
+    best = error.remedies[0]
+    assert best.name.startswith("fp16") and best.fits and "model.half()" in best.code
+    _, loss = train(model.half(), budget, x.half(), labels)
+    assert torch.isfinite(loss).all()
