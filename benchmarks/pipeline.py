@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,9 @@ import torch.nn as nn
 
 import pipetorch as poptorch
 from pipetorch.parallel.placement import cpu_cores, live_workers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_timing import median_rate  # noqa: E402
 
 BLOCKS = ("B1", "B2", "B3", "B4")
 MICRO_BATCH = 40
@@ -224,17 +229,6 @@ def _ms(times: list[float], boundary: int) -> str:
 
 
 # -- rows ------------------------------------------------------------------------------------
-def median_rate(call: Callable[[], object], images: int, calls: int) -> tuple[float, float]:
-    """(median images/s over `calls` calls after one warm-up call, last call's seconds)."""
-    call()
-    seconds = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - start)
-    return images / statistics.median(seconds), seconds[-1]
-
-
 def plain_rate(bench: Bench, data: tuple[torch.Tensor, torch.Tensor], *, threads: int,
                calls: int) -> float:
     """The accumulation loop pipetorch runs, in plain PyTorch."""

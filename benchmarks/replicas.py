@@ -30,7 +30,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +37,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multi_device  # noqa: E402  (examples/ is not a package; the workers get sys.path too)
 
 import pipetorch as poptorch  # noqa: E402
 from pipetorch.parallel.placement import cpu_cores, live_workers  # noqa: E402
+from bench_timing import time_calls  # noqa: E402
 
 ACCUMULATION = 3       # seed 003's gradientAccumulation(3), the least 2 pipelined stages train with
 LEARNING_RATE = 0.05
@@ -83,19 +84,6 @@ def make_data(bench: Bench, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
     images = multi_device.generated_images(bench.images_per_call(replicas), bench.image_size,
                                            seed=0)
     return images.tensors[0], images.tensors[1]
-
-
-def time_calls(call: Callable[[], object], calls: int,
-               after: Callable[[], None] = lambda: None) -> list[float]:
-    """Seconds of `calls` calls after one warm-up call; `after` runs after each timed one."""
-    call()
-    seconds = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - start)
-        after()
-    return seconds
 
 
 # -- rows ------------------------------------------------------------------------------------

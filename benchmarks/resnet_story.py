@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +35,8 @@ from pipetorch.parallel.placement import cpu_cores, live_workers
 from pipetorch.profiling.estimate import fmt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_timing import median_rate  # noqa: E402
 from cifar_data import CifarImages, generated_images, resize  # noqa: E402
 from resnet_optimisation import (  # noqa: E402
     LOSS_SCALING, ModelWithLoss, ModelWithNormalization, ResNet, make_optimizer, positive_int,
@@ -150,17 +149,6 @@ def choose_budget(fits: int, over: int) -> int:
     return budget if fits <= budget < over else (fits + over) // 2
 
 
-def median_rate(call: Callable[[], object], images: int, calls: int) -> float:
-    """Images/s: the median over `calls` timed calls after one warm-up call."""
-    call()
-    seconds = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - start)
-    return images / statistics.median(seconds)
-
-
 def pipetorch_row(config: Config, args: argparse.Namespace, data: tuple,
                   budget: int | None) -> tuple[Row, list[int]]:
     """A row run through trainingModel, and the threads of its stage workers."""
@@ -179,7 +167,7 @@ def pipetorch_row(config: Config, args: argparse.Namespace, data: tuple,
             fed[:] = [next(stream)]
             training(*fed[0])
 
-        rate = median_rate(call, images, args.calls)
+        rate = median_rate(call, images, args.calls)[0]
         spans = [s for trace in getattr(training._compiled.engine, "last_trace", [])
                  for s in trace.spans if s.kind == "H2D"]
     finally:
@@ -214,7 +202,7 @@ def plain_row(config: Config, args: argparse.Namespace, data: tuple, threads: in
 
     images = args.batch_size * config.accumulation * config.iterations
     try:
-        rate = median_rate(call, images, args.calls)
+        rate = median_rate(call, images, args.calls)[0]
     finally:
         torch.set_num_threads(args.threads)
     name = f"{config.name}, {threads} thread{'s' if threads > 1 else ''}"

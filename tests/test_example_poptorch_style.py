@@ -55,16 +55,3 @@ def test_resnet_pipelined_over_two_ipus_with_fp16_uint8_inputs_into_fp32() -> No
               for line in lines[1:]]
     assert [m[1] for m in epochs] == ["01", "02"], lines
     assert all(math.isfinite(float(m[2])) for m in epochs)
-
-
-@pytest.mark.slow
-def test_mnist_pipeline_trains_and_tests_sharded() -> None:
-    proc = pipetorch_run("mnist_pipeline.py", "--strategy", "sharded", "--epochs", "1",
-                         "--max-train-items", "128")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    assert lines[0] == "Epoch 1/1"
-    accuracy = re.fullmatch(r"Accuracy on test set: (\d+\.\d\d)%", lines[-1])
-    assert accuracy, lines[-1]
-    assert 0.0 <= float(accuracy[1]) <= 100.0
-    assert re.search(r"Loss:\d+\.\d{4} \| Accuracy:\d+\.\d\d%", proc.stderr)

@@ -1,11 +1,12 @@
-"""The host side of multi-device execution: starts one worker per stage and runs host calls.
+"""The host side of multi-device execution: one worker per stage and replica, and host calls.
 
-A host call is one round trip: the host sends each worker the inputs its stage reads (all
-D x G x R micro-batches at once), the workers run their schedules (all device iterations)
-talking to each other directly, and each sends back the outputs the host asked for.
+A host call is one round trip: the host sends each worker the inputs its stage reads (its
+replica's D x G micro-batches at once), the workers run their schedules (all device
+iterations) talking to each other directly, summing gradients over the replicas before each
+optimiser step, and each sends back the outputs the host asked for.
 
     user process ---- run(inputs, scale, wanted) ---->  stage 0 <-> stage 1 <-> ... (p2p)
-                 <--- outputs, trace spans -----------  every stage
+                 <--- outputs, trace spans -----------  every stage of every replica
 
 The engine keeps a host copy of the model and optimiser (`model`, `optimizer`): `pull` fills
 them from the workers, `push` sends the host copy's weights to the workers.

@@ -3,7 +3,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.testing import assert_close
 
 import pipetorch as poptorch
