@@ -54,6 +54,7 @@ def test_quick_run_prints_every_row_ratio_and_trace() -> None:
                 "pipetorch, 1 device, 1 thread", "pipetorch, sharded over 2 devices",
                 "pipetorch, pipelined over 2 devices",
                 "pipetorch, pipelined over 2 devices, profiling on",
+                "pipetorch, pipelined over 2 devices, profiling off (calls alternating with on)",
                 "torch.distributed.pipelining Schedule1F1B"):
         assert re.search(rf"^{re.escape(row)}\s+[\d,]+\s", out, re.M), (row, out)
     verdicts = re.findall(r"^\S.*\s\d+\.\d{3}  target >= \d\.\d\d  (?:NOT )?reached", out, re.M)

@@ -11,7 +11,7 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "resnet_story.py"
 ROWS = ("16.16 GA 3", "+ GA 8", "+ DI 4", "+ 8-bit I/O", "+ async loader",
-        "plain PyTorch 16.16, GA 8 DI 4, 1 thread", "32.32, last row's batching (no budget)",
+        "async loader row + optimiser offload", "plain PyTorch 16.16, GA 8 DI 4, 1 thread", "32.32, last row's batching (no budget)",
         "plain PyTorch 32.32, GA 8 DI 4, 1 thread")
 
 
@@ -68,8 +68,10 @@ def test_quick_run_prints_the_refusal_the_fit_and_every_row() -> None:
         assert float(match[2]) > 0
         h2d[row] = match[3]
     # micro-batch 2 of 3x32x32 images: fp16 6144 bytes + an int64 label, uint8 3072 + 8.
-    assert [h2d[row] for row in ROWS[:5]] == ["6,152", "6,152", "6,152", "3,080", "3,080"]
-    assert h2d[ROWS[6]] == "3,080" and h2d[ROWS[5]] == h2d[ROWS[7]] == "-"
+    assert [h2d[row] for row in ROWS[:6]] == ["6,152", "6,152", "6,152", "3,080", "3,080",
+                                              "3,080"]
+    assert h2d[ROWS[7]] == "3,080" and h2d[ROWS[6]] == h2d[ROWS[8]] == "-"
+    assert re.search(r"^Optimiser offload: [\d.]+ images/s, [\d.]+x the same row", out, re.M)
     assert re.search(r"^\+ GA 8\s+16\s+[\d.]+\s+[\d.]+x\s+[\d.]+x", out, re.M), out
     assert "from the H2D spans of the last timed call" in out
     assert re.search(r"here 32\.32 with the last row's batching ran at [\d.]+ images/s", out)

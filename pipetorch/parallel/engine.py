@@ -88,6 +88,7 @@ class ProcessEngine:
         self.staged, self.routes = staged, list(routes)
         self.input_device = torch.device("cpu")
         self.last_trace: list[Trace] = []
+        self.peak_memory: dict[int, int] = {}  # stage -> the CUDA allocator's peak (GPU only)
         self.timeout = wire.timeout_seconds()
         self.specs, self.schedule, self.placements = specs, schedule, list(placements)
         self._lost: str | None = None
@@ -198,6 +199,9 @@ class ProcessEngine:
         self.last_trace = [trace for _, trace in replies]
         for trace, arrival in zip(self.last_trace, arrivals):  # device to host: the replies
             trace.spans.append(Span("D2H", None, arrival.start, arrival.end, arrival.nbytes))
+            if trace.peak_memory is not None:
+                self.peak_memory[trace.stage] = max(trace.peak_memory,
+                                                    self.peak_memory.get(trace.stage, 0))
         outputs = [out for out, _ in replies]
         for j in sorted(wanted):
             for replica in range(replicas):

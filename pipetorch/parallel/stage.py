@@ -63,6 +63,7 @@ class Trace:
     stage: int
     spans: list[Span] = field(default_factory=list)
     replica: int = 0
+    peak_memory: int | None = None  # the CUDA allocator's peak during the call (GPU only)
 
 
 def _bundle(sources: tuple[Source, ...], specs: dict[Source, Spec], *,

@@ -125,11 +125,14 @@ class Worker:
                     call.iterations, call.micro_batches, call.wanted, call.scale)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copy ends the H2D span
+            torch.cuda.reset_peak_memory_stats(self.device)
         # host to device: the inputs' bytes from their arrival on the pipe to the device
         loaded = Span("H2D", None, arrival.start, time.monotonic_ns(),
                       sum(x.nbytes for x in call.inputs.values()))
         self.executor.run(self._plans[key], call, training=training)
         self.executor.trace.spans.insert(0, loaded)
+        if self.device.type == "cuda":
+            self.executor.trace.peak_memory = int(torch.cuda.max_memory_allocated(self.device))
         if training:
             self._snapshot(commit)
         return self.executor.outputs, self.executor.trace

@@ -11,7 +11,8 @@ stage received, the tensors autograd saved and the values it produced, each stor
 At the schedule's peak a stage holds all three for each stashed micro-batch
 (`schedule.checks`' peak stash); with recomputation only what it received and produced,
 plus one micro-batch's saved tensors while its backward recomputes them (`kept_bytes`).
-On a GPU in this process the peak is also measured with `torch.cuda.max_memory_allocated`.
+On a GPU the peak is also measured with `torch.cuda.max_memory_allocated`, in this process or
+by each stage worker over its calls.
 """
 from __future__ import annotations
 
@@ -360,7 +361,9 @@ def build(compiled: Any, *, training: bool, options: Any,
                 None if footprint is None else footprint.total.bytes) if training else 0,
             "peak_stashed_micro_batches": stashed,
             "recomputation": recomputation,
-            "measured_peak": peak,
+            # this process's GPU, else the stage workers' (the worst replica's) GPU peak
+            "measured_peak": peak if peak is not None else
+            getattr(engine, "peak_memory", {}).get(lane.stage),
         }
         parts = ("parameters", "buffers", "gradients", "optimiser_state", "activations")
         row["total"] = sum(row[k] or 0 for k in parts)
