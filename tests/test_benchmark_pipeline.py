@@ -1,7 +1,6 @@
 """benchmarks/pipeline.py: its hand-built stages match the model, and --quick runs end to end."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -9,20 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.scripts import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "pipeline.py"
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("pipeline_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_blocks_compose_to_the_network_the_torch_pipelining_row_splits() -> None:
-    bench = load_benchmark()
+    bench = load_benchmark("pipeline")
     for size, features in ((28, 320), (128, 16820)):  # seed 000's view(-1, 320) at 28x28
         widths = bench.Widths(size)
         assert widths.features == features
@@ -36,7 +28,7 @@ def test_blocks_compose_to_the_network_the_torch_pipelining_row_splits() -> None
 
 
 def test_closest_split_and_imbalance() -> None:
-    bench = load_benchmark()
+    bench = load_benchmark("pipeline")
     assert bench.closest_split([75.0, 105.0, 20.0, 0.2]) == 1  # 75 / 125.2 beats 180 / 20.2
     assert bench.closest_split([60.0, 50.0, 100.0, 10.0]) == 2  # 110 / 110
     assert bench.imbalance([120.0, 100.0, 15.0, 0.2], 1) == pytest.approx(120.0 / 115.2)

@@ -1,7 +1,6 @@
 """benchmarks/replicas.py: the all-reduce share of a step, and --quick runs end to end."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -10,20 +9,13 @@ from pathlib import Path
 import pytest
 
 from pipetorch.parallel.stage import Span, Trace
+from helpers.scripts import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "replicas.py"
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("replicas_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_all_reduce_share_splits_each_worker_into_steps_at_step() -> None:
-    bench = load_benchmark()
+    bench = load_benchmark("replicas")
     ms = 1_000_000
     # replica 0: steps of 10 ms (2 ms all-reduce) and 20 ms (4 ms); replica 1: 8 ms of 16 ms
     first = Trace(0, [Span("F", 0, 0, 3 * ms), Span("B", 0, 3 * ms, 8 * ms),
@@ -46,7 +38,7 @@ def test_all_reduce_share_splits_each_worker_into_steps_at_step() -> None:
 
 
 def test_images_per_call_is_the_combined_batch() -> None:
-    bench = load_benchmark()
+    bench = load_benchmark("replicas")
     layout = bench.Bench(width=4, image_size=16, micro_batch=5, device_iterations=2)
     assert layout.images_per_call(2) == 2 * bench.ACCUMULATION * 2 * 5  # D * G * R * B
 

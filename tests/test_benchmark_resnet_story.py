@@ -1,26 +1,18 @@
 """benchmarks/resnet_story.py: the budget lies between the peaks, and --quick tells the story."""
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.scripts import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "resnet_story.py"
 ROWS = ("16.16 GA 3", "+ GA 8", "+ DI 4", "+ 8-bit I/O", "+ async loader",
         "async loader row + optimiser offload", "plain PyTorch 16.16, GA 8 DI 4, 1 thread", "32.32, last row's batching (no budget)",
         "plain PyTorch 32.32, GA 8 DI 4, 1 thread")
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("resnet_story_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("fits, over, budget", [
@@ -31,14 +23,14 @@ def load_benchmark():
     (989, 991, 990),                     # 980 (rounded) is below 989: the midpoint instead
 ])
 def test_the_budget_lets_16_16_fit_and_refuses_32_32(fits: int, over: int, budget: int) -> None:
-    bench = load_benchmark()
+    bench = load_benchmark("resnet_story")
     chosen = bench.choose_budget(fits, over)
     assert fits <= chosen < over
     assert chosen == budget
 
 
 def test_a_16_16_peak_not_below_32_32_is_refused_with_the_values() -> None:
-    bench = load_benchmark()
+    bench = load_benchmark("resnet_story")
     with pytest.raises(ValueError, match=r"needs 0 < fits < over, got fits=5, over=5: the "
                                          r"16\.16 estimate must be below the 32\.32 one"):
         bench.choose_budget(5, 5)

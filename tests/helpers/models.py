@@ -102,3 +102,20 @@ def mnist_data(n: int, *, seed: int = 0):
     """n random 1x28x28 images and labels."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+class ReluStages(nn.Module):
+    """Stage A: h = 2 relu(x W1^T) (6 -> 8); stage B: out = h W2^T (8 -> 4), loss = out.sum()."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8, bias=False)
+        self.fc2 = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        with poptorch.Block("A"):
+            h = torch.relu(self.fc1(x)) * 2
+        with poptorch.Block("B"):
+            out = self.fc2(h)
+            loss = poptorch.identity_loss(out, reduction="sum")
+        return out, loss

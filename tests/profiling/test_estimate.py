@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 
 import pipetorch as poptorch
+from helpers.models import ReluStages
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.estimate import check_budget, device_budget, estimate_memory, fmt
@@ -13,27 +14,10 @@ M = 2  # samples per micro-batch
 STAGES = [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",))]
 
 
-class TwoStage(nn.Module):
-    """x (M x 6) -> 2 relu(fc1) (M x 8) on stage A; fc2 (M x 4) and a summed loss on B."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8, bias=False)
-        self.fc2 = nn.Linear(8, 4, bias=False)
-
-    def forward(self, x):
-        with poptorch.Block("A"):
-            h = torch.relu(self.fc1(x)) * 2
-        with poptorch.Block("B"):
-            out = self.fc2(h)
-            loss = poptorch.identity_loss(out, reduction="sum")
-        return out, loss
-
-
 def estimate(model=None, *, x=None, stages=STAGES, pipelined=True, training=True,
              optimizer="adam", offload=False, recomputation=False, accumulation=4):
     torch.manual_seed(0)
-    model = model or TwoStage()
+    model = model or ReluStages()
     x = torch.randn(M, 6) if x is None else x
     opt = {"adam": lambda: torch.optim.Adam(model.parameters()),
            "sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.1), None: lambda: None}
@@ -96,7 +80,7 @@ def test_recomputation_prices_what_checkpointed_stages_keep():
     from pipetorch.profiling.memory import staged_footprints
     from pipetorch.runtime.recompute import stage_module
 
-    model, x = TwoStage(), torch.randn(M, 6)
+    model, x = ReluStages(), torch.randn(M, 6)
     staged = split_stages(model, (x,), {}, STAGES)
     checkpointed = dataclasses.replace(
         staged, modules=[stage_module(m, checkpoint=True) for m in staged.modules])
@@ -120,7 +104,7 @@ def test_one_device_measures_the_whole_model():
 
 
 def test_half_models_are_sized_from_their_dtypes():
-    model = TwoStage().half()
+    model = ReluStages().half()
     devices = estimate(model, x=torch.randn(M, 6).half()).devices
     assert devices[0].parameters == W1 // 2
     assert (devices[0].activations, devices[0].received) == (2 * H, X)  # half of 4H and 2X
@@ -143,7 +127,7 @@ def test_estimating_leaves_the_model_as_it_was():
 
 
 def test_an_optimiser_of_another_model_is_refused():
-    model = TwoStage()
+    model = ReluStages()
     other = torch.optim.Adam(nn.Linear(2, 2).parameters())
     with pytest.raises(ValueError, match="holds none of the model's 2 trainable parameters"):
         estimate_memory(model, ((torch.randn(M, 6),), {}), STAGES, batching=Batching(1, 4, 1),
@@ -196,7 +180,7 @@ def test_applying_a_remedy_that_fits_passes_the_check():
     remedies = {r.name.split(" ")[0]: r for r in caught.value.remedies}
     assert remedies["fp16"].fits and remedies["optimiser"].fits
     # What the error predicted is what estimating the changed configuration gives.
-    half = estimate(TwoStage().half(), x=torch.randn(M, 6).half())
+    half = estimate(ReluStages().half(), x=torch.randn(M, 6).half())
     assert {ipu: d.total for ipu, d in half.devices.items()} == remedies["fp16"].peaks
     check_budget(half, budget)
     offloaded = estimate(offload=True)

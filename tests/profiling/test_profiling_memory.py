@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 import pipetorch as poptorch
+from helpers.models import ReluStages
 from pipetorch.profiling.memory import optimiser_state_bytes
 from pipetorch.profiling.recorder import Profiler
 
@@ -116,23 +117,6 @@ def test_on_a_gpu_the_local_engines_peak_is_measured(tmp_path, monkeypatch):
     _, memory, _ = profiler.reports()
     assert memory["devices"][0]["measured_peak"] == 12345
     assert memory["method"].startswith("peak measured with torch.cuda.max_memory_allocated")
-
-
-class ReluStages(nn.Module):
-    """Stage A: h = 2 relu(x W1^T) (6 -> 8); stage B: out = h W2^T (8 -> 4), loss = out.sum()."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8, bias=False)
-        self.fc2 = nn.Linear(8, 4, bias=False)
-
-    def forward(self, x):
-        with poptorch.Block("A"):
-            h = torch.relu(self.fc1(x)) * 2
-        with poptorch.Block("B"):
-            out = self.fc2(h)
-            loss = poptorch.identity_loss(out, reduction="sum")
-        return out, loss
 
 
 def staged_report(*, offload, recomputation):
