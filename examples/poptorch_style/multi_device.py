@@ -44,7 +44,7 @@ parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--items", type=int, default=1024)
 args = parser.parse_args()
 
-opts = poptorch.Options()
+opts = poptorch.Options().randomSeed(42)  # also seeds torch: the same model every run
 opts.deviceIterations(args.device_iterations)
 opts.Training.gradientAccumulation(args.gradient_accumulation)
 opts.replicationFactor(args.replicas)
