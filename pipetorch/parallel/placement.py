@@ -138,7 +138,7 @@ def unregister(pid: int) -> None:
     (registry_dir() / f"worker-{pid}.json").unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
+def running(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped, does not count)."""
     try:
         os.kill(pid, 0)
@@ -162,7 +162,7 @@ def live_workers() -> list[dict[str, Any]]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if _alive(int(record.get("pid", -1))):
+        if running(int(record.get("pid", -1))):
             records.append(record)
         else:
             path.unlink(missing_ok=True)

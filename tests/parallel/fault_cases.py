@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 import pipetorch as poptorch
+from pipetorch.parallel import placement
 
 VOCAB = 10
 CLASSES = 3
@@ -93,20 +94,7 @@ def options(*, D: int = 1, G: int = 4, R: int = 1, mode: str = "All",
 
 
 # -- processes -----------------------------------------------------------------------------
-def alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie (dead, not yet reaped) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+alive = placement.running  # a zombie (dead, not yet reaped) counts as gone
 
 
 def wait_gone(pids: list[int], *, timeout: float = 5.0) -> list[int]:
