@@ -42,6 +42,9 @@ _RECORDER: contextvars.ContextVar[collections.Counter | None] = contextvars.Cont
     "pipetorch_recorder", default=None)
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("pipetorch_recomputing",
                                                                     default=False)
+# Set while torch.export captures forward: turns checkpointed tensors into marked graph nodes.
+CHECKPOINT_MARKER: contextvars.ContextVar[Callable[[tuple], tuple] | None] = \
+    contextvars.ContextVar("pipetorch_checkpoint_marker", default=None)
 
 print_logger = logging.getLogger("pipetorch.print")
 print_logger.setLevel(logging.INFO)
@@ -176,6 +179,9 @@ def recomputationCheckpoint(*tensors: torch.Tensor | Sequence[torch.Tensor]) -> 
     for index, tensor in enumerate(tensors):
         _require_tensor("recomputationCheckpoint", tensor, f"argument {index}")
     _record("recomputationCheckpoint")
+    marker = CHECKPOINT_MARKER.get()
+    if marker is not None:
+        tensors = marker(tensors)
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
 

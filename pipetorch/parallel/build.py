@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -13,6 +14,7 @@ from pipetorch.parallel.routes import routes_of, value_specs
 from pipetorch.partition.blocks import removeBlocks
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
+from pipetorch.partition.trace import Traced
 from pipetorch.runtime.capture import preserved
 from pipetorch.runtime.recompute import stage_module
 from pipetorch.runtime.local import Batching
@@ -25,15 +27,18 @@ logger = logging.getLogger(__name__)
 def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
                    batching: Batching, optimizer: torch.optim.Optimizer | None, pipelined: bool,
                    training: bool, recomputation: bool,
-                   process: tuple[int, int] = (0, 1), seed: int | None = None) -> ProcessEngine:
+                   process: tuple[int, int] = (0, 1), seed: int | None = None,
+                   capture: Callable[[], Traced] | None = None) -> ProcessEngine:
     """Split `model` (the host copy, on the CPU) into `stages` and start one worker per stage
     and replica. `process` is (this process's id, the number of host processes);
     `recomputation` checkpoints every stage's activations (Training.setRecomputation).
 
-    `first` is one micro-batch, used to learn the shapes of the values crossing stages.
+    `first` is one micro-batch, used to learn the shapes of the values crossing stages;
+    `capture` gives the compilation's capture of forward (captured here when None).
     """
     args, kwargs = first
-    staged = split_stages(model, args, kwargs, stages)
+    staged = split_stages(model, args, kwargs, stages,
+                          traced=capture() if capture is not None else None)
     removeBlocks(model)  # the stages are cut: BeginBlock's hooks have done their work
     routes = routes_of(staged, training=training)
     with preserved(model):

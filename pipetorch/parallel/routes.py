@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipetorch.partition.split import Source, StagedModel, map_leaves
+from pipetorch.partition.split import OutputTree, Source, StagedModel, map_leaves
 
 __all__: list[str] = []
 
@@ -93,9 +93,14 @@ def routes_of(staged: StagedModel, *, training: bool) -> list[Route]:
 
 
 def _loss_source(output: Any) -> Source | None:
-    """The loss is forward's output or the last element of its tuple (as `find_loss` reads it)."""
+    """The loss is forward's output, the last element of its tuple, or its "loss" entry (as
+    `find_loss` reads it)."""
     if isinstance(output, Source):  # forward returns the loss alone (Source is a tuple too)
         return output
+    if isinstance(output, OutputTree):
+        return output.loss_leaf()
+    if isinstance(output, dict) and "loss" in output:
+        return output["loss"] if isinstance(output["loss"], Source) else None
     loss = output[-1] if isinstance(output, (tuple, list)) and output else output
     return loss if isinstance(loss, Source) else None
 

@@ -90,6 +90,9 @@ def inplace_inputs(module: nn.Module) -> set[int]:
 def _is_inplace(module: fx.GraphModule, node: fx.Node) -> bool:
     if node.kwargs.get("inplace"):
         return True
+    if isinstance(node.target, torch._ops.OpOverload):  # an aten op from a torch.export capture
+        return any(a.alias_info is not None and a.alias_info.is_write
+                   for a in node.target._schema.arguments)
     if node.op == "call_module":
         return bool(getattr(module.get_submodule(str(node.target)), "inplace", False))
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")

@@ -35,6 +35,7 @@ class BlockRecorder:
         self._floating: str | None = None  # started by BeginBlock / Block.start, no scope
         self.last_ended: str | None = None
         self.ops_before_blocks = False  # set by whoever watches ops (the capture's guard)
+        self.on_change: Callable[[], None] | None = None  # told when the active block changes
 
     @property
     def used(self) -> bool:
@@ -60,11 +61,17 @@ class BlockRecorder:
             self._scopes.append(user_id)
         else:
             self._floating = user_id
+        self._changed()
 
     def end(self) -> None:
         self.last_ended = self._scopes.pop()
         # A scope's end closes every block: ops after it need a new block (PopTorch's rule).
         self._floating = None
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def ordered(self) -> list[BlockInfo]:
         """Blocks in the order forward first entered them."""

@@ -9,8 +9,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
+from torch.utils import _pytree as pytree
 
 from pipetorch.errors import CompileError
+from pipetorch.partition import export
+from pipetorch.partition.stage_module import StageModule
 from pipetorch.partition.strategies import StageSpec, stage_of_blocks
 from pipetorch.partition.trace import BLOCK_KEY, InputLayout, Traced, trace_blocks
 
@@ -97,10 +100,52 @@ class StagedModel:
         return map_leaves(self.output, Source, fetch)
 
 
+@dataclass(frozen=True)
+class OutputTree:
+    """Forward's output as flat leaves and the pytree spec that rebuilds it (tuples, dicts,
+    dataclasses such as HuggingFace's ModelOutput); what a torch.export capture returns."""
+
+    spec: pytree.TreeSpec
+    leaves: tuple
+
+    def loss_leaf(self) -> Any:
+        """The leaf holding the loss: forward's output itself, the last item of a tuple or
+        list, or the "loss" entry of a dict / ModelOutput; None when there is none."""
+        spec, offset = self.spec, 0
+        children = _children(spec)
+        if spec.type in (tuple, list) or _is_namedtuple(spec.type):
+            if not children:
+                return None
+            offset, spec = spec.num_leaves - children[-1].num_leaves, children[-1]
+        elif isinstance(spec.context, (list, tuple)) and "loss" in spec.context:
+            index = list(spec.context).index("loss")
+            offset = sum(c.num_leaves for c in children[:index])
+            spec = children[index]
+        return self.leaves[offset] if spec.num_leaves == 1 and spec.is_leaf() else None
+
+
+def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    method = getattr(spec, "children", None)  # torch >= 2.12; children_specs before
+    return list(method() if callable(method) else spec.children_specs)
+
+
+def _plain(spec: pytree.TreeSpec) -> bool:
+    """Whether the structure is made of tuples, lists and dicts only (map_leaves rebuilds it)."""
+    return spec.is_leaf() or (spec.type in (tuple, list, dict) and all(map(_plain, _children(spec))))
+
+
+def _is_namedtuple(kind: Any) -> bool:
+    return isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_fields")
+
+
 def map_leaves(structure: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:
-    """`structure` (nested tuples, lists, dicts) with every instance of `leaf` replaced by fn."""
+    """`structure` (nested tuples, lists, dicts, an OutputTree) with every instance of `leaf`
+    replaced by fn."""
     if isinstance(structure, leaf):
         return fn(structure)
+    if isinstance(structure, OutputTree):
+        return pytree.tree_unflatten([map_leaves(v, leaf, fn) for v in structure.leaves],
+                                     structure.spec)
     if isinstance(structure, tuple):
         items = [map_leaves(v, leaf, fn) for v in structure]
         return type(structure)(*items) if hasattr(structure, "_fields") else tuple(items)
@@ -111,23 +156,59 @@ def map_leaves(structure: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:
     return structure
 
 
+def capture(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
+    """`model(*args, **kwargs)` as one graph stamped with blocks: torch.export, else torch.fx.
+
+    torch.fx symbolic tracing serves only where export cannot run (an old torch); when export
+    fails the error names the user's line and the construct.
+    """
+    from pipetorch import ops
+
+    # The device's view of forward (isRunningOnIpu() is True), printing nothing while captured.
+    with ops.running_on_device(), ops.recomputing():
+        if export.available():
+            return export.export_blocks(model, args, kwargs)
+        return trace_blocks(model, args, kwargs)
+
+
+class CaptureOnce:
+    """`capture(model, *first)` made on the first call and then reused: the memory estimate
+    and the split of one compilation share one capture."""
+
+    def __init__(self, model: nn.Module, first: tuple[tuple, dict]) -> None:
+        self.model, self.first = model, first
+        self._traced: Traced | None = None
+        self.seconds = 0.0
+
+    def __call__(self) -> Traced:
+        if self._traced is None:
+            import time
+
+            start = time.perf_counter()
+            self._traced = capture(self.model, *self.first)
+            self.seconds = time.perf_counter() - start
+        return self._traced
+
+
 def split_stages(model: nn.Module, args: tuple, kwargs: dict,
-                 stages: list[StageSpec]) -> StagedModel:
-    """Trace `model(*args, **kwargs)` once and cut it into one module per stage.
+                 stages: list[StageSpec], *, traced: Traced | None = None) -> StagedModel:
+    """Capture `model(*args, **kwargs)` once (or use `traced`, that capture) and cut it into
+    one module per stage.
 
     Ops before the first block go to stage 0. Raises CompileError when forward cannot be
-    traced, when the traced blocks differ from `stages`, when a stage would need a value
+    captured, when the captured blocks differ from `stages`, when a stage would need a value
     computed by a later stage, or when a parameter or buffer is used by two stages.
     """
-    traced = trace_blocks(model, args, kwargs)
+    if traced is None:
+        traced = capture(model, args, kwargs)
     _check_blocks(traced, stages)
     graph = traced.module.graph
     stage_of = _assign(graph, stage_of_blocks(stages))
     _check_order(graph, stage_of)
     owners = _owners(model, traced.module, stage_of)
     qualnames: dict[str, str] = {}
-    top = split_module(traced.module, model, stage_of.__getitem__, qualname_map=qualnames,
-                       keep_original_order=True)
+    top = split_module(traced.module, traced.module, stage_of.__getitem__,
+                       qualname_map=qualnames, keep_original_order=True)
     return _assemble(top, qualnames, traced, stages, owners, training=model.training)
 
 
@@ -191,7 +272,8 @@ def _owners(model: nn.Module, traced: fx.GraphModule,
                 f"{kind} '{name}' is used by stage {first} ('{a.name}' in block "
                 f"{a.meta[BLOCK_KEY]!r}) and by stage {second} ('{b.name}' in block "
                 f"{b.meta[BLOCK_KEY]!r}), but each stage owns its weights on its own device. Put "
-                "both uses in one stage (move the Block / BeginBlock boundary), or untie them"
+                "both uses in one stage (move the Block / BeginBlock boundary), or untie them "
+                "(HuggingFace models: config.tie_word_embeddings=False)"
             )
     return {name: stage for (name, _), by_stage in uses.items() for stage in by_stage}
 
@@ -208,9 +290,12 @@ def _assemble(top: fx.GraphModule, qualnames: dict[str, str], traced: Traced,
     sources: dict[fx.Node, Source] = {}
     modules: list[nn.Module] = [_empty_stage(j) for j in range(len(stages))]
     ios = [StageIO((), ())] * len(stages)
+    # Placeholders are forward's tensor arguments in signature order (export names them
+    # after its flat inputs, fx after forward's parameters).
+    position = {n.target: i for i, n in enumerate(traced.module.graph.find_nodes(op="placeholder"))}
     for node in top.graph.nodes:
         if node.op == "placeholder":
-            sources[node] = Source.input(traced.layout.tensors.index(node.target))
+            sources[node] = Source.input(position[node.target])
         elif node.op == "call_module":
             j = int(str(node.target).removeprefix("submod_"))
             modules[j], ios[j] = _rehome(getattr(top, node.target), node, qualnames, sources, j)
@@ -220,9 +305,13 @@ def _assemble(top: fx.GraphModule, qualnames: dict[str, str], traced: Traced,
             stage = int(str(call.target).removeprefix("submod_"))
             sources[node] = Source.stage(stage, node.args[1])
     output = next(iter(top.graph.find_nodes(op="output"))).args[0]
-    return StagedModel(modules, tuple(stages), tuple(ios),
-                       map_leaves(output, fx.Node, lambda n: _source(n, sources)),
-                       traced.layout, owners, training)
+    structure = map_leaves(output, fx.Node, lambda n: _source(n, sources))
+    spec = traced.output_spec
+    if spec is not None:
+        structure = (pytree.tree_unflatten(list(structure), spec) if _plain(spec)
+                     else OutputTree(spec, tuple(structure)))
+    return StagedModel(modules, tuple(stages), tuple(ios), structure, traced.layout, owners,
+                       training)
 
 
 def _source(node: fx.Node, sources: dict[fx.Node, Source]) -> Source:
@@ -267,7 +356,7 @@ def _rehome(part: fx.GraphModule, call: fx.Node, qualnames: dict[str, str],
             graph.output(outputs)
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
-    module = fx.GraphModule(attrs, graph, class_name=f"Stage{index}")
+    module = StageModule(attrs, graph, class_name=f"Stage{index}")
     return module, StageIO(tuple(inputs), tuple(n.name for n in outputs))
 
 
@@ -275,4 +364,4 @@ def _empty_stage(index: int) -> fx.GraphModule:
     """A stage whose blocks compute nothing: no inputs, no outputs."""
     graph = fx.Graph()
     graph.output(())
-    return fx.GraphModule(nn.Module(), graph, class_name=f"Stage{index}")
+    return StageModule(nn.Module(), graph, class_name=f"Stage{index}")

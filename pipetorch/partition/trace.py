@@ -71,6 +71,9 @@ class Traced:
     module: fx.GraphModule
     blocks: list[BlockInfo]
     layout: InputLayout
+    # How forward's output is rebuilt from the graph's flat output (torch.export captures);
+    # None when the graph returns forward's structure itself (torch.fx captures).
+    output_spec: pytree.TreeSpec | None = None
 
 
 def _same_constant(value: Any, traced: Any) -> bool:
@@ -154,7 +157,7 @@ def trace_blocks(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
     Raises CompileError when forward cannot be traced (data-dependent Python control flow) or
     runs an op outside every block once blocks are in use.
     """
-    layout = _layout(model, args, kwargs)
+    layout = input_layout(model, args, kwargs)
     begins = {id(model.get_submodule(name)): ids
               for name, ids in blocks.begin_blocks(model).items()}
     before = set(vars(model))
@@ -177,7 +180,7 @@ def trace_blocks(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
     return Traced(module, recorder.ordered(), layout)
 
 
-def _layout(model: nn.Module, args: tuple, kwargs: dict) -> InputLayout:
+def input_layout(model: nn.Module, args: tuple, kwargs: dict) -> InputLayout:
     signature = inspect.signature(model.forward)
     try:
         bound = signature.bind(*args, **kwargs)

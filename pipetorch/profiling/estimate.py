@@ -146,13 +146,15 @@ def fmt(nbytes: int) -> str:
 
 def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
                     batching: Any, optimizer: torch.optim.Optimizer | None, pipelined: bool,
-                    training: bool, offload: bool, recomputation: bool) -> MemoryEstimate:
+                    training: bool, offload: bool, recomputation: bool,
+                    capture: Callable[[], Any] | None = None) -> MemoryEstimate:
     """Each logical device's peak for `model` (the host copy, blocks attached) run on
     `first` (one micro-batch: args, kwargs) as `stages`; see the module doc.
 
     `optimizer` must update `model`'s own parameters (e.g. `device_optimizer`'s copy).
     `recomputation` means every stage keeps only its inputs and outputs for backward.
-    The model's train/eval modes, buffers and the RNG are left as they were.
+    The model's train/eval modes, buffers and the RNG are left as they were. `capture`
+    (split.CaptureOnce) gives the compilation's capture of forward, shared with the split.
     """
     from pipetorch import ops
     from pipetorch.runtime.capture import preserved
@@ -171,7 +173,8 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
             else:
                 from pipetorch.partition.split import split_stages
 
-                staged = split_stages(model, args, kwargs, stages)
+                staged = split_stages(model, args, kwargs, stages,
+                                      traced=capture() if capture is not None else None)
                 modules = list(staged.modules)
                 prints = staged_footprints(staged, args, kwargs, training=training)
                 ipu_of = [s.ipu_id for s in stages]

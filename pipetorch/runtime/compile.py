@@ -14,6 +14,7 @@ from tqdm import tqdm
 from pipetorch.errors import CompileError, ConfigError
 from pipetorch.partition import plan
 from pipetorch.profiling import estimate, memory
+from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.runtime import weights
 from pipetorch.runtime.batching import split_micro_batches, to_device
@@ -102,8 +103,10 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
         bar.update()
         device_opt = (device_optimizer(optimizer, user_model, model, options=options)
                       if training else None)
+        graph = CaptureOnce(model, first)  # one capture for the estimate and the split
         _check_memory(model, first, stages, options, batching=batching, optimizer=device_opt,
-                      pipelined=strategy.pipelined, training=training, device=device)
+                      pipelined=strategy.pipelined, training=training, device=device,
+                      capture=graph)
         recompute = training and bool(options.Training.recomputation)
         if in_processes:
             from pipetorch.parallel.build import process_engine
@@ -111,7 +114,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
             engine = process_engine(
                 model, first, stages, batching=batching, optimizer=device_opt,
                 pipelined=strategy.pipelined, training=training, recomputation=recompute,
-                process=process, seed=options.random_seed)
+                process=process, seed=options.random_seed, capture=graph)
         else:
             forward: Any = model
             if training and (capture.uses_recomputation or recompute):
@@ -132,7 +135,8 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
 
 def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec],
                   options: Any, *, batching: Batching, optimizer: torch.optim.Optimizer | None,
-                  pipelined: bool, training: bool, device: torch.device) -> None:
+                  pipelined: bool, training: bool, device: torch.device,
+                  capture: CaptureOnce | None = None) -> None:
     """Refuse, before any worker starts, a configuration whose estimate exceeds the budget."""
     budget = estimate.device_budget(options.memory_budget, device=device)
     if budget is None:  # CPU without a budget: no sizing forward
@@ -140,7 +144,7 @@ def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[Stag
     found = estimate.estimate_memory(
         model, first, stages, batching=batching, optimizer=optimizer, pipelined=pipelined,
         training=training, offload=memory.offloaded(options),
-        recomputation=memory.recomputing(options))
+        recomputation=memory.recomputing(options), capture=capture)
     estimate.check_budget(found, budget)
 
 

@@ -1,6 +1,7 @@
 """The reference engine: every stage and replica of a host call run in this process, in turn."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -38,13 +39,18 @@ class Batching:
 
 
 def find_loss(output: Any) -> torch.Tensor:
-    """The loss is the output itself or the last element of a tuple/list."""
-    loss = output[-1] if isinstance(output, (tuple, list)) and output else output
+    """The loss is the output itself, the last element of a tuple/list, or the "loss" entry
+    of a dict (HuggingFace's ModelOutput is one)."""
+    if isinstance(output, Mapping) and "loss" in output:
+        loss = output["loss"]
+    else:
+        loss = output[-1] if isinstance(output, (tuple, list)) and output else output
     if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
         raise CompileError(
             f"Couldn't find a loss in graph! forward returned {type(output).__name__}; a training "
-            "model's forward must return the loss, alone or as the last element of a tuple "
-            "(a torch loss, or poptorch.identity_loss(x, reduction='sum'|'mean'|'none'))"
+            "model's forward must return the loss, alone, as the last element of a tuple or as "
+            "the 'loss' entry of a dict (a torch loss, or poptorch.identity_loss(x, "
+            "reduction='sum'|'mean'|'none'))"
         )
     return loss
 

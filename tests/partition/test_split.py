@@ -221,30 +221,40 @@ def test_tied_weights_within_one_stage_are_fine():
 
 
 class DataDependent(nn.Module):
-    def __init__(self, loop: bool):
+    def __init__(self, construct: str):
         super().__init__()
-        self.fc, self.loop = nn.Linear(3, 3), loop
+        self.fc, self.construct = nn.Linear(3, 3), construct
 
     def forward(self, x):
         with poptorch.Block("B1"):
             x = self.fc(x)
         with poptorch.Block("B2"):
-            if self.loop:
+            if self.construct == "loop":
                 for _ in range(x.shape[0]):
                     x = x * 2
+            elif self.construct == "number":
+                x = x[:, :int(x.abs().sum())]
             elif x.sum() > 0:
                 x = -x
         return x
 
 
-@pytest.mark.parametrize("loop, line", [(False, "elif x.sum() > 0:"),
-                                         (True, "for _ in range(x.shape[0]):")])
-def test_untraceable_forward_names_its_line_and_the_fix(loop, line):
+@pytest.mark.parametrize("construct, line, what", [
+    ("branch", "elif x.sum() > 0:", "control flow"),
+    ("number", "x = x[:, :int(x.abs().sum())]", "Python number read from a tensor"),
+])
+def test_uncapturable_forward_names_its_line_and_the_fix(construct, line, what):
     with pytest.raises(CompileError) as info:
-        split_stages(DataDependent(loop), (torch.randn(2, 3),), {}, specs("B1", "B2"))
+        split_stages(DataDependent(construct), (torch.randn(2, 3),), {}, specs("B1", "B2"))
     message = str(info.value)
     assert f"in forward: `{line}`" in message and "test_split.py" in message
-    assert "torch.fx rules" in message and "single stage" in message
+    assert "torch.export" in message and what in message and "single stage" in message
+
+
+def test_python_control_flow_on_shapes_is_captured():
+    # torch.fx refused `for _ in range(x.shape[0])`; export runs it with the call's shapes.
+    torch.manual_seed(0)
+    assert_same_as_unsplit(DataDependent("loop"), (torch.randn(2, 3),), {}, specs("B1", "B2"))
 
 
 def test_op_after_a_block_ended_is_an_error():

@@ -1,0 +1,104 @@
+"""HuggingFace models split with BeginBlock train in worker processes as plain PyTorch does."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+from torch.utils import _pytree as pytree
+
+import pipetorch as poptorch
+from hf_cases import BUILDERS, gpt2, join, plain_call, slice_inputs, twin
+from parallel.parallel_cases import assert_same_state, cleaned, one_thread_everywhere
+from pipetorch.errors import CompileError
+
+pytestmark = [pytest.mark.slow, pytest.mark.transformers]
+
+D, B, CALLS = 2, 2, 2
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(request, monkeypatch):
+    one_thread_everywhere(request, monkeypatch)
+
+
+def options(*, sharded: bool, G: int, D: int = D, auto_increment: bool = False,
+            mode: poptorch.OutputMode = poptorch.OutputMode.All) -> poptorch.Options:
+    opts = poptorch.Options().deviceIterations(D).outputMode(mode)
+    opts.Training.gradientAccumulation(G)
+    stages = poptorch.AutoStage.AutoIncrement if auto_increment else poptorch.AutoStage.SameAsIpu
+    strategy = poptorch.ShardedExecution if sharded else poptorch.PipelinedExecution
+    opts.setExecutionStrategy(strategy(stages))
+    return opts.showCompilationProgressBar(False)
+
+
+def assert_same_output(got, want, *, what: str) -> None:
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    want_leaves, want_spec = pytree.tree_flatten(want)
+    assert type(got) is type(want) and got_spec == want_spec, f"{what}: {got_spec} != {want_spec}"
+    for index, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        assert_close(g.as_subclass(torch.Tensor), w, msg=lambda m, i=index: f"{what}[{i}]: {m}")
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+# Each model pipelined over 2 devices, BERT also over 4 and sharded; the tutorial's
+# AutoIncrement places each block on its ipu_id.
+TRAINING = [
+    pytest.param("bert-seed003", 2, False, False, id="bert-seed003-2-pipelined"),
+    pytest.param("bert-seed003", 4, False, False, id="bert-seed003-4-pipelined"),
+    pytest.param("bert-seed003", 2, True, False, id="bert-seed003-2-sharded"),
+    pytest.param("bert-tutorial", 2, True, True, id="bert-tutorial-2-sharded-autoincrement"),
+    pytest.param("gpt2", 2, False, False, id="gpt2-2-pipelined"),
+    pytest.param("vit", 2, False, False, id="vit-2-pipelined"),
+    pytest.param("vit", 4, True, False, id="vit-4-sharded"),
+    pytest.param("shape-branching", 2, False, False, id="shape-branching-2-pipelined"),
+]
+
+
+@pytest.mark.parametrize("name, devices, sharded, auto_increment", TRAINING)
+def test_training_matches_plain_pytorch(request, name, devices, sharded, auto_increment):
+    case = BUILDERS[name](devices)
+    plain = twin(case.model)
+    G = devices if sharded else 2 * devices - 1
+    batches = [case.make_inputs(D * G * B, seed) for seed in range(CALLS)]
+    opts = options(sharded=sharded, G=G, auto_increment=auto_increment)
+    wrapper = cleaned(request, poptorch.trainingModel(case.model, opts, optimizer=sgd(case.model)))
+    plain_optimizer = sgd(plain)
+    for call, inputs in enumerate(batches):
+        got = wrapper(**inputs)
+        want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B)
+        assert_same_output(got, want, what=f"{name} call {call}")
+    assert len(wrapper._compiled.engine.worker_pids) >= devices
+    assert_same_state(wrapper.model, plain, what=f"{name}: ")
+
+
+@pytest.mark.parametrize("name", ["bert-seed003", "vit"])
+def test_inference_logits_equal_the_plain_model(request, name):
+    case = BUILDERS[name](2)
+    case.model.eval()
+    plain = twin(case.model)
+    opts = options(sharded=False, G=1, D=2)
+    wrapper = cleaned(request, poptorch.inferenceModel(case.model, opts))
+    inputs = case.make_inputs(2 * B, 5)
+    # At inference the QA model gets no positions (None), the classifier no labels.
+    for key in ("start_positions", "end_positions", "labels"):
+        inputs.pop(key, None)
+    got = wrapper(**inputs)
+    with torch.no_grad():
+        want = join([plain(**slice_inputs(inputs, i * B, (i + 1) * B)) for i in range(2)])
+    assert_same_output(got, want, what=name)
+
+
+def test_tied_embeddings_across_stages_are_refused_with_the_fix(request):
+    # GPT-2 ties lm_head.weight to wte.weight: with wte on device 0 and the head on device 1,
+    # each device would update its own copy of one weight.
+    case = gpt2(2, tied=True)
+    opts = options(sharded=True, G=2)
+    wrapper = cleaned(request, poptorch.trainingModel(case.model, opts, optimizer=sgd(case.model)))
+    with pytest.raises(CompileError) as info:
+        wrapper(**case.make_inputs(D * 2 * B, 0))
+    message = str(info.value)
+    assert "'transformer.wte.weight'" in message and "stage 0" in message and "stage 1" in message
+    assert "tie_word_embeddings=False" in message
