@@ -196,6 +196,7 @@ def test_python_m_pipetorch_devices_exits_0(registry):
     assert section(done.stdout, "cpu")[1:] == ["  No attached processes"]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpus_listed_with_memory_and_their_workers(registry, capsys):
     write_record(registry, pid=os.getpid(), stage=0, ipu=0, device="cuda:0")
