@@ -13,6 +13,13 @@ from pipetorch.parallel.engine import ProcessEngine
 
 pytestmark = [pytest.mark.slow, *CUDA]
 
+
+@pytest.fixture(autouse=True)
+def _in_workers(monkeypatch):
+    # Workers even where every stage lands on one GPU: that path (gloo through host memory)
+    # is what these tests are about, whatever `auto` chooses there.
+    monkeypatch.setenv("PIPETORCH_EXECUTION", "processes")
+
 D, B = 2, 4
 STAGES = {2: [("B1", "B2"), ("B3", "B4")], 4: [("B1",), ("B2",), ("B3",), ("B4",)]}
 
