@@ -14,7 +14,8 @@
 # ($GPU_CHECK_TEST_TIMEOUT, $GPU_CHECK_BENCH_TIMEOUT, $GPU_CHECK_FULL_TIMEOUT seconds).
 # --quick: the benchmark's short run. --cpu-ok: run even without a GPU (a smoke test of this
 # script: the CUDA tests skip, the benchmark runs on the CPU). Exit status 0 when every phase
-# passed.
+# passed. Where one command may run 10 minutes at most, run the full suite as its own
+# command (`--only full`): the default phases take up to 9.
 #
 # A machine whose python3 lacks pytest: run --prepare where PyPI is reachable; it installs
 # pytest and pytest-timeout (pure Python) into .gpu-pytest/ (ignored by git), which this
@@ -34,7 +35,7 @@ while [[ $# -gt 0 ]]; do
     --cpu-ok) cpu_ok=1 ;;
     --prepare) prepare=1 ;;
     --only) shift; only+=("${1:?--only needs a phase: cuda, bench or full}") ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) out="$1" ;;
   esac
