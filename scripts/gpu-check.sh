@@ -35,7 +35,7 @@ while [[ $# -gt 0 ]]; do
     --cpu-ok) cpu_ok=1 ;;
     --prepare) prepare=1 ;;
     --only) shift; only+=("${1:?--only needs a phase: cuda, bench or full}") ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) out="$1" ;;
   esac
