@@ -196,6 +196,7 @@ def test_python_m_pipetorch_devices_exits_0(registry):
     assert section(done.stdout, "cpu")[1:] == ["  No attached processes"]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpus_listed_with_memory_and_their_workers(registry, capsys):
     write_record(registry, pid=os.getpid(), stage=0, ipu=0, device="cuda:0")
@@ -234,3 +235,15 @@ def test_real_pipelined_workers_are_listed_until_destroy(registry, capsys):
     workers = [w for d in run_json(capsys)["devices"] for w in d["workers"]
                if w["host_pid"] == os.getpid()]
     assert workers == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_default_on_a_gpu_names_the_gpus_stage_workers_go_to(registry, capsys, monkeypatch):
+    monkeypatch.setenv("PIPETORCH_DEVICE", "cuda")
+    monkeypatch.setenv("PIPETORCH_NUM_DEVICES", "1")
+    state = run_json(capsys)
+    assert state["default"] == {"device": "cuda", "devices": ["cuda:0"], "cores": None,
+                                "threads_per_worker": None, "error": None}
+    lines = run_devices(capsys).splitlines()
+    assert lines[1] == "Default: cuda (stage workers go to cuda:0)"

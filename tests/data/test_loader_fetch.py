@@ -85,6 +85,7 @@ def test_sync_stats():
     assert loader.bytes_per_item == 56
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 @pytest.mark.parametrize("mode", [Sync, Async])
 def test_batches_are_pinned_with_a_gpu(mode):

@@ -125,6 +125,7 @@ def test_the_options_offload_the_device_optimiser():
     on_chip.destroy()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_state_waits_in_pinned_host_memory():
     torch.manual_seed(0)

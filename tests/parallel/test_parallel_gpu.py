@@ -8,7 +8,7 @@ from torch.testing import assert_close
 import pipetorch as poptorch
 from parallel_cases import assert_same_state, cleaned, mnist_case, options, twin
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 

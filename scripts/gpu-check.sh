@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: the CUDA tests (`-m cuda`), the GPU benchmark and, with
+# --full, the whole suite on the GPU; then a summary (device, pass/fail counts, numbers).
+#
+#   scripts/gpu-check.sh [--full] [--quick] [--only PHASE]... [--cpu-ok] [OUT_DIR]
+#   scripts/gpu-check.sh --prepare        # on a machine with PyPI: pytest for a bare machine
+#
+# It uses the machine's own python3 ($PIPETORCH_GPU_PYTHON to change it) with pipetorch from
+# this working tree on PYTHONPATH: nothing is installed, nothing is downloaded. Results go to
+# OUT_DIR (default $OUT, else ./gpu-check-out): device.json, <phase>.xml (JUnit) and
+# <phase>.log for the test phases, benchmark.json and benchmark.log, summary.json and
+# summary.txt. Phases: cuda (the CUDA tests), bench (benchmarks/gpu.py), full (every test
+# with PIPETORCH_DEVICE=cuda; only with --full or --only full). Each runs under a time limit
+# ($GPU_CHECK_TEST_TIMEOUT, $GPU_CHECK_BENCH_TIMEOUT, $GPU_CHECK_FULL_TIMEOUT seconds).
+# --quick: the benchmark's short run. --cpu-ok: run even without a GPU (a smoke test of this
+# script: the CUDA tests skip, the benchmark runs on the CPU). Exit status 0 when every phase
+# passed. Where one command may run 10 minutes at most, run the full suite as its own
+# command (`--only full`): the default phases take up to 9.
+#
+# A machine whose python3 lacks pytest: run --prepare where PyPI is reachable; it installs
+# pytest and pytest-timeout (pure Python) into .gpu-pytest/ (ignored by git), which this
+# script puts on PYTHONPATH when it finds it. Carry that folder to the GPU machine.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PIPETORCH_GPU_PYTHON:-python3}"
+PYTEST_DIR="$ROOT/.gpu-pytest"
+
+full=0 quick=0 cpu_ok=0 prepare=0 only=() out=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --full) full=1 ;;
+    --quick) quick=1 ;;
+    --cpu-ok) cpu_ok=1 ;;
+    --prepare) prepare=1 ;;
+    --only) shift; only+=("${1:?--only needs a phase: cuda, bench or full}") ;;
+    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) out="$1" ;;
+  esac
+  shift
+done
+
+if [[ "$prepare" == 1 ]]; then
+  # Pure-Python wheels only, for any Python >= 3.10 (tomli and exceptiongroup come along
+  # for 3.10 and are never imported by newer ones).
+  rm -rf "$PYTEST_DIR"
+  "$PY" -m pip install -q --disable-pip-version-check --no-compile --target "$PYTEST_DIR" \
+    --only-binary=:all: --python-version 3.10 --implementation py pytest pytest-timeout \
+    || { echo "gpu-check: --prepare could not install pytest into $PYTEST_DIR" >&2; exit 1; }
+  echo "gpu-check: pytest is in $PYTEST_DIR ($(du -sh "$PYTEST_DIR" | cut -f1)); carry it over"
+  exit 0
+fi
+
+out="${out:-${OUT:-$ROOT/gpu-check-out}}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONDONTWRITEBYTECODE=1
+
+if ! command -v "$PY" >/dev/null 2>&1; then
+  echo "gpu-check: $PY not found (set PIPETORCH_GPU_PYTHON)" >&2
+  exit 2
+fi
+if ! "$PY" -c "import pytest" >/dev/null 2>&1 && [[ -d "$PYTEST_DIR/pytest" ]]; then
+  export PYTHONPATH="$PYTHONPATH:$PYTEST_DIR"
+fi
+
+"$PY" - "$out/device.json" <<'EOF'
+import json, platform, sys
+info = {"python": platform.python_version(), "executable": sys.executable}
+try:
+    import torch
+except ImportError as exc:
+    info.update(error=f"torch cannot be imported: {exc}", gpus=0)
+else:
+    info.update(torch=torch.__version__, cuda=torch.version.cuda,
+                gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if info["gpus"]:
+        info["name"] = torch.cuda.get_device_name(0)
+        info["memory"] = torch.cuda.get_device_properties(0).total_memory
+    else:
+        info["name"] = "no CUDA GPU visible to torch"
+for module in ("pytest", "pytest_timeout", "transformers", "sklearn", "tqdm", "numpy"):
+    try:
+        info[module] = getattr(__import__(module), "__version__", "present")
+    except ImportError:
+        info[module] = None
+json.dump(info, open(sys.argv[1], "w"), indent=1)
+EOF
+read -r gpus torch_error < <("$PY" -c "import json,sys; d=json.load(open(sys.argv[1]))
+print(d.get('gpus', 0), d.get('error', ''))" "$out/device.json")
+if [[ -n "$torch_error" ]]; then
+  echo "gpu-check: $PY: $torch_error" >&2
+  exit 2
+fi
+if [[ "$gpus" == 0 && "$cpu_ok" == 0 ]]; then
+  echo "gpu-check: no CUDA GPU visible to $PY ($(cat "$out/device.json" | tr -d '\n'))" >&2
+  echo "gpu-check: use --cpu-ok to run the script anyway (the CUDA tests then skip)" >&2
+  exit 2
+fi
+device=cuda
+[[ "$gpus" == 0 ]] && device=cpu
+has_pytest=1
+if ! "$PY" -c "import pytest" >/dev/null 2>&1; then
+  has_pytest=0
+  echo "gpu-check: pytest is not installed for $PY: the test phases cannot run. Run" \
+       "'scripts/gpu-check.sh --prepare' on a machine with PyPI and carry .gpu-pytest/" >&2
+fi
+
+phases=()
+if [[ ${#only[@]} -gt 0 ]]; then phases=("${only[@]}"); else
+  phases=(cuda bench); [[ "$full" == 1 ]] && phases+=(full)
+fi
+
+declare -A status
+run_tests() {  # phase, timeout, pytest arguments...
+  local phase="$1" limit="$2"; shift 2
+  if [[ "$has_pytest" == 0 ]]; then status[$phase]=3; return; fi
+  echo "gpu-check: $phase tests (log: $out/$phase.log)"
+  PIPETORCH_DEVICE="$device" timeout -k 10 "$limit" "$PY" -m pytest "$@" -q -rfEs \
+    -p no:cacheprovider --junitxml="$out/$phase.xml" >"$out/$phase.log" 2>&1
+  status[$phase]=$?
+  tail -n 3 "$out/$phase.log"
+}
+for phase in "${phases[@]}"; do
+  case "$phase" in
+    cuda) run_tests cuda "${GPU_CHECK_TEST_TIMEOUT:-360}" tests -m cuda ;;
+    full) run_tests full "${GPU_CHECK_FULL_TIMEOUT:-540}" tests ;;
+    bench)
+      echo "gpu-check: benchmark (log: $out/benchmark.log)"
+      args=(--device "$device" --json "$out/benchmark.json")
+      [[ "$quick" == 1 ]] && args+=(--quick)
+      timeout -k 10 "${GPU_CHECK_BENCH_TIMEOUT:-180}" "$PY" benchmarks/gpu.py "${args[@]}" \
+        >"$out/benchmark.log" 2>&1
+      status[bench]=$? ;;
+    *) echo "gpu-check: unknown phase $phase (cuda, bench or full)" >&2; exit 2 ;;
+  esac
+done
+
+codes=(); for phase in "${phases[@]}"; do codes+=("$phase=${status[$phase]}"); done
+"$PY" -c 'import json, sys
+json.dump({k: int(v) for k, v in (a.split("=") for a in sys.argv[2:])}, open(sys.argv[1], "w"))' \
+  "$out/phases.json" "${codes[@]}"
+"$PY" scripts/gpu_summary.py "$out"
