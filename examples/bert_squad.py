@@ -151,7 +151,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--items", type=int, default=1536, help="sequences (default: 1536)")
     parser.add_argument("--batch-size", type=int, default=4, help="micro-batch (default: 4)")
     parser.add_argument("--gradient-accumulation", type=int, default=None,
-                        help="default: 2 x devices - 1, the least a pipeline trains with")
+                        help="default: 2 x stages - 1, the least a pipeline trains with (each "
+                             "block is a stage under AutoIncrement: layers + 2)")
     parser.add_argument("--device-iterations", type=int, default=2, help="default: 2")
     parser.add_argument("--epochs", type=int, default=2, help="default: 2")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="default: 1e-3")
@@ -162,7 +163,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     devices = len(args.layers_per_ipu)
-    accumulation = args.gradient_accumulation or 2 * devices - 1
+    stages = sum(args.layers_per_ipu) + 2  # embeddings, every layer, the QA head
+    accumulation = args.gradient_accumulation or 2 * stages - 1
     torch.manual_seed(args.seed)
     model = build_model(args).parallelize(args.layers_per_ipu).train()
     if args.squad:
@@ -189,8 +191,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     schedule = transformers.get_linear_schedule_with_warmup(optimizer, steps // 10, steps)
     training_model = poptorch.trainingModel(model, opts, optimizer=optimizer)
     print(f"BERT: {sum(args.layers_per_ipu)} layers over {devices} devices "
-          f"{args.layers_per_ipu}, {len(dataset)} sequences of {args.sequence_length}, "
-          f"{loader.combinedBatchSize} per call")
+          f"{args.layers_per_ipu} ({stages} stages), {len(dataset)} sequences of "
+          f"{args.sequence_length}, {loader.combinedBatchSize} per call")
     start = time.perf_counter()
     training_model.compile(*next(iter(loader)))
     print(f"Compiled in {time.perf_counter() - start:.1f} s")

@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 STYLE = ROOT / "examples" / "poptorch_style"
-SCRIPTS = ("mnist_pipeline.py", "resnet_optimisation.py", "multi_device.py", "data_loading.py")
+SCRIPTS = ("mnist_pipeline.py", "resnet_optimisation.py", "multi_device.py", "data_loading.py",
+           "bert_squad.py")
 
 
 def pipetorch_run(script: str, *args: str) -> subprocess.CompletedProcess:

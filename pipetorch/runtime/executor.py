@@ -120,6 +120,9 @@ class PoplarExecutor:
         start = time.monotonic_ns()
         if self._training:
             compiled.engine.train(micro, collector)
+            # The steps ran on the device: a learning-rate scheduler stepping the user's
+            # optimizer must not warn that optimizer.step() was never called.
+            self._user_optimizer._opt_called = True  # type: ignore[union-attr]
             assert self._sync is not None
             self._sync.mark_stale(self._fetch)
         else:
