@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from pipetorch import ops
 from pipetorch.errors import CompileError, Error
 from pipetorch.partition import blocks
+from pipetorch.partition.stage_module import attribute
 from pipetorch.partition.trace import (_LIBRARY_DIRS, BLOCK_KEY, InputLayout, Traced,
                                        input_layout, user_line)
 
@@ -204,20 +205,13 @@ def _attributes(graph: fx.Graph, model: nn.Module, unlifted: nn.Module) -> dict[
         target = str(node.target)
         name = target.removeprefix("model.")
         try:
-            value = _lookup(model, name)
+            value = attribute(model, name)
             name = first_name.get(id(value), name)
         except AttributeError:
-            name, value = target.replace(".", "_"), _lookup(unlifted, target)
+            name, value = target.replace(".", "_"), attribute(unlifted, target)
         node.target = name
         attrs[name] = value
     return attrs
-
-
-def _lookup(root: nn.Module, dotted: str) -> Any:
-    value: Any = root
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _failure_message(model: nn.Module, error: Exception) -> str:

@@ -1,7 +1,9 @@
 """One module per pipeline stage, cut from a single traced forward along its blocks."""
 from __future__ import annotations
 
+import functools
 import operator
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -173,19 +175,33 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
 
 class CaptureOnce:
     """`capture(model, *first)` made on the first call and then reused: the memory estimate
-    and the split of one compilation share one capture."""
+    and the split of one compilation share one capture. With `cache_dir` (the executable
+    cache) a capture saved by an earlier run is loaded instead when nothing it depends on
+    changed."""
 
-    def __init__(self, model: nn.Module, first: tuple[tuple, dict]) -> None:
-        self.model, self.first = model, first
+    def __init__(self, model: nn.Module, first: tuple[tuple, dict], *,
+                 cache_dir: str | None = None, options: Any = None) -> None:
+        self.model, self.first, self.cache_dir, self.options = model, first, cache_dir, options
         self._traced: Traced | None = None
         self.seconds = 0.0
+        self.from_cache = False
+
+    @property
+    def done(self) -> bool:
+        """Whether the capture was made (or loaded)."""
+        return self._traced is not None
 
     def __call__(self) -> Traced:
         if self._traced is None:
-            import time
-
             start = time.perf_counter()
-            self._traced = capture(self.model, *self.first)
+            make = functools.partial(capture, self.model, *self.first)
+            if self.cache_dir:
+                from pipetorch.partition.cache import cached_capture
+
+                self._traced, self.from_cache = cached_capture(
+                    self.cache_dir, self.model, *self.first, make, options=self.options)
+            else:
+                self._traced = make()
             self.seconds = time.perf_counter() - start
         return self._traced
 

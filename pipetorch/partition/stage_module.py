@@ -4,6 +4,7 @@ A plain fx.GraphModule pickles its generated Python code and re-traces it when u
 Re-tracing runs, eagerly and once, every op whose arguments hold no traced value (an
 in-place update of a buffer, such as BatchNorm's `num_batches_tracked += 1` in a torch.export
 graph) and drops it from the graph: the worker's copy would never update that buffer.
+`graph_nodes` / `build_graph` are that node-by-node form, also used by the capture cache.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 __all__: list[str] = []
+
+NodeRecord = tuple[str, str, Any, Any, Any]  # op, name, target, args, kwargs
 
 
 @dataclass(frozen=True)
@@ -42,30 +45,16 @@ def _target(target: Any) -> Any:
     return target
 
 
-class StageModule(fx.GraphModule):
-    """An fx.GraphModule whose pickle holds its nodes and attributes, not its code."""
+def graph_nodes(graph: fx.Graph) -> list[NodeRecord]:
+    """The graph as picklable records: operators by name, node arguments by node name."""
+    def refs(value: Any) -> Any:
+        return fx.node.map_arg(value, lambda node: _Ref(node.name))
 
-    def __reduce__(self) -> tuple[Any, ...]:  # type: ignore[override]
-        attrs = {str(n.target): _attr(self, str(n.target)) for n in self.graph.nodes
-                 if n.op in ("get_attr", "call_module")}
-        nodes = [(n.op, n.name, _target(n.target), _refs(n.args), _refs(n.kwargs))
-                 for n in self.graph.nodes]
-        return _rebuild, (attrs, nodes, type(self).__name__, self.training)
+    return [(n.op, n.name, _target(n.target), refs(n.args), refs(n.kwargs)) for n in graph.nodes]
 
 
-def _attr(module: nn.Module, dotted: str) -> Any:
-    value: Any = module
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _refs(value: Any) -> Any:
-    return fx.node.map_arg(value, lambda node: _Ref(node.name))
-
-
-def _rebuild(attrs: dict[str, Any], nodes: list[tuple], class_name: str,
-             training: bool) -> StageModule:
+def build_graph(records: list[NodeRecord]) -> fx.Graph:
+    """The graph `graph_nodes` recorded."""
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
 
@@ -80,10 +69,31 @@ def _rebuild(attrs: dict[str, Any], nodes: list[tuple], class_name: str,
             return slice(resolve(value.start), resolve(value.stop), resolve(value.step))
         return value
 
-    for op, name, target, args, kwargs in nodes:
+    for op, name, target, args, kwargs in records:
         target = target.resolve() if isinstance(target, _Op) else target
-        node = graph.create_node(op, target, resolve(args), resolve(kwargs), name)
-        env[name] = node
-    module = StageModule(attrs, graph, class_name=class_name)
+        env[name] = graph.create_node(op, target, resolve(args), resolve(kwargs), name)
+    return graph
+
+
+def attribute(module: nn.Module, dotted: str) -> Any:
+    """`module.a.b.c` for "a.b.c"."""
+    value: Any = module
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+class StageModule(fx.GraphModule):
+    """An fx.GraphModule whose pickle holds its nodes and attributes, not its code."""
+
+    def __reduce__(self) -> tuple[Any, ...]:  # type: ignore[override]
+        attrs = {str(n.target): attribute(self, str(n.target)) for n in self.graph.nodes
+                 if n.op in ("get_attr", "call_module")}
+        return _rebuild, (attrs, graph_nodes(self.graph), type(self).__name__, self.training)
+
+
+def _rebuild(attrs: dict[str, Any], records: list[NodeRecord], class_name: str,
+             training: bool) -> StageModule:
+    module = StageModule(attrs, build_graph(records), class_name=class_name)
     module.train(training)
     return module

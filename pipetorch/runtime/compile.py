@@ -39,6 +39,7 @@ class Compiled:
     devices: int
     seconds: float
     synthetic: list[tuple[tuple, dict]] | None = None
+    graph: CaptureOnce | None = None  # the capture for splitting (None: never needed)
 
 
 def batching_of(options: Any) -> Batching:
@@ -103,7 +104,9 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
         bar.update()
         device_opt = (device_optimizer(optimizer, user_model, model, options=options)
                       if training else None)
-        graph = CaptureOnce(model, first)  # one capture for the estimate and the split
+        # One capture for the estimate and the split, from the executable cache if enabled.
+        graph = CaptureOnce(model, first, cache_dir=options.executable_cache_dir,
+                            options=options)
         _check_memory(model, first, stages, options, batching=batching, optimizer=device_opt,
                       pipelined=strategy.pipelined, training=training, device=device,
                       capture=graph)
@@ -130,7 +133,8 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                  else None)
     seconds = time.perf_counter() - start
     logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices, seconds)
-    return Compiled(engine, stages, capture, devices, seconds, synthetic)
+    return Compiled(engine, stages, capture, devices, seconds, synthetic,
+                    graph if graph.done else None)
 
 
 def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec],

@@ -1,0 +1,178 @@
+"""The executable cache: a model's captured forward saved, so the next run skips the capture.
+
+`enableExecutableCaching(dir)` or POPTORCH_CACHE_DIR name the folder. An entry is keyed by
+everything the capture depends on: the source of every module class in the model and of its
+hooks, parameter and buffer names, shapes and dtypes, the blocks' annotations, the call's
+input signature, the train/eval mode the options and the pipetorch, torch and Python versions. It holds
+the graph (not the weights: they are the model's at load time) in a file that starts with a
+header naming pipetorch, the key and the payload's SHA-256; nothing is unpickled before the
+three are checked. A stale or corrupt entry is captured again and rewritten, with a log line.
+
+    PIPETORCH-CAPTURE\\n
+    {"format": 1, "key": "<sha256 of the key>", "sha256": "<of the payload>"}\\n
+    <pickled payload>
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import pickle
+import platform
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import pipetorch
+from pipetorch.partition.blocks import begin_blocks
+from pipetorch.partition.stage_module import attribute, build_graph, graph_nodes
+from pipetorch.partition.trace import BLOCK_KEY, Traced, input_layout
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PIPETORCH-CAPTURE\n"
+FORMAT = 1
+
+
+# Where files go and how compilation looks do not change what is captured.
+_UNKEYED_OPTIONS = ("executable_cache_dir", "profiling_dir", "log_dir",
+                    "show_compilation_progress_bar", "model_name")
+
+
+def capture_key(model: nn.Module, args: tuple, kwargs: dict, options: Any = None) -> str:
+    """SHA-256 of everything a capture of `model(*args, **kwargs)` with `options` depends on."""
+    settings = options.toDict() if options is not None else {}
+    parts: dict[str, Any] = {
+        "format": FORMAT, "pipetorch": pipetorch.__version__, "torch": torch.__version__,
+        "python": platform.python_version(),
+        "code": sorted({_source(type(m)) for m in model.modules()}),
+        "hooks": [_hooks(name, m) for name, m in model.named_modules()],
+        "modes": [m.training for m in model.modules()],
+        "weights": [(n, tuple(t.shape), str(t.dtype), t.requires_grad)
+                    for n, t in model.named_parameters(remove_duplicate=False)]
+        + [(n, tuple(t.shape), str(t.dtype)) for n, t in model.named_buffers(remove_duplicate=False)],
+        "blocks": sorted(begin_blocks(model).items()),
+        "inputs": _signature((args, kwargs)),
+        "options": {k: v for k, v in settings.items() if k not in _UNKEYED_OPTIONS},
+    }
+    return hashlib.sha256(json.dumps(parts, default=repr).encode()).hexdigest()
+
+
+def _source(kind: type) -> str:
+    try:
+        return f"{kind.__module__}.{kind.__qualname__}\n{inspect.getsource(kind)}"
+    except (OSError, TypeError):  # defined where no source is kept (a REPL, exec)
+        return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _hooks(name: str, module: nn.Module) -> list[str]:
+    found = []
+    for registry in (module._forward_pre_hooks, module._forward_hooks):
+        for hook in registry.values():
+            function = getattr(hook, "__func__", hook)
+            found.append(f"{name}:{getattr(function, '__qualname__', repr(function))}:"
+                         f"{_function_source(function)}")
+    return found
+
+
+def _function_source(function: Callable) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ["tensor", list(value.shape), str(value.dtype), value.requires_grad]
+    if isinstance(value, dict):
+        return {str(k): _signature(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_signature(v) for v in value]
+    return repr(value)
+
+
+def cached_capture(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict,
+                   make: Callable[[], Traced], *, options: Any = None) -> tuple[Traced, bool]:
+    """(the capture, whether it came from the cache): read from `folder`, else `make()`d and
+    written there."""
+    key = capture_key(model, args, kwargs, options)
+    path = Path(folder) / f"capture-{key[:32]}.pt2cache"
+    traced = _load(path, key, model, args, kwargs)
+    if traced is not None:
+        logger.info("Executable cache: loaded the captured forward from %s", path)
+        return traced, True
+    traced = make()
+    _store(path, key, model, traced)
+    return traced, False
+
+
+def _load(path: Path, key: str, model: nn.Module, args: tuple, kwargs: dict) -> Traced | None:
+    if not path.exists():
+        return None
+    try:
+        with open(path, "rb") as file:
+            if file.read(len(MAGIC)) != MAGIC:
+                raise ValueError("it is not a pipetorch capture")
+            header = json.loads(file.readline())
+            if header.get("format") != FORMAT or header.get("key") != key:
+                raise ValueError("it was written for another model, input or version")
+            payload = file.read()
+        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+            raise ValueError("its contents do not match their checksum")
+        with warnings.catch_warnings():  # pytree's own pickled specs warn on some versions
+            warnings.simplefilter("ignore", FutureWarning)
+            return _rebuild(pickle.loads(payload), model, args, kwargs)
+    except Exception as error:  # any unreadable entry is captured again, never used
+        logger.warning("Executable cache: %s is unusable (%s); capturing again", path, error)
+        return None
+
+
+def _store(path: Path, key: str, model: nn.Module, traced: Traced) -> None:
+    own = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    constants = {}
+    for node in traced.module.graph.find_nodes(op="get_attr"):
+        value = attribute(traced.module, str(node.target))
+        if not (isinstance(value, torch.Tensor) and id(value) in own):
+            constants[str(node.target)] = value  # made by forward, not one of the model's
+    try:
+        payload = pickle.dumps({"nodes": graph_nodes(traced.module.graph),
+                                "constants": constants, "blocks": traced.blocks,
+                                "node_blocks": {n.name: n.meta.get(BLOCK_KEY)
+                                                for n in traced.module.graph.nodes},
+                                "output_spec": traced.output_spec,
+                                "class_name": type(traced.module).__name__})
+    except Exception as error:
+        logger.warning("Executable cache: the capture of %s cannot be saved (%s)",
+                       type(model).__name__, error)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = json.dumps({"format": FORMAT, "key": key,
+                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".capture-")
+    with os.fdopen(handle, "wb") as file:
+        file.write(MAGIC + header + b"\n" + payload)
+    os.replace(temporary, path)  # readers see the old entry or the whole new one
+    logger.info("Executable cache: saved the captured forward to %s", path)
+
+
+def _rebuild(payload: dict[str, Any], model: nn.Module, args: tuple, kwargs: dict) -> Traced:
+    graph = build_graph(payload["nodes"])
+    attrs: dict[str, Any] = dict(payload["constants"])
+    for node in graph.find_nodes(op="get_attr"):
+        if node.target not in attrs:
+            attrs[str(node.target)] = attribute(model, str(node.target))
+    module = fx.GraphModule(attrs, graph, class_name=payload["class_name"])
+    for node, record in zip(module.graph.nodes, payload["nodes"]):
+        node.meta[BLOCK_KEY] = payload["node_blocks"][record[1]]
+    return Traced(module, payload["blocks"], input_layout(model, args, kwargs),
+                  output_spec=payload["output_spec"])
