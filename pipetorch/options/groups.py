@@ -147,9 +147,11 @@ class _JitOptions(OptionGroup):
     """Options of model capture: `opts.Jit.traceModel(False)`."""
 
     _LABEL = "Options.Jit"
-    _DEFAULTS = {"trace_model": True}
+    _DEFAULTS = {"trace_model": True, "compile_stages": None}
 
     trace_model = readback("trace_model", "Whether the model is captured by tracing.")
+    compile_stages = readback(
+        "compile_stages", "The torch.compile backend stages run through, or None (eager).")
 
     def traceModel(self, trace_model: bool) -> _JitOptions:
         """Capture the model with torch.jit tracing (True, default) or the dispatcher (False).
@@ -157,6 +159,16 @@ class _JitOptions(OptionGroup):
         Both capture the same graph here (no-op here).
         """
         self._set(trace_model=check.boolean("traceModel", "trace_model", trace_model))
+        return self
+
+    def compileStages(self, enabled: bool = True, *, backend: str = "inductor") -> _JitOptions:
+        """Run each stage's forward and backward through `torch.compile(backend=...)`
+        (pipetorch extension; PIPETORCH_COMPILE=1 or =BACKEND does the same)."""
+        enabled = check.boolean("compileStages", "enabled", enabled)
+        if not isinstance(backend, str) or not backend:
+            raise TypeError(f"compileStages: backend must be a torch.compile backend name such "
+                            f"as 'inductor' or 'aot_eager', got {backend!r}")
+        self._set(compile_stages=backend if enabled else None)
         return self
 
 

@@ -16,6 +16,7 @@ from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.partition.trace import Traced
 from pipetorch.runtime.capture import preserved
+from pipetorch.runtime.compiled import CompiledStage
 from pipetorch.runtime.recompute import stage_module
 from pipetorch.runtime.local import Batching
 
@@ -28,13 +29,15 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
                    batching: Batching, optimizer: torch.optim.Optimizer | None, pipelined: bool,
                    training: bool, recomputation: bool,
                    process: tuple[int, int] = (0, 1), seed: int | None = None,
-                   capture: Callable[[], Traced] | None = None) -> ProcessEngine:
+                   capture: Callable[[], Traced] | None = None,
+                   compile_backend: str | None = None) -> ProcessEngine:
     """Split `model` (the host copy, on the CPU) into `stages` and start one worker per stage
     and replica. `process` is (this process's id, the number of host processes);
     `recomputation` checkpoints every stage's activations (Training.setRecomputation).
 
     `first` is one micro-batch, used to learn the shapes of the values crossing stages;
-    `capture` gives the compilation's capture of forward (captured here when None).
+    `capture` gives the compilation's capture of forward (captured here when None);
+    `compile_backend` runs every stage through torch.compile with that backend.
     """
     args, kwargs = first
     staged = split_stages(model, args, kwargs, stages,
@@ -46,6 +49,9 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     if training:  # recomputationCheckpoint segments, or the whole stage with `recomputation`
         staged = dataclasses.replace(
             staged, modules=[stage_module(m, checkpoint=recomputation) for m in staged.modules])
+    if compile_backend is not None:
+        staged = dataclasses.replace(
+            staged, modules=[CompiledStage(m, compile_backend) for m in staged.modules])
     return ProcessEngine(model, staged, routes, specs, batching=batching, optimizer=optimizer,
                          schedule="pipelined" if pipelined else "sharded",
                          placements=place(stages, replicas=batching.replication_factor),

@@ -19,6 +19,7 @@ from pipetorch.partition.strategies import StageSpec
 from pipetorch.runtime import weights
 from pipetorch.runtime.batching import split_micro_batches, to_device
 from pipetorch.runtime.capture import Capture, probe
+from pipetorch.runtime.compiled import CompiledStage, compile_backend
 from pipetorch.runtime.local import Batching, LocalEngine, ReplicaBuffers, find_loss
 from pipetorch.runtime.optimizer import device_optimizer
 
@@ -111,19 +112,23 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                       pipelined=strategy.pipelined, training=training, device=device,
                       capture=graph)
         recompute = training and bool(options.Training.recomputation)
+        backend = compile_backend(options)
         if in_processes:
             from pipetorch.parallel.build import process_engine
 
             engine = process_engine(
                 model, first, stages, batching=batching, optimizer=device_opt,
                 pipelined=strategy.pipelined, training=training, recomputation=recompute,
-                process=process, seed=options.random_seed, capture=graph)
+                process=process, seed=options.random_seed, capture=graph,
+                compile_backend=backend)
         else:
             forward: Any = model
             if training and (capture.uses_recomputation or recompute):
                 from pipetorch.runtime.recompute import stage_module
 
                 forward = stage_module(model, checkpoint=recompute)
+            if backend is not None:
+                forward = CompiledStage(forward, backend)
             engine = LocalEngine(model, forward, optimizer=device_opt, batching=batching,
                                  replica_buffers=replica_buffers)
         bar.update()

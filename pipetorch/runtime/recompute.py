@@ -61,8 +61,11 @@ def with_recomputation(module: nn.Module) -> nn.Module:
 
 
 def original_module(module: nn.Module) -> nn.Module:
-    """The module stage_module or with_recomputation wrapped; `module` itself otherwise."""
-    return module.module if isinstance(module, _SharedView) else module
+    """The module stage_module, with_recomputation or compiled_stage wrapped (through every
+    layer of wrapping); `module` itself otherwise."""
+    while isinstance(module, _SharedView):
+        module = module.module
+    return module
 
 
 def saved_activation_bytes(module: nn.Module, args: tuple, *, training: bool = True) -> int:

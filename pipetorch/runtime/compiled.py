@@ -1,0 +1,61 @@
+"""Stages run through torch.compile (opt-in): `opts.Jit.compileStages()` or PIPETORCH_COMPILE."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from pipetorch.errors import ConfigError
+from pipetorch.runtime.recompute import _SharedView
+
+__all__: list[str] = []
+
+COMPILE_ENV = "PIPETORCH_COMPILE"
+
+
+def compile_backend(options: Any) -> str | None:
+    """The backend stages are compiled with: the option, else $PIPETORCH_COMPILE (1: inductor)."""
+    chosen = options.Jit.compile_stages
+    if chosen is not None:
+        return chosen
+    value = os.environ.get(COMPILE_ENV, "").strip()
+    if value in ("", "0"):
+        return None
+    backend = "inductor" if value == "1" else value
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ConfigError(f"{COMPILE_ENV}={value!r} names no torch.compile backend; use 1 "
+                          f"(inductor), 0, or one of {torch._dynamo.list_backends()}")
+    return backend
+
+
+class CompiledStage(_SharedView):
+    """`module` run through `torch.compile(backend=...)`, compiled at its first call.
+
+    It shares `module`'s parameters, buffers and names, and pickles as `module` plus the
+    backend, so a stage worker compiles its own copy (compiled code does not pickle).
+    """
+
+    def __init__(self, module: nn.Module, backend: str) -> None:
+        super().__init__(module)
+        self.__dict__["_backend"] = backend
+        self.__dict__["_compiled"] = None
+
+    @property
+    def backend(self) -> str:
+        return self.__dict__["_backend"]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__["_compiled"] is None:
+            # Static shapes: a stage always sees its micro-batch's shapes (PopTorch's rule too).
+            self.__dict__["_compiled"] = torch.compile(self.module, backend=self.backend,
+                                                       dynamic=False)
+        return self.__dict__["_compiled"](*args, **kwargs)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        self.__dict__["_compiled"] = None  # moved or converted weights: compile again
+        return super()._apply(fn, recurse)
+
+    def __reduce__(self) -> tuple[type, tuple[nn.Module, str]]:
+        return type(self), (self.module, self.backend)
