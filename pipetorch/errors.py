@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
-           "OutOfMemoryError"]
+           "OutOfMemoryError", "IpuOnlyError", "createPoptorchError"]
 
 
 class Error(Exception):
@@ -27,3 +27,16 @@ class LoaderError(Error, RuntimeError):
 
 class OutOfMemoryError(ConfigError):
     """A configuration whose estimated memory exceeds a device's budget (raised at compile)."""
+
+
+def createPoptorchError(msg: str) -> Error:
+    """The `poptorch.Error` PopTorch raises for a failure on the Python side (not raised here)."""
+    error = Error(f"'poptorch_py_error': {msg}")
+    error.type = "poptorch_py_error"  # type: ignore[attr-defined]
+    error.message = msg  # type: ignore[attr-defined]
+    error.location = ""  # type: ignore[attr-defined]
+    return error
+
+
+class IpuOnlyError(Error, NotImplementedError):
+    """A feature that needs an IPU (Poplar codelets, IPU cycle counters) asked for on CPU/GPU."""

@@ -154,6 +154,20 @@ class Block:
             _state.recorder.end()
 
 
+class _BlockHook:
+    """The forward pre-hook BeginBlock adds; prints as PopTorch prints it (see module_repr)."""
+
+    def __init__(self, user_id: str, ipu_id: int | None) -> None:
+        self.user_id, self.ipu_id = user_id, ipu_id
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if _state.recorder is not None:
+            _state.recorder.begin(self.user_id, self.ipu_id, scoped=False)
+
+    def __repr__(self) -> str:
+        return f"BeginBlock(user_id={self.user_id}, ipu_id={self.ipu_id})"
+
+
 def BeginBlock(layer_to_call: M, user_id: str | None = None, ipu_id: int | None = None) -> M:
     """Start a block when `layer_to_call` runs; it lasts until the next block starts.
 
@@ -171,12 +185,7 @@ def BeginBlock(layer_to_call: M, user_id: str | None = None, ipu_id: int | None 
             "a module can begin only one block: call removeBlocks(module) first to change it"
         )
     ids = _resolve_ids(user_id, ipu_id)
-
-    def start_block(module: nn.Module, args: Any) -> None:
-        if _state.recorder is not None:
-            _state.recorder.begin(*ids, scoped=False)
-
-    handle = layer_to_call.register_forward_pre_hook(start_block)
+    handle = layer_to_call.register_forward_pre_hook(_BlockHook(*ids))
     # Keep the hook's id, not the handle: a deepcopy of the model must remove its own hook.
     object.__setattr__(layer_to_call, _BEGIN_ATTR, (ids, handle.id))
     return layer_to_call

@@ -12,7 +12,9 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from pipetorch import extensions
 from pipetorch.errors import ConfigError, DeviceError
+from pipetorch.printing import module_repr
 from pipetorch.runtime import weights
 from pipetorch.runtime.batching import Signature, split_micro_batches, to_device
 from pipetorch.runtime.compile import Compiled, compile_model
@@ -142,6 +144,7 @@ class PoplarExecutor:
     def _compile(self, args: tuple, kwargs: dict, signature: Signature) -> Compiled:
         if self._compiled is not None:
             raise ValueError("The model is already compiled: call destroy() to compile again")
+        extensions.run_pre_compile_hooks()
         self._compiled = compile_model(
             self._user_model, args, kwargs, options=self._options, training=self._training,
             optimizer=self._user_optimizer, device=self._device)
@@ -150,6 +153,7 @@ class PoplarExecutor:
             self._start_profiler(args, kwargs)
         self._sync = weights.attach(self._user_model)
         self._uploaded_generation = self._sync.generation
+        extensions.run_post_compile_hooks()
         return self._compiled
 
     def _start_profiler(self, args: tuple, kwargs: dict) -> None:
@@ -293,7 +297,7 @@ class PoplarExecutor:
 
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
-        return f"{kind}({self._user_model!r})"
+        return f"{kind}({module_repr(self._user_model)})"
 
 
 def _write_report(profiler: Any) -> None:
