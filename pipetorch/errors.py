@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
-           "OutOfMemoryError", "IpuOnlyError", "createPoptorchError"]
+           "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "createPoptorchError"]
 
 
 class Error(Exception):
@@ -11,6 +11,10 @@ class Error(Exception):
 
 class ConfigError(Error, ValueError):
     """Options, strategies or blocks that cannot work together."""
+
+
+class OptionAssertionError(ConfigError, AssertionError):
+    """An option value PopTorch refuses with an assertion (caught as AssertionError there)."""
 
 
 class CompileError(Error, RuntimeError):

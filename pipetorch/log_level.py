@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["logger", "setLogLevel", "LOG_LEVELS"]
+__all__ = ["logger", "setLogLevel", "LOG_LEVELS", "limit_repeats"]
 
 # The parent of every pipetorch.* module logger, so one level governs the whole library.
 logger = logging.getLogger("pipetorch")
@@ -36,6 +36,34 @@ def setLogLevel(level: str | int) -> None:
         raise ValueError(f"Unknown log level: {level}. Valid values are "
                          f"{', '.join(valid[:-1])} and {valid[-1]}")
     logger.setLevel(LOG_LEVELS[level][1])
+
+
+class RepeatFilter(logging.Filter):
+    """Lets one message (logger, level, text) through `limit` times, then mutes it."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self._seen: dict[tuple[str, int, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        count = self._seen[key] = self._seen.get(key, 0) + 1
+        if count == self.limit + 1:
+            record.msg, record.args = f"{key[2]} (repeated {self.limit} times; further repeats are muted)", None
+        return count <= self.limit + 1
+
+
+_repeat_filter = RepeatFilter(4)
+
+
+def limit_repeats(limit: int) -> None:
+    """Options.maxRepeatLogs: at most `limit` copies of one message from any pipetorch logger."""
+    _repeat_filter.limit = limit
+    names = [n for n in logging.root.manager.loggerDict if n.startswith("pipetorch.")]
+    for lg in [logger, *(logging.getLogger(n) for n in names)]:
+        if _repeat_filter not in lg.filters:
+            lg.addFilter(_repeat_filter)
 
 
 def _from_environment() -> None:

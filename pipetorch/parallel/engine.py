@@ -235,6 +235,15 @@ class ProcessEngine:
         for route, stage in zip(self.routes, replies):
             snapshot.load_stage_state(self.staged.modules[route.index], self.optimizer, stage)
 
+    def pull_gradients(self) -> None:
+        """Copy the gradients of the last optimiser step into the host copy's `.grad`."""
+        for peer in self._first_replica:
+            self._send(peer, ("grads", None))
+        replies = self._gather("getAnchoredTensor", self._first_replica)
+        for route, grads in zip(self.routes, replies):
+            for name, param in self.staged.modules[route.index].named_parameters():
+                param.grad = grads.get(name)
+
     def _restore_last_call(self) -> None:
         """After a failure: the host copy takes the state the workers saved after the last
         completed call (nothing to do if none completed since the launch or the last pull)."""

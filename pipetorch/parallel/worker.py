@@ -74,7 +74,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 class Worker:
-    """Holds the stage and answers commands: run, pull, push, hyper, stop."""
+    """Holds the stage and answers commands: run, pull, push, grads, hyper, stop."""
 
     def __init__(self, launch: Launch, setup: Setup) -> None:
         self.launch, self.setup = launch, setup
@@ -155,6 +155,11 @@ class Worker:
 
     def _pull(self, payload: None) -> snapshot.StageState:
         return snapshot.stage_state(self.module, self.optimizer)
+
+    def _grads(self, payload: None) -> dict[str, torch.Tensor]:
+        """The last optimiser step's gradients (for Gradient___ anchors), on the CPU."""
+        return {name: p.grad.detach().to("cpu", copy=True)
+                for name, p in self.module.named_parameters() if p.grad is not None}
 
     def _push(self, payload: tuple[snapshot.StageState, int]) -> None:
         stage, commit = payload

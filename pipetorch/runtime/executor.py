@@ -12,13 +12,18 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from pipetorch import extensions
+from pipetorch import extensions, log_level
+from pipetorch.enums import MeanReductionStrategy
 from pipetorch.errors import ConfigError, DeviceError
 from pipetorch.printing import module_repr
 from pipetorch.runtime import weights
-from pipetorch.runtime.batching import Signature, split_micro_batches, to_device
+from pipetorch.runtime.anchors import Anchors
+from pipetorch.runtime.batching import (
+    Signature, cast_float_inputs, half_dtype, split_micro_batches, to_device,
+)
 from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.runtime.devices import default_device
+from pipetorch.runtime.local import LocalEngine
 from pipetorch.runtime.optimizer import copy_hyperparameters, copy_state_to_host, default_optimizer
 from pipetorch.runtime.outputs import OutputCollector, resolve_mode
 
@@ -87,6 +92,9 @@ class PoplarExecutor:
             _training_wrappers[model] = weakref.ref(self)
         if training and optimizer is None:
             optimizer = default_optimizer(model)
+        if training:
+            _resolve_mean_strategy(optimizer, options, own)
+        log_level.limit_repeats(own.max_repeat_logs)
         self._user_model, self._options, self._training = model, own, training
         self._user_optimizer = optimizer
         self._device = default_device()
@@ -96,12 +104,14 @@ class PoplarExecutor:
         self._uploaded_generation = -1
         self._attached = True
         self._profiler: Any = None
+        self._anchors: Anchors | None = None
         self._profile_writer: weakref.finalize | None = None
 
     # -- calls ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._attached:
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
+        args, kwargs = cast_float_inputs(args, kwargs, half_dtype(self._user_model))
         signature = Signature.of(args, kwargs)
         compiled = self._compiled or self._compile(args, kwargs, signature)
         problem = self._signature.mismatch(signature) if self._signature else None
@@ -119,6 +129,9 @@ class PoplarExecutor:
             replication_factor=o.replication_factor)]
         collector = OutputCollector(o.output_mode, steps=compiled.engine.batching.steps,
                                     replicas=o.replication_factor, period=o.output_return_period)
+        assert self._anchors is not None
+        collector = self._anchors.tee(collector, steps=compiled.engine.batching.steps,
+                                      replicas=o.replication_factor)
         start = time.monotonic_ns()
         if self._training:
             compiled.engine.train(micro, collector)
@@ -129,6 +142,7 @@ class PoplarExecutor:
             self._sync.mark_stale(self._fetch)
         else:
             compiled.engine.infer(micro, collector)
+        self._read_anchors(compiled)
         if self._profiler is not None:
             items = next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
                          if isinstance(leaf, torch.Tensor))
@@ -139,6 +153,7 @@ class PoplarExecutor:
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Prepare the model for these inputs without running it."""
+        args, kwargs = cast_float_inputs(args, kwargs, half_dtype(self._user_model))
         self._compile(args, kwargs, Signature.of(args, kwargs))
 
     def _compile(self, args: tuple, kwargs: dict, signature: Signature) -> Compiled:
@@ -149,6 +164,10 @@ class PoplarExecutor:
             self._user_model, args, kwargs, options=self._options, training=self._training,
             optimizer=self._user_optimizer, device=self._device)
         self._signature = signature
+        o, engine = self._options, self._compiled.engine
+        self._anchors = Anchors(o.anchored_tensors, engine.model, training=self._training,
+                                in_process=isinstance(engine, LocalEngine),
+                                default_mode=o.output_mode, default_period=o.output_return_period)
         if self._options.profiling_dir:
             self._start_profiler(args, kwargs)
         self._sync = weights.attach(self._user_model)
@@ -175,6 +194,30 @@ class PoplarExecutor:
         if self._profile_writer is not None:
             self._profile_writer()  # at most once; a later call starts a new profiler
         self._profiler, self._profile_writer = None, None
+
+    # -- anchored tensors -------------------------------------------------------------------
+    def _read_anchors(self, compiled: Compiled) -> None:
+        assert self._anchors is not None
+        if self._anchors.per_call():  # gradients, updated weights, loss scale: copy them back
+            if self._anchors.wants_gradients():
+                compiled.engine.pull_gradients()
+            compiled.engine.pull()
+        self._anchors.finish(compiled.engine.model, compiled.engine.optimizer)
+
+    def getAnchoredTensor(self, short_name: str) -> Any:
+        """The value of the tensor anchored as `short_name` by Options.anchorTensor, from the
+        last call (see pipetorch.runtime.anchors for the names)."""
+        return self._require_compiled().get(short_name)
+
+    def getTensorNames(self) -> list[str]:
+        """Every tensor name Options.anchorTensor accepts for this model."""
+        return list(self._require_compiled().names)
+
+    def _require_compiled(self) -> Anchors:
+        if self._anchors is None:
+            raise RuntimeError("Model has not been compiled or has been destroyed. Call the "
+                               "model (or compile()) first")
+        return self._anchors
 
     # -- weights ----------------------------------------------------------------------------
     def _fetch(self) -> None:
@@ -207,6 +250,29 @@ class PoplarExecutor:
             weights.copy_state(self._user_model, self._compiled.engine.model)
             self._compiled.engine.push()
             self._uploaded_generation = self._sync.generation
+
+    def copyNamedBuffersToDevice(self) -> None:
+        """Copy the buffers named by Options.updatableNamedBuffers from the user's model to
+        the device (other weights and buffers on the device are kept)."""
+        compiled = self._compiled
+        if compiled is None:
+            raise RuntimeError("Model has not been compiled or has been destroyed. Call the "
+                               "model (or compile()) before copyNamedBuffersToDevice()")
+        names = self._options.updatable_named_buffers
+        if not names:
+            raise ConfigError("copyNamedBuffersToDevice: no buffers were named; list them with "
+                              "Options.updatableNamedBuffers([...]) before wrapping the model")
+        host = dict(self._user_model.named_buffers())
+        device = dict(compiled.engine.model.named_buffers())
+        missing = [n for n in names if n not in host or n not in device]
+        if missing:
+            raise ConfigError(f"copyNamedBuffersToDevice: {missing} are not buffers of the "
+                              f"model; its buffers are {sorted(host)}")
+        compiled.engine.pull()  # the host copy must hold the device's latest values first
+        with torch.no_grad():
+            for name in names:
+                device[name].copy_(host[name])
+        compiled.engine.push()
 
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Send new hyper-parameters (learning rate, ...) to the device; its state is kept."""
@@ -262,7 +328,9 @@ class PoplarExecutor:
             self._write_profile()
             if self._compiled is not None:
                 self._compiled.engine.close()
-            self._compiled, self._signature, self._sync = None, None, None
+            if self._anchors is not None:
+                self._anchors.remove()
+            self._compiled, self._signature, self._sync, self._anchors = None, None, None, None
             if self._training and _training_wrappers.get(self._user_model) is not None:
                 if _training_wrappers[self._user_model]() is self:
                     del _training_wrappers[self._user_model]
@@ -298,6 +366,21 @@ class PoplarExecutor:
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
         return f"{kind}({module_repr(self._user_model)})"
+
+
+def _resolve_mean_strategy(optimizer: torch.optim.Optimizer, *options: Any) -> None:
+    """PopTorch picks Running for float16 accumulators (unless combined), else Post, when
+    the user did not choose; the choice is readable on the user's options afterwards."""
+    training = options[0].Training
+    if training._strategy_chosen:
+        return
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    accum = group.get("accum_type", getattr(optimizer, "accum_type", None))
+    combined = group.get("use_combined_accum", getattr(optimizer, "use_combined_accum", False))
+    strategy = (MeanReductionStrategy.Running if accum == torch.float16 and not combined
+                else MeanReductionStrategy.Post)
+    for o in options:  # frozen by now: this is the compile-time decision, not a user edit
+        o.Training._values["mean_accumulation_and_replication_reduction_strategy"] = strategy
 
 
 def _write_report(profiler: Any) -> None:

@@ -114,6 +114,9 @@ class LocalEngine:
     def push(self) -> None:
         """Host edits copied into `self.model` are on the device already."""
 
+    def pull_gradients(self) -> None:
+        """The last step's gradients are on `self.model` already."""
+
     def set_hyperparameters(self) -> None:
         """`self.optimizer` is the device's optimiser already."""
 
