@@ -52,6 +52,8 @@ _LAZY.update({
     "accessAttributes": "pipetorch.extensions",
     "module_repr": "pipetorch.printing",
     "createPoptorchError": "pipetorch.errors",
+    "RecoverableError": "pipetorch.errors",
+    "UnrecoverableError": "pipetorch.errors",
     "MatMulSerializationMode": "pipetorch.enums",
     **{op: "pipetorch.tensor_ops" for op in (
         "dynamic_slice", "dynamic_update", "serializedMatMul", "set_overlap_for_input",

@@ -13,11 +13,13 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch import extensions, log_level
-from pipetorch.enums import MeanReductionStrategy
 from pipetorch.errors import ConfigError, DeviceError
 from pipetorch.printing import module_repr
 from pipetorch.runtime import weights
 from pipetorch.runtime.anchors import Anchors
+from pipetorch.runtime.checks import (
+    buffer_ids, check_buffers, device_mismatch_explained, resolve_mean_strategy,
+)
 from pipetorch.runtime.batching import (
     Signature, cast_float_inputs, half_dtype, split_micro_batches, to_device,
 )
@@ -44,10 +46,12 @@ class _TrainingOutput(torch.Tensor):
         return repr(self.as_subclass(torch.Tensor))
 
     def backward(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        # PopTorch returns plain tensors: torch's own message is what scripts match.
         raise RuntimeError(
-            "backward() was called on an output of a pipetorch trainingModel: the forward pass, "
-            "backward pass and optimiser step already ran inside the call. Use the returned loss "
-            "for logging only; to train a plain PyTorch model, call the model itself")
+            "element 0 of tensors does not require grad and does not have a grad_fn: "
+            "backward() was called on an output of a pipetorch trainingModel, whose forward "
+            "pass, backward pass and optimiser step already ran inside the call. Use the "
+            "returned loss for logging only; to train a plain PyTorch model, call the model itself")
 
 
 def _mark_training_output(x: Any) -> Any:
@@ -93,7 +97,7 @@ class PoplarExecutor:
         if training and optimizer is None:
             optimizer = default_optimizer(model)
         if training:
-            _resolve_mean_strategy(optimizer, options, own)
+            resolve_mean_strategy(optimizer, options, own)
         log_level.limit_repeats(own.max_repeat_logs)
         self._user_model, self._options, self._training = model, own, training
         self._user_optimizer = optimizer
@@ -105,6 +109,7 @@ class PoplarExecutor:
         self._attached = True
         self._profiler: Any = None
         self._anchors: Anchors | None = None
+        self._buffer_ids: dict[str, int] | None = None
         self._profile_writer: weakref.finalize | None = None
 
     # -- calls ------------------------------------------------------------------------------
@@ -113,7 +118,9 @@ class PoplarExecutor:
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
         args, kwargs = cast_float_inputs(args, kwargs, half_dtype(self._user_model))
         signature = Signature.of(args, kwargs)
-        compiled = self._compiled or self._compile(args, kwargs, signature)
+        with device_mismatch_explained(self._device):
+            compiled = self._compiled or self._compile(args, kwargs, signature)
+        check_buffers(self._user_model, self._buffer_ids)
         problem = self._signature.mismatch(signature) if self._signature else None
         if problem:
             raise ValueError(
@@ -133,6 +140,18 @@ class PoplarExecutor:
         collector = self._anchors.tee(collector, steps=compiled.engine.batching.steps,
                                       replicas=o.replication_factor)
         start = time.monotonic_ns()
+        with device_mismatch_explained(self._device):
+            self._run(compiled, micro, collector)
+        self._read_anchors(compiled)
+        if self._profiler is not None:
+            items = next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
+                         if isinstance(leaf, torch.Tensor))
+            self._profiler.record_call(start, time.monotonic_ns(), items)
+        if self._training:
+            return pytree.tree_map(_mark_training_output, collector.result())
+        return collector.result()
+
+    def _run(self, compiled: Compiled, micro: list, collector: Any) -> None:
         if self._training:
             compiled.engine.train(micro, collector)
             # The steps ran on the device: a learning-rate scheduler stepping the user's
@@ -142,14 +161,6 @@ class PoplarExecutor:
             self._sync.mark_stale(self._fetch)
         else:
             compiled.engine.infer(micro, collector)
-        self._read_anchors(compiled)
-        if self._profiler is not None:
-            items = next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
-                         if isinstance(leaf, torch.Tensor))
-            self._profiler.record_call(start, time.monotonic_ns(), items)
-        if self._training:
-            return pytree.tree_map(_mark_training_output, collector.result())
-        return collector.result()
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Prepare the model for these inputs without running it."""
@@ -171,6 +182,7 @@ class PoplarExecutor:
         if self._options.profiling_dir:
             self._start_profiler(args, kwargs)
         self._sync = weights.attach(self._user_model)
+        self._buffer_ids = buffer_ids(self._user_model)
         self._uploaded_generation = self._sync.generation
         extensions.run_post_compile_hooks()
         return self._compiled
@@ -331,6 +343,7 @@ class PoplarExecutor:
             if self._anchors is not None:
                 self._anchors.remove()
             self._compiled, self._signature, self._sync, self._anchors = None, None, None, None
+            self._buffer_ids = None
             if self._training and _training_wrappers.get(self._user_model) is not None:
                 if _training_wrappers[self._user_model]() is self:
                     del _training_wrappers[self._user_model]
@@ -366,21 +379,6 @@ class PoplarExecutor:
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
         return f"{kind}({module_repr(self._user_model)})"
-
-
-def _resolve_mean_strategy(optimizer: torch.optim.Optimizer, *options: Any) -> None:
-    """PopTorch picks Running for float16 accumulators (unless combined), else Post, when
-    the user did not choose; the choice is readable on the user's options afterwards."""
-    training = options[0].Training
-    if training._strategy_chosen:
-        return
-    group = optimizer.param_groups[0] if optimizer.param_groups else {}
-    accum = group.get("accum_type", getattr(optimizer, "accum_type", None))
-    combined = group.get("use_combined_accum", getattr(optimizer, "use_combined_accum", False))
-    strategy = (MeanReductionStrategy.Running if accum == torch.float16 and not combined
-                else MeanReductionStrategy.Post)
-    for o in options:  # frozen by now: this is the compile-time decision, not a user edit
-        o.Training._values["mean_accumulation_and_replication_reduction_strategy"] = strategy
 
 
 def _write_report(profiler: Any) -> None:
