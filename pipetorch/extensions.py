@@ -101,6 +101,11 @@ def registerCustomArgParser(arg_type: type, parser: ICustomArgParser) -> None:
                                 serialized_type_name=f"{arg_type.__module__}.{arg_type.__qualname__}")
 
 
+def parser_for(value_type: type) -> ICustomArgParser | None:
+    """The parser registered for `value_type` (or a base class of it), if any."""
+    return next((p for t, p in _parsers.items() if issubclass(value_type, t)), None)
+
+
 # Custom-op attributes are passed to a backend as a string naming a registered dict.
 ATTR_PREFIX = "attr:"
 _attributes: dict[int, dict[str, Any]] = {}

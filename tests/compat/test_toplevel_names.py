@@ -72,6 +72,39 @@ def test_custom_arg_parser_splits_a_custom_input_like_tensors():
         poptorch.registerCustomArgParser(Pair, object())
 
 
+class PairDataset(torch.utils.data.Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(0)
+        self.a, self.b = torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g)
+
+    def __len__(self):
+        return len(self.a)
+
+    def __getitem__(self, i):
+        return Pair(self.a[i], self.b[i])
+
+
+def collate_pairs(items):
+    return Pair(torch.stack([p.a for p in items]), torch.stack([p.b for p in items]))
+
+
+@pytest.mark.slow  # the asynchronous loader runs in its own process
+@pytest.mark.parametrize("mode", [poptorch.DataLoaderMode.Sync, poptorch.DataLoaderMode.Async])
+def test_custom_arg_parser_carries_a_custom_type_through_the_data_loader(mode):
+    poptorch.registerCustomArgParser(Pair, PairParser())
+    torch.manual_seed(0)
+    model = PairModel()
+    opts = poptorch.Options().deviceIterations(2)
+    dataset = PairDataset(8)
+    loader = poptorch.DataLoader(opts, dataset, batch_size=2, collate_fn=collate_pairs,
+                                 mode=mode)
+    wrapped = poptorch.inferenceModel(model, opts)
+    outputs = [wrapped(batch) for batch in loader]
+    if hasattr(loader, "terminate"):
+        loader.terminate()
+    assert_close(torch.cat(outputs), model(Pair(dataset.a, dataset.b)))
+
+
 # -- compile hooks -------------------------------------------------------------------------
 def test_pre_and_post_compile_hooks_run_around_compilation_and_can_be_removed():
     calls = []
