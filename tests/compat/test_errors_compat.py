@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 import pipetorch as poptorch
-from helpers.models import TinyMLP, data
+from helpers.models import Shifted, TinyMLP, data
 
 
 class KeepsAStrayTensor(nn.Module):
@@ -32,16 +32,6 @@ def test_a_tensor_on_another_device_than_the_model_is_explained():
     # torch's own words come first, so scripts matching them still match
     assert "is not on the expected device" in str(info.value) or \
         "Expected all tensors to be on the same device" in str(info.value)
-
-
-class Shifted(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 2)
-        self.register_buffer("shift", torch.zeros(2))
-
-    def forward(self, x):
-        return self.fc(x) + self.shift
 
 
 @pytest.mark.parametrize("change, phrase", [

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 import pipetorch as poptorch
-from helpers.models import TinyMLP, data
+from helpers.models import Shifted, TinyMLP, data
 
 
 def _plain_steps(model, x, y, *, G, B, lr, loss_scaling=1.0):
@@ -31,20 +31,26 @@ def _plain_steps(model, x, y, *, G, B, lr, loss_scaling=1.0):
 
 
 # -- anchorTensor / getAnchoredTensor / getTensorNames --------------------------------------
+def _anchoring(D, G, **anchors):
+    """Options running D steps of G micro-batches, anchoring the loss of every micro-batch
+    as "losses" and each `short=long` name."""
+    opts = poptorch.Options().deviceIterations(D)
+    opts.Training.gradientAccumulation(G)
+    opts.anchorTensor("losses", "loss", poptorch.OutputMode.All)
+    for short, long in anchors.items():
+        opts.anchorTensor(short, long)
+    return opts
+
+
 def test_anchored_loss_gradients_loss_scale_and_activation_in_process():
     torch.manual_seed(0)
     model = TinyMLP()
     plain = copy.deepcopy(model)
     D, G, B = 2, 2, 3
     x, y = data(D * G * B)
-    opts = poptorch.Options().deviceIterations(D)
-    opts.Training.gradientAccumulation(G)
-    opts.anchorTensor("losses", "loss", poptorch.OutputMode.All)
-    opts.anchorTensor("grad_bias", "Gradient___fc2.bias")
-    opts.anchorTensor("grad_weight", "Gradient___fc1.weight")
-    opts.anchorTensor("new_bias", "UpdatedVar___fc2.bias")
-    opts.anchorTensor("scale", "finalLossScale")
-    opts.anchorTensor("hidden", "fc1")  # a named activation: the last micro-batch's fc1 output
+    # "hidden" is a named activation: the last micro-batch's fc1 output
+    opts = _anchoring(D, G, grad_bias="Gradient___fc2.bias", grad_weight="Gradient___fc1.weight",
+                      new_bias="UpdatedVar___fc2.bias", scale="finalLossScale", hidden="fc1")
     optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=4.0)
     wrapped = poptorch.trainingModel(model, opts, optimizer)
     with pytest.raises(RuntimeError, match="Model has not been compiled or has been destroyed"):
@@ -93,13 +99,9 @@ def test_anchors_of_a_pipelined_model_in_worker_processes(request, monkeypatch):
     plain = copy.deepcopy(model)
     D, G, B = 1, 3, 2
     x, y = data(D * G * B)
-    opts = poptorch.Options().deviceIterations(D)
-    opts.Training.gradientAccumulation(G)
-    opts.anchorTensor("losses", "loss", poptorch.OutputMode.All)
-    opts.anchorTensor("grad_first", "Gradient___fc1.weight")  # lives on worker 0
-    opts.anchorTensor("grad_second", "Gradient___fc2.bias")  # lives on worker 1
-    opts.anchorTensor("scale", "finalLossScale")
-    opts.anchorTensor("new_weight", "UpdatedVar___fc2.weight")
+    # fc1's gradient lives on worker 0, fc2's on worker 1
+    opts = _anchoring(D, G, grad_first="Gradient___fc1.weight", grad_second="Gradient___fc2.bias",
+                      scale="finalLossScale", new_weight="UpdatedVar___fc2.weight")
     optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=2.0)
     wrapped = poptorch.trainingModel(model, opts, optimizer)
     request.addfinalizer(wrapped.destroy)
@@ -116,16 +118,6 @@ def test_anchors_of_a_pipelined_model_in_worker_processes(request, monkeypatch):
 
 
 # -- updatableNamedBuffers / copyNamedBuffersToDevice ----------------------------------------
-class Shifted(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 2)
-        self.register_buffer("shift", torch.zeros(2))
-
-    def forward(self, x):
-        return self.fc(x) + self.shift
-
-
 def test_copy_named_buffers_to_device_sends_only_the_named_buffers():
     torch.manual_seed(0)
     model = Shifted()
