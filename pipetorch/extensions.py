@@ -16,7 +16,8 @@ _pre_compile_hooks: collections.OrderedDict[int, Callable[[], Any]] = collection
 _post_compile_hooks: collections.OrderedDict[int, Callable[[], Any]] = collections.OrderedDict()
 
 
-def _register(hooks: collections.OrderedDict, hook: Callable[[], Any], kind: str) -> RemovableHandle:
+def _register(hooks: collections.OrderedDict, hook: Callable[[], Any],
+              kind: str) -> RemovableHandle:
     if not callable(hook):
         raise RuntimeError(f"{kind} hook must be callable; got {type(hook).__name__} ({hook!r})")
     handle = RemovableHandle(hooks)
@@ -97,8 +98,8 @@ def registerCustomArgParser(arg_type: type, parser: ICustomArgParser) -> None:
     def unflatten(values: Iterable[Any], context: _Original) -> Any:
         return parser.reconstruct(context.value, iter(values))
 
-    pytree.register_pytree_node(arg_type, flatten, unflatten,
-                                serialized_type_name=f"{arg_type.__module__}.{arg_type.__qualname__}")
+    name = f"{arg_type.__module__}.{arg_type.__qualname__}"
+    pytree.register_pytree_node(arg_type, flatten, unflatten, serialized_type_name=name)
 
 
 def parser_for(value_type: type) -> ICustomArgParser | None:

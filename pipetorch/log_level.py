@@ -50,7 +50,8 @@ class RepeatFilter(logging.Filter):
         key = (record.name, record.levelno, record.getMessage())
         count = self._seen[key] = self._seen.get(key, 0) + 1
         if count == self.limit + 1:
-            record.msg, record.args = f"{key[2]} (repeated {self.limit} times; further repeats are muted)", None
+            note = f"repeated {self.limit} times; further repeats are muted"
+            record.msg, record.args = f"{key[2]} ({note})", None
         return count <= self.limit + 1
 
 

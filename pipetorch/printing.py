@@ -14,7 +14,7 @@ def module_repr(module: nn.Module) -> str:
     """`repr(module)` with each module's pre-hooks in front, so BeginBlock annotations show.
 
     >>> poptorch.BeginBlock(model.fc, ipu_id=1)
-    >>> print(poptorch.module_repr(model))   # "(fc): BeginBlock(user_id=None, ipu_id=1) Linear(...)"
+    >>> print(poptorch.module_repr(model))  # (fc): BeginBlock(user_id=None, ipu_id=1) Linear(..
     """
     extra = module.extra_repr()
     extra_lines = extra.split("\n") if extra else []

@@ -58,7 +58,7 @@ class Anchors:
             if long not in known:
                 close = difflib.get_close_matches(long, self.names, n=3)
                 hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-                where = ("" if in_process or long.split("/")[0] not in dict(model.named_modules())
+                where = ("" if in_process or long not in dict(model.named_modules())
                          else " (module outputs can be anchored only when the model runs in "
                               "this process, not in stage worker processes)")
                 raise ConfigError(
@@ -84,11 +84,13 @@ class Anchors:
         return long == LOSS_SCALE or long.startswith((GRADIENT, UPDATED))
 
     def _is_activation(self, long: str) -> bool:
-        return long != LOSS and not self._per_call(long) and long in dict(self.model.named_modules())
+        modules = dict(self.model.named_modules())
+        return long != LOSS and not self._per_call(long) and long in modules
 
     def _keeper(self, long: str) -> Any:
         def keep(module: nn.Module, args: Any, output: Any) -> None:
-            self._activations[long] = output.detach() if isinstance(output, torch.Tensor) else output
+            detached = isinstance(output, torch.Tensor)
+            self._activations[long] = output.detach() if detached else output
         return keep
 
     # -- one call ---------------------------------------------------------------------------

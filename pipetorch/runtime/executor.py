@@ -176,9 +176,14 @@ class PoplarExecutor:
             optimizer=self._user_optimizer, device=self._device)
         self._signature = signature
         o, engine = self._options, self._compiled.engine
-        self._anchors = Anchors(o.anchored_tensors, engine.model, training=self._training,
-                                in_process=isinstance(engine, LocalEngine),
-                                default_mode=o.output_mode, default_period=o.output_return_period)
+        try:
+            self._anchors = Anchors(
+                o.anchored_tensors, engine.model, training=self._training,
+                in_process=isinstance(engine, LocalEngine), default_mode=o.output_mode,
+                default_period=o.output_return_period)
+        except ConfigError:
+            self.destroy()  # a bad anchor name: stop the workers; fix the options, wrap again
+            raise
         if self._options.profiling_dir:
             self._start_profiler(args, kwargs)
         self._sync = weights.attach(self._user_model)

@@ -115,6 +115,12 @@ def test_anchors_of_a_pipelined_model_in_worker_processes(request, monkeypatch):
     assert_close(wrapped.getAnchoredTensor("new_weight"), plain.fc2.weight.detach())
     # module outputs are not listed for a model split over worker processes
     assert "fc1" not in wrapped.getTensorNames()
+    opts = poptorch.Options().deviceIterations(2)
+    opts.anchorTensor("hidden", "fc1")
+    other = poptorch.inferenceModel(copy.deepcopy(model), opts)
+    with pytest.raises(poptorch.errors.ConfigError, match="only when the model runs in this"):
+        other(x[:4])
+    assert not other.isCompiled()
 
 
 # -- updatableNamedBuffers / copyNamedBuffersToDevice ----------------------------------------
