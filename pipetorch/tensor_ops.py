@@ -21,14 +21,18 @@ def _check(condition: bool, message: str) -> None:
         raise createPoptorchError(message)
 
 
-def _start_index(op: str, start: Any, dim_size: int, size: int) -> int:
+def _indices(op: str, start: Any, dim_size: int, size: int, step: int = 1) -> torch.Tensor:
+    """start, start+step, ... below start+size, as a tensor: start stays a run-time value, so
+    the op traces (torch.export) without reading it."""
     _check(isinstance(start, torch.Tensor),
            f"Slice start argument to {op} must be a torch.tensor. {type(start)} is not supported.")
-    index = int(start.reshape(-1)[0])
-    _check(0 <= index and index + size <= dim_size,
-           f"{op}: the slice [{index}, {index + size}) is outside the dimension of size "
-           f"{dim_size}; keep start in [0, {dim_size - size}]")
-    return index
+    first = start.reshape(-1)[:1].long()
+    if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+        index = int(first)
+        _check(0 <= index and index + size <= dim_size,
+               f"{op}: the slice [{index}, {index + size}) is outside the dimension of size "
+               f"{dim_size}; keep start in [0, {dim_size - size}]")
+    return torch.arange(0, size, step, device=start.device) + first.to(start.device)
 
 
 def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int,
@@ -39,8 +43,8 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int
     _check(isinstance(dim, int), "Dimension must be an integer.")
     _check(isinstance(size, int), "Size must be an integer.")
     _check(isinstance(step, int) and step >= 1, "Step must be an integer.")
-    index = _start_index("dynamic_slice", start, tensor.shape[dim], size)
-    return tensor.narrow(dim, index, size)[(slice(None),) * (dim % tensor.dim()) + (slice(None, None, step),)]
+    rows = _indices("dynamic_slice", start, tensor.shape[dim], size, step)
+    return tensor.index_select(dim, rows.to(tensor.device))
 
 
 def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torch.Tensor,
@@ -56,8 +60,8 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torc
            f"({input.dim()}) vs ({src.dim()})")
     _check(input.dtype == src.dtype,
            f"input and src tensor must have same dtype. ({input.dtype} vs {src.dtype})")
-    index = _start_index("dynamic_update", start, input.shape[dim], size)
-    return input.slice_scatter(src, dim=dim, start=index, end=index + size)
+    rows = _indices("dynamic_update", start, input.shape[dim], size)
+    return input.index_copy(dim, rows.to(input.device), src)
 
 
 def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializationMode,

@@ -190,6 +190,21 @@ def test_dynamic_slice_and_update_match_python_slicing():
         poptorch.dynamic_slice(x, 1, torch.tensor(5), 4, 1)
 
 
+class SliceAndUpdate(nn.Module):
+    def forward(self, x, start):
+        window = poptorch.dynamic_slice(x, 1, start, 3, 1)
+        return poptorch.dynamic_update(torch.zeros_like(x), window * 2, 1, start, 3)
+
+
+def test_dynamic_ops_trace_with_a_run_time_start():
+    # A split model is captured with torch.export: start must stay a run-time value.
+    x, start = torch.arange(12.).reshape(2, 6), torch.tensor([2])
+    exported = torch.export.export(SliceAndUpdate(), (x, start)).module()
+    expected = torch.zeros_like(x)
+    expected[:, 1:4] = 2 * x[:, 1:4]
+    assert_close(exported(x, torch.tensor([1])), expected)
+
+
 @pytest.mark.parametrize("mode", list(poptorch.MatMulSerializationMode))
 def test_serialized_matmul_equals_matmul_with_gradients(mode):
     torch.manual_seed(0)
