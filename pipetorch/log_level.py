@@ -36,6 +36,12 @@ def setLogLevel(level: str | int) -> None:
         raise ValueError(f"Unknown log level: {level}. Valid values are "
                          f"{', '.join(valid[:-1])} and {valid[-1]}")
     logger.setLevel(LOG_LEVELS[level][1])
+    if not logger.handlers and not logging.getLogger().handlers:
+        # Like PopTorch's console handler: without one, Python prints only warnings and up.
+        console = logging.StreamHandler()
+        console.setFormatter(logging.Formatter("[%(asctime)s] [%(name)s] [%(levelname)s] "
+                                               "%(message)s", "%H:%M:%S"))
+        logger.addHandler(console)
 
 
 class RepeatFilter(logging.Filter):

@@ -174,7 +174,7 @@ def test_max_repeat_logs_mutes_a_repeated_message(caplog):
     (torch.float16, True, poptorch.MeanReductionStrategy.Post),
     (None, False, poptorch.MeanReductionStrategy.Post),
 ])
-def test_mean_reduction_strategy_is_chosen_at_wrap_time_like_poptorch(accum_type, combined, expected):
+def test_mean_reduction_strategy_is_chosen_at_wrap_time(accum_type, combined, expected):
     model = TinyMLP()
     options = poptorch.Options()
     assert options.Training.meanAccumulationAndReplicationReductionStrategy == \
@@ -240,7 +240,8 @@ def test_half_model_takes_float32_inputs_like_poptorch():
     assert out.dtype == torch.float16
     assert_close(out, plain(x.half()))
     trained = copy.deepcopy(plain)
-    wrapped = poptorch.trainingModel(trained, optimizer=torch.optim.SGD(trained.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+    wrapped = poptorch.trainingModel(trained, optimizer=optimizer)
     _, loss = wrapped(x, y)  # integer labels stay integers
     _, want = plain(x.half(), y)
     assert loss.dtype == torch.float16

@@ -2,6 +2,9 @@
 import itertools
 import logging
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,6 +33,20 @@ def test_set_log_level_names_and_legacy_integers():
             poptorch.setLogLevel(5)
     finally:
         poptorch.logger.setLevel(before)
+
+
+def test_set_log_level_prints_info_messages_in_a_plain_script():
+    # Without a handler Python prints only warnings: setLogLevel("INFO") must show INFO lines.
+    script = ("import logging, pipetorch as poptorch\n"
+              "poptorch.setLogLevel('INFO')\n"
+              "logging.getLogger('pipetorch.runtime').info('compiled it')\n"
+              "logging.getLogger('pipetorch.runtime').debug('hidden')\n")
+    root = os.path.dirname(os.path.dirname(poptorch.__file__))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert result.returncode == 0, result.stderr
+    assert "[pipetorch.runtime] [INFO] compiled it" in result.stderr
+    assert "hidden" not in result.stderr
 
 
 # -- ICustomArgParser ----------------------------------------------------------------------
