@@ -120,8 +120,15 @@ class Anchors:
                     "this process (it runs in a stage worker, or forward never calls it); "
                     "module outputs can be anchored only for a model that runs in this process")
 
-    def finish(self, engine_model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """Read this call's values (after the engine copied gradients and weights back)."""
+    def after_call(self, engine: Any) -> None:
+        """Read this call's values; per-call ones after copying them back from the device."""
+        if self.per_call():
+            if self.wants_gradients():
+                engine.pull_gradients()
+            engine.pull()
+        self._finish(engine.model, engine.optimizer)
+
+    def _finish(self, engine_model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         for short, collector in self._live.items():
             self._values[short] = collector.result()
         params = dict(engine_model.named_parameters())

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -92,9 +92,9 @@ def to_device(tree: Any, device: torch.device) -> Any:
         lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, tree)
 
 
-def half_dtype(model: torch.nn.Module) -> torch.dtype | None:
-    """float16 (or bfloat16) when every floating-point parameter of `model` has that dtype."""
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+def half_dtype(parameters: Iterable[torch.Tensor]) -> torch.dtype | None:
+    """float16 (or bfloat16) when every floating-point parameter has that dtype."""
+    dtypes = {p.dtype for p in parameters if p.is_floating_point()}
     return dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16} else None
 
 

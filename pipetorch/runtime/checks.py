@@ -16,9 +16,17 @@ __all__: list[str] = []
 _MISMATCH = ("Expected all tensors to be on the same device", "is not on the expected device")
 
 
+def held(model: nn.Module, slot: str) -> dict[str, torch.Tensor]:
+    """`model`'s parameters (slot "_parameters") or buffers ("_buffers") by qualified name,
+    read without the accessors that would copy the device's weights back first."""
+    return {f"{prefix}.{name}" if prefix else name: t
+            for prefix, module in model.named_modules()
+            for name, t in module.__dict__[slot].items() if t is not None}
+
+
 def buffer_ids(model: nn.Module) -> dict[str, int]:
     """The identity of each buffer of `model`, by name (recorded at compile)."""
-    return {name: id(b) for name, b in model.named_buffers()}
+    return {name: id(b) for name, b in held(model, "_buffers").items()}
 
 
 def check_buffers(model: nn.Module, compiled: dict[str, int] | None) -> None:

@@ -18,7 +18,7 @@ from pipetorch.printing import module_repr
 from pipetorch.runtime import weights
 from pipetorch.runtime.anchors import Anchors
 from pipetorch.runtime.checks import (
-    buffer_ids, check_buffers, device_mismatch_explained, resolve_mean_strategy,
+    buffer_ids, check_buffers, device_mismatch_explained, held, resolve_mean_strategy,
 )
 from pipetorch.runtime.batching import (
     Signature, cast_float_inputs, half_dtype, split_micro_batches, to_device,
@@ -116,7 +116,7 @@ class PoplarExecutor:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._attached:
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
-        args, kwargs = cast_float_inputs(args, kwargs, half_dtype(self._user_model))
+        args, kwargs = self._cast_inputs(args, kwargs)
         signature = Signature.of(args, kwargs)
         with device_mismatch_explained(self._device):
             compiled = self._compiled or self._compile(args, kwargs, signature)
@@ -142,7 +142,8 @@ class PoplarExecutor:
         start = time.monotonic_ns()
         with device_mismatch_explained(self._device):
             self._run(compiled, micro, collector)
-        self._read_anchors(compiled)
+        assert self._anchors is not None
+        self._anchors.after_call(compiled.engine)
         if self._profiler is not None:
             items = next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
                          if isinstance(leaf, torch.Tensor))
@@ -150,6 +151,11 @@ class PoplarExecutor:
         if self._training:
             return pytree.tree_map(_mark_training_output, collector.result())
         return collector.result()
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """PopTorch casts float32 inputs of a half model to its dtype."""
+        dtype = half_dtype(held(self._user_model, "_parameters").values())
+        return cast_float_inputs(args, kwargs, dtype)
 
     def _run(self, compiled: Compiled, micro: list, collector: Any) -> None:
         if self._training:
@@ -164,7 +170,7 @@ class PoplarExecutor:
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Prepare the model for these inputs without running it."""
-        args, kwargs = cast_float_inputs(args, kwargs, half_dtype(self._user_model))
+        args, kwargs = self._cast_inputs(args, kwargs)
         self._compile(args, kwargs, Signature.of(args, kwargs))
 
     def _compile(self, args: tuple, kwargs: dict, signature: Signature) -> Compiled:
@@ -213,14 +219,6 @@ class PoplarExecutor:
         self._profiler, self._profile_writer = None, None
 
     # -- anchored tensors -------------------------------------------------------------------
-    def _read_anchors(self, compiled: Compiled) -> None:
-        assert self._anchors is not None
-        if self._anchors.per_call():  # gradients, updated weights, loss scale: copy them back
-            if self._anchors.wants_gradients():
-                compiled.engine.pull_gradients()
-            compiled.engine.pull()
-        self._anchors.finish(compiled.engine.model, compiled.engine.optimizer)
-
     def getAnchoredTensor(self, short_name: str) -> Any:
         """The value of the tensor anchored as `short_name` by Options.anchorTensor, from the
         last call (see pipetorch.runtime.anchors for the names)."""
