@@ -51,34 +51,40 @@ class Anchors:
                  default_period: int) -> None:
         self.model, self.training = model, training
         self.names = tensor_names(model, training=training, in_process=in_process)
-        known = set(self.names)
         self._requested: dict[str, tuple[str, OutputMode, int]] = {}
         for short, spec in requested.items():
             long = spec["long_name"]
-            if long not in known:
-                close = difflib.get_close_matches(long, self.names, n=3)
-                hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-                where = ("" if in_process or long not in dict(model.named_modules())
-                         else " (module outputs can be anchored only when the model runs in "
-                              "this process, not in stage worker processes)")
-                raise ConfigError(
-                    f"anchorTensor({short!r}, {long!r}): no tensor named {long!r} in this model"
-                    f"{where}{hint}. getTensorNames() lists the names")
-            mode = spec["output_mode"]
-            mode = default_mode if mode is None or mode == OutputMode.Default else OutputMode(mode)
-            period = spec["output_return_period"] if mode == OutputMode.EveryN else (
-                default_period if mode == default_mode else 1)
-            if self._per_call(long) and mode != OutputMode.Final and spec["output_mode"] not in (
-                    None, OutputMode.Default):
-                raise ConfigError(
-                    f"anchorTensor({short!r}, {long!r}, {mode!r}): {long!r} has one value per "
-                    "call (after its last optimiser step); anchor it with OutputMode.Final")
-            self._requested[short] = (long, mode, period)
+            self._check_name(short, long, in_process=in_process)
+            self._requested[short] = (long, *self._mode_of(short, spec, default_mode,
+                                                           default_period))
         self._values: dict[str, Any] = {}
         self._live: dict[str, OutputCollector] = {}
         self._activations: dict[str, torch.Tensor] = {}
         self._hooks = [model.get_submodule(long).register_forward_hook(self._keeper(long))
                        for long, _, _ in self._requested.values() if self._is_activation(long)]
+
+    def _check_name(self, short: str, long: str, *, in_process: bool) -> None:
+        if long in self.names:
+            return
+        close = difflib.get_close_matches(long, self.names, n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        where = ("" if in_process or long not in dict(self.model.named_modules())
+                 else " (module outputs can be anchored only when the model runs in this "
+                      "process, not in stage worker processes)")
+        raise ConfigError(f"anchorTensor({short!r}, {long!r}): no tensor named {long!r} in this "
+                          f"model{where}{hint}. getTensorNames() lists the names")
+
+    def _mode_of(self, short: str, spec: dict[str, Any], default_mode: OutputMode,
+                 default_period: int) -> tuple[OutputMode, int]:
+        """The anchor's output mode and period; None or Default means the model's own."""
+        if spec["output_mode"] in (None, OutputMode.Default):
+            return default_mode, default_period
+        mode = OutputMode(spec["output_mode"])
+        if self._per_call(spec["long_name"]) and mode != OutputMode.Final:
+            raise ConfigError(
+                f"anchorTensor({short!r}, {spec['long_name']!r}, {mode!r}): it has one value "
+                "per call (after its last optimiser step); anchor it with OutputMode.Final")
+        return mode, spec["output_return_period"] if mode == OutputMode.EveryN else 1
 
     def _per_call(self, long: str) -> bool:
         return long == LOSS_SCALE or long.startswith((GRADIENT, UPDATED))

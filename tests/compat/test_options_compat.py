@@ -74,6 +74,21 @@ def test_anchored_loss_gradients_loss_scale_and_activation_in_process():
         wrapped.getAnchoredTensor("losses")
 
 
+def test_anchored_loss_every_n_steps_and_summed():
+    torch.manual_seed(0)
+    model = TinyMLP()
+    plain = copy.deepcopy(model)
+    x, y = data(8)
+    opts = poptorch.Options().deviceIterations(4)
+    opts.anchorTensor("every2", "loss", poptorch.OutputMode.EveryN, 2)
+    opts.anchorTensor("total", "loss", poptorch.OutputMode.Sum)
+    wrapped = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    wrapped(x, y)
+    losses, _, _ = _plain_steps(plain, x, y, G=1, B=2, lr=0.1)
+    assert_close(wrapped.getAnchoredTensor("every2"), losses[[1, 3]])
+    assert_close(wrapped.getAnchoredTensor("total"), losses.sum())
+
+
 def test_anchor_of_an_unknown_tensor_names_close_matches():
     opts = poptorch.Options()
     opts.anchorTensor("g", "Gradient___fc2.bais")
