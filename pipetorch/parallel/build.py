@@ -1,4 +1,4 @@
-"""From a probed model to running stage workers: split, route, measure shapes, place, start."""
+"""From a probed model to running device workers: split, route, measure shapes, place, start."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +31,8 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
                    process: tuple[int, int] = (0, 1), seed: int | None = None,
                    capture: Callable[[], Traced] | None = None,
                    compile_backend: str | None = None) -> ProcessEngine:
-    """Split `model` (the host copy, on the CPU) into `stages` and start one worker per stage
-    and replica. `process` is (this process's id, the number of host processes);
+    """Split `model` (the host copy, on the CPU) into `stages` and start one worker per logical
+    device and replica, running the stages on that device. `process` is (this process's id, the number of host processes);
     `recomputation` checkpoints every stage's activations (Training.setRecomputation).
 
     `first` is one micro-batch, used to learn the shapes of the values crossing stages;
