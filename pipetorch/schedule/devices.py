@@ -7,12 +7,13 @@ the next action of whichever of its stages the per-stage plan meant to run first
 between two stages of one device is a hand-over in memory (its send comes first, its receive
 right after); a transfer between devices is posted in the same order on both sides.
 
-AutoIncrement with blocks on ipus 0, 1, 0 (stage 2 back on device 0), 1F1B, G=5, from
-`grid.render(simulate_devices(merge(one_f_one_b(3, 5), (0, 1, 0)), (0, 1, 0)), row="device")`.
-The cells name stage:micro-batch:
+AutoIncrement with blocks on ipus 0, 1, 0 (stage 2 back on device 0), 1F1B, G=3 to fit the
+page (training asks for G >= 5), from `grid.render(simulate_devices(merge(one_f_one_b(3, 3),
+(0, 1, 0)), (0, 1, 0)), unit="device")`; a cell names stage:micro-batch. Device 0 does twice
+device 1's work and is never idle:
 
-    device 0 | 0:F0 0:F1    . 2:F0 2:B0 0:F2 2:F1 2:B1 0:B0 0:F3 2:F2 2:B2 ...
-    device 1 |    . 1:F0 1:F1    .    . 1:B0 ...
+    device 0 | 0:F0 0:F1 2:F0 0:F2 2:B0 2:F1 2:B1 0:B0 2:F2 2:B2 0:B1 0:B2
+    device 1 |    . 1:F0 1:F1    .    . 1:B0 1:F2 1:B1    .    . 1:B2    .
 
 Whole-step actions (STEP, and ALL_REDUCE the worker adds with replicas) cover every stage of
 the device: a device plan has one of each, named for the device's first stage.
