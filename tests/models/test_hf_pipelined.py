@@ -70,7 +70,10 @@ def test_training_matches_plain_pytorch(request, name, devices, sharded, auto_in
         got = wrapper(**inputs)
         want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B)
         assert_same_output(got, want, what=f"{name} call {call}")
-    assert len(wrapper._compiled.engine.worker_pids) >= devices
+    # one worker per device, running every stage on it (the tutorial: several per device)
+    assert len(wrapper._compiled.engine.worker_pids) == devices
+    assert len({s.ipu_id for s in wrapper._compiled.stages}) == devices
+    assert len(wrapper._compiled.stages) > devices or not auto_increment
     assert_same_state(wrapper.model, plain, what=f"{name}: ")
 
 
