@@ -85,7 +85,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                     "Couldn't find a loss in graph! A trainingModel's forward must compute its "
                     "loss (a torch loss function or poptorch.identity_loss) and return it, alone "
                     "or as the last element of a tuple")
-            find_loss(capture.output)
+            find_loss(capture.output, capture.loss_leaves)
         bar.update()
         strategy = options.execution_strategy
         stages = strategy.resolve(capture.blocks, preamble=capture.ops_before_blocks)
@@ -99,6 +99,12 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
         engine: Any
         process = (options.Distributed.process_id, options.Distributed.num_processes)
         in_processes = _in_processes(stages, batching, process[1])
+        if in_processes and len(capture.loss_leaves) > 1:
+            raise ConfigError(
+                f"forward returns {len(capture.loss_leaves)} losses (outputs "
+                f"{list(capture.loss_leaves)}) and the model runs on several devices, where "
+                "pipetorch trains one loss: return their sum as the last output (PopTorch sums "
+                "them), or run the model on one device")
         if in_processes:
             model = model.to("cpu")  # the host copy; each worker moves its stage to its device
         first = to_device(micro[0], torch.device("cpu") if in_processes else device)
@@ -130,7 +136,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
             if backend is not None:
                 forward = CompiledStage(forward, backend)
             engine = LocalEngine(model, forward, optimizer=device_opt, batching=batching,
-                                 replica_buffers=replica_buffers)
+                                 replica_buffers=replica_buffers, loss_leaves=capture.loss_leaves)
         bar.update()
     finally:
         bar.close()

@@ -38,9 +38,14 @@ class Batching:
         return self.device_iterations * self.gradient_accumulation
 
 
-def find_loss(output: Any) -> torch.Tensor:
+def find_loss(output: Any, loss_leaves: tuple[int, ...] = ()) -> torch.Tensor:
     """The loss is the output itself, the last element of a tuple/list, or the "loss" entry
-    of a dict (HuggingFace's ModelOutput is one)."""
+    of a dict (HuggingFace's ModelOutput is one). With `loss_leaves` (the flat output
+    positions of several losses, see `capture.loss_leaves`) it is their sum, each reduced by
+    sum as PopTorch back-propagates ones through a loss it does not reduce."""
+    if len(loss_leaves) > 1:
+        leaves = pytree.tree_leaves(output)
+        return torch.stack([leaves[i].sum().float() for i in loss_leaves]).sum()
     if isinstance(output, Mapping) and "loss" in output:
         loss = output["loss"]
     else:
@@ -98,8 +103,10 @@ class LocalEngine:
 
     def __init__(self, model: nn.Module, forward: Callable[..., Any], *,
                  optimizer: torch.optim.Optimizer | None, batching: Batching,
-                 replica_buffers: ReplicaBuffers | None = None) -> None:
+                 replica_buffers: ReplicaBuffers | None = None,
+                 loss_leaves: tuple[int, ...] = ()) -> None:
         self.model, self.forward, self.optimizer = model, forward, optimizer
+        self.loss_leaves = loss_leaves
         self.batching = batching
         self._replica_buffers = replica_buffers
         self.schedule = "local"  # every stage in this process, one after another
@@ -158,7 +165,7 @@ class LocalEngine:
                         micro_batches, range(first, first + b.gradient_accumulation)):
                     with self._replica(r):
                         output = self.forward(*args, **kwargs)
-                        loss = find_loss(output)
+                        loss = find_loss(output, self.loss_leaves)
                         # A non-scalar loss (identity_loss "none") back-propagates its sum.
                         (loss.sum() if loss.dim() else loss).mul(scale).backward()
                     collector.add(step, r, _detach(output))
