@@ -25,6 +25,7 @@ from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, Span, StageExecutor
 from pipetorch.parallel.transport import PeerLink, backend_for
 from pipetorch.partition.split import Source
+from pipetorch.runtime import devices
 from pipetorch.schedule import plans
 from pipetorch.schedule.actions import Action, Kind
 
@@ -160,6 +161,11 @@ class Worker:
         stage, commit = payload
         snapshot.load_stage_state(self.module, self.optimizer, stage)
         self._snapshot(commit)
+
+    def _rng(self, payload: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        if payload is not None:
+            devices.set_rng_state(payload, self.device)
+        return devices.rng_state(self.device)
 
     def _hyper(self, payload: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
         groups, attributes = payload

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch import ops
+from pipetorch.runtime import devices
 from pipetorch.enums import ReductionType
 from pipetorch.errors import CompileError
 from pipetorch.optim.scaling import loss_scale
@@ -118,11 +119,19 @@ class LocalEngine:
     def pull(self) -> None:
         """Device weights are `self.model` already."""
 
-    def push(self) -> None:
-        """Host edits copied into `self.model` are on the device already."""
+    def push(self, *, optimizer_state: bool = False) -> None:
+        """Host edits copied into `self.model` (and `self.optimizer`) are on the device already."""
 
     def set_hyperparameters(self) -> None:
         """`self.optimizer` is the device's optimiser already."""
+
+    def rng_state(self, states: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
+        """The device's random generators (this process's), set first when `states` is given."""
+        if states is not None:
+            if len(states) != 1:
+                raise ValueError(f"This model runs on 1 device; rng_state got {len(states)} states")
+            devices.set_rng_state(states[0], self.input_device)
+        return [devices.rng_state(self.input_device)]
 
     def close(self) -> None:
         """Nothing runs outside this process."""
