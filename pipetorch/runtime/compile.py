@@ -40,7 +40,7 @@ class Compiled:
     devices: int
     seconds: float
     synthetic: list[tuple[tuple, dict]] | None = None
-    graph: CaptureOnce | None = None  # the capture for splitting (None: never needed)
+    graph: CaptureOnce | None = None  # the whole-model capture, made when first needed
 
 
 def batching_of(options: Any) -> Batching:
@@ -144,8 +144,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                  else None)
     seconds = time.perf_counter() - start
     logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices, seconds)
-    return Compiled(engine, stages, capture, devices, seconds, synthetic,
-                    graph if graph.done else None)
+    return Compiled(engine, stages, capture, devices, seconds, synthetic, graph)
 
 
 def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec],

@@ -368,6 +368,20 @@ class PoplarExecutor:
 
         artefact.save(self, path)
 
+    def loadExecutable(self, filename: str) -> None:
+        """Take the weights of the executable saved at `filename` (by compileAndExport from
+        this model's class); the model compiles as usual on its first call."""
+        from pipetorch.runtime import artefact
+
+        saved = artefact.saved_weights(filename)
+        own = dict(self._user_model.state_dict())
+        wrong = [n for n, t in saved.items() if n not in own or own[n].shape != t.shape]
+        if wrong:
+            raise ConfigError(
+                f"The executable {filename} was saved from another model: its weights "
+                f"{wrong[:4]} are missing here or have other shapes")
+        self.load_state_dict({**own, **{n: t.detach() for n, t in saved.items()}})
+
     def compileAndExport(self, filename: str, *args: Any, export_model: bool = True,
                          **kwargs: Any) -> None:
         """Compile for these inputs (if not compiled yet) and save an executable that
