@@ -62,7 +62,7 @@ class LoadedModel(nn.Module):
     def __init__(self, graph: fx.GraphModule, layout: InputLayout,
                  output_spec: pytree.TreeSpec | None) -> None:
         super().__init__()
-        self.graph, self.layout = graph, layout
+        self.net, self.layout = graph, layout
         # As text where it can be: copies of the model (one per device) then copy no pytree
         # objects (whose copying warns on some torch versions).
         self._spec: Any = output_spec
@@ -72,11 +72,23 @@ class LoadedModel(nn.Module):
             pass
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        leaves = self.graph(*self.layout.flatten(args, kwargs))
+        leaves = self.net(*self.layout.flatten(args, kwargs))
         if self._spec is None:
             return leaves
         spec = pytree.treespec_loads(self._spec) if isinstance(self._spec, str) else self._spec
         return pytree.tree_unflatten(list(leaves), spec)
+
+
+def _model_class(layout: InputLayout) -> type:
+    """LoadedModel with forward's signature the saved model's (splitting binds by name)."""
+    def forward(self: LoadedModel, *args: Any, **kwargs: Any) -> Any:
+        return LoadedModel.forward(self, *args, **kwargs)
+
+    me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = layout.signature.replace(  # type: ignore[attr-defined]
+        parameters=[me, *layout.signature.parameters.values()])
+    return type(LoadedModel.__name__, (LoadedModel,), {"forward": forward,
+                                                       "__module__": __name__})
 
 
 def save(wrapper: Any, path: str | Path) -> None:
@@ -166,10 +178,11 @@ def load(path: str | Path, edit_opts_fn: Any = None) -> Any:
     from pipetorch.runtime.executor import PoplarExecutor
 
     payload = _read(path)
-    model = LoadedModel(payload["graph"], payload["layout"], payload["output_spec"])
+    model = _model_class(payload["layout"])(payload["graph"], payload["layout"],
+                                            payload["output_spec"])
     optimizer = None
     if payload["training"]:
-        optimizer = _rebuild_optimizer(payload["optimizer"], model.graph)
+        optimizer = _rebuild_optimizer(payload["optimizer"], model.net)
     options = payload["options"]
     if edit_opts_fn is not None:
         options = options.clone()
