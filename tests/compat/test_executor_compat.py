@@ -258,3 +258,39 @@ def test_a_fresh_process_without_the_source_loads_and_trains(tmp_path, monkeypat
     assert_close(result["loss"], loss.detach())
     for name, param in reference.named_parameters():
         assert_close(result["weights"][name], param, msg=name)
+
+
+@pytest.mark.slow
+def test_stage_workers_repeat_dropout_and_take_a_written_optimizer_state():
+    torch.manual_seed(4)
+    model = Blocks(p=0.5)
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)  # lr 0: weights stay
+    wrapped = poptorch.trainingModel(model, _sharded(), optimizer=opt)
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    try:
+        wrapped(x, y)
+        state = wrapped.rng_state
+        assert len(state) == 2  # one per stage worker
+        first = wrapped(x, y)[0]
+        assert not torch.equal(wrapped(x, y)[0], first)
+        wrapped.rng_state = state
+        assert torch.equal(wrapped(x, y)[0], first)
+
+        # A velocity written after compiling reaches the workers: the next step (lr 0.1,
+        # same dropout masks) matches torch's SGD started from that velocity.
+        reference = copy.deepcopy(model)
+        velocity = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
+        opt.write_ipu_state({f"Accl___{n}": v for n, v in velocity.items()})
+        wrapped.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        rng = wrapped.rng_state
+        wrapped(x, y)
+    finally:
+        wrapped.destroy()
+    torch.random.set_rng_state(rng[0][0])  # stage 0 draws the dropout mask
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for name, param in reference.named_parameters():
+        plain_opt.state[param]["momentum_buffer"] = velocity[name].clone()
+    reference(x, y)[1].backward()
+    plain_opt.step()
+    for name, param in reference.named_parameters():
+        assert_close(model.get_parameter(name), param, msg=name)
