@@ -42,7 +42,8 @@ class Link:
 
     def __init__(self, names: dict[int, str], sync: Callable[[], None],
                  push: Callable[[], None]) -> None:
-        self.names, self._sync, self._push = names, weakref.WeakMethod(sync), weakref.WeakMethod(push)
+        self.names = names
+        self._sync, self._push = weakref.WeakMethod(sync), weakref.WeakMethod(push)
 
     def sync(self) -> None:
         method = self._sync()

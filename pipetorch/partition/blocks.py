@@ -166,7 +166,8 @@ def BeginBlock(layer_to_call: M, user_id: str | None = None, ipu_id: int | None 
             raise TypeError(
                 f"BeginBlock expects an nn.Module or a function, got "
                 f"{type(layer_to_call).__name__} ({layer_to_call!r}); pass the layer to call")
-        return _begin_block_function(layer_to_call, _resolve_ids(user_id, ipu_id))  # type: ignore[return-value]
+        ids = _resolve_ids(user_id, ipu_id)
+        return _begin_block_function(layer_to_call, ids)  # type: ignore[return-value]
     if hasattr(layer_to_call, _BEGIN_ATTR):
         uid, iid = getattr(layer_to_call, _BEGIN_ATTR)[0]
         raise ValueError(

@@ -98,17 +98,18 @@ def save(wrapper: Any, path: str | Path) -> None:
     traced: Traced = compiled.graph()
     graph = _with_blocks_and_losses(traced, compiled.capture.loss_leaves if wrapper.training
                                     else None)
-    user = dict(wrapper.model.named_parameters())
-    user.update(wrapper.model.named_buffers())
-    attrs = {}
+    params = dict(wrapper.model.named_parameters())
+    buffers = dict(wrapper.model.named_buffers())
+    attrs: dict[str, Any] = {}
     for node in graph.find_nodes(op="get_attr"):
-        target = str(node.target)
-        value = user.get(target)
-        attrs[target] = (value if value is not None else attribute(traced.module, target))
-        attrs[target] = attrs[target].detach().clone() if isinstance(attrs[target], torch.Tensor) \
-            else attrs[target]
-        if target in dict(wrapper.model.named_parameters()):
-            attrs[target] = nn.Parameter(attrs[target], requires_grad=user[target].requires_grad)
+        target = str(node.target)  # the user's latest weights; constants made by forward
+        if target in params:
+            attrs[target] = nn.Parameter(params[target].detach().clone(),
+                                         requires_grad=params[target].requires_grad)
+        elif target in buffers:
+            attrs[target] = buffers[target].detach().clone()
+        else:
+            attrs[target] = attribute(traced.module, target)
     module = StageModule(attrs, graph, class_name=f"Saved{type(wrapper.model).__name__}")
     payload = {
         "graph": module, "layout": _portable(traced.layout), "output_spec": traced.output_spec,
@@ -154,8 +155,9 @@ def _mark_losses(graph: fx.Graph, outputs: Any, mapping: dict, loss_leaves: tupl
 
 def _portable(layout: InputLayout) -> InputLayout:
     """The layout without annotations or default objects of the user's code."""
-    params = [p.replace(annotation=inspect.Parameter.empty,
-                        default=p.default if p.name in layout.constants else inspect.Parameter.empty)
+    empty = inspect.Parameter.empty
+    params = [p.replace(annotation=empty,
+                        default=p.default if p.name in layout.constants else empty)
               for p in layout.signature.parameters.values()]
     return InputLayout(inspect.Signature(params), layout.tensors, dict(layout.constants))
 

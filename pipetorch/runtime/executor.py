@@ -354,7 +354,8 @@ class PoplarExecutor:
         assert self._signature is not None
         outputs = len(pytree.tree_leaves(compiled.capture.output))
         return counters.perf_counters(
-            self._times, inputs=sum(leaf.shape is not None for leaf in self._signature.leaves), outputs=outputs,
+            self._times, inputs=sum(leaf.shape is not None for leaf in self._signature.leaves),
+            outputs=outputs,
             iterations=self._options.device_iterations * self._options.replication_factor)
 
     def getLatency(self) -> tuple[float, float, float]:

@@ -176,7 +176,8 @@ def test_for_loop_and_cond_on_two_ipus_train_like_torch(strategy):
         opts.setExecutionStrategy(poptorch.ShardedExecution("B1", "B2"))
     else:
         opts.setExecutionStrategy(poptorch.SerialPhasedExecution(
-            poptorch.Phase(poptorch.Stage("B1").ipu(0)), poptorch.Phase(poptorch.Stage("B2").ipu(1))))
+            poptorch.Phase(poptorch.Stage("B1").ipu(0)),
+            poptorch.Phase(poptorch.Stage("B2").ipu(1))))
     x = torch.cat([torch.rand(2, 3), -torch.rand(2, 3)])  # one step per branch
     target = torch.randn(4, 2)
     wrapped = poptorch.trainingModel(model, opts, optimizer=poptorch.optim.SGD(
