@@ -31,7 +31,8 @@ from pipetorch import ops
 from pipetorch.errors import Error
 from pipetorch.partition import blocks
 from pipetorch.partition.cache import read_checked, unpickle, write_checked
-from pipetorch.partition.stage_module import StageModule, attribute, graph_nodes
+from pipetorch.partition.split import OutputTree
+from pipetorch.partition.stage_module import StageModule, attribute
 from pipetorch.partition.trace import BLOCK_KEY, InputLayout, Traced
 
 __all__ = ["load", "ExecutableError"]
@@ -139,18 +140,26 @@ def _with_blocks_and_losses(traced: Traced, loss_leaves: tuple[int, ...] | None)
             graph.call_function(begin_block, (block, infos[block].ipu_id))
             current = block
         if node.op == "output" and loss_leaves is not None:
-            graph.output(_mark_losses(graph, node.args[0], mapping, loss_leaves))
+            graph.output(_mark_losses(graph, node.args[0], mapping, loss_leaves,
+                                      traced.output_spec))
             continue
         mapping[node] = graph.node_copy(node, lambda n: mapping[n])
     return graph
 
 
-def _mark_losses(graph: fx.Graph, outputs: Any, mapping: dict, loss_leaves: tuple[int, ...]) -> Any:
-    leaves, spec = pytree.tree_flatten(fx.node.map_arg(outputs, lambda n: mapping[n]))
-    positions = loss_leaves if len(loss_leaves) > 1 else (len(leaves) - 1,)
+def _mark_losses(graph: fx.Graph, outputs: Any, mapping: dict, loss_leaves: tuple[int, ...],
+                 spec: pytree.TreeSpec | None) -> Any:
+    """The output with each loss (as the executor finds them) passed through identity_loss."""
+    leaves, flat_spec = pytree.tree_flatten(fx.node.map_arg(outputs, lambda n: mapping[n]))
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)]
+    if len(loss_leaves) > 1:
+        positions = [tensors[i] for i in loss_leaves]
+    else:  # the last output, or the "loss" entry of a dict / ModelOutput
+        found = OutputTree(spec, tuple(leaves)).loss_leaf() if spec is not None else None
+        positions = [next((i for i, leaf in enumerate(leaves) if leaf is found), tensors[-1])]
     for index in positions:
         leaves[index] = graph.call_function(ops.identity_loss, (leaves[index], "none"))
-    return pytree.tree_unflatten(leaves, spec)
+    return pytree.tree_unflatten(leaves, flat_spec)
 
 
 def _portable(layout: InputLayout) -> InputLayout:

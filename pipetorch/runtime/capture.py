@@ -28,7 +28,7 @@ class Capture:
     uses_recomputation: bool
     mutated_buffers: list[str]
     output: Any
-    loss_leaves: tuple[int, ...] = ()  # flat positions of the losses in a tuple/list output
+    loss_leaves: tuple[int, ...] = ()  # positions of the losses among a tuple's tensor leaves
 
 
 class _BlockGuard(TorchFunctionMode):
@@ -94,8 +94,8 @@ def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool) -> Cap
 
 
 def _loss_leaves(output: Any, losses: list[torch.Tensor]) -> tuple[int, ...]:
-    """Positions, among a tuple/list output's flat leaves, of tensors a loss returned."""
+    """Positions, among a tuple/list output's tensor leaves, of tensors a loss returned."""
     if not isinstance(output, (tuple, list)):
         return ()
-    leaves = pytree.tree_leaves(output)
+    leaves = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
     return tuple(i for i, leaf in enumerate(leaves) if any(leaf is loss for loss in losses))

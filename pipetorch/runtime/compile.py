@@ -99,12 +99,6 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
         engine: Any
         process = (options.Distributed.process_id, options.Distributed.num_processes)
         in_processes = _in_processes(stages, batching, process[1])
-        if in_processes and len(capture.loss_leaves) > 1:
-            raise ConfigError(
-                f"forward returns {len(capture.loss_leaves)} losses (outputs "
-                f"{list(capture.loss_leaves)}) and the model runs on several devices, where "
-                "pipetorch trains one loss: return their sum as the last output (PopTorch sums "
-                "them), or run the model on one device")
         if in_processes:
             model = model.to("cpu")  # the host copy; each worker moves its stage to its device
         first = to_device(micro[0], torch.device("cpu") if in_processes else device)
@@ -126,7 +120,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                 model, first, stages, batching=batching, optimizer=device_opt,
                 pipelined=strategy.pipelined, training=training, recomputation=recompute,
                 process=process, seed=options.random_seed, capture=graph,
-                compile_backend=backend)
+                compile_backend=backend, loss_leaves=capture.loss_leaves)
         else:
             forward: Any = model
             if training and (capture.uses_recomputation or recompute):

@@ -45,7 +45,7 @@ def find_loss(output: Any, loss_leaves: tuple[int, ...] = ()) -> torch.Tensor:
     positions of several losses, see `capture.loss_leaves`) it is their sum, each reduced by
     sum as PopTorch back-propagates ones through a loss it does not reduce."""
     if len(loss_leaves) > 1:
-        leaves = pytree.tree_leaves(output)
+        leaves = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
         return torch.stack([leaves[i].sum().float() for i in loss_leaves]).sum()
     if isinstance(output, Mapping) and "loss" in output:
         loss = output["loss"]

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import pipetorch as poptorch
-from pipetorch.errors import ConfigError
 from pipetorch.partition import blocks
 
 
@@ -146,7 +145,8 @@ def test_begin_block_on_a_function_starts_its_block():
 
 
 class ShardedLoop(nn.Module):
-    """for_loop on ipu 0, cond on ipu 1 (its head begun by BeginBlock on a function)."""
+    """for_loop on ipu 0, cond on ipu 1 (its head begun by BeginBlock on a function), a loss
+    on each."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -161,8 +161,9 @@ class ShardedLoop(nn.Module):
     def forward(self, x, target):
         with poptorch.Block("B1", ipu_id=0):
             x = poptorch.for_loop(2, lambda h: torch.tanh(self.fc(h)), [x])[0]
+            small = poptorch.identity_loss(x.pow(2), reduction="mean")  # a loss on ipu 0
         y = self.begin_head(x)
-        return y, F.mse_loss(y, target)
+        return small, y, F.mse_loss(y, target)  # two losses, one on each device
 
 
 @pytest.mark.slow
@@ -183,28 +184,16 @@ def test_for_loop_and_cond_on_two_ipus_train_like_torch(strategy):
     wrapped = poptorch.trainingModel(model, opts, optimizer=poptorch.optim.SGD(
         model.parameters(), lr=0.1))
     try:
-        out, loss = wrapped(x, target)
+        wrapped(x, target)
     finally:
         wrapped.destroy()
     opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     for rows in (slice(0, 2), slice(2, 4)):
         opt.zero_grad()
-        _, p_loss = plain(x[rows], target[rows])
-        p_loss.backward()
+        small, _, p_loss = plain(x[rows], target[rows])
+        (small + p_loss).backward()
         opt.step()
     for name, param in plain.named_parameters():
         assert_close(model.get_parameter(name), param, msg=name)
 
 
-def test_several_losses_on_several_devices_is_refused_clearly(monkeypatch):
-    monkeypatch.setenv("PIPETORCH_EXECUTION", "processes")
-
-    class TwoBlocks(ManyLosses):
-        def forward(self, x, labels, target):
-            with poptorch.Block("B1", ipu_id=0):
-                return super().forward(x, labels, target)
-
-    model = TwoBlocks()
-    wrapped = poptorch.trainingModel(model)
-    with pytest.raises(ConfigError, match="returns 4 losses .* return their sum"):
-        wrapped(torch.randn(2, 4), torch.tensor([0, 1]), torch.randn(2, 3))
