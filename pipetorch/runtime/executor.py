@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from pipetorch.errors import ConfigError, DeviceError
 from pipetorch.optim import attributes, ipu_state, scaling
-from pipetorch.runtime import counters, weights
+from pipetorch.runtime import counters, weights, wrapping
 from pipetorch.runtime.batching import Signature, split_micro_batches, to_device
 from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.runtime.devices import default_device
@@ -29,41 +29,6 @@ logger = logging.getLogger(__name__)
 
 # user model -> its live training wrapper: two would train diverging device copies.
 _training_wrappers: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-# user model -> every live wrapper of it, for `model.destroy()`.
-_all_wrappers: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
-_DESTROY = "destroy"
-
-
-class _DestroyHandle:
-    """`model.destroy()` on a wrapped user model, as PopTorch provides it: destroys every
-    wrapper of the model. Copies and pickles of the model get a handle that does nothing."""
-
-    def __init__(self, model: nn.Module | None) -> None:
-        self._model = weakref.ref(model) if model is not None else (lambda: None)
-
-    def __call__(self) -> None:
-        model = self._model()
-        if model is not None:
-            for wrapper in list(_all_wrappers.get(model, ())):
-                wrapper.destroy()
-
-    def __reduce__(self) -> tuple:
-        return _DestroyHandle, (None,)
-
-
-_wrapper_classes: dict[type, type] = {}
-
-
-def _wrapper_class(model_class: type) -> type:
-    """A class that is both PoplarExecutor and the model's class, for `isinstance` (PopTorch's
-    wrapper passes `isinstance(wrapped, type(model))`)."""
-    base = model_class.__dict__.get("_pipetorch_base", model_class)  # the host-sync subclass
-    if base not in _wrapper_classes:
-        _wrapper_classes[base] = type(base.__name__, (PoplarExecutor, base), {
-            "__module__": base.__module__, "__qualname__": base.__qualname__})
-    return _wrapper_classes[base]
-
-
 class _TrainingOutput(torch.Tensor):
     """A returned tensor whose `.backward()` explains that training already happened."""
 
@@ -118,9 +83,7 @@ class PoplarExecutor:
                     "model.destroy() on the model to re-use (this destroys its live "
                     "trainingModel, whose device copy would otherwise train apart)")
             _training_wrappers[model] = weakref.ref(self)
-        _all_wrappers.setdefault(model, weakref.WeakSet()).add(self)
-        if not isinstance(model.__dict__.get(_DESTROY), _DestroyHandle):
-            object.__setattr__(model, _DESTROY, _DestroyHandle(model))
+        wrapping.register(model, self)
         if training and optimizer is None:
             optimizer = default_optimizer(model)
         self._user_model, self._options, self._training = model, own, training
@@ -399,7 +362,7 @@ class PoplarExecutor:
         finally:
             if self._training and self._user_optimizer is not None:
                 ipu_state.unlink(self._user_optimizer)
-            self._forget_model()
+            wrapping.forget(self._user_model, self)
             if self._sync is not None:
                 weights.detach(self._sync)
             self._write_profile()
@@ -409,13 +372,6 @@ class PoplarExecutor:
             if self._training and _training_wrappers.get(self._user_model) is not None:
                 if _training_wrappers[self._user_model]() is self:
                     del _training_wrappers[self._user_model]
-
-    def _forget_model(self) -> None:
-        wrappers = _all_wrappers.get(self._user_model)
-        if wrappers is not None:
-            wrappers.discard(self)
-            if not wrappers and isinstance(self._user_model.__dict__.get(_DESTROY), _DestroyHandle):
-                del self._user_model.__dict__[_DESTROY]
 
     def __del__(self) -> None:
         if sys.is_finalizing():  # torch may be half torn down; workers stop via their finalizer
@@ -447,7 +403,7 @@ class PoplarExecutor:
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # isinstance(wrapped, type(model)) holds, as in PopTorch
-        return _wrapper_class(type(self.__dict__["_user_model"]))
+        return wrapping.wrapper_class(PoplarExecutor, type(self.__dict__["_user_model"]))
 
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
