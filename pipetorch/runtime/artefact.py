@@ -16,6 +16,7 @@ version is refused with the versions named, before anything is unpickled.
 from __future__ import annotations
 
 import inspect
+import logging
 import pickle
 import platform
 from pathlib import Path
@@ -34,8 +35,11 @@ from pipetorch.partition.cache import read_checked, unpickle, write_checked
 from pipetorch.partition.split import OutputTree
 from pipetorch.partition.stage_module import StageModule, attribute
 from pipetorch.partition.trace import BLOCK_KEY, InputLayout, Traced
+from pipetorch.runtime.batching import Signature
 
 __all__ = ["load", "ExecutableError"]
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"PIPETORCH-EXECUTABLE\n"
 FORMAT = 1
@@ -115,6 +119,7 @@ def save(wrapper: Any, path: str | Path) -> None:
     payload = {
         "graph": module, "layout": _portable(traced.layout), "output_spec": traced.output_spec,
         "options": wrapper.options, "training": wrapper.training,
+        "signature": wrapper._signature,
         "optimizer": _optimizer_record(wrapper) if wrapper.training else None,
     }
     try:
@@ -124,7 +129,17 @@ def save(wrapper: Any, path: str | Path) -> None:
             f"The compiled {type(wrapper.model).__name__} cannot be saved: {error}. The graph "
             "must hold only torch operators and the optimiser must be a poptorch.optim or "
             "torch.optim one") from error
-    write_checked(Path(path), MAGIC, _versions(), data)
+    write_checked(_file(path), MAGIC, _versions(), data)
+
+
+def _file(path: str | Path) -> Path:
+    """`path`, or `path`/model.poptorch when it is a folder (as PopTorch does)."""
+    target = Path(path)
+    if target.is_dir():
+        logger.warning("compileAndExport: %s is a directory, saving the model to %s",
+                       target, target / "model.poptorch")
+        return target / "model.poptorch"
+    return target
 
 
 def _with_blocks_and_losses(traced: Traced, loss_leaves: tuple[int, ...] | None) -> fx.Graph:
@@ -205,6 +220,14 @@ def saved_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The weights (parameters and buffers, by the model's names) saved at `path`."""
     graph = _read(path)["graph"]
     return {**dict(graph.named_parameters()), **dict(graph.named_buffers())}
+
+
+def saved_inputs(path: str | Path) -> tuple[tuple, dict]:
+    """Inputs shaped as those the executable at `path` was compiled for (zeros)."""
+    signature: Signature = _read(path)["signature"]
+    leaves = [torch.zeros(leaf.shape, dtype=leaf.dtype) if leaf.shape is not None
+              else leaf.constant for leaf in signature.leaves]
+    return pytree.tree_unflatten(leaves, signature.spec)
 
 
 def _read(path: str | Path) -> dict[str, Any]:

@@ -313,18 +313,31 @@ class PoplarExecutor:
     def getPerfCounters(self) -> dict[str, list[list[float]]]:
         """PopTorch's counters of the last call: {"input", "input_complete", "output",
         "output_complete": [per input/output: [per iteration: seconds]]} (see counters)."""
-        compiled = self._require_compiled("getPerfCounters()")
-        assert self._signature is not None
-        outputs = len(pytree.tree_leaves(compiled.capture.output))
+        if self._compiled is None or self._signature is None:
+            return counters.perf_counters(None, inputs=0, outputs=0, iterations=0)
+        outputs = len([x for x in pytree.tree_leaves(self._compiled.capture.output)
+                       if isinstance(x, torch.Tensor)])
         return counters.perf_counters(
             self._times, inputs=sum(leaf.shape is not None for leaf in self._signature.leaves),
             outputs=outputs,
             iterations=self._options.device_iterations * self._options.replication_factor)
 
     def getLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds from an input's request to its output on the host."""
-        self._require_compiled("getLatency()")
-        return counters.latency(self._times)
+        """(min, max, mean) seconds from the first input requested to the last output on
+        the host, over the last call's iterations."""
+        return counters.latency(self.getPerfCounters(), "input", min, "output_complete", max)
+
+    def getHostIpuLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds to move the inputs to the devices."""
+        return counters.latency(self.getPerfCounters(), "input", min, "input_complete", max)
+
+    def getComputeLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the inputs on the devices to the outputs ready."""
+        return counters.latency(self.getPerfCounters(), "input_complete", max, "output", max)
+
+    def getIpuHostLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds to bring the outputs to the host."""
+        return counters.latency(self.getPerfCounters(), "output", min, "output_complete", max)
 
     def save(self, path: str) -> None:
         """Save the compiled model (stages, options, weights) to `path`; see compileAndExport."""
@@ -333,8 +346,9 @@ class PoplarExecutor:
         artefact.save(self, path)
 
     def loadExecutable(self, filename: str) -> None:
-        """Take the weights of the executable saved at `filename` (by compileAndExport from
-        this model's class); the model compiles as usual on its first call."""
+        """Compile this model for the inputs the executable at `filename` was saved for (by
+        compileAndExport of this model's class), keeping this model's own weights, as
+        PopTorch does; `poptorch.load(filename)` restores the saved weights too."""
         from pipetorch.runtime import artefact
 
         saved = artefact.saved_weights(filename)
@@ -344,7 +358,8 @@ class PoplarExecutor:
             raise ConfigError(
                 f"The executable {filename} was saved from another model: its weights "
                 f"{wrong[:4]} are missing here or have other shapes")
-        self.load_state_dict({**own, **{n: t.detach() for n, t in saved.items()}})
+        args, kwargs = artefact.saved_inputs(filename)
+        self.compile(*args, **kwargs)
 
     def compileAndExport(self, filename: str, *args: Any, export_model: bool = True,
                          **kwargs: Any) -> None:

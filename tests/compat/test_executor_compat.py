@@ -99,6 +99,8 @@ def test_destroy_is_reachable_from_the_model_and_rewrapping_works():
 def test_perf_counters_and_latency_come_from_the_last_call():
     opts = poptorch.Options().deviceIterations(3)
     wrapped = poptorch.inferenceModel(Net(), opts)
+    assert wrapped.getPerfCounters()["input"] == [[]]  # as PopTorch before the first call
+    assert wrapped.getLatency() == (0.0, 0.0, 0.0)
     wrapped(torch.randn(6, 4))
     counters = wrapped.getPerfCounters()
     assert sorted(counters) == ["input", "input_complete", "output", "output_complete"]
@@ -109,6 +111,9 @@ def test_perf_counters_and_latency_come_from_the_last_call():
     low, high, mean = wrapped.getLatency()
     assert 0 < low <= mean <= high
     assert low == pytest.approx(first[3] - first[0])
+    parts = [wrapped.getHostIpuLatency()[0], wrapped.getComputeLatency()[0],
+             wrapped.getIpuHostLatency()[0]]
+    assert all(p >= 0 for p in parts) and sum(parts) == pytest.approx(low)
 
 
 def test_rng_state_repeats_dropout():
@@ -144,6 +149,8 @@ def test_saved_executable_runs_like_the_model(local, tmp_path):
     assert loaded.options.execution_strategy is not None
     wrapped.save(str(tmp_path / "again.pex"))
     assert_close(poptorch.load(str(tmp_path / "again.pex"))(x), expected)
+    wrapped.save(str(tmp_path))  # a folder: saved as model.poptorch in it, as PopTorch does
+    assert_close(poptorch.load(str(tmp_path / "model.poptorch"))(x), expected)
 
 
 def test_saved_training_executable_keeps_training_like_torch(local, tmp_path):
@@ -169,9 +176,19 @@ def test_saved_training_executable_keeps_training_like_torch(local, tmp_path):
     for name, param in reference.named_parameters():
         assert_close(saved[name], param, msg=name)
 
-    fresh = poptorch.inferenceModel(Blocks())
-    fresh.loadExecutable(str(tmp_path / "train.pex"))  # the weights of the first step
-    assert_close(fresh.model.a.weight, model.a.weight)
+    # loadExecutable compiles a wrapper of the same class for the saved inputs, keeping the
+    # wrapper's own weights (PopTorch's rule; poptorch.load restores the saved ones).
+    other = Blocks()
+    own = copy.deepcopy(other.state_dict())
+    expected = copy.deepcopy(other).eval()(x, y)[0].detach()
+    fresh = poptorch.inferenceModel(other, _sharded())
+    fresh.loadExecutable(str(tmp_path / "train.pex"))  # compiled for (x, y)'s shapes
+    assert fresh.isCompiled()
+    assert_close(fresh(x, y)[0], expected)
+    for name, value in other.state_dict().items():
+        assert_close(value, own[name], msg=name)
+    with pytest.raises(poptorch.Error, match="saved from another model"):
+        poptorch.inferenceModel(nn.Linear(2, 2)).loadExecutable(str(tmp_path / "train.pex"))
 
 
 def test_a_saved_executable_of_another_version_is_refused(tmp_path):
