@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

@@ -1,7 +1,6 @@
 """`trainingModel` / `inferenceModel`: the wrapper that runs a model on its devices."""
 from __future__ import annotations
 
-import copy
 import datetime
 import logging
 import os
@@ -15,12 +14,14 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch.errors import ConfigError, DeviceError
-from pipetorch.optim import attributes, ipu_state, scaling
+from pipetorch.optim import attributes, ipu_state
 from pipetorch.runtime import counters, weights, wrapping
 from pipetorch.runtime.batching import Signature, split_micro_batches, to_device
 from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.runtime.devices import default_device
-from pipetorch.runtime.optimizer import copy_hyperparameters, copy_state_to_host, default_optimizer
+from pipetorch.runtime.optimizer import (
+    copy_hyperparameters, copy_state_to_device, copy_state_to_host, default_optimizer,
+)
 from pipetorch.runtime.outputs import OutputCollector, resolve_mode
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel"]
@@ -247,15 +248,9 @@ class PoplarExecutor:
 
     def _push_optimizer_state(self) -> None:
         """The user's optimiser state (written by write_ipu_state) becomes the device's."""
-        if self._compiled is None or self._compiled.engine.optimizer is None:
-            return
-        host, device = self._user_optimizer, self._compiled.engine.optimizer
-        assert host is not None
-        state = host.state_dict()
-        state.pop("ipu_state", None)
-        device.load_state_dict(copy.deepcopy(state))
-        scaling.load_scaling_state(device, scaling.scaling_state(host))
-        self._compiled.engine.push(optimizer_state=True)
+        if self._compiled is not None and self._compiled.engine.optimizer is not None:
+            assert self._user_optimizer is not None
+            copy_state_to_device(self._user_optimizer, self._compiled.engine)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The user model's state_dict, holding the device's latest weights."""
