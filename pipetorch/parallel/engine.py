@@ -264,19 +264,34 @@ class ProcessEngine:
         for route, stage in zip(self.routes, saved):
             snapshot.load_stage_state(self.staged.modules[route.index], self.optimizer, stage)
 
-    def push(self) -> None:
-        """Send the host copy's weights to every stage of every replica."""
+    def push(self, *, optimizer_state: bool = False) -> None:
+        """Send the host copy's weights (and with `optimizer_state` the host optimiser's
+        state) to every stage of every replica."""
         self._check_alive()
         commit = self._commits + 1
         for peer in self.peers:
             states = {}
             for stage in peer.stages:
                 module = self.staged.modules[stage]
-                states[stage] = ({name: t.detach() for name, t in
-                                  [*module.named_parameters(), *module.named_buffers()]}, {}, {})
+                if optimizer_state:
+                    states[stage] = snapshot.stage_state(module, self.optimizer)
+                else:
+                    states[stage] = ({name: t.detach() for name, t in
+                                      [*module.named_parameters(), *module.named_buffers()]},
+                                     {}, {})
             self._send(peer, ("push", (states, commit)))
         self._gather("copyWeightsToDevice")
         self._commits = commit
+
+    def rng_state(self, states: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
+        """Every worker's random generators (one list per worker), set first when given."""
+        self._check_alive()
+        if states is not None and len(states) != len(self.peers):
+            raise ValueError(f"This model runs on {len(self.peers)} worker(s); rng_state got "
+                             f"{len(states)} states: pass what rng_state returned")
+        for n, peer in enumerate(self.peers):
+            self._send(peer, ("rng", None if states is None else states[n]))
+        return self._gather("rng_state")
 
     def set_hyperparameters(self) -> None:
         """Send the host optimiser's hyper-parameters (after setOptimizer) to every stage."""

@@ -235,8 +235,9 @@ class StageExecutor:
             values[source] = value
         loss = None
         if self._training and route.loss is not None:
-            loss = values[route.loss]
-            loss = (loss.sum() if loss.dim() else loss) * self._scale
+            # A non-scalar loss (identity_loss "none") back-propagates its sum; several sum.
+            parts = [values[s] for s in (route.loss, *route.more_losses)]
+            loss = sum(p.sum() if p.dim() else p for p in parts) * self._scale
         if m in self._call.wanted:
             held.outputs[m] = [_for_host(values[s]) for s in route.host_outputs]
         if self._training:

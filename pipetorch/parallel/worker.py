@@ -27,6 +27,7 @@ from pipetorch.parallel.routes import Constant, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, StageExecutor
 from pipetorch.parallel.transport import PeerLink, backend_for
 from pipetorch.partition.split import Source
+from pipetorch.runtime import devices as device_kinds
 from pipetorch.schedule import devices, plans
 from pipetorch.schedule.actions import Action, Kind
 
@@ -172,6 +173,11 @@ class Worker:
         for stage, state in states.items():
             snapshot.load_stage_state(self.modules[stage], self.optimizer, state)
         self._snapshot(commit)
+
+    def _rng(self, payload: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        if payload is not None:
+            device_kinds.set_rng_state(payload, self.device)
+        return device_kinds.rng_state(self.device)
 
     def _hyper(self, payload: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
         groups, attributes = payload
