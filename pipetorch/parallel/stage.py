@@ -269,9 +269,10 @@ class StageExecutor:
             held.grads_out[m] = [_grad_or_zeros(forward.received[s]) for s in out_sources]
 
     def _all_reduce(self, m: int, action: Action) -> None:
-        """Sum the gradients of every held stage over the replicas of this device."""
-        self.link.all_reduce([p.grad for h in self.held.values() for p in h.module.parameters()
-                              if p.grad is not None])
+        """Sum the gradients of every held stage over the replicas of this device (a weight
+        two of its stages share, once)."""
+        params = {id(p): p for h in self.held.values() for p in h.module.parameters()}
+        self.link.all_reduce([p.grad for p in params.values() if p.grad is not None])
 
     def _step(self, m: int, action: Action) -> None:
         self.link.flush()

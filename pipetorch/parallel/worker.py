@@ -1,7 +1,8 @@
 """A logical device's worker process: joins the workers' process group, then serves the host.
 
 It holds every stage placed on its device and runs them through one StageExecutor, on the
-device's list of the schedule (`schedule.devices.merge`)."""
+device's list of the schedule (`schedule.devices.merge`).
+"""
 from __future__ import annotations
 
 import importlib
