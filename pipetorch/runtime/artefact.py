@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 import pipetorch
 from pipetorch import ops
-from pipetorch.errors import Error
+from pipetorch.errors import ConfigError, Error
 from pipetorch.partition import blocks
 from pipetorch.partition.cache import read_checked, unpickle, write_checked
 from pipetorch.partition.split import OutputTree
@@ -254,3 +254,36 @@ def _rebuild_optimizer(record: dict[str, Any], graph: nn.Module) -> torch.optim.
     if record["variable_attrs"] is not None:
         optimizer.variable_attrs = record["variable_attrs"]
     return optimizer
+
+
+class Exports:
+    """PoplarExecutor's saving of executables and compiling for a saved one."""
+
+    _compiled: Any
+    _user_model: nn.Module
+
+    def save(self, path: str) -> None:
+        """Save the compiled model (stages, options, weights) to `path`; see compileAndExport."""
+        save(self, path)
+
+    def loadExecutable(self, filename: str) -> None:
+        """Compile this model for the inputs the executable at `filename` was saved for (by
+        compileAndExport of this model's class), keeping this model's own weights, as
+        PopTorch does; `poptorch.load(filename)` restores the saved weights too."""
+        saved = saved_weights(filename)
+        own = dict(self._user_model.state_dict())
+        wrong = [n for n, t in saved.items() if n not in own or own[n].shape != t.shape]
+        if wrong:
+            raise ConfigError(
+                f"The executable {filename} was saved from another model: its weights "
+                f"{wrong[:4]} are missing here or have other shapes")
+        args, kwargs = saved_inputs(filename)
+        self.compile(*args, **kwargs)
+
+    def compileAndExport(self, filename: str, *args: Any, export_model: bool = True,
+                         **kwargs: Any) -> None:
+        """Compile for these inputs (if not compiled yet) and save an executable that
+        `poptorch.load(filename)` runs in another process without the model's source."""
+        if self._compiled is None:
+            self.compile(*args, **kwargs)
+        self.save(filename)

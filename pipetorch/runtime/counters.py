@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
 
 __all__: list[str] = []
 
@@ -58,3 +61,41 @@ def latency(counters: Counters, start: str, start_reduce: Callable[[list[float]]
     group = len(starts) // len(ends)  # several inputs per output (output modes): earliest
     durations = [e - min(starts[i * group:(i + 1) * group]) for i, e in enumerate(ends)]
     return min(durations), max(durations), sum(durations) / len(durations)
+
+
+class PerfCounters:
+    """PoplarExecutor's counters and latencies, read from the last call's `_times`."""
+
+    _compiled: Any
+    _signature: Any
+    _times: Any
+    _options: Any
+
+    def getPerfCounters(self) -> dict[str, list[list[float]]]:
+        """PopTorch's counters of the last call: {"input", "input_complete", "output",
+        "output_complete": [per input/output: [per iteration: seconds]]} (see counters)."""
+        if self._compiled is None or self._signature is None:
+            return perf_counters(None, inputs=0, outputs=0, iterations=0)
+        outputs = len([x for x in pytree.tree_leaves(self._compiled.capture.output)
+                       if isinstance(x, torch.Tensor)])
+        return perf_counters(
+            self._times, inputs=sum(leaf.shape is not None for leaf in self._signature.leaves),
+            outputs=outputs,
+            iterations=self._options.device_iterations * self._options.replication_factor)
+
+    def getLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the first input requested to the last output on
+        the host, over the last call's iterations."""
+        return latency(self.getPerfCounters(), "input", min, "output_complete", max)
+
+    def getHostIpuLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds to move the inputs to the devices."""
+        return latency(self.getPerfCounters(), "input", min, "input_complete", max)
+
+    def getComputeLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the inputs on the devices to the outputs ready."""
+        return latency(self.getPerfCounters(), "input_complete", max, "output", max)
+
+    def getIpuHostLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds to bring the outputs to the host."""
+        return latency(self.getPerfCounters(), "output", min, "output_complete", max)

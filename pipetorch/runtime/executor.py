@@ -17,7 +17,7 @@ from pipetorch import extensions, log_level
 from pipetorch.errors import ConfigError, DeviceError
 from pipetorch.optim import attributes, ipu_state
 from pipetorch.printing import module_repr
-from pipetorch.runtime import counters, weights, wrapping
+from pipetorch.runtime import artefact, counters, weights, wrapping
 from pipetorch.runtime.anchors import Anchors
 from pipetorch.runtime.batching import (
     Signature, cast_float_inputs, half_dtype, split_micro_batches, to_device,
@@ -62,7 +62,7 @@ def _mark_training_output(x: Any) -> Any:
     return x
 
 
-class PoplarExecutor:
+class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     """A model wrapped for its devices; call it like the model, with a host call's batch."""
 
     def __init__(self, model: nn.Module, options: Any = None, *, training: bool,
@@ -388,65 +388,6 @@ class PoplarExecutor:
     @rng_state.setter
     def rng_state(self, state: list[list[torch.Tensor]]) -> None:
         self._require_compiled("rng_state").engine.rng_state(state)
-
-    def getPerfCounters(self) -> dict[str, list[list[float]]]:
-        """PopTorch's counters of the last call: {"input", "input_complete", "output",
-        "output_complete": [per input/output: [per iteration: seconds]]} (see counters)."""
-        if self._compiled is None or self._signature is None:
-            return counters.perf_counters(None, inputs=0, outputs=0, iterations=0)
-        outputs = len([x for x in pytree.tree_leaves(self._compiled.capture.output)
-                       if isinstance(x, torch.Tensor)])
-        return counters.perf_counters(
-            self._times, inputs=sum(leaf.shape is not None for leaf in self._signature.leaves),
-            outputs=outputs,
-            iterations=self._options.device_iterations * self._options.replication_factor)
-
-    def getLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds from the first input requested to the last output on
-        the host, over the last call's iterations."""
-        return counters.latency(self.getPerfCounters(), "input", min, "output_complete", max)
-
-    def getHostIpuLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds to move the inputs to the devices."""
-        return counters.latency(self.getPerfCounters(), "input", min, "input_complete", max)
-
-    def getComputeLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds from the inputs on the devices to the outputs ready."""
-        return counters.latency(self.getPerfCounters(), "input_complete", max, "output", max)
-
-    def getIpuHostLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds to bring the outputs to the host."""
-        return counters.latency(self.getPerfCounters(), "output", min, "output_complete", max)
-
-    def save(self, path: str) -> None:
-        """Save the compiled model (stages, options, weights) to `path`; see compileAndExport."""
-        from pipetorch.runtime import artefact
-
-        artefact.save(self, path)
-
-    def loadExecutable(self, filename: str) -> None:
-        """Compile this model for the inputs the executable at `filename` was saved for (by
-        compileAndExport of this model's class), keeping this model's own weights, as
-        PopTorch does; `poptorch.load(filename)` restores the saved weights too."""
-        from pipetorch.runtime import artefact
-
-        saved = artefact.saved_weights(filename)
-        own = dict(self._user_model.state_dict())
-        wrong = [n for n, t in saved.items() if n not in own or own[n].shape != t.shape]
-        if wrong:
-            raise ConfigError(
-                f"The executable {filename} was saved from another model: its weights "
-                f"{wrong[:4]} are missing here or have other shapes")
-        args, kwargs = artefact.saved_inputs(filename)
-        self.compile(*args, **kwargs)
-
-    def compileAndExport(self, filename: str, *args: Any, export_model: bool = True,
-                         **kwargs: Any) -> None:
-        """Compile for these inputs (if not compiled yet) and save an executable that
-        `poptorch.load(filename)` runs in another process without the model's source."""
-        if self._compiled is None:
-            self.compile(*args, **kwargs)
-        self.save(filename)
 
     def destroy(self) -> None:
         """Free the device copy; the user's model keeps the latest weights."""
