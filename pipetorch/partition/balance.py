@@ -149,6 +149,16 @@ def plan(segments: Sequence[Segment], devices: int, *,
     return _placement(costs, starts, flight)
 
 
+def evaluate(segments: Sequence[Segment], starts: Sequence[int], *,
+             in_flight: Callable[[int], list[int]] = default_in_flight) -> Placement:
+    """The predicted costs of a given split (`starts[d]`: first segment on device d)."""
+    if list(starts) != sorted(set(starts)) or not starts or starts[0] != 0 \
+            or starts[-1] >= len(segments):
+        raise ValueError(f"starts {list(starts)} must rise from 0 and stay below the "
+                         f"{len(segments)} segments")
+    return _placement(_Costs(segments), tuple(starts), in_flight(len(starts)))
+
+
 def _check(segments: Sequence[Segment], devices: int) -> None:
     if devices < 1:
         raise ValueError(f"devices ({devices}) must be >= 1")
