@@ -15,7 +15,8 @@ def candidates(model: nn.Module) -> list[str]:
 
     With `BeginBlock` annotations these are the user's blocks (balancing decides which share a
     device). Otherwise they are the model's children, with every Sequential or ModuleList (and
-    any module holding one, such as an HF encoder or a ResNet stage) opened into its children,
+    any module holding one, such as an HF encoder or a ResNet stage, and a wrapper's only child
+    with weights, such as a model inside a loss wrapper) opened into its children,
     so that BERT gives embeddings, layer.0 .. layer.N-1, pooler and a ResNet gives its blocks.
     """
     marked = list(begin_blocks(model))
@@ -27,9 +28,12 @@ def candidates(model: nn.Module) -> list[str]:
 
 def _open(module: nn.Module, prefix: str) -> list[str]:
     out: list[str] = []
-    for name, child in module.named_children():
+    children = list(module.named_children())
+    weighted = [c for _, c in children if any(True for _ in c.parameters())]
+    for name, child in children:
         qualified = f"{prefix}.{name}" if prefix else name
-        if _holds_layers(child):
+        only_weights = weighted == [child] and len(list(child.children())) > 1
+        if _holds_layers(child) or only_weights:
             out.extend(_open(child, qualified))
         else:
             out.append(qualified)

@@ -106,3 +106,25 @@ def test_proposed_gradient_accumulation_keeps_bubble_under_ten_percent(stages):
     g = propose_gradient_accumulation(stages)
     assert (stages - 1) / (g + stages - 1) < 0.10
     assert (stages - 1) / (g - 1 + stages - 1) >= 0.10 or g == 2 * stages - 1
+
+
+def test_candidates_open_layer_containers_and_loss_wrappers():
+    import torch.nn as nn
+
+    from pipetorch.partition.blocks import BeginBlock
+    from pipetorch.partition.candidates import candidates
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Module()
+            self.net.stem, self.net.head = nn.Linear(2, 2), nn.Linear(2, 2)
+            self.net.body = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
+            self.loss = nn.MSELoss()
+
+    assert candidates(Wrapped()) == ["net.stem", "net.head", "net.body.0", "net.body.1",
+                                     "net.body.2", "loss"]
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    assert candidates(seq) == ["0", "1", "2"]
+    BeginBlock(seq[2], "B1", ipu_id=1)
+    assert candidates(seq) == ["2"]  # the user's blocks are the candidates
