@@ -29,6 +29,7 @@ import torch
 
 import pipetorch as poptorch
 from pipetorch.parallel.placement import cpu_cores
+from pipetorch.partition.blocks import removeBlocks
 from pipetorch.partition.balance import Segment, evaluate, plan
 from pipetorch.partition.candidates import candidates
 from pipetorch.profiling.costs import cost_table
@@ -143,7 +144,7 @@ def bert(args: argparse.Namespace) -> None:
     layers, hidden, sequence = (4, 64, 32) if args.quick else (8, 256, 128)
     micro, G, D = 2, 4, 1
     uniform = make_bert(layers, hidden, 2, sequence)
-    balanced = make_bert(layers, hidden, 2, sequence)
+    balanced = removeBlocks(make_bert(layers, hidden, 2, sequence))  # balance the layers
     start = time.perf_counter()
     placement = poptorch.balance(balanced, sample_kwargs=inputs(micro, sequence), devices=2)
     took = time.perf_counter() - start
