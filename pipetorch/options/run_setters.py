@@ -44,6 +44,7 @@ class RunSetters(OptionGroup):
         "relax_optimizer_attributes_checks": False,
         "input_group_size": 1,
         "input_group_type": CommGroupType.Consecutive,
+        "auto_balance_devices": None,
     }
     _env_profiling_dir: str | None = None
 
@@ -71,6 +72,9 @@ class RunSetters(OptionGroup):
         "input_group_size", "Replicas per input group: replicas in a group get the same data.")
     input_group_type = readback(
         "input_group_type", "How replicas are arranged into input groups.")
+
+    auto_balance_devices = readback(
+        "auto_balance_devices", "Devices autoBalance splits the model over, or None.")
 
     @property
     def execution_strategy(self) -> Any:
@@ -162,6 +166,16 @@ class RunSetters(OptionGroup):
                 "a PipelinedExecution, ShardedExecution, SerialPhasedExecution or "
                 "ParallelPhasedExecution")
         self._set(execution_strategy=strategy)
+        return self
+
+    def autoBalance(self, devices: int | None) -> Options:
+        """pipetorch extension: before compiling, split the model over `devices` stages by
+        measured time and memory (pipetorch.balance), replacing its BeginBlock annotations."""
+        if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int)
+                                    or devices < 1):
+            raise ValueError(f"autoBalance(devices={devices!r}): devices must be an int >= 1 "
+                             "(or None to switch balancing off)")
+        self._set(auto_balance_devices=devices)
         return self
 
     def enableSyntheticData(self, enabled: bool) -> Options:

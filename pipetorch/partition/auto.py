@@ -41,11 +41,19 @@ def balance(model: nn.Module, *sample_inputs: Any, devices: int,
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    # Profiling steps must not change the model: restore buffers (BatchNorm statistics) and
+    # the random state (dropout) they consume.
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     try:
-        table = cost_table(model, names, sample_inputs, kwargs, repeats=repeats,
-                           optimizer_slots=optimizer_slots, link_bytes_per_s=link_bytes_per_s)
+        with torch.random.fork_rng(devices=[]):
+            table = cost_table(model, names, sample_inputs, kwargs, repeats=repeats,
+                               optimizer_slots=optimizer_slots,
+                               link_bytes_per_s=link_bytes_per_s)
     finally:
         torch.set_num_threads(previous)
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(buffers[k])
     placement = plan(table, devices, budgets=memory_budget, in_flight=default_in_flight)
     logger.info("Balanced placement:\n%s\nEquivalent BeginBlock lines:\n%s",
                 placement.table(), "\n".join(placement.begin_block_lines()))
@@ -71,7 +79,7 @@ def _execution_order(model: nn.Module, names: list[str], args: tuple,
     handles = [modules[n].register_forward_pre_hook(
         lambda m, a, n=n: order.append(n) if n not in order else None) for n in names]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(*args, **kwargs)
     finally:
         for h in handles:

@@ -119,13 +119,14 @@ def test_unbalanced_report_proposes_a_move_and_the_balanced_split_trains_evenly(
 
 @pytest.mark.transformers
 def test_bert_over_four_devices_groups_embeddings_and_layers_and_trains_equal(request):
+    """pipetorch.balance's placement, and opts.autoBalance training equal to plain PyTorch."""
     from models.hf_cases import bert_config, plain_call as hf_plain_call, qa_inputs
     from models.hf_cases import twin as hf_twin
     transformers = pytest.importorskip("transformers")
 
     torch.manual_seed(0)
     model = transformers.BertForQuestionAnswering(bert_config())
-    placement = poptorch.balance(model, sample_kwargs=qa_inputs(2, 0), devices=4)
+    placement = poptorch.balance(model, sample_kwargs=qa_inputs(2, 0), devices=4, apply=False)
     names = [n for s in placement.stages for n in s.segments]
     assert names == ["bert.embeddings", *(f"bert.encoder.layer.{i}" for i in range(4)),
                      "qa_outputs"]
@@ -138,6 +139,7 @@ def test_bert_over_four_devices_groups_embeddings_and_layers_and_trains_equal(re
     opts.outputMode(poptorch.OutputMode.All)
     opts.Training.gradientAccumulation(Gb)
     opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.SameAsIpu))
+    opts.autoBalance(4)  # balanced again inside compile, on the first micro-batch
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
     wrapper = cleaned(request, poptorch.trainingModel(model, opts, optimizer=sgd(model)))
     plain_optimizer = sgd(plain)
@@ -148,4 +150,5 @@ def test_bert_over_four_devices_groups_embeddings_and_layers_and_trains_equal(re
         for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
             torch.testing.assert_close(g.as_subclass(torch.Tensor), w, msg=f"bert call {call}")
     assert len(wrapper._compiled.engine.worker_pids) >= 4
+    assert len(wrapper._compiled.stages) == 4
     assert_same_state(wrapper.model, plain, what="bert: ")

@@ -128,3 +128,14 @@ def test_candidates_open_layer_containers_and_loss_wrappers():
     assert candidates(seq) == ["0", "1", "2"]
     BeginBlock(seq[2], "B1", ipu_id=1)
     assert candidates(seq) == ["2"]  # the user's blocks are the candidates
+
+
+def test_auto_balance_option_reads_back_and_rejects_bad_counts():
+    import pipetorch as poptorch
+
+    opts = poptorch.Options().autoBalance(4)
+    assert opts.auto_balance_devices == 4
+    assert poptorch.Options().auto_balance_devices is None
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="autoBalance"):
+            poptorch.Options().autoBalance(bad)
