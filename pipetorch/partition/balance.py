@@ -78,7 +78,9 @@ class Placement:
             rows.append(f"{s.device:>6}  {s.seconds * 1e3:>9.2f}  "
                         f"{s.peak_bytes / 2**20:>9.1f}  {mods}")
         rows.append(f"predicted throughput: {self.throughput:.2f} micro-batches/s "
-                    f"(bottleneck {self.bottleneck_seconds * 1e3:.2f} ms)")
+                    f"(bottleneck {self.bottleneck_seconds * 1e3:.2f} ms); "
+                    f"gradientAccumulation >= {propose_gradient_accumulation(len(self.stages))} "
+                    "keeps the pipeline bubble under 10%")
         return "\n".join(rows)
 
 

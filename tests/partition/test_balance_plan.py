@@ -94,6 +94,7 @@ def test_plan_is_deterministic_and_prints_table_and_begin_blocks():
     assert lines[1].startswith(f"model.layers[{a.starts[1]}] = poptorch.BeginBlock(")
     assert "ipu_id=1" in lines[1]
     assert "predicted throughput" in a.table()
+    assert "gradientAccumulation >= 19 keeps the pipeline bubble under 10%" in a.table()
 
 
 def test_too_few_segments_names_the_fix():
