@@ -33,6 +33,7 @@ class RunSetters(OptionGroup):
         "output_return_period": 1,
         "random_seed": None,
         "execution_strategy": None,  # PipelinedExecution(AutoStage.SameAsIpu), made on first read
+        "auto_balance_devices": None,  # pipetorch extension: autoBalance(devices)
         "enable_synthetic_data": False,
         "executable_cache_dir": None,
         "profiling_dir": None,
@@ -44,7 +45,6 @@ class RunSetters(OptionGroup):
         "relax_optimizer_attributes_checks": False,
         "input_group_size": 1,
         "input_group_type": CommGroupType.Consecutive,
-        "auto_balance_devices": None,
     }
     _env_profiling_dir: str | None = None
 
@@ -53,6 +53,8 @@ class RunSetters(OptionGroup):
     output_mode = readback("output_mode", "Which micro-batches' outputs a call returns.")
     output_return_period = readback("output_return_period", "N of OutputMode.EveryN (else 1).")
     random_seed = readback("random_seed", "The seed given to randomSeed, or None.")
+    auto_balance_devices = readback(
+        "auto_balance_devices", "Devices autoBalance splits the model over, or None.")
     enable_synthetic_data = readback(
         "enable_synthetic_data", "Whether inputs are replaced by device-generated data.")
     executable_cache_dir = readback(
@@ -72,9 +74,6 @@ class RunSetters(OptionGroup):
         "input_group_size", "Replicas per input group: replicas in a group get the same data.")
     input_group_type = readback(
         "input_group_type", "How replicas are arranged into input groups.")
-
-    auto_balance_devices = readback(
-        "auto_balance_devices", "Devices autoBalance splits the model over, or None.")
 
     @property
     def execution_strategy(self) -> Any:
