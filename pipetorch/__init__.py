@@ -21,6 +21,7 @@ _LAZY = {
     "BeginBlock": "pipetorch.partition.blocks",
     "BlockFunction": "pipetorch.partition.blocks",
     "removeBlocks": "pipetorch.partition.blocks",
+    "balance": "pipetorch.partition.auto",
     "Stage": "pipetorch.partition.strategies",
     "Phase": "pipetorch.partition.strategies",
     "PipelinedExecution": "pipetorch.partition.strategies",

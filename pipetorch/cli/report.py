@@ -67,13 +67,18 @@ def _run(job: Callable[[], str], args: argparse.Namespace) -> int:
 
 def show_report(directory: str | os.PathLike) -> str:
     """The summary of report `directory` and where its report.html is, as printed."""
+    from pipetorch.profiling.rebalance import advice
     from pipetorch.profiling.recorder import load
     from pipetorch.profiling.summary import render_text
 
     summary, memory, _ = load(directory)
     page = os.path.abspath(os.path.join(directory, "report.html"))
     where = page if os.path.isfile(page) else f"{page} (missing: write the report again)"
-    return f"{render_text(summary, memory)}\n\nreport: {where}"
+    text = render_text(summary, memory)
+    moves = advice(summary)
+    if moves:
+        text = f"{text}\n\n{moves}"
+    return f"{text}\n\nreport: {where}"
 
 
 def compare_reports(a: str | os.PathLike, b: str | os.PathLike, *,

@@ -33,6 +33,7 @@ class RunSetters(OptionGroup):
         "output_return_period": 1,
         "random_seed": None,
         "execution_strategy": None,  # PipelinedExecution(AutoStage.SameAsIpu), made on first read
+        "auto_balance_devices": None,  # pipetorch extension: autoBalance(devices)
         "enable_synthetic_data": False,
         "executable_cache_dir": None,
         "profiling_dir": None,
@@ -54,6 +55,8 @@ class RunSetters(OptionGroup):
     output_mode = readback("output_mode", "Which micro-batches' outputs a call returns.")
     output_return_period = readback("output_return_period", "N of OutputMode.EveryN (else 1).")
     random_seed = readback("random_seed", "The seed given to randomSeed, or None.")
+    auto_balance_devices = readback(
+        "auto_balance_devices", "Devices autoBalance splits the model over, or None.")
     enable_synthetic_data = readback(
         "enable_synthetic_data", "Whether inputs are replaced by device-generated data.")
     executable_cache_dir = readback(
@@ -168,6 +171,16 @@ class RunSetters(OptionGroup):
                 "a PipelinedExecution, ShardedExecution, SerialPhasedExecution or "
                 "ParallelPhasedExecution")
         self._set(execution_strategy=strategy)
+        return self
+
+    def autoBalance(self, devices: int | None) -> Options:
+        """pipetorch extension: before compiling, split the model over `devices` stages by
+        measured time and memory (pipetorch.balance), replacing its BeginBlock annotations."""
+        if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int)
+                                    or devices < 1):
+            raise ValueError(f"autoBalance(devices={devices!r}): devices must be an int >= 1 "
+                             "(or None to switch balancing off)")
+        self._set(auto_balance_devices=devices)
         return self
 
     def enableSyntheticData(self, enabled: bool) -> Options:

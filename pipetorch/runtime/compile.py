@@ -78,6 +78,8 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                                     gradient_accumulation=batching.gradient_accumulation,
                                     replication_factor=batching.replication_factor)
         first_args, first_kwargs = to_device(micro[0], device)
+        if options.auto_balance_devices:
+            _auto_balance(model, first_args, first_kwargs, options)
         capture = probe(model, first_args, first_kwargs, training=training)
         if training:
             if capture.loss_calls == 0:
@@ -139,6 +141,15 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
     seconds = time.perf_counter() - start
     logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices, seconds)
     return Compiled(engine, stages, capture, devices, seconds, synthetic, graph)
+
+
+def _auto_balance(model: nn.Module, args: tuple, kwargs: dict, options: Any) -> None:
+    """opts.autoBalance: place the model's stages by measured cost before capturing it."""
+    from pipetorch.partition.auto import balance
+
+    budget = options.memory_budget
+    balance(model, *args, sample_kwargs=kwargs, devices=options.auto_balance_devices,
+            memory_budget=budget if isinstance(budget, int) else None)
 
 
 def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec],

@@ -1,0 +1,142 @@
+"""The pure balancing planner on hand-made cost tables, checked against brute force."""
+import itertools
+import math
+import random
+
+import pytest
+
+from pipetorch.errors import OutOfMemoryError
+from pipetorch.partition.balance import (Segment, default_in_flight, plan,
+                                         propose_gradient_accumulation)
+
+
+def _brute(segments, devices, caps):
+    """Earliest-cuts placement among those with the least slowest stage, by enumeration."""
+    n = len(segments)
+    flight = default_in_flight(devices)
+    plans = []
+    for cuts in itertools.combinations(range(1, n), devices - 1):
+        starts = (0,) + cuts
+        ends = cuts + (n,)
+        worst = 0.0
+        for d, (i, j) in enumerate(zip(starts, ends)):
+            t = sum(s.seconds for s in segments[i:j])
+            t += segments[i - 1].transfer_seconds if i > 0 else 0.0
+            t += segments[j - 1].transfer_seconds if j < n else 0.0
+            mem = sum(s.param_bytes + flight[d] * s.activation_bytes for s in segments[i:j])
+            worst = max(worst, t if mem <= caps[d] else math.inf)
+        plans.append((worst, starts))
+    value = min(w for w, _ in plans)
+    if value == math.inf:
+        return value, None
+    return value, next(s for w, s in plans if w <= value * (1 + 1e-9))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_equals_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 9)
+    devices = rng.randint(1, min(4, n))
+    segs = [Segment(f"m{k}", rng.uniform(1, 10), rng.randint(0, 50), rng.randint(0, 100),
+                    rng.uniform(0, 2)) for k in range(n)]
+    caps = [rng.choice([math.inf, 300, 200])] * devices
+    value, starts = _brute(segs, devices, caps)
+    if starts is None:
+        with pytest.raises(OutOfMemoryError):
+            plan(segs, devices, budgets=[int(c) if c != math.inf else 10**18 for c in caps])
+        return
+    got = plan(segs, devices, budgets=[int(c) if c != math.inf else 10**18 for c in caps])
+    assert got.starts == starts
+    assert got.bottleneck_seconds == pytest.approx(value)
+
+
+def test_memory_budget_forces_a_different_feasible_split():
+    # Time alone puts a, b, c on device 0, which stashes 2 micro-batches of b's and c's
+    # activations (1F1B): 900 + 2 * 600 bytes. A 1500-byte budget moves c to device 1.
+    segs = [Segment("a", 1.0, param_bytes=900), Segment("b", 1.0, activation_bytes=300),
+            Segment("c", 1.0, activation_bytes=300), Segment("d", 3.0)]
+    free = plan(segs, 2)
+    assert free.starts == (0, 3) and free.stages[0].peak_bytes == 2100
+    tight = plan(segs, 2, budgets=1500)
+    assert tight.starts == (0, 2)
+    assert [s.peak_bytes for s in tight.stages] == [1500, 300]
+    assert tight.bottleneck_seconds == pytest.approx(4.0)
+
+
+def test_infeasible_budget_raises_with_per_device_peak_and_remedies():
+    segs = [Segment("a", 1.0, param_bytes=2**20), Segment("b", 1.0, param_bytes=2**20)]
+    with pytest.raises(OutOfMemoryError) as err:
+        plan(segs, 2, budgets=2**19)
+    text = str(err.value)
+    assert "device 0: 1.0 MB of 0.5 MB" in text and "device 1" in text
+    for remedy in ("fp16", "recompute", "offload", "more devices"):
+        assert remedy in text
+
+
+def test_equal_costs_give_the_even_split():
+    segs = [Segment(f"layer{k}", 2.0, 10, 10) for k in range(8)]
+    assert plan(segs, 4).starts == (0, 2, 4, 6)
+    assert plan(segs, 2).starts == (0, 4)
+
+
+def test_transfers_count_in_the_slowest_stage():
+    segs = [Segment("a", 1.0, transfer_seconds=5.0), Segment("b", 1.0), Segment("c", 1.0)]
+    got = plan(segs, 2)
+    assert got.starts == (0, 2)  # cutting after "a" would pay its large transfer
+    assert got.bottleneck_seconds == pytest.approx(2.0)
+
+
+def test_plan_is_deterministic_and_prints_table_and_begin_blocks():
+    segs = [Segment(f"layers.{k}", 1.0 + (k % 3), 5, 7) for k in range(7)]
+    a, b = plan(segs, 3), plan(list(segs), 3)
+    assert a == b
+    lines = a.begin_block_lines()
+    assert lines[1].startswith(f"model.layers[{a.starts[1]}] = poptorch.BeginBlock(")
+    assert "ipu_id=1" in lines[1]
+    assert "predicted throughput" in a.table()
+    assert "gradientAccumulation >= 19 keeps the pipeline bubble under 10%" in a.table()
+
+
+def test_too_few_segments_names_the_fix():
+    with pytest.raises(ValueError, match="3 candidate segments over 4 devices"):
+        plan([Segment("a", 1.0)] * 3, 4)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_proposed_gradient_accumulation_keeps_bubble_under_ten_percent(stages):
+    g = propose_gradient_accumulation(stages)
+    assert (stages - 1) / (g + stages - 1) < 0.10
+    assert (stages - 1) / (g - 1 + stages - 1) >= 0.10 or g == 2 * stages - 1
+
+
+def test_candidates_open_layer_containers_and_loss_wrappers():
+    import torch.nn as nn
+
+    from pipetorch.partition.blocks import BeginBlock
+    from pipetorch.partition.candidates import candidates
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Module()
+            self.net.stem, self.net.head = nn.Linear(2, 2), nn.Linear(2, 2)
+            self.net.body = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
+            self.loss = nn.MSELoss()
+
+    assert candidates(Wrapped()) == ["net.stem", "net.head", "net.body.0", "net.body.1",
+                                     "net.body.2", "loss"]
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    assert candidates(seq) == ["0", "1", "2"]
+    BeginBlock(seq[2], "B1", ipu_id=1)
+    assert candidates(seq) == ["2"]  # the user's blocks are the candidates
+
+
+def test_auto_balance_option_reads_back_and_rejects_bad_counts():
+    import pipetorch as poptorch
+
+    opts = poptorch.Options().autoBalance(4)
+    assert opts.auto_balance_devices == 4
+    assert poptorch.Options().auto_balance_devices is None
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="autoBalance"):
+            poptorch.Options().autoBalance(bad)
