@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import snapshot, wire
+from pipetorch.parallel import shm, snapshot, wire
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, Span, Trace
@@ -94,7 +94,9 @@ class ProcessEngine:
         self._lost: str | None = None
         self._folder = tempfile.mkdtemp(prefix="pipetorch-")
         self.peers: list[wire.Peer] = []
-        self._finalizer = weakref.finalize(self, _shutdown, self.peers, self._folder)
+        self._segments: list[str] = []  # each launch's shared-memory name prefix
+        self._finalizer = weakref.finalize(self, _shutdown, self.peers, self._folder,
+                                           segments=self._segments)
         self._launch()
 
     def _launch(self) -> None:
@@ -102,6 +104,7 @@ class ProcessEngine:
         stages = len(self.routes)
         meeting = next_rendezvous(process_id=self.process_id, num_processes=self.num_processes,
                                   stages=stages, replicas=self.replicas, timeout=self.timeout)
+        self._segments.append(shm.segment_prefix(os.getpid(), meeting.prefix))
         devices = tuple(p.device for p in self.placements)
         keep = self.optimizer is not None and snapshot.enabled()
         self._commits = 0
@@ -135,7 +138,7 @@ class ProcessEngine:
     def release(self) -> None:
         """detachFromDevice: bring weights and optimiser state home, then stop the workers."""
         self.pull()
-        _shutdown(self.peers, self._folder, remove=False)
+        _shutdown(self.peers, self._folder, remove=False, segments=self._segments)
 
     def acquire(self) -> None:
         """attachToDevice: start the workers again from the host copy."""
@@ -310,7 +313,7 @@ class ProcessEngine:
         if self._lost is None:
             self._restore_last_call()  # before the workers and their files go
         self._lost = reason
-        _shutdown(self.peers, self._folder, grace=0.0)
+        _shutdown(self.peers, self._folder, grace=0.0, segments=self._segments)
 
     def _describe(self, failure: wire.Failure) -> str:
         where = "outside the schedule"
@@ -334,8 +337,9 @@ class ProcessEngine:
 
 
 def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE,
-              remove: bool = True) -> None:
-    """Ask every live worker to stop, then kill whatever is left; idempotent."""
+              remove: bool = True, segments: Sequence[str] = ()) -> None:
+    """Ask every live worker to stop, then kill whatever is left, and remove the shared-memory
+    files a worker killed during start-up may have left; idempotent."""
     live = [p for p in peers if p.process.poll() is None]
     if grace > 0 and live:
         try:
@@ -354,5 +358,7 @@ def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE
         places.unregister(peer.process.pid)
         peer.conn.close()
     peers.clear()
+    for prefix in segments:
+        shm.remove_leftovers(prefix)
     if remove:
         shutil.rmtree(folder, ignore_errors=True)

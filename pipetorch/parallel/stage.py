@@ -14,7 +14,7 @@ from pipetorch import ops
 from pipetorch.errors import DeviceError
 from pipetorch.optim.scaling import loss_scale
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
-from pipetorch.parallel.transport import BundleLayout, PeerLink, Tag
+from pipetorch.parallel.transport import BundleLayout, ChannelSpec, PeerLink, Tag
 from pipetorch.runtime.recompute import original_module
 from pipetorch.partition.split import Source
 from pipetorch.schedule.actions import Action, Kind
@@ -64,6 +64,7 @@ class Trace:
     spans: list[Span] = field(default_factory=list)
     replica: int = 0
     peak_memory: int | None = None  # the CUDA allocator's peak during the call (GPU only)
+    transport: str = "gloo"  # how bundles crossed to the neighbours: "shm" or "gloo"
 
 
 def _bundle(sources: tuple[Source, ...], specs: dict[Source, Spec], *,
@@ -126,13 +127,31 @@ class StageExecutor:
         self._reset()
         self.current: tuple[Action, int] | None = None  # for error messages
 
+    def channels(self, actions: list[Action]) -> list[ChannelSpec]:
+        """Every direction of traffic `actions` use, with its largest message (empty bundles,
+        which are never sent, left out)."""
+        carries = {Kind.SEND_ACT: (Tag.ACTIVATIONS, True, self.act_out),
+                   Kind.RECV_ACT: (Tag.ACTIVATIONS, False, self.act_in),
+                   Kind.SEND_GRAD: (Tag.GRADIENTS, True, self.grad_out),
+                   Kind.RECV_GRAD: (Tag.GRADIENTS, False, self.grad_in),
+                   Kind.SEND_DONE: (Tag.DONE, True, None), Kind.RECV_DONE: (Tag.DONE, False, None)}
+        found: dict[tuple[int, Tag, bool], int] = {}
+        for action in actions:
+            if action.kind in carries and action.peer is not None:
+                tag, outgoing, bundle = carries[action.kind]
+                if bundle is None or bundle[1].specs:
+                    key = (action.peer, tag, outgoing)
+                    found[key] = max(found.get(key, 0), bundle[1].nbytes if bundle else 0)
+        return [ChannelSpec(peer, tag, outgoing, nbytes)
+                for (peer, tag, outgoing), nbytes in sorted(found.items())]
+
     def _reset(self) -> None:
         self._received: dict[int, dict[Source, torch.Tensor]] = {}
         self._forwards: dict[int, _Forward] = {}
         self._grads: dict[int, list[torch.Tensor]] = {}
         self._grads_out: dict[int, list[torch.Tensor]] = {}
         self.outputs: dict[int, list[Any]] = {}
-        self.trace = Trace(self.route.index, replica=self.replica)
+        self.trace = Trace(self.route.index, replica=self.replica, transport=self.link.kind)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, actions: list[Action], call: Call, *, training: bool) -> None:

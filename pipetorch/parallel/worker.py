@@ -23,7 +23,8 @@ from pipetorch.parallel import snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, Span, StageExecutor
-from pipetorch.parallel.transport import PeerLink, backend_for
+from pipetorch.parallel import shm
+from pipetorch.parallel.transport import backend_for, link_kind, new_link
 from pipetorch.partition.split import Source
 from pipetorch.schedule import plans
 from pipetorch.schedule.actions import Action, Kind
@@ -99,12 +100,16 @@ class Worker:
             # over all workers, each replica's (identical) share counts `replicas` times.
             self.optimizer._pipetorch_reduce = (  # type: ignore[attr-defined]
                 lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas)
-        link = PeerLink(device=self.device, wire_device=wire_device, timeout=launch.timeout,
-                        offset=meeting.rank(launch.replica, 0),
+        kind = link_kind([torch.device(d) for d in setup.devices],
+                         one_host=len(setup.devices) == meeting.world_size)
+        link = new_link(kind, prefix=shm.segment_prefix(launch.host_pid, meeting.prefix),
+                        rank=rank, device=self.device, wire_device=wire_device,
+                        timeout=launch.timeout, offset=meeting.rank(launch.replica, 0),
                         replica_group=groups[setup.route.index])
         self.executor = StageExecutor(self.module, setup.route, setup.specs, inputs=setup.inputs,
                                       link=link, device=self.device, optimizer=self.optimizer,
                                       replica=launch.placement.replica)
+        link.open(self.executor.channels(_transfers(setup.schedule, setup.route)))
         self._plans: dict[tuple[int, bool], list] = {}
         if self.optimizer is not None:
             # torch.optim imports torch._dynamo on the first zero_grad/step (seconds): pay it
@@ -173,6 +178,18 @@ class Worker:
         return None
 
 
+def _transfers(schedule: str, route: Route) -> list[Action]:
+    """The transfers of `route`'s stage in every plan of `schedule` (training and inference)."""
+    actions: list[Action] = []
+    for training in (True, False):
+        try:
+            actions += plans.plan(schedule, route.stages, 2 * route.stages,
+                                  training=training)[route.index]
+        except ValueError:  # a schedule without this mode
+            pass
+    return [a for a in actions if a.kind.is_transfer]
+
+
 def _all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(tensor)
     return tensor
@@ -229,6 +246,8 @@ def main(conn: Connection) -> None:
         pass  # the host has gone: nothing left to serve
     finally:
         record.unlink(missing_ok=True)
+        if worker is not None:
+            worker.executor.link.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
