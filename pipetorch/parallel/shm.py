@@ -251,7 +251,7 @@ class ShmLink(PeerLink):
         if not layout.specs:
             return []
         channel = self._in[(self.offset + peer, tag)]
-        self._wait(channel)
+        self._await(channel)
         buffer = channel.next_slot()[:layout.nbytes].clone()
         channel.post()  # the slot is free again
         self.bytes_received += layout.nbytes
@@ -262,7 +262,7 @@ class ShmLink(PeerLink):
 
     def wait_signal(self, peer: int) -> None:
         channel = self._in[(self.offset + peer, Tag.DONE)]
-        self._wait(channel)
+        self._await(channel)
         channel.next_slot()
         channel.post()
 
@@ -270,9 +270,9 @@ class ShmLink(PeerLink):
         """Wait until every packed-aside send is in a slot."""
         for channel in self._out.values():
             while channel.pending:
-                self._wait(channel, deliver=True)
+                self._await(channel, deliver=True)
 
-    def _wait(self, channel: _Channel, *, deliver: bool = False) -> None:
+    def _await(self, channel: _Channel, *, deliver: bool = False) -> None:
         """Until `channel` has a signal (or, with `deliver`, has no send pending), delivering
         other channels' pending sends meanwhile; a closed or dead peer raises at once."""
         deadline = time.monotonic() + self._seconds
