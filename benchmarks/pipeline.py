@@ -233,6 +233,11 @@ def _ms(times: list[float], boundary: int) -> str:
     return f"{sum(times[:boundary]):.1f} / {sum(times[boundary:]):.1f}"
 
 
+def two_stages(bench: Bench) -> tuple[poptorch.Stage, poptorch.Stage]:
+    return (poptorch.Stage(*BLOCKS[:bench.boundary]).ipu(0),
+            poptorch.Stage(*BLOCKS[bench.boundary:]).ipu(1))
+
+
 # -- workloads: what a row trains -------------------------------------------------------------
 @dataclass(frozen=True)
 class CnnWork:
