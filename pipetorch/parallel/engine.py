@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
 from collections import defaultdict
 from multiprocessing.connection import Connection
@@ -33,7 +34,7 @@ import torch.nn as nn
 
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import shm, snapshot, wire
+from pipetorch.parallel import arena, shm, snapshot, wire
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, Span, Trace
@@ -110,6 +111,8 @@ class ProcessEngine:
         self._commits = 0
         for placement in self.placements:
             self.peers.append(self._start(placement))
+        # per worker: its inputs out, its outputs back (shared memory, see arena.py)
+        self._arenas = [(arena.Arena(), arena.Arena()) for _ in self.peers]
         for peer, placement in zip(self.peers, self.placements):
             route = self.routes[placement.stage]
             module = self.staged.modules[route.index]
@@ -190,22 +193,31 @@ class ProcessEngine:
         commit = self._commits + 1
         for n, peer in enumerate(self.peers):
             route, replica = self.routes[n % stages], n // stages
-            inputs = {i: torch.stack([f[i] for f in flat[replica::replicas]])
-                      for i in route.host_inputs}
-            call = Call(inputs, iterations, per_iteration, wanted, scale)
-            self._send(peer, ("run", (call, training, commit)))
+            mine = flat[replica::replicas]
+            packed, views = self._arenas[n][0].lay_out(
+                [((len(mine), *mine[0][i].shape), mine[0][i].dtype) for i in route.host_inputs])
+            with torch.no_grad():
+                for i, view in zip(route.host_inputs, views):
+                    torch.stack([f[i] for f in mine], out=view)  # straight into shared memory
+            call = Call({}, iterations, per_iteration, wanted, scale)
+            self._send(peer, ("run", (call, training, commit, packed)))
+            self._send(peer, packed, shared=self._arenas[n][0])
         arrivals: list[wire.Transfer] = []
         replies = self._gather("a training call" if training else "an inference call",
                                transfers=arrivals)
         if training:
             self._commits = commit
-        self.last_trace = [trace for _, trace in replies]
-        for trace, arrival in zip(self.last_trace, arrivals):  # device to host: the replies
-            trace.spans.append(Span("D2H", None, arrival.start, arrival.end, arrival.nbytes))
+        self.last_trace = [trace for _, trace, _ in replies]
+        outputs = []
+        for n, ((skeleton, trace, packed), arrival) in enumerate(zip(replies, arrivals)):
+            outputs.append(arena.unpack_tree(self._arenas[n][1], self.peers[n].conn, skeleton,
+                                             packed))
+            # device to host: the reply and its outputs copied out of shared memory
+            nbytes = arrival.nbytes + sum(arena.nbytes(p) for p in packed.places)
+            trace.spans.append(Span("D2H", None, arrival.start, time.monotonic_ns(), nbytes))
             if trace.peak_memory is not None:
                 self.peak_memory[trace.stage] = max(trace.peak_memory,
                                                     self.peak_memory.get(trace.stage, 0))
-        outputs = [out for out, _ in replies]
         for j in sorted(wanted):
             for replica in range(replicas):
                 m = j * replicas + replica
@@ -285,9 +297,14 @@ class ProcessEngine:
                 "call destroy() and build a new trainingModel/inferenceModel. The model keeps "
                 "the weights of the last copy to the host")
 
-    def _send(self, peer: wire.Peer, message: Any, *, raw: bool = False) -> None:
+    def _send(self, peer: wire.Peer, message: Any, *, raw: bool = False,
+              shared: arena.Arena | None = None) -> None:
+        """Send `message` (pickled, or `raw` bytes; with `shared`, the new arena of the Packed
+        `message` if it has one)."""
         try:
-            if raw:
+            if shared is not None:
+                shared.send_growth(peer.conn, message)
+            elif raw:
                 peer.conn.send_bytes(message)
             else:
                 wire.send(peer.conn, message)

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from pipetorch.optim import offload
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import snapshot, wire
+from pipetorch.parallel import arena, snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, Span, StageExecutor
@@ -77,8 +77,10 @@ def _die_with_parent(parent: int) -> None:
 class Worker:
     """Holds the stage and answers commands: run, pull, push, hyper, stop."""
 
-    def __init__(self, launch: Launch, setup: Setup) -> None:
-        self.launch, self.setup = launch, setup
+    def __init__(self, launch: Launch, setup: Setup, conn: Connection) -> None:
+        self.launch, self.setup, self.conn = launch, setup, conn
+        self._inputs, self._outputs = arena.Arena(), arena.Arena()  # shared with the host
+        self._growth: arena.Packed | None = None  # outputs' new arena, sent after the reply
         self.device = torch.device(launch.placement.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -121,12 +123,13 @@ class Worker:
             return self._run(payload, arrival)
         return getattr(self, f"_{kind}")(payload)
 
-    def _run(self, payload: tuple[Call, bool, int], arrival: wire.Transfer) -> Any:
-        call, training, commit = payload
+    def _run(self, payload: tuple[Call, bool, int, arena.Packed], arrival: wire.Transfer) -> Any:
+        call, training, commit, packed = payload
         key = (call.micro_batches, training)
         if key not in self._plans:
             self._plans[key] = self._plan(call.micro_batches, training)
-        call = Call({i: x.to(self.device, non_blocking=True) for i, x in call.inputs.items()},
+        inputs = zip(self.setup.route.host_inputs, self._inputs.unpack(self.conn, packed))
+        call = Call({i: x.to(self.device, non_blocking=True) for i, x in inputs},
                     call.iterations, call.micro_batches, call.wanted, call.scale)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copy ends the H2D span
@@ -140,7 +143,14 @@ class Worker:
             self.executor.trace.peak_memory = int(torch.cuda.max_memory_allocated(self.device))
         if training:
             self._snapshot(commit)
-        return self.executor.outputs, self.executor.trace
+        outputs, self._growth = arena.pack_tree(self._outputs, self.executor.outputs)
+        return outputs, self.executor.trace, self._growth
+
+    def replied(self) -> None:
+        """After the reply to a call went out: the outputs' new arena, if they needed one."""
+        if self._growth is not None:
+            self._outputs.send_growth(self.conn, self._growth)
+            self._growth = None
 
     def _plan(self, micro_batches: int, training: bool) -> list[Action]:
         stage = self.setup.route.index
@@ -224,7 +234,7 @@ def main(conn: Connection) -> None:
     worker: Worker | None = None
     try:
         try:
-            worker = Worker(launch, setup)
+            worker = Worker(launch, setup, conn)
             wire.send(conn, ("ok", os.getpid()))
         except Exception as exc:
             wire.send(conn, ("error", _failure(launch, None, exc)))
@@ -239,6 +249,7 @@ def main(conn: Connection) -> None:
                 continue  # after a failure only "stop" (or being killed) ends the worker
             try:
                 wire.send(conn, ("ok", worker.handle(kind, payload, arrival)))
+                worker.replied()
             except Exception as exc:
                 wire.send(conn, ("error", _failure(launch, worker.executor, exc)))
                 broken = True
