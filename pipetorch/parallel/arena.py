@@ -21,6 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
+from pipetorch.partition.split import map_leaves
+
 __all__: list[str] = []
 
 _ALIGN = 64
@@ -120,34 +122,18 @@ def pack_tree(arena: Arena, value: Any) -> tuple[Any, Packed]:
     """`value` (lists, tuples, dicts) with its tensors replaced by their index in the Packed."""
     tensors: list[torch.Tensor] = []
 
-    def strip(item: Any) -> Any:
-        if isinstance(item, torch.Tensor):
-            tensors.append(item)
-            return _Slot(len(tensors) - 1)
-        if isinstance(item, (list, tuple)):
-            return type(item)(strip(x) for x in item)
-        if isinstance(item, dict):
-            return {k: strip(v) for k, v in item.items()}
-        return item
+    def strip(tensor: torch.Tensor) -> _Slot:
+        tensors.append(tensor.detach())
+        return _Slot(len(tensors) - 1)
 
-    skeleton = strip(value)
-    return skeleton, arena.pack([t.detach() for t in tensors])
+    skeleton = map_leaves(value, torch.Tensor, strip)
+    return skeleton, arena.pack(tensors)
 
 
 def unpack_tree(arena: Arena, conn: Connection, skeleton: Any, packed: Packed) -> Any:
     """The value `pack_tree` stripped, its tensors copied out of the arena."""
     views = arena.unpack(conn, packed)
-
-    def fill(item: Any) -> Any:
-        if isinstance(item, _Slot):
-            return views[item.index].clone()
-        if isinstance(item, (list, tuple)):
-            return type(item)(fill(x) for x in item)
-        if isinstance(item, dict):
-            return {k: fill(v) for k, v in item.items()}
-        return item
-
-    return fill(skeleton)
+    return map_leaves(skeleton, _Slot, lambda slot: views[slot.index].clone())
 
 
 @dataclass(frozen=True)

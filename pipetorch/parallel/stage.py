@@ -159,6 +159,8 @@ class StageExecutor:
         self._reset()
         self._call, self._training, self._scale = call, training, call.scale
         self.module.train(training)
+        raw: list[tuple] = []
+        record, clock, link, handlers = raw.append, time.monotonic_ns, self.link, self._handlers
         with ops.running_on_device(), torch.set_grad_enabled(training):
             for iteration in range(call.iterations):
                 base = iteration * call.micro_batches
@@ -169,14 +171,15 @@ class StageExecutor:
                 for action in actions:
                     self.current = (action, base)
                     micro = base + action.micro_batch if action.micro_batch is not None else -1
-                    sent, received = self.link.bytes_sent, self.link.bytes_received
-                    start = time.monotonic_ns()
-                    self._handlers[action.kind](micro, action)
-                    nbytes = self.link.bytes_sent - sent + self.link.bytes_received - received
-                    self.trace.spans.append(Span(action.kind.value, micro if micro >= 0 else None,
-                                                 start, time.monotonic_ns(), nbytes))
+                    moved = link.bytes_sent + link.bytes_received
+                    start = clock()
+                    handlers[action.kind](micro, action)
+                    # a tuple per action; Spans are made once the call is over
+                    record((action.kind.value, micro if micro >= 0 else None, start, clock(),
+                            link.bytes_sent + link.bytes_received - moved))
                 self.current = None
                 self.link.flush()
+        self.trace.spans.extend(Span(*span) for span in raw)
         assert not self._forwards and not self._received, "a schedule left work undone"
 
     # -- compute ----------------------------------------------------------------------------
@@ -277,10 +280,8 @@ def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:
 
 
 def _for_host(value: Any) -> Any:
-    """A value the host can unpickle cheaply: on the CPU, detached, owning only its bytes."""
+    """A value for the host: on the CPU and detached. No copy here: the reply copies it into
+    shared memory (arena.pack_tree) before anything can change it."""
     if not isinstance(value, torch.Tensor):
         return value
-    value = value.detach().to("cpu")
-    if value.untyped_storage().nbytes() != value.nbytes or not value.is_contiguous():
-        value = value.clone(memory_format=torch.contiguous_format)
-    return value
+    return value.detach().to("cpu")

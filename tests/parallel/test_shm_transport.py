@@ -243,3 +243,39 @@ def test_pipelined_training_over_shm_equals_plain_pytorch_and_gloo(request, monk
             assert torch.equal(got, want), f"call {call}: shm and gloo differ"
     assert_same_state(models["shm"], plain, what="shm vs plain PyTorch: ")
     assert_same_state(models["shm"], models["gloo"], what="shm vs gloo: ")
+
+
+def test_host_values_cross_through_an_arena_bitwise_and_grow_by_descriptor():
+    # What a worker returns to the host (and the host's inputs): tensors of every dtype inside
+    # lists and dicts, with non-tensor leaves; only their places are pickled.
+    import pickle
+    import socket
+    from multiprocessing.connection import Connection
+
+    from pipetorch.parallel import arena
+
+    ours, theirs = (Connection(s.detach()) for s in socket.socketpair())
+    writer, reader = arena.Arena(), arena.Arena()
+    try:
+        small = {0: [torch.arange(5), "label", None], 3: [torch.randn(2, 2)]}
+        big = {n: [t, n] for n, t in enumerate(mixed_tensors())} | {
+            99: [torch.randn(1 << 19)]}  # 2 MB: more than the first arena holds
+        for value in (small, big, small):
+            skeleton, packed = arena.pack_tree(writer, value)
+            message = pickle.dumps((skeleton, packed))
+            assert len(message) < 2000  # places, not bytes
+            writer.send_growth(ours, packed)
+            got = arena.unpack_tree(reader, theirs, *pickle.loads(message))
+            assert got.keys() == value.keys()
+            for key in value:
+                for g, v in zip(got[key], value[key]):
+                    if isinstance(v, torch.Tensor):
+                        assert_bitwise([g], [v])
+                    else:
+                        assert g == v
+        assert packed.grown is None and writer.size >= (1 << 21)  # grown once, then reused
+    finally:
+        writer.close()
+        reader.close()
+        ours.close()
+        theirs.close()
