@@ -145,13 +145,26 @@ class ShmLink(PeerLink):
 
         No step waits on a later one in any worker, so the workers cannot deadlock here.
         """
-        incoming = [c for c in channels if not c.outgoing]
-        made = [self._make(c) for c in incoming]
-        for spec in channels:
-            if spec.outgoing:
-                self._attach(spec)
-        for spec, data_fd in zip(incoming, made):
-            self._finish(spec, data_fd)
+        largest: dict[tuple[int, Tag, bool], int] = {}
+        for c in channels:  # one ring per peer, tag and direction, sized for its largest message
+            key = (c.peer, c.tag, c.outgoing)
+            largest[key] = max(largest.get(key, 0), c.nbytes)
+        specs = [ChannelSpec(peer, tag, outgoing, nbytes)
+                 for (peer, tag, outgoing), nbytes in largest.items()]
+        incoming = [c for c in specs if not c.outgoing]
+        try:
+            made = [self._make(c) for c in incoming]
+            for spec in specs:
+                if spec.outgoing:
+                    self._attach(spec)
+            for spec, data_fd in zip(incoming, made):
+                self._finish(spec, data_fd)
+        except BaseException:
+            for spec in incoming:  # what this side made and has not unlinked yet
+                for suffix in ("tmp", "seg", "data", "credit"):
+                    self._path(self.offset + spec.peer, self.rank, spec.tag, suffix).unlink(
+                        missing_ok=True)
+            raise
 
     def _sizes(self, spec: ChannelSpec) -> tuple[int, int]:
         slot = (spec.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
