@@ -67,10 +67,16 @@ class Arena:
         self.size = 0
         self._whole: torch.Tensor | None = None
 
-    def _map(self, fd: int, size: int) -> None:
+    def _map(self, fd: int, size: int, *, keep: bool) -> None:
+        """Map `fd`; keep it open only while it still has to be sent (the mapping holds its
+        own reference, so an arena costs no descriptor once shared)."""
         self.close()
-        self.fd, self.size = fd, size
+        self.size = size
         self._whole = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+        if keep:
+            self.fd = fd
+        else:
+            os.close(fd)
 
     def view(self, place: Place) -> torch.Tensor:
         assert self._whole is not None
@@ -90,7 +96,7 @@ class Arena:
             grown = max(at, 2 * self.size, _MINIMUM)
             fd = os.memfd_create("pipetorch-arena", os.MFD_CLOEXEC)
             os.ftruncate(fd, grown)
-            self._map(fd, grown)
+            self._map(fd, grown, keep=True)
         packed = Packed(tuple(places), grown)
         return packed, [self.view(p) for p in packed.places]
 
@@ -104,17 +110,20 @@ class Arena:
         """After sending the message that carries `packed`: its new arena, if it has one."""
         if packed.grown is not None:
             send_handle(conn, self.fd, 0)
+            os.close(self.fd)
+            self.fd = -1
 
     # -- the reader ---------------------------------------------------------------------------
     def unpack(self, conn: Connection, packed: Packed) -> list[torch.Tensor]:
         """Views of the message's tensors (valid until the writer writes the next message)."""
         if packed.grown is not None:
-            self._map(recv_handle(conn), packed.grown)
+            self._map(recv_handle(conn), packed.grown, keep=False)
         return [self.view(p) for p in packed.places]
 
     def close(self) -> None:
+        """Forget the mapping; tensors still viewing it keep it alive."""
         if self.fd >= 0:
-            os.close(self.fd)  # the mapping (and the tensors viewing it) stay valid
+            os.close(self.fd)
         self.fd, self.size, self._whole = -1, 0, None
 
 

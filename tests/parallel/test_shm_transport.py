@@ -274,6 +274,7 @@ def test_host_values_cross_through_an_arena_bitwise_and_grow_by_descriptor():
                     else:
                         assert g == v
         assert packed.grown is None and writer.size >= (1 << 21)  # grown once, then reused
+        assert writer.fd == reader.fd == -1  # once shared, an arena holds no descriptor
     finally:
         writer.close()
         reader.close()
