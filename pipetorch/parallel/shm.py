@@ -132,12 +132,12 @@ class ShmLink(PeerLink):
     def __init__(self, *, prefix: str, rank: int, **kwargs) -> None:
         super().__init__(**kwargs)
         self.prefix, self.rank = prefix, rank
-        self._in: dict[tuple[int, Tag], _Channel] = {}
-        self._out: dict[tuple[int, Tag], _Channel] = {}
+        self._in: dict[tuple[int, int], _Channel] = {}
+        self._out: dict[tuple[int, int], _Channel] = {}
         self._seconds = self.timeout.total_seconds()
 
     # -- setting up ---------------------------------------------------------------------------
-    def _path(self, source: int, target: int, tag: Tag, suffix: str) -> Path:
+    def _path(self, source: int, target: int, tag: int, suffix: str) -> Path:
         return FOLDER / f"{self.prefix}{source}-{target}-{int(tag)}.{suffix}"
 
     def open(self, channels: Sequence[ChannelSpec]) -> None:
@@ -145,7 +145,7 @@ class ShmLink(PeerLink):
 
         No step waits on a later one in any worker, so the workers cannot deadlock here.
         """
-        largest: dict[tuple[int, Tag, bool], int] = {}
+        largest: dict[tuple[int, int, bool], int] = {}
         for c in channels:  # one ring per peer, tag and direction, sized for its largest message
             key = (c.peer, c.tag, c.outgoing)
             largest[key] = max(largest.get(key, 0), c.nbytes)
@@ -241,7 +241,7 @@ class ShmLink(PeerLink):
 
     # -- traffic ------------------------------------------------------------------------------
     def send(self, layout: BundleLayout, tensors: Sequence[torch.Tensor], peer: int,
-             tag: Tag) -> None:
+             tag: int) -> None:
         if not layout.specs:
             return
         self._send(self._out[(self.offset + peer, tag)], layout, tensors)
@@ -260,7 +260,7 @@ class ShmLink(PeerLink):
             channel.pending.append(layout.pack(tensors, self.wire_device) if layout is not None
                                    else torch.empty(0, dtype=torch.uint8))
 
-    def recv(self, layout: BundleLayout, peer: int, tag: Tag) -> list[torch.Tensor]:
+    def recv(self, layout: BundleLayout, peer: int, tag: int) -> list[torch.Tensor]:
         if not layout.specs:
             return []
         channel = self._in[(self.offset + peer, tag)]
@@ -270,11 +270,11 @@ class ShmLink(PeerLink):
         self.bytes_received += layout.nbytes
         return layout.unpack(buffer)
 
-    def signal(self, peer: int) -> None:
-        self._send(self._out[(self.offset + peer, Tag.DONE)], None, ())
+    def signal(self, peer: int, tag: int = Tag.DONE) -> None:
+        self._send(self._out[(self.offset + peer, tag)], None, ())
 
-    def wait_signal(self, peer: int) -> None:
-        channel = self._in[(self.offset + peer, Tag.DONE)]
+    def wait_signal(self, peer: int, tag: int = Tag.DONE) -> None:
+        channel = self._in[(self.offset + peer, tag)]
         self._await(channel)
         channel.next_slot()
         channel.post()

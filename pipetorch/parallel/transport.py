@@ -87,8 +87,8 @@ class BundleLayout:
 class ChannelSpec:
     """One direction of traffic with one peer: its tag and the largest message it carries."""
 
-    peer: int          # the peer's stage index in this replica (as `send` / `recv` name it)
-    tag: Tag
+    peer: int          # the peer as `send` / `recv` name it (its rank is offset + peer)
+    tag: int           # a Tag, or any message tag both ends agree on
     outgoing: bool
     nbytes: int
 
