@@ -40,6 +40,9 @@ _LAZY = {
     "PoplarExecutor": "pipetorch.runtime.executor",
     "DataLoader": "pipetorch.data",
     "AsynchronousDataAccessor": "pipetorch.data",
+    # -- issue 17 groups 3-5 (optimisers, executor, losses): saved executables ------------
+    "load": "pipetorch.runtime.artefact",
+    # -------------------------------------------------------------------------------------
 }
 _SUBMODULES = ("optim", "data", "ops", "enums", "errors")
 

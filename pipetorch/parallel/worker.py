@@ -1,4 +1,8 @@
-"""A stage's worker process: joins the stages' process group, then serves the host's commands."""
+"""A logical device's worker process: joins the workers' process group, then serves the host.
+
+It holds every stage placed on its device and runs them through one StageExecutor, on the
+device's list of the schedule (`schedule.devices.merge`).
+"""
 from __future__ import annotations
 
 import importlib
@@ -15,18 +19,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from pipetorch.optim import offload
 from pipetorch.parallel import placement as places
 from pipetorch.parallel import arena, snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
-from pipetorch.parallel.routes import Constant, Route, TensorSpec
-from pipetorch.parallel.stage import Call, Span, StageExecutor
 from pipetorch.parallel import shm
+from pipetorch.parallel.routes import Constant, TensorSpec
+from pipetorch.parallel.stage import Call, DeviceStage, Span, StageExecutor
 from pipetorch.parallel.transport import backend_for, link_kind, new_link
 from pipetorch.partition.split import Source
-from pipetorch.schedule import plans
+from pipetorch.runtime import devices as device_kinds
+from pipetorch.schedule import devices, plans
 from pipetorch.schedule.actions import Action, Kind
 
 __all__: list[str] = []
@@ -38,13 +42,17 @@ _WATCH_PERIOD = 0.25  # seconds between checks that the host process is still th
 class Setup:
     """Everything a worker needs, sent once as its first message."""
 
-    module: nn.Module
-    optimizer: torch.optim.Optimizer | None
-    route: Route
-    inputs: tuple[Source, ...]
+    stages: tuple[DeviceStage, ...]             # the device's stages, in pipeline order
+    optimizer: torch.optim.Optimizer | None     # over all of their parameters
     specs: dict[Source, TensorSpec | Constant]
     schedule: str              # plans.KINDS: "pipelined" or "sharded"
-    devices: tuple[str, ...]   # the device of every worker of this host process
+    owners: tuple[int, ...]    # every stage's device (its worker within the replica)
+    devices: tuple[str, ...]   # the physical device of every worker of this host process
+
+    @property
+    def device(self) -> int:
+        """This worker's device number within its replica."""
+        return self.owners[self.stages[0].route.index]
 
 
 @dataclass(frozen=True)
@@ -75,30 +83,32 @@ def _die_with_parent(parent: int) -> None:
 
 
 class Worker:
-    """Holds the stage and answers commands: run, pull, push, hyper, stop."""
+    """Holds the device's stages and answers commands: run, pull, push, hyper, stop."""
 
     def __init__(self, launch: Launch, setup: Setup, conn: Connection) -> None:
         self.launch, self.setup, self.conn = launch, setup, conn
         self._inputs, self._outputs = arena.Arena(), arena.Arena()  # shared with the host
         self._growth: arena.Packed | None = None  # outputs' new arena, sent after the reply
+        # the host inputs the device's stages read, in the order the host lays them out
+        self.reads = sorted({i for s in setup.stages for i in s.route.host_inputs})
         self.device = torch.device(launch.placement.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.module = setup.module.to(self.device)
+        self.modules = {s.route.index: s.module.to(self.device) for s in setup.stages}
         self.optimizer = setup.optimizer
         meeting = launch.rendezvous
         backend, staged = backend_for([torch.device(d) for d in setup.devices])
         wire_device = torch.device("cpu") if staged else self.device
-        rank = meeting.rank(launch.replica, setup.route.index)
+        rank = meeting.rank(launch.replica, setup.device)
         torch.manual_seed(launch.seed + rank)  # dropout differs between workers, not runs
         join(meeting, rank=rank, backend=backend, timeout=launch.timeout)
-        # Every worker creates every stage's group, in the same order (a collective call).
-        groups = [dist.new_group(meeting.stage_ranks(s)) if meeting.replicas > 1 else None
-                  for s in range(meeting.stages)]
+        # Every worker creates every device's group, in the same order (a collective call).
+        groups = [dist.new_group(meeting.device_ranks(d)) if meeting.replicas > 1 else None
+                  for d in range(meeting.devices)]
         if self.optimizer is not None:
             if not offload.is_offloaded(self.optimizer):  # else it moves in for each step
                 _move_state(self.optimizer, self.device)
-            # Global-norm clipping and overflow checks need sums over every stage. Summed
+            # Global-norm clipping and overflow checks need sums over every device. Summed
             # over all workers, each replica's (identical) share counts `replicas` times.
             self.optimizer._pipetorch_reduce = (  # type: ignore[attr-defined]
                 lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas)
@@ -107,11 +117,11 @@ class Worker:
         link = new_link(kind, prefix=shm.segment_prefix(launch.host_pid, meeting.prefix),
                         rank=rank, device=self.device, wire_device=wire_device,
                         timeout=launch.timeout, offset=meeting.rank(launch.replica, 0),
-                        replica_group=groups[setup.route.index])
-        self.executor = StageExecutor(self.module, setup.route, setup.specs, inputs=setup.inputs,
-                                      link=link, device=self.device, optimizer=self.optimizer,
+                        replica_group=groups[setup.device])
+        self.executor = StageExecutor(setup.stages, setup.specs, link=link, device=self.device,
+                                      optimizer=self.optimizer, owners=setup.owners,
                                       replica=launch.placement.replica)
-        link.open(self.executor.channels(_transfers(setup.schedule, setup.route)))
+        link.open(self.executor.channels(self._transfers()))
         self._plans: dict[tuple[int, bool], list] = {}
         if self.optimizer is not None:
             # torch.optim imports torch._dynamo on the first zero_grad/step (seconds): pay it
@@ -128,7 +138,7 @@ class Worker:
         key = (call.micro_batches, training)
         if key not in self._plans:
             self._plans[key] = self._plan(call.micro_batches, training)
-        inputs = zip(self.setup.route.host_inputs, self._inputs.unpack(self.conn, packed))
+        inputs = zip(self.reads, self._inputs.unpack(self.conn, packed))
         call = Call({i: x.to(self.device, non_blocking=True) for i, x in inputs},
                     call.iterations, call.micro_batches, call.wanted, call.scale)
         if self.device.type == "cuda":
@@ -138,13 +148,15 @@ class Worker:
         loaded = Span("H2D", None, arrival.start, time.monotonic_ns(),
                       sum(x.nbytes for x in call.inputs.values()))
         self.executor.run(self._plans[key], call, training=training)
-        self.executor.trace.spans.insert(0, loaded)
+        traces = self.executor.traces
+        traces[0].spans.insert(0, loaded)
         if self.device.type == "cuda":
-            self.executor.trace.peak_memory = int(torch.cuda.max_memory_allocated(self.device))
+            for trace in traces:  # the device's peak, shown on each of its stages
+                trace.peak_memory = int(torch.cuda.max_memory_allocated(self.device))
         if training:
             self._snapshot(commit)
         outputs, self._growth = arena.pack_tree(self._outputs, self.executor.outputs)
-        return outputs, self.executor.trace, self._growth
+        return outputs, traces, self._growth
 
     def replied(self) -> None:
         """After the reply to a call went out: the outputs' new arena, if they needed one."""
@@ -153,28 +165,47 @@ class Worker:
             self._growth = None
 
     def _plan(self, micro_batches: int, training: bool) -> list[Action]:
-        stage = self.setup.route.index
-        actions = plans.plan(self.setup.schedule, self.setup.route.stages, micro_batches,
-                             training=training)[stage]
+        count = self.setup.stages[0].route.stages
+        actions = devices.merge(plans.plan(self.setup.schedule, count, micro_batches,
+                                           training=training),
+                                self.setup.owners)[self.setup.device]
         if self.launch.rendezvous.replicas == 1:
             return actions
         # The replicas' gradients are summed just before each optimiser step.
         at = next(n for n, a in enumerate(actions) if a.kind is Kind.STEP) if training else None
-        return actions if at is None else [*actions[:at], Action(Kind.ALL_REDUCE, stage),
-                                           *actions[at:]]
+        return actions if at is None else [
+            *actions[:at], Action(Kind.ALL_REDUCE, actions[at].stage), *actions[at:]]
+
+    def _transfers(self) -> list[Action]:
+        """This worker's transfers in every plan of its schedule (training and inference)."""
+        actions: list[Action] = []
+        for training in (True, False):
+            try:
+                actions += self._plan(2 * self.setup.stages[0].route.stages, training)
+            except ValueError:  # a schedule without this mode
+                pass
+        return [a for a in actions if a.kind.is_transfer]
 
     def _snapshot(self, commit: int) -> None:
         if self.launch.snapshots is not None:
-            snapshot.write(self.launch.snapshots, self.setup.route.index, commit,
-                           snapshot.stage_state(self.module, self.optimizer))
+            for stage, module in self.modules.items():
+                snapshot.write(self.launch.snapshots, stage, commit,
+                               snapshot.stage_state(module, self.optimizer))
 
-    def _pull(self, payload: None) -> snapshot.StageState:
-        return snapshot.stage_state(self.module, self.optimizer)
+    def _pull(self, payload: None) -> dict[int, snapshot.StageState]:
+        return {stage: snapshot.stage_state(module, self.optimizer)
+                for stage, module in self.modules.items()}
 
-    def _push(self, payload: tuple[snapshot.StageState, int]) -> None:
-        stage, commit = payload
-        snapshot.load_stage_state(self.module, self.optimizer, stage)
+    def _push(self, payload: tuple[dict[int, snapshot.StageState], int]) -> None:
+        states, commit = payload
+        for stage, state in states.items():
+            snapshot.load_stage_state(self.modules[stage], self.optimizer, state)
         self._snapshot(commit)
+
+    def _rng(self, payload: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        if payload is not None:
+            device_kinds.set_rng_state(payload, self.device)
+        return device_kinds.rng_state(self.device)
 
     def _hyper(self, payload: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
         groups, attributes = payload
@@ -186,18 +217,6 @@ class Worker:
 
     def _stop(self, payload: None) -> None:
         return None
-
-
-def _transfers(schedule: str, route: Route) -> list[Action]:
-    """The transfers of `route`'s stage in every plan of `schedule` (training and inference)."""
-    actions: list[Action] = []
-    for training in (True, False):
-        try:
-            actions += plans.plan(schedule, route.stages, 2 * route.stages,
-                                  training=training)[route.index]
-        except ValueError:  # a schedule without this mode
-            pass
-    return [a for a in actions if a.kind.is_transfer]
 
 
 def _all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -213,12 +232,12 @@ def _move_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
 
 
 def _failure(launch: Launch, executor: StageExecutor | None, exc: BaseException) -> wire.Failure:
-    action, micro = None, None
+    action, micro, stage = None, None, launch.placement.stages[0]
     if executor is not None and executor.current is not None:
         step, base = executor.current
-        action = step.kind.value
+        action, stage = step.kind.value, step.stage
         micro = base + step.micro_batch if step.micro_batch is not None else None
-    return wire.Failure(launch.placement.stage, launch.placement.device, os.getpid(), action,
+    return wire.Failure(stage, launch.placement.device, os.getpid(), action,
                         micro, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
                         launch.placement.replica)
 

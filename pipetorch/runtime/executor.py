@@ -1,6 +1,7 @@
 """`trainingModel` / `inferenceModel`: the wrapper that runs a model on its devices."""
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import sys
@@ -13,11 +14,14 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch.errors import ConfigError, DeviceError
-from pipetorch.runtime import weights
+from pipetorch.optim import attributes, ipu_state
+from pipetorch.runtime import counters, weights, wrapping
 from pipetorch.runtime.batching import Signature, split_micro_batches, to_device
 from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.runtime.devices import default_device
-from pipetorch.runtime.optimizer import copy_hyperparameters, copy_state_to_host, default_optimizer
+from pipetorch.runtime.optimizer import (
+    copy_hyperparameters, copy_state_to_device, copy_state_to_host, default_optimizer,
+)
 from pipetorch.runtime.outputs import OutputCollector, resolve_mode
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel"]
@@ -26,8 +30,6 @@ logger = logging.getLogger(__name__)
 
 # user model -> its live training wrapper: two would train diverging device copies.
 _training_wrappers: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-
-
 class _TrainingOutput(torch.Tensor):
     """A returned tensor whose `.backward()` explains that training already happened."""
 
@@ -57,9 +59,7 @@ class PoplarExecutor:
         from pipetorch.options import Options
 
         if isinstance(model, PoplarExecutor):
-            raise TypeError(
-                "This model is already wrapped by a pipetorch trainingModel/inferenceModel: "
-                "wrap the original nn.Module (wrapper.model) instead")
+            model = model._user_model  # PopTorch wraps a wrapper's model (e.g. for inference)
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected a torch.nn.Module to wrap, got {type(model).__name__}")
         options = Options() if options is None else options
@@ -80,9 +80,11 @@ class PoplarExecutor:
             other = _training_wrappers.get(model)
             if other is not None and other() is not None:
                 raise ConfigError(
-                    "This model is already wrapped by a live trainingModel: call destroy() on that "
-                    "wrapper before wrapping the model for training again")
+                    "Model has already been wrapped in 'poptorch.trainingModel'. Call "
+                    "model.destroy() on the model to re-use (this destroys its live "
+                    "trainingModel, whose device copy would otherwise train apart)")
             _training_wrappers[model] = weakref.ref(self)
+        wrapping.register(model, self)
         if training and optimizer is None:
             optimizer = default_optimizer(model)
         self._user_model, self._options, self._training = model, own, training
@@ -95,6 +97,8 @@ class PoplarExecutor:
         self._attached = True
         self._profiler: Any = None
         self._profile_writer: weakref.finalize | None = None
+        self._optimizer_record: attributes.Compiled | None = None
+        self._times: counters.CallTimes | None = None
 
     # -- calls ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -111,12 +115,14 @@ class PoplarExecutor:
         if not self._training:
             self._refresh_from_host()
         o = self._options
+        times = counters.CallTimes()
         micro = compiled.synthetic or [to_device(mb, compiled.engine.input_device) for mb in split_micro_batches(
             args, kwargs, device_iterations=o.device_iterations,
             gradient_accumulation=o.Training.gradient_accumulation,
             replication_factor=o.replication_factor)]
         collector = OutputCollector(o.output_mode, steps=compiled.engine.batching.steps,
                                     replicas=o.replication_factor, period=o.output_return_period)
+        times.stamp("input_complete")
         start = time.monotonic_ns()
         if self._training:
             compiled.engine.train(micro, collector)
@@ -127,13 +133,17 @@ class PoplarExecutor:
             self._sync.mark_stale(self._fetch)
         else:
             compiled.engine.infer(micro, collector)
+        times.stamp("output")
         if self._profiler is not None:
             items = next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
                          if isinstance(leaf, torch.Tensor))
             self._profiler.record_call(start, time.monotonic_ns(), items)
+        result = collector.result()
+        times.stamp("output_complete")
+        self._times = times
         if self._training:
-            return pytree.tree_map(_mark_training_output, collector.result())
-        return collector.result()
+            return pytree.tree_map(_mark_training_output, result)
+        return result
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Prepare the model for these inputs without running it."""
@@ -142,6 +152,8 @@ class PoplarExecutor:
     def _compile(self, args: tuple, kwargs: dict, signature: Signature) -> Compiled:
         if self._compiled is not None:
             raise ValueError("The model is already compiled: call destroy() to compile again")
+        if self._training:
+            self._link_optimizer(self._user_optimizer)
         self._compiled = compile_model(
             self._user_model, args, kwargs, options=self._options, training=self._training,
             optimizer=self._user_optimizer, device=self._device)
@@ -205,13 +217,40 @@ class PoplarExecutor:
             self._uploaded_generation = self._sync.generation
 
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Send new hyper-parameters (learning rate, ...) to the device; its state is kept."""
+        """Send new hyper-parameters (learning rate, ...) to the device; its state is kept.
+
+        The new optimiser may be another object of the same class; attributes that
+        `variable_attrs` marks constant must keep their compiled values."""
         if not self._training:
             raise ConfigError("setOptimizer is for trainingModel wrappers; this is an inferenceModel")
-        self._user_optimizer = optimizer
         if self._compiled is not None and self._compiled.engine.optimizer is not None:
+            assert self._optimizer_record is not None
+            attributes.check_replacement(self._optimizer_record, optimizer)
             copy_hyperparameters(optimizer, self._compiled.engine.optimizer)
             self._compiled.engine.set_hyperparameters()
+            if optimizer is not self._user_optimizer:
+                assert self._sync is not None
+                self._sync.flush()  # the old optimiser's state is the device's until now
+                ipu_state.unlink(self._user_optimizer)  # type: ignore[arg-type]
+                self._link_optimizer(optimizer)
+        self._user_optimizer = optimizer
+
+    def _link_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.state_dict()["ipu_state"]` and write_ipu_state reach this model."""
+        self._optimizer_record = attributes.record(
+            optimizer, automatic_loss_scaling=self._options.Training.auto_loss_scaling)
+        ipu_state.link(optimizer, self._user_model, sync=self._flush_host,
+                       push=self._push_optimizer_state)
+
+    def _flush_host(self) -> None:
+        if self._sync is not None:
+            self._sync.flush()
+
+    def _push_optimizer_state(self) -> None:
+        """The user's optimiser state (written by write_ipu_state) becomes the device's."""
+        if self._compiled is not None and self._compiled.engine.optimizer is not None:
+            assert self._user_optimizer is not None
+            copy_state_to_device(self._user_optimizer, self._compiled.engine)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The user model's state_dict, holding the device's latest weights."""
@@ -247,12 +286,93 @@ class PoplarExecutor:
     def isCompiled(self) -> bool:
         return self._compiled is not None
 
+    def _require_compiled(self, what: str) -> Compiled:
+        if self._compiled is None:
+            raise RuntimeError(f"{what} needs a compiled model: call the model or compile() first")
+        return self._compiled
+
+    def compilationTime(self) -> datetime.timedelta:
+        """How long compiling the model took."""
+        return datetime.timedelta(seconds=self._require_compiled("compilationTime()").seconds)
+
+    @property
+    def rng_state(self) -> list[list[torch.Tensor]]:
+        """The devices' random generator states (one list per device process); assign what
+        it returned to repeat the random numbers (dropout) from that point."""
+        return self._require_compiled("rng_state").engine.rng_state()
+
+    @rng_state.setter
+    def rng_state(self, state: list[list[torch.Tensor]]) -> None:
+        self._require_compiled("rng_state").engine.rng_state(state)
+
+    def getPerfCounters(self) -> dict[str, list[list[float]]]:
+        """PopTorch's counters of the last call: {"input", "input_complete", "output",
+        "output_complete": [per input/output: [per iteration: seconds]]} (see counters)."""
+        if self._compiled is None or self._signature is None:
+            return counters.perf_counters(None, inputs=0, outputs=0, iterations=0)
+        outputs = len([x for x in pytree.tree_leaves(self._compiled.capture.output)
+                       if isinstance(x, torch.Tensor)])
+        return counters.perf_counters(
+            self._times, inputs=sum(leaf.shape is not None for leaf in self._signature.leaves),
+            outputs=outputs,
+            iterations=self._options.device_iterations * self._options.replication_factor)
+
+    def getLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the first input requested to the last output on
+        the host, over the last call's iterations."""
+        return counters.latency(self.getPerfCounters(), "input", min, "output_complete", max)
+
+    def getHostIpuLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds to move the inputs to the devices."""
+        return counters.latency(self.getPerfCounters(), "input", min, "input_complete", max)
+
+    def getComputeLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the inputs on the devices to the outputs ready."""
+        return counters.latency(self.getPerfCounters(), "input_complete", max, "output", max)
+
+    def getIpuHostLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds to bring the outputs to the host."""
+        return counters.latency(self.getPerfCounters(), "output", min, "output_complete", max)
+
+    def save(self, path: str) -> None:
+        """Save the compiled model (stages, options, weights) to `path`; see compileAndExport."""
+        from pipetorch.runtime import artefact
+
+        artefact.save(self, path)
+
+    def loadExecutable(self, filename: str) -> None:
+        """Compile this model for the inputs the executable at `filename` was saved for (by
+        compileAndExport of this model's class), keeping this model's own weights, as
+        PopTorch does; `poptorch.load(filename)` restores the saved weights too."""
+        from pipetorch.runtime import artefact
+
+        saved = artefact.saved_weights(filename)
+        own = dict(self._user_model.state_dict())
+        wrong = [n for n, t in saved.items() if n not in own or own[n].shape != t.shape]
+        if wrong:
+            raise ConfigError(
+                f"The executable {filename} was saved from another model: its weights "
+                f"{wrong[:4]} are missing here or have other shapes")
+        args, kwargs = artefact.saved_inputs(filename)
+        self.compile(*args, **kwargs)
+
+    def compileAndExport(self, filename: str, *args: Any, export_model: bool = True,
+                         **kwargs: Any) -> None:
+        """Compile for these inputs (if not compiled yet) and save an executable that
+        `poptorch.load(filename)` runs in another process without the model's source."""
+        if self._compiled is None:
+            self.compile(*args, **kwargs)
+        self.save(filename)
+
     def destroy(self) -> None:
         """Free the device copy; the user's model keeps the latest weights."""
         try:
             if self._sync is not None:
                 self._sync.flush()
         finally:
+            if self._training and self._user_optimizer is not None:
+                ipu_state.unlink(self._user_optimizer)
+            wrapping.forget(self._user_model, self)
             if self._sync is not None:
                 weights.detach(self._sync)
             self._write_profile()
@@ -290,6 +410,10 @@ class PoplarExecutor:
         if name.startswith("__") or "_user_model" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self._user_model, name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(wrapped, type(model)) holds, as in PopTorch
+        return wrapping.wrapper_class(PoplarExecutor, type(self.__dict__["_user_model"]))
 
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
