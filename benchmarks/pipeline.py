@@ -1,23 +1,30 @@
-"""Seed 000's pipeline: images/s of plain PyTorch, pipetorch on 1 and 2 devices, torch's 1F1B.
+"""Seed 000's pipeline and a BERT: samples/s of plain PyTorch, pipetorch, torch's 1F1B.
 
-Each model trains with micro-batches of 40, gradient accumulation G=10 (one optimiser step per
+The CNN rows train with micro-batches of 40, gradient accumulation G=10 (one optimiser step per
 400 images), D device iterations per host call and AdamW(lr=0.001), on synthetic images made
 once and shared by every row:
 
     seed   seed 000's CNN (blocks B1..B4) on 28x28 images, D=10
     heavy  the same CNN on 128x128 images (its linear layer grows to match), D=2; its first
            layer is widened when the seed's widths give no split within 10% of balance
+    bert   transformers' BertForSequenceClassification (4 layers, hidden 256, sequence 128,
+           random weights, no download), BeginBlock(ipu_id=1) on encoder layer 2; B4 G8 D1
 
-Rows: plain PyTorch (the same accumulation loop) with 1 thread and with all cores; pipetorch
-with every block on ipu 0 (the in-process engine) with the same thread counts; pipetorch
-sharded and pipelined over 2 devices (one worker per stage, cores // 2 threads each); and
-torch.distributed.pipelining's Schedule1F1B on the same split (2 processes, gloo, 1 thread
-each). Each row is timed over steady-state host calls (compile, start-up and one warm-up call
-excluded); images/s is the median. The stage split is chosen by timing each block's
-forward+backward on one micro-batch with 1 thread (process CPU time, so other load on the
-machine distorts it less) and cutting where the two stages' times are closest.
+Rows: plain PyTorch (the same accumulation loop) with 1 thread and with all cores; for the CNNs
+pipetorch with every block on ipu 0 (the in-process engine) with the same thread counts and
+sharded over 2 devices; pipetorch pipelined over 2 devices (one worker per stage, cores // 2
+threads each) over shared memory and over gloo (PIPETORCH_TRANSPORT), for the CNNs once more
+with profiling on; and torch.distributed.pipelining's Schedule1F1B on the same split (2
+processes, gloo, 1 thread each).
 
-    python benchmarks/pipeline.py                      # full run (~10 min on 2 quiet cores)
+Every row is built first and kept (workers stay up), then timed in interleaved rounds: one
+warm-up call per row, then each round one host call of every row in turn (ABAB...), so a change
+in the machine's load hits all rows alike. The table shows each row's median and its slowest and
+fastest call; ratios are of medians. The CNN stage split is chosen by timing each block's
+forward+backward on one micro-batch with 1 thread (process CPU time) and cutting where the two
+stages' times are closest.
+
+    python benchmarks/pipeline.py                      # full run (~15 min on 2 quiet cores)
     python benchmarks/pipeline.py --quick --models seed
 """
 from __future__ import annotations
@@ -25,12 +32,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,9 +45,7 @@ import torch.nn as nn
 
 import pipetorch as poptorch
 from pipetorch.parallel.placement import cpu_cores, live_workers
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_timing import median_rate  # noqa: E402
+from pipetorch.parallel.transport import TRANSPORT_ENV
 
 BLOCKS = ("B1", "B2", "B3", "B4")
 MICRO_BATCH = 40
@@ -49,8 +53,8 @@ ACCUMULATION = 10
 LEARNING_RATE = 0.001
 BALANCED = 1.10  # slower stage / faster stage at or below this counts as balanced
 PIPELINED = "pipetorch, pipelined over 2 devices"
+PIPELINED_GLOO = "pipetorch, pipelined over 2 devices, gloo transport"
 PROFILED = "pipetorch, pipelined over 2 devices, profiling on"
-UNPROFILED = "pipetorch, pipelined over 2 devices, profiling off (calls alternating with on)"
 SHARDED = "pipetorch, sharded over 2 devices"
 TORCH_1F1B = "torch.distributed.pipelining Schedule1F1B"
 
@@ -229,149 +233,327 @@ def _ms(times: list[float], boundary: int) -> str:
     return f"{sum(times[:boundary]):.1f} / {sum(times[boundary:]):.1f}"
 
 
-# -- rows ------------------------------------------------------------------------------------
-def plain_rate(bench: Bench, data: tuple[torch.Tensor, torch.Tensor], *, threads: int,
-               calls: int) -> float:
-    """The accumulation loop pipetorch runs, in plain PyTorch."""
-    torch.set_num_threads(threads)
-    model = WithLoss(new_network(bench.widths))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    images, labels = data
-    step = ACCUMULATION * MICRO_BATCH
-
-    def call() -> None:
-        for d in range(bench.device_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            for g in range(d * step, (d + 1) * step, MICRO_BATCH):
-                _, loss = model(images[g:g + MICRO_BATCH], labels[g:g + MICRO_BATCH])
-                (loss / ACCUMULATION).backward()
-            optimizer.step()
-
-    return median_rate(call, bench.images_per_call, calls)[0]
-
-
-@dataclass
-class Measured:
-    rate: float
-    seconds: float              # the last timed call's wall time
-    traces: list                # engine.last_trace of that call (empty in process)
-    worker_threads: list[int]
-
-
-def training_model(bench: Bench, strategy: object, *,
-                   profile: str | None = None) -> poptorch.PoplarExecutor:
-    model = WithLoss(new_network(bench.widths))
-    opts = poptorch.Options().deviceIterations(bench.device_iterations)
-    if profile is not None:
-        opts.enableProfiling(profile)
-    opts.Training.gradientAccumulation(ACCUMULATION)
-    opts.showCompilationProgressBar(False).setExecutionStrategy(strategy)
-    return poptorch.trainingModel(
-        model, opts, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
-
-
-def profiling_rates(bench: Bench, data: tuple[torch.Tensor, torch.Tensor], *,
-                    calls: int) -> tuple[float, float]:
-    """(images/s with profiling on, off): two pipelined wrappers whose calls alternate, so a
-    change in the machine's load hits both alike (separate runs differ by more than 3%)."""
-    with tempfile.TemporaryDirectory() as report:
-        on = training_model(bench, poptorch.PipelinedExecution(*two_stages(bench)),
-                            profile=report)
-        off = training_model(bench, poptorch.PipelinedExecution(*two_stages(bench)))
-        try:
-            seconds: dict[str, list[float]] = {"on": [], "off": []}
-            for name, training in (("on", on), ("off", off)):
-                training(*data)  # compile and warm up
-            for _ in range(calls):
-                for name, training in (("on", on), ("off", off)):
-                    start = time.perf_counter()
-                    training(*data)
-                    seconds[name].append(time.perf_counter() - start)
-        finally:
-            on.destroy()  # writes the report: outside the timed calls
-            off.destroy()
-    return tuple(bench.images_per_call / statistics.median(seconds[n])  # type: ignore[return-value]
-                 for n in ("on", "off"))
-
-
-def pipetorch_rate(bench: Bench, data: tuple[torch.Tensor, torch.Tensor], strategy: object, *,
-                   threads: int, calls: int) -> Measured:
-    torch.set_num_threads(threads)
-    training = training_model(bench, strategy)
-    try:
-        training.compile(*data)
-        workers = [r["threads"] for r in live_workers() if r.get("host_pid") == os.getpid()]
-        rate, seconds = median_rate(lambda: training(*data), bench.images_per_call, calls)
-        engine = training._compiled.engine
-        return Measured(rate, seconds, list(getattr(engine, "last_trace", [])), workers)
-    finally:
-        training.destroy()
-
-
 def two_stages(bench: Bench) -> tuple[poptorch.Stage, poptorch.Stage]:
     return (poptorch.Stage(*BLOCKS[:bench.boundary]).ipu(0),
             poptorch.Stage(*BLOCKS[bench.boundary:]).ipu(1))
 
 
-def _torch_pipeline_stage(rank: int, store: str, bench: Bench, images: torch.Tensor,
-                          labels: torch.Tensor, calls: int, results: mp.SimpleQueue) -> None:
-    """One rank of the torch.distributed.pipelining row (runs in a spawned process)."""
+# -- workloads: what a row trains -------------------------------------------------------------
+@dataclass(frozen=True)
+class CnnWork:
+    """Seed 000's CNN at `bench`'s widths, split between its blocks at `bench.boundary`."""
+
+    bench: Bench
+    micro_batch: int = MICRO_BATCH
+    accumulation: int = ACCUMULATION
+
+    @property
+    def name(self) -> str:
+        return self.bench.name
+
+    @property
+    def device_iterations(self) -> int:
+        return self.bench.device_iterations
+
+    @property
+    def samples_per_call(self) -> int:
+        return self.device_iterations * self.accumulation * self.micro_batch
+
+    def data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return make_data(self.bench)
+
+    def model(self) -> nn.Module:
+        return WithLoss(new_network(self.bench.widths))
+
+    def strategy(self, model: nn.Module, devices: str) -> object:
+        """The execution strategy for "one" device, or 2 devices "sharded" / "pipelined"."""
+        if devices == "one":
+            return poptorch.ShardedExecution(poptorch.Stage(*BLOCKS).ipu(0))
+        kind = poptorch.PipelinedExecution if devices == "pipelined" else poptorch.ShardedExecution
+        return kind(*two_stages(self.bench))
+
+    def torch_stage(self, rank: int, example: torch.Tensor) -> nn.Module:
+        blocks = new_network(self.bench.widths).blocks()
+        boundary = self.bench.boundary
+        return nn.Sequential(*(blocks[:boundary] if rank == 0 else blocks[boundary:]))
+
+
+@dataclass(frozen=True)
+class BertWork:
+    """transformers' BertForSequenceClassification from a random config (no download), split
+    with BeginBlock at encoder layer `layers // 2`, as seed 003 splits BERT."""
+
+    layers: int = 4
+    hidden: int = 256
+    sequence: int = 128
+    vocab: int = 8192
+    micro_batch: int = 4
+    accumulation: int = 8
+    device_iterations: int = 1
+    name: str = "BERT"
+
+    @property
+    def samples_per_call(self) -> int:
+        return self.device_iterations * self.accumulation * self.micro_batch
+
+    def data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.vocab, (self.samples_per_call, self.sequence),
+                            generator=generator)
+        return ids, torch.randint(0, 2, (self.samples_per_call,), generator=generator)
+
+    def classifier(self) -> nn.Module:
+        import transformers
+
+        config = transformers.BertConfig(
+            vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
+            num_attention_heads=self.hidden // 64, intermediate_size=4 * self.hidden,
+            max_position_embeddings=self.sequence, num_labels=2)
+        torch.manual_seed(0)  # every row starts from the same weights
+        return transformers.BertForSequenceClassification(config)
+
+    def model(self) -> nn.Module:
+        return BertWithLoss(self.classifier())
+
+    def strategy(self, model: nn.Module, devices: str) -> object:
+        if devices != "one":
+            layers = model.classifier.bert.encoder.layer
+            cut = self.layers // 2
+            layers[cut] = poptorch.BeginBlock(layers[cut], ipu_id=1)
+        kind = poptorch.PipelinedExecution if devices == "pipelined" else poptorch.ShardedExecution
+        return kind(poptorch.AutoStage.SameAsIpu)
+
+    def torch_stage(self, rank: int, example: torch.Tensor) -> nn.Module:
+        from torch.distributed.pipelining import SplitPoint, pipeline
+
+        pipe = pipeline(BertLogits(self.classifier()), mb_args=(example,),
+                        split_spec={f"classifier.bert.encoder.layer.{self.layers // 2}":
+                                    SplitPoint.BEGINNING})
+        return Contiguous(pipe.get_stage_module(rank))
+
+
+class Contiguous(nn.Module):
+    """A stage whose outputs are contiguous: gloo refuses the expanded attention mask that
+    BERT's first stage hands on."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        out = self.stage(*args)
+        if isinstance(out, tuple):
+            return tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in out)
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+
+class BertWithLoss(nn.Module):
+    """(logits, loss) of a sequence classifier, as a PopTorch training model returns them."""
+
+    def __init__(self, classifier: nn.Module) -> None:
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        output = self.classifier(input_ids=ids, labels=labels)
+        return output.logits, output.loss
+
+
+class BertLogits(nn.Module):
+    """The classifier's logits alone: what torch.distributed.pipelining's stages pass on."""
+
+    def __init__(self, classifier: nn.Module) -> None:
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.classifier(input_ids=ids).logits
+
+
+Work = CnnWork | BertWork
+
+
+# -- rows: each times one host call at a time, so the rows' calls can interleave -------------
+class Row:
+    """One row of the table: `call()` runs one host call and returns its seconds."""
+
+    name: str
+    baseline: str | None = None
+    traces: list = []
+
+    def call(self) -> float:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class PlainRow(Row):
+    """The accumulation loop pipetorch runs, in plain PyTorch."""
+
+    def __init__(self, work: Work, data: tuple, *, threads: int, baseline: str | None) -> None:
+        self.name = f"plain PyTorch, {threads} thread{'s' if threads > 1 else ''}"
+        self.baseline, self.work, self.data, self.threads = baseline, work, data, threads
+        self.model = work.model()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
+
+    def call(self) -> float:
+        torch.set_num_threads(self.threads)
+        inputs, labels = self.data
+        work, step = self.work, self.work.accumulation * self.work.micro_batch
+        start = time.perf_counter()
+        for d in range(work.device_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            for g in range(d * step, (d + 1) * step, work.micro_batch):
+                _, loss = self.model(inputs[g:g + work.micro_batch], labels[g:g + work.micro_batch])
+                (loss / work.accumulation).backward()
+            self.optimizer.step()
+        return time.perf_counter() - start
+
+
+class PipetorchRow(Row):
+    """A trainingModel on one device (in process) or two (worker processes over `transport`)."""
+
+    def __init__(self, work: Work, data: tuple, name: str, *, devices: str, threads: int,
+                 baseline: str | None, transport: str = "shm", profile: str | None = None) -> None:
+        self.name, self.baseline, self.data, self.threads = name, baseline, data, threads
+        model = work.model()
+        opts = poptorch.Options().deviceIterations(work.device_iterations)
+        if profile is not None:
+            opts.enableProfiling(profile)
+        opts.Training.gradientAccumulation(work.accumulation)
+        opts.showCompilationProgressBar(False).setExecutionStrategy(work.strategy(model, devices))
+        self.training = poptorch.trainingModel(
+            model, opts, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
+        before = os.environ.get(TRANSPORT_ENV)
+        os.environ[TRANSPORT_ENV] = transport  # the workers read it when they start
+        try:
+            torch.set_num_threads(threads)
+            self.training.compile(*data)
+        finally:
+            os.environ.pop(TRANSPORT_ENV) if before is None else os.environ.update(
+                {TRANSPORT_ENV: before})
+        self.worker_threads = [r["threads"] for r in live_workers()
+                               if r.get("host_pid") == os.getpid()]
+
+    def call(self) -> float:
+        torch.set_num_threads(self.threads)
+        start = time.perf_counter()
+        self.training(*self.data)
+        seconds = time.perf_counter() - start
+        self.traces = list(getattr(self.training._compiled.engine, "last_trace", []))
+        return seconds
+
+    def close(self) -> None:
+        self.training.destroy()  # writes a profile: outside the timed calls
+
+
+def _torch_pipeline_rank(rank: int, store: str, work: Work, data: tuple, conn: Any) -> None:
+    """One rank of the torch.distributed.pipelining row (a spawned process): runs a host call
+    each time the benchmark asks, and rank 0 answers with its seconds."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     try:
-        blocks = new_network(bench.widths).blocks()
-        module = nn.Sequential(*(blocks[:bench.boundary] if rank == 0 else blocks[bench.boundary:]))
+        inputs, labels = data
+        module = work.torch_stage(rank, inputs[:work.micro_batch])
         stage = PipelineStage(module, rank, 2, torch.device("cpu"))
         # scale_grads (the default) divides by the micro-batches: the mean over the step
-        schedule = Schedule1F1B(stage, n_microbatches=ACCUMULATION, loss_fn=nn.CrossEntropyLoss())
+        schedule = Schedule1F1B(stage, n_microbatches=work.accumulation,
+                                loss_fn=nn.CrossEntropyLoss())
         optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
-        step = ACCUMULATION * MICRO_BATCH
-
-        def call() -> None:
-            for d in range(bench.device_iterations):
+        step = work.accumulation * work.micro_batch
+        while conn.recv():
+            dist.barrier()
+            start = time.perf_counter()
+            for d in range(work.device_iterations):
                 optimizer.zero_grad(set_to_none=True)
                 if rank == 0:
-                    schedule.step(images[d * step:(d + 1) * step])
+                    schedule.step(inputs[d * step:(d + 1) * step])
                 else:
                     schedule.step(target=labels[d * step:(d + 1) * step])
                 optimizer.step()
-
-        seconds = []
-        for _ in range(calls + 1):  # the first call is the warm-up
             dist.barrier()
-            start = time.perf_counter()
-            call()
-            dist.barrier()
-            seconds.append(time.perf_counter() - start)
-        if rank == 0:
-            results.put(seconds[1:])
+            conn.send(time.perf_counter() - start)
     finally:
         dist.destroy_process_group()
 
 
-def torch_pipelining_rate(bench: Bench, data: tuple[torch.Tensor, torch.Tensor], *,
-                          calls: int, timeout: float = 900.0) -> float:
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    with tempfile.TemporaryDirectory(prefix="pipeline-bench-") as folder:
-        store = os.path.join(folder, "store")
-        ranks = [context.Process(target=_torch_pipeline_stage,
-                                 args=(rank, store, bench, *data, calls, results))
-                 for rank in (0, 1)]
-        for process in ranks:
+class TorchPipeliningRow(Row):
+    """torch.distributed.pipelining's Schedule1F1B on the same split: 2 ranks, gloo, 1 thread
+    each, kept running between calls."""
+
+    name = TORCH_1F1B
+
+    def __init__(self, work: Work, data: tuple, *, baseline: str, timeout: float = 900.0) -> None:
+        self.baseline, self.timeout = baseline, timeout
+        context = mp.get_context("spawn")
+        self.folder = tempfile.TemporaryDirectory(prefix="pipeline-bench-")
+        store = os.path.join(self.folder.name, "store")
+        self.conns, self.ranks = [], []
+        for rank in (0, 1):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_torch_pipeline_rank,
+                                      args=(rank, store, work, data, theirs), daemon=True)
             process.start()
-        deadline = time.monotonic() + timeout
-        for process in ranks:
-            process.join(max(1.0, deadline - time.monotonic()))
-        for process in ranks:
+            self.conns.append(ours)
+            self.ranks.append(process)
+
+    def call(self) -> float:
+        for conn in self.conns:
+            conn.send(True)
+        seconds = []
+        for conn, process in zip(self.conns, self.ranks):
+            if not conn.poll(self.timeout):
+                raise RuntimeError(f"torch.distributed.pipelining rank exited with "
+                                   f"{process.exitcode} or took over {self.timeout:.0f}s")
+            seconds.append(conn.recv())
+        return seconds[0]
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(False)
+            except OSError:
+                pass
+        for process in self.ranks:
+            process.join(30)
             if process.is_alive():
                 process.kill()
-        codes = [process.exitcode for process in ranks]
-        if codes != [0, 0] or results.empty():
-            raise RuntimeError(f"torch.distributed.pipelining ranks exited with {codes}")
-        return bench.images_per_call / statistics.median(results.get())
+                process.join(5)
+        self.folder.cleanup()
+
+
+@dataclass
+class Timing:
+    """A row's interleaved calls: seconds per call, and samples per call."""
+
+    seconds: list[float]
+    samples: int
+
+    @property
+    def rate(self) -> float:
+        return self.samples / statistics.median(self.seconds)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """(slowest, fastest) rate over the calls."""
+        return self.samples / max(self.seconds), self.samples / min(self.seconds)
+
+
+def interleave(rows: list[Row], *, rounds: int, samples: int,
+               log: Callable[[str], None]) -> dict[str, Timing]:
+    """One warm-up call per row, then `rounds` rounds of one call per row (ABAB...), so a change
+    in the machine's load hits every row alike."""
+    timings = {row.name: Timing([], samples) for row in rows}
+    for row in rows:
+        row.call()
+    for round_ in range(rounds):
+        for row in rows:
+            timings[row.name].seconds.append(row.call())
+        log(f"  round {round_ + 1}/{rounds} done")
+    return timings
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -382,18 +564,18 @@ class Target:
     denominator: str
     factor: float      # denominator multiplied by this (2 for the efficiency)
     minimum: float
-    aim: float | None = None
 
 
 def targets(cores: int) -> list[Target]:
     all_cores = f"plain PyTorch, {cores} threads"
     return [
-        Target(f"pipelined / {all_cores}", PIPELINED, all_cores, 1.0, 1.0, 1.15),
-        Target("pipelined / torch.distributed.pipelining 1F1B", PIPELINED, TORCH_1F1B, 1.0, 1.0),
-        Target("profiling on / off (pipelined, alternating calls)", PROFILED, UNPROFILED, 1.0,
+        Target(f"pipelined / {all_cores}", PIPELINED, all_cores, 1.0, 1.0),
+        Target("pipelined / torch.distributed.pipelining 1F1B", PIPELINED, TORCH_1F1B, 1.0, 1.10),
+        Target("pipelined over shm / over gloo", PIPELINED, PIPELINED_GLOO, 1.0, 1.0),
+        Target("profiling on / off (pipelined, interleaved calls)", PROFILED, PIPELINED, 1.0,
                0.97),
         Target("efficiency: pipelined / (2 x plain PyTorch, 1 thread)", PIPELINED,
-               "plain PyTorch, 1 thread", 2.0, 0.85),
+               "plain PyTorch, 1 thread", 2.0, 0.88),
         Target("pipetorch 1 device / plain PyTorch, 1 thread", "pipetorch, 1 device, 1 thread",
                "plain PyTorch, 1 thread", 1.0, 0.97),
         Target(f"pipetorch 1 device / {all_cores}", f"pipetorch, 1 device, {cores} threads",
@@ -401,35 +583,37 @@ def targets(cores: int) -> list[Target]:
     ]
 
 
-def print_table(bench: Bench, rows: dict[str, tuple[float, str | None]], cores: int) -> None:
-    width = max(len(name) for name in rows) + 2
-    print(f"{'case':<{width}}{'images/s':>10}  ratio")
-    for name, (rate, baseline) in rows.items():
-        ratio = f"{rate / rows[baseline][0]:.2f}x {baseline}" if baseline in rows else ""
-        print(f"{name:<{width}}{rate:>10,.0f}  {ratio}")
-    print(f"\ntargets{'' if bench.targeted else ' (set for the heavy variant; shown for reference)'}:")
+def print_table(work: Work, rows: list[Row], timings: dict[str, Timing], cores: int) -> None:
+    width = max(len(row.name) for row in rows) + 2
+    unit = "samples/s" if isinstance(work, BertWork) else "images/s"
+    print(f"{'case':<{width}}{unit:>10}  {'slowest..fastest':>17}  ratio of medians")
+    for row in rows:
+        timing = timings[row.name]
+        low, high = timing.spread
+        ratio = (f"{timing.rate / timings[row.baseline].rate:.2f}x {row.baseline}"
+                 if row.baseline in timings else "")
+        print(f"{row.name:<{width}}{timing.rate:>10,.1f}  {low:>8,.1f}..{high:<8,.1f} {ratio}")
+    print("\ntargets:")
     for target in targets(cores):
-        if target.numerator not in rows or target.denominator not in rows:
+        if target.numerator not in timings or target.denominator not in timings:
             continue
-        value = rows[target.numerator][0] / (target.factor * rows[target.denominator][0])
+        value = timings[target.numerator].rate / (target.factor * timings[target.denominator].rate)
         verdict = "reached" if value >= target.minimum else "NOT reached"
-        if target.aim is not None:
-            verdict += f" (aim {target.aim:.2f}: {'reached' if value >= target.aim else 'not reached'})"
         print(f"{target.name:<58}{value:>6.3f}  target >= {target.minimum:.2f}  {verdict}")
 
 
-def print_trace(name: str, measured: Measured) -> None:
+def print_trace(row: Row, seconds: float) -> None:
     """Where a multi-device host call's time went, per stage, from the workers' spans."""
-    spans = [s for t in measured.traces for s in t.spans]
+    spans = [s for t in row.traces for s in t.spans]
     if not spans:
         return
     window = (max(s.end for s in spans) - min(s.start for s in spans)) / 1e6
-    wall = measured.seconds * 1e3
-    print(f"  {name}: last call {wall:.0f} ms on the host, {window:.0f} ms from the first to the "
-          f"last worker span; host round trip (inputs out, outputs back) {wall - window:.0f} ms")
+    wall = seconds * 1e3
+    print(f"  {row.name}: last call {wall:.0f} ms on the host, {window:.0f} ms from the first to "
+          f"the last worker span; host round trip (inputs out, outputs back) {wall - window:.0f} ms")
     print(f"  {'stage':<7}{'forward':>9}{'backward':>10}{'step':>8}{'send':>8}"
           f"{'recv+wait':>11}{'H2D+D2H':>9}{'untraced':>10}   per micro-batch: F / B ms, MB moved")
-    for trace in measured.traces:
+    for trace in row.traces:
         total: dict[str, float] = {}
         count: dict[str, int] = {}
         for span in trace.spans:
@@ -443,69 +627,93 @@ def print_trace(name: str, measured: Measured) -> None:
         per_b = total.get("B", 0.0) / max(count.get("B", 1), 1)
         print(f"  {trace.stage:<7}{total.get('F', 0):>9.0f}{total.get('B', 0):>10.0f}"
               f"{total.get('STEP', 0):>8.0f}{total.get('S', 0):>8.0f}{total.get('R', 0):>11.0f}"
-              f"{total.get('H2D', 0) + total.get('D2H', 0):>9.0f}{untraced:>10.0f}   {per_f:.2f} / {per_b:.2f}, {moved:.1f} MB")
+              f"{total.get('H2D', 0) + total.get('D2H', 0):>9.0f}{untraced:>10.0f}   "
+              f"{per_f:.2f} / {per_b:.2f}, {moved:.1f} MB")
 
 
-def run(bench: Bench, *, calls: int, cores: int) -> None:
-    data = make_data(bench)
-    first, second = bench.stage_ms
-    print(f"\n== {bench.name}: {bench.widths.image_size}x{bench.widths.image_size} images, "
-          f"filters {bench.widths.filters}, hidden {bench.widths.hidden}; B{MICRO_BATCH} "
-          f"G{ACCUMULATION} D{bench.device_iterations} ({bench.images_per_call} images per "
-          f"call), AdamW lr {LEARNING_RATE}, median of {calls} call(s)")
-    print("  fwd+bwd per micro-batch, 1 thread (CPU ms): " + ", ".join(
-        f"{b} {t:.1f}" for b, t in zip(BLOCKS, bench.block_ms)))
-    print(f"  split {bench.split}: {first:.1f} / {second:.1f} ms per stage "
-          f"({max(first, second) / min(first, second):.2f}x)")
-    if bench.note:
-        print(f"  {bench.note}")
+def build_rows(work: Work, data: tuple, *, cores: int, profile: str, full: bool) -> list[Row]:
+    """Every row of `work`'s table; `full` adds the 1-device, sharded and profiling rows."""
     plain1, plain_all = "plain PyTorch, 1 thread", f"plain PyTorch, {cores} threads"
-    rows: dict[str, tuple[float, str | None]] = {}
-    rows[plain1] = (plain_rate(bench, data, threads=1, calls=calls), None)
-    rows[plain_all] = (plain_rate(bench, data, threads=cores, calls=calls), plain1)
-    one_device = poptorch.ShardedExecution(poptorch.Stage(*BLOCKS).ipu(0))
-    for threads, baseline in ((1, plain1), (cores, plain_all)):
-        measured = pipetorch_rate(bench, data, one_device, threads=threads, calls=calls)
-        rows[f"pipetorch, 1 device, {threads} thread{'s' if threads > 1 else ''}"] = (
-            measured.rate, baseline)
-    traced = {}
-    for name, strategy in ((SHARDED, poptorch.ShardedExecution),
-                           (PIPELINED, poptorch.PipelinedExecution)):
-        traced[name] = pipetorch_rate(bench, data, strategy(*two_stages(bench)), threads=cores,
-                                      calls=calls)
-        rows[name] = (traced[name].rate, plain1 if name == SHARDED else plain_all)
-    profiled, unprofiled = profiling_rates(bench, data, calls=calls)
-    rows[UNPROFILED] = (unprofiled, plain_all)
-    rows[PROFILED] = (profiled, UNPROFILED)
-    rows[TORCH_1F1B] = (torch_pipelining_rate(bench, data, calls=calls), plain_all)
-    threads = traced[PIPELINED].worker_threads
-    print(f"  threads: plain and 1-device rows as named; 2-device workers {threads}; "
+    rows: list[Row] = [PlainRow(work, data, threads=1, baseline=None),
+                       PlainRow(work, data, threads=cores, baseline=plain1)]
+    if full:
+        for threads, baseline in ((1, plain1), (cores, plain_all)):
+            rows.append(PipetorchRow(
+                work, data, f"pipetorch, 1 device, {threads} thread{'s' if threads > 1 else ''}",
+                devices="one", threads=threads, baseline=baseline))
+        rows.append(PipetorchRow(work, data, SHARDED, devices="sharded", threads=cores,
+                                 baseline=plain1))
+    rows.append(PipetorchRow(work, data, PIPELINED, devices="pipelined", threads=cores,
+                             baseline=plain_all))
+    rows.append(PipetorchRow(work, data, PIPELINED_GLOO, devices="pipelined", threads=cores,
+                             baseline=PIPELINED, transport="gloo"))
+    if full:
+        rows.append(PipetorchRow(work, data, PROFILED, devices="pipelined", threads=cores,
+                                 baseline=PIPELINED, profile=profile))
+    rows.append(TorchPipeliningRow(work, data, baseline=plain_all))
+    return rows
+
+
+def run(work: Work, *, rounds: int, cores: int, full: bool) -> None:
+    data = work.data()
+    if isinstance(work, CnnWork):
+        bench = work.bench
+        first, second = bench.stage_ms
+        print(f"\n== {bench.name}: {bench.widths.image_size}x{bench.widths.image_size} images, "
+              f"filters {bench.widths.filters}, hidden {bench.widths.hidden}")
+        print("  fwd+bwd per micro-batch, 1 thread (CPU ms): " + ", ".join(
+            f"{b} {t:.1f}" for b, t in zip(BLOCKS, bench.block_ms)))
+        print(f"  split {bench.split}: {first:.1f} / {second:.1f} ms per stage "
+              f"({max(first, second) / min(first, second):.2f}x)")
+        if bench.note:
+            print(f"  {bench.note}")
+    else:
+        print(f"\n== {work.name}: BertForSequenceClassification, {work.layers} layers, hidden "
+              f"{work.hidden}, sequence {work.sequence}, vocabulary {work.vocab} (random "
+              f"weights); BeginBlock(ipu_id=1) on encoder layer {work.layers // 2}")
+    print(f"  B{work.micro_batch} G{work.accumulation} D{work.device_iterations} "
+          f"({work.samples_per_call} samples per call), AdamW lr {LEARNING_RATE}; every row's "
+          f"calls interleaved, median of {rounds} round(s)")
+    with tempfile.TemporaryDirectory() as profile:
+        rows = build_rows(work, data, cores=cores, profile=profile, full=full)
+        try:
+            timings = interleave(rows, rounds=rounds, samples=work.samples_per_call,
+                                 log=lambda line: None)
+        finally:
+            for row in rows:
+                row.close()
+    workers = [row.worker_threads for row in rows
+               if isinstance(row, PipetorchRow) and row.name == PIPELINED]
+    print(f"  threads: plain and 1-device rows as named; 2-device workers {workers[0]}; "
           "torch.distributed.pipelining ranks [1, 1]\n")
-    print_table(bench, rows, cores)
+    print_table(work, rows, timings, cores)
     print()
     print("where the last call's time went, ms per stage (recv+wait includes waiting for the "
           "peer; untraced: gaps between spans):")
-    for name, measured in traced.items():
-        print_trace(name, measured)
+    for row in rows:
+        if isinstance(row, PipetorchRow) and row.name in (SHARDED, PIPELINED, PIPELINED_GLOO):
+            print_trace(row, timings[row.name].seconds[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="1 timed call, D of 1, fewer block timings (a smoke test)")
-    parser.add_argument("--models", default="seed,heavy",
-                        help="comma-separated: seed, heavy (default: both)")
-    parser.add_argument("--calls", type=int, default=None,
-                        help="timed host calls per row after the warm-up (default: 5, quick: 1)")
+                        help="2 rounds, D of 1, small BERT batches, fewer block timings (a "
+                             "smoke test)")
+    parser.add_argument("--models", default="seed,heavy,bert",
+                        help="comma-separated: seed, heavy, bert (default: all three)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds of one call per row after the warm-up "
+                             "(default: 5, quick: 2)")
     parser.add_argument("--heavy-filters", type=int, default=None,
                         help="layer1 filters of the heavy variant (default: the seed's 10, "
                              "widened automatically when its stages are unbalanced)")
     args = parser.parse_args()
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(models) - {"seed", "heavy"})
+    unknown = sorted(set(models) - {"seed", "heavy", "bert"})
     if unknown or not models:
-        parser.error(f"--models takes seed and/or heavy, got {args.models!r}")
-    calls = args.calls or (1 if args.quick else 5)
+        parser.error(f"--models takes seed, heavy and/or bert, got {args.models!r}")
+    rounds = args.rounds or (2 if args.quick else 5)
     reps = 2 if args.quick else 7
     cores = cpu_cores()
     benches = {
@@ -516,11 +724,16 @@ def main() -> None:
     }
     print(f"{cores} cores; plain PyTorch rows use 1 and {cores} intra-op threads, 2-device rows "
           f"one worker per stage; torch {torch.__version__}")
-    print("choosing stage splits (fwd+bwd of each block on one micro-batch, 1 thread):")
     for model in models:
-        bench = balance(benches[model], reps=reps, log=print,
-                        widen=model == "heavy" and args.heavy_filters is None)
-        run(bench, calls=calls, cores=cores)
+        if model == "bert":
+            work: Work = (BertWork(micro_batch=2, accumulation=4, sequence=64) if args.quick
+                          else BertWork())
+        else:
+            print(f"choosing the {model} model's stage split (fwd+bwd of each block on one "
+                  "micro-batch, 1 thread):")
+            work = CnnWork(balance(benches[model], reps=reps, log=print,
+                                   widen=model == "heavy" and args.heavy_filters is None))
+        run(work, rounds=rounds, cores=cores, full=model != "bert")
 
 
 if __name__ == "__main__":

@@ -34,22 +34,44 @@ def test_closest_split_and_imbalance() -> None:
     assert bench.imbalance([120.0, 100.0, 15.0, 0.2], 1) == pytest.approx(120.0 / 115.2)
 
 
-@pytest.mark.slow  # starts 2 pipetorch workers twice and 2 torch.distributed ranks
-def test_quick_run_prints_every_row_ratio_and_trace() -> None:
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--models", "seed"],
-                          capture_output=True, text=True, timeout=170, cwd=SCRIPT.parent.parent)
+def _quick(models: str) -> str:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--models", models],
+                          capture_output=True, text=True, timeout=300, cwd=SCRIPT.parent.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    return proc.stdout
+
+
+def _assert_rows(out: str, rows: list[str]) -> None:
+    for row in rows:  # median, then the slowest..fastest call of the interleaved rounds
+        assert re.search(rf"^{re.escape(row)}\s+[\d,.]+\s+[\d,.]+\.\.[\d,.]+", out, re.M), (row, out)
+
+
+@pytest.mark.slow  # starts 2 pipetorch workers four times and 2 torch.distributed ranks
+def test_quick_run_prints_every_row_ratio_and_trace() -> None:
+    out = _quick("seed")
     cores = int(re.match(r"(\d+) cores;", out).group(1))
     assert re.search(r"split B[1-3](\+B\d)* \| B\d(\+B\d)*: [\d.]+ / [\d.]+ ms per stage", out)
-    for row in ("plain PyTorch, 1 thread", f"plain PyTorch, {cores} threads",
-                "pipetorch, 1 device, 1 thread", "pipetorch, sharded over 2 devices",
-                "pipetorch, pipelined over 2 devices",
-                "pipetorch, pipelined over 2 devices, profiling on",
-                "pipetorch, pipelined over 2 devices, profiling off (calls alternating with on)",
-                "torch.distributed.pipelining Schedule1F1B"):
-        assert re.search(rf"^{re.escape(row)}\s+[\d,]+\s", out, re.M), (row, out)
+    _assert_rows(out, ["plain PyTorch, 1 thread", f"plain PyTorch, {cores} threads",
+                       "pipetorch, 1 device, 1 thread", "pipetorch, sharded over 2 devices",
+                       "pipetorch, pipelined over 2 devices",
+                       "pipetorch, pipelined over 2 devices, gloo transport",
+                       "pipetorch, pipelined over 2 devices, profiling on",
+                       "torch.distributed.pipelining Schedule1F1B"])
     verdicts = re.findall(r"^\S.*\s\d+\.\d{3}  target >= \d\.\d\d  (?:NOT )?reached", out, re.M)
-    assert len(verdicts) == 6, out
+    assert len(verdicts) == 7, out
     assert re.search(r"pipelined over 2 devices: last call \d+ ms on the host", out)
-    assert len(re.findall(r"^  [01] +\d+ +\d+", out, re.M)) == 4  # 2 stages x 2 traced rows
+    assert len(re.findall(r"^  [01] +\d+ +\d+", out, re.M)) == 6  # 2 stages x 3 traced rows
+
+
+@pytest.mark.slow
+@pytest.mark.transformers
+def test_quick_bert_run_compares_with_plain_pytorch_and_torch_1f1b() -> None:
+    pytest.importorskip("transformers")
+    out = _quick("bert")
+    cores = int(re.match(r"(\d+) cores;", out).group(1))
+    assert "BertForSequenceClassification, 4 layers, hidden 256" in out
+    _assert_rows(out, ["plain PyTorch, 1 thread", f"plain PyTorch, {cores} threads",
+                       "pipetorch, pipelined over 2 devices",
+                       "pipetorch, pipelined over 2 devices, gloo transport",
+                       "torch.distributed.pipelining Schedule1F1B"])
+    assert re.search(r"^pipelined / torch.distributed.pipelining 1F1B\s+\d+\.\d{3}", out, re.M)

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
 from collections import defaultdict
 from multiprocessing.connection import Connection
@@ -34,7 +35,7 @@ import torch.nn as nn
 
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import snapshot, wire
+from pipetorch.parallel import arena, shm, snapshot, wire
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
@@ -99,7 +100,9 @@ class ProcessEngine:
         self._lost: str | None = None
         self._folder = tempfile.mkdtemp(prefix="pipetorch-")
         self.peers: list[wire.Peer] = []
-        self._finalizer = weakref.finalize(self, _shutdown, self.peers, self._folder)
+        self._segments: list[str] = []  # each launch's shared-memory name prefix
+        self._finalizer = weakref.finalize(self, _shutdown, self.peers, self._folder,
+                                           segments=self._segments)
         self._launch()
 
     def _launch(self) -> None:
@@ -108,11 +111,14 @@ class ProcessEngine:
         meeting = next_rendezvous(process_id=self.process_id, num_processes=self.num_processes,
                                   devices=self.devices, replicas=self.replicas,
                                   timeout=self.timeout)
+        self._segments.append(shm.segment_prefix(os.getpid(), meeting.prefix))
         devices = tuple(p.device for p in self.placements)
         keep = self.optimizer is not None and snapshot.enabled()
         self._commits = 0
         for placement in self.placements:
             self.peers.append(self._start(placement))
+        # per worker: its inputs out, its outputs back (shared memory, see arena.py)
+        self._arenas = [(arena.Arena(), arena.Arena()) for _ in self.peers]
         for peer, placement in zip(self.peers, self.placements):
             stages = tuple(DeviceStage(self.staged.modules[s], self.routes[s],
                                        self.staged.io[s].inputs) for s in placement.stages)
@@ -142,7 +148,7 @@ class ProcessEngine:
     def release(self) -> None:
         """detachFromDevice: bring weights and optimiser state home, then stop the workers."""
         self.pull()
-        _shutdown(self.peers, self._folder, remove=False)
+        _shutdown(self.peers, self._folder, remove=False, segments=self._segments)
 
     def acquire(self) -> None:
         """attachToDevice: start the workers again from the host copy."""
@@ -192,12 +198,17 @@ class ProcessEngine:
         steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
         wanted = frozenset(j for j in range(steps) if collector.wants(j))
         commit = self._commits + 1
-        for peer, placement in zip(self.peers, self.placements):
+        for n, (peer, placement) in enumerate(zip(self.peers, self.placements)):
             reads = sorted({i for s in placement.stages for i in self.routes[s].host_inputs})
-            inputs = {i: torch.stack([f[i] for f in flat[placement.replica::replicas]])
-                      for i in reads}
-            call = Call(inputs, iterations, per_iteration, wanted, scale)
-            self._send(peer, ("run", (call, training, commit)))
+            mine = flat[placement.replica::replicas]
+            packed, views = self._arenas[n][0].lay_out(
+                [((len(mine), *mine[0][i].shape), mine[0][i].dtype) for i in reads])
+            with torch.no_grad():
+                for i, view in zip(reads, views):
+                    torch.stack([f[i] for f in mine], out=view)  # straight into shared memory
+            call = Call({}, iterations, per_iteration, wanted, scale)
+            self._send(peer, ("run", (call, training, commit, packed)))
+            self._send(peer, packed, shared=self._arenas[n][0])
         arrivals: list[wire.Transfer] = []
         replies = self._gather("a training call" if training else "an inference call",
                                transfers=arrivals)
@@ -205,12 +216,15 @@ class ProcessEngine:
             self._commits = commit
         outputs: dict[tuple[int, int], dict[int, list[Any]]] = {}  # (replica, stage) -> m -> ...
         traces: list[Trace] = []
-        for placement, (by_stage, device_traces), arrival in zip(self.placements, replies,
-                                                                 arrivals):
+        for n, (placement, (skeleton, device_traces, packed), arrival) in enumerate(
+                zip(self.placements, replies, arrivals)):
+            by_stage = arena.unpack_tree(self._arenas[n][1], self.peers[n].conn, skeleton, packed)
             outputs.update({(placement.replica, s): o for s, o in by_stage.items()})
-            # device to host: the reply, on the device's first stage
-            device_traces[0].spans.append(Span("D2H", None, arrival.start, arrival.end,
-                                               arrival.nbytes))
+            # device to host: the reply and its outputs copied out of shared memory, on the
+            # device's first stage
+            nbytes = arrival.nbytes + sum(arena.nbytes(p) for p in packed.places)
+            device_traces[0].spans.append(Span("D2H", None, arrival.start, time.monotonic_ns(),
+                                               nbytes))
             traces += device_traces
             for trace in device_traces:
                 if trace.peak_memory is not None:
@@ -324,9 +338,14 @@ class ProcessEngine:
                 "call destroy() and build a new trainingModel/inferenceModel. The model keeps "
                 "the weights of the last copy to the host")
 
-    def _send(self, peer: wire.Peer, message: Any, *, raw: bool = False) -> None:
+    def _send(self, peer: wire.Peer, message: Any, *, raw: bool = False,
+              shared: arena.Arena | None = None) -> None:
+        """Send `message` (pickled, or `raw` bytes; with `shared`, the new arena of the Packed
+        `message` if it has one)."""
         try:
-            if raw:
+            if shared is not None:
+                shared.send_growth(peer.conn, message)
+            elif raw:
                 peer.conn.send_bytes(message)
             else:
                 wire.send(peer.conn, message)
@@ -352,7 +371,7 @@ class ProcessEngine:
         if self._lost is None:
             self._restore_last_call()  # before the workers and their files go
         self._lost = reason
-        _shutdown(self.peers, self._folder, grace=0.0)
+        _shutdown(self.peers, self._folder, grace=0.0, segments=self._segments)
 
     def _describe(self, failure: wire.Failure) -> str:
         where = "outside the schedule"
@@ -376,8 +395,9 @@ class ProcessEngine:
 
 
 def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE,
-              remove: bool = True) -> None:
-    """Ask every live worker to stop, then kill whatever is left; idempotent."""
+              remove: bool = True, segments: Sequence[str] = ()) -> None:
+    """Ask every live worker to stop, then kill whatever is left, and remove the shared-memory
+    files a worker killed during start-up may have left; idempotent."""
     live = [p for p in peers if p.process.poll() is None]
     if grace > 0 and live:
         try:
@@ -396,5 +416,7 @@ def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE
         places.unregister(peer.process.pid)
         peer.conn.close()
     peers.clear()
+    for prefix in segments:
+        shm.remove_leftovers(prefix)
     if remove:
         shutil.rmtree(folder, ignore_errors=True)

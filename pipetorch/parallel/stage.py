@@ -14,7 +14,7 @@ from pipetorch import ops
 from pipetorch.errors import DeviceError
 from pipetorch.optim.scaling import loss_scale
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
-from pipetorch.parallel.transport import BundleLayout, PeerLink, Tag, channel
+from pipetorch.parallel.transport import BundleLayout, ChannelSpec, PeerLink, Tag, channel
 from pipetorch.runtime.recompute import original_module
 from pipetorch.partition.split import Source
 from pipetorch.schedule.actions import Action, Kind
@@ -65,6 +65,7 @@ class Trace:
     spans: list[Span] = field(default_factory=list)
     replica: int = 0
     peak_memory: int | None = None  # the CUDA allocator's peak during the call (GPU only)
+    transport: str = "gloo"  # how bundles crossed to the neighbours: "shm" or "gloo"
 
 
 def _bundle(sources: tuple[Source, ...], specs: dict[Source, Spec], *,
@@ -161,6 +162,28 @@ class StageExecutor:
         }
         self.current: tuple[Action, int] | None = None  # for error messages
 
+    def channels(self, actions: list[Action]) -> list[ChannelSpec]:
+        """Every direction of traffic with another worker that `actions` use, with its largest
+        message (empty bundles, which are never sent, and transfers within this worker left
+        out)."""
+        carries = {Kind.SEND_ACT: (Tag.ACTIVATIONS, True, "act_out"),
+                   Kind.RECV_ACT: (Tag.ACTIVATIONS, False, "act_in"),
+                   Kind.SEND_GRAD: (Tag.GRADIENTS, True, "grad_out"),
+                   Kind.RECV_GRAD: (Tag.GRADIENTS, False, "grad_in"),
+                   Kind.SEND_DONE: (Tag.DONE, True, None), Kind.RECV_DONE: (Tag.DONE, False, None)}
+        found: dict[tuple[int, int, bool], int] = {}
+        for action in actions:
+            if action.kind not in carries or action.peer is None or self._local(action.peer):
+                continue
+            tag, outgoing, bundle = carries[action.kind]
+            layout = getattr(self.held[action.stage], bundle)[1] if bundle else None
+            if layout is None or layout.specs:
+                sender = action.stage if outgoing else action.peer
+                key = (self.owners[action.peer], channel(tag, sender), outgoing)
+                found[key] = max(found.get(key, 0), layout.nbytes if layout else 0)
+        return [ChannelSpec(peer, tag, outgoing, nbytes)
+                for (peer, tag, outgoing), nbytes in sorted(found.items())]
+
     @property
     def outputs(self) -> dict[int, dict[int, list[Any]]]:
         """Stage -> micro-batch -> the host outputs of the last `run` the host asked for."""
@@ -179,6 +202,7 @@ class StageExecutor:
         """Run `actions` call.iterations times; outputs the host wants land in `self.outputs`."""
         for held in self.held.values():
             held.reset()
+            held.trace.transport = getattr(self.link, "kind", "gloo")
             held.module.train(training)
         self._call, self._training, self._scale = call, training, call.scale
         with ops.running_on_device(), torch.set_grad_enabled(training):
@@ -337,10 +361,8 @@ def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:
 
 
 def _for_host(value: Any) -> Any:
-    """A value the host can unpickle cheaply: on the CPU, detached, owning only its bytes."""
+    """A value for the host: on the CPU and detached. No copy here: the reply copies it into
+    shared memory (arena.pack_tree) before anything can change it."""
     if not isinstance(value, torch.Tensor):
         return value
-    value = value.detach().to("cpu")
-    if value.untyped_storage().nbytes() != value.nbytes or not value.is_contiguous():
-        value = value.clone(memory_format=torch.contiguous_format)
-    return value
+    return value.detach().to("cpu")

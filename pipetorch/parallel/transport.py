@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import enum
+import functools
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -18,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from pipetorch.errors import DeviceError
+from pipetorch.errors import ConfigError, DeviceError
 from pipetorch.parallel.routes import TensorSpec
 
 __all__: list[str] = []
@@ -50,7 +52,7 @@ class BundleLayout:
 
     specs: tuple[TensorSpec, ...]
 
-    @property
+    @functools.cached_property
     def offsets(self) -> list[int]:
         offsets, at = [], 0
         for spec in self.specs:
@@ -58,7 +60,7 @@ class BundleLayout:
             at += _aligned(spec.nbytes)
         return offsets
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(_aligned(spec.nbytes) for spec in self.specs)
 
@@ -74,18 +76,32 @@ class BundleLayout:
 
     def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         """One uint8 buffer holding `tensors` (checked against the layout)."""
-        self.check(tensors)
         buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        for spec, at, tensor in zip(self.specs, self.offsets, tensors):
-            if spec.nbytes:
-                raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                buffer[at:at + spec.nbytes].copy_(raw)
+        self.pack_into(tensors, buffer)
         return buffer
+
+    def pack_into(self, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+        """Copy `tensors` into `buffer` (uint8, `nbytes` long, 16-byte aligned) at the offsets."""
+        self.check(tensors)
+        for spec, at, tensor in zip(self.specs, self.offsets, tensors):
+            if spec.nbytes:  # a typed view takes any strides in one copy
+                buffer[at:at + spec.nbytes].view(spec.dtype).view(spec.shape).copy_(
+                    tensor.detach())
 
     def unpack(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Fresh leaf tensors viewing `buffer`'s bytes."""
         return [buffer[at:at + spec.nbytes].view(spec.dtype).view(spec.shape).detach()
                 for spec, at in zip(self.specs, self.offsets)]
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """One direction of traffic with one peer: its tag and the largest message it carries."""
+
+    peer: int          # the peer as `send` / `recv` name it (its rank is offset + peer)
+    tag: int           # a Tag, or any message tag both ends agree on
+    outgoing: bool
+    nbytes: int
 
 
 class PeerLink:
@@ -96,6 +112,8 @@ class PeerLink:
     once per schedule step) makes sure every send finished. Receives block for at most
     `timeout` seconds.
     """
+
+    kind = "gloo"  # torch.distributed: gloo, or NCCL between GPUs
 
     def __init__(self, *, device: torch.device, wire_device: torch.device, timeout: float,
                  offset: int = 0, replica_group: Any = None) -> None:
@@ -163,6 +181,38 @@ class PeerLink:
         for work, _ in self._pending:
             work.wait(self.timeout)
         self._pending.clear()
+
+    def open(self, channels: Sequence[ChannelSpec]) -> None:
+        """Set up the traffic of `channels` before the first call (nothing to do for gloo)."""
+
+    def close(self) -> None:
+        """Release what `open` set up."""
+
+
+TRANSPORT_ENV = "PIPETORCH_TRANSPORT"
+TRANSPORTS = ("shm", "gloo")
+
+
+def link_kind(devices: Sequence[torch.device], *, one_host: bool) -> str:
+    """"shm" or "gloo" (torch.distributed: gloo, or NCCL between GPUs) for point-to-point bundles.
+
+    $PIPETORCH_TRANSPORT picks; shared memory (the default) needs CPU workers of one host
+    process, and torch.distributed carries whatever it cannot reach.
+    """
+    wanted = os.environ.get(TRANSPORT_ENV, "shm").strip().lower()
+    if wanted not in TRANSPORTS:
+        raise ConfigError(f"{TRANSPORT_ENV}={wanted!r} must be one of {', '.join(TRANSPORTS)}")
+    reachable = one_host and all(d.type == "cpu" for d in devices) and os.path.isdir("/dev/shm")
+    return "shm" if wanted == "shm" and reachable else "gloo"
+
+
+def new_link(kind: str, *, prefix: str, rank: int, **kwargs: Any) -> PeerLink:
+    """The link of `kind` (from `link_kind`); `kwargs` go to PeerLink."""
+    if kind == "shm":
+        from pipetorch.parallel.shm import ShmLink
+
+        return ShmLink(prefix=prefix, rank=rank, **kwargs)
+    return PeerLink(**kwargs)
 
 
 def backend_for(devices: Sequence[torch.device]) -> tuple[str, bool]:

@@ -22,11 +22,12 @@ import torch.distributed as dist
 
 from pipetorch.optim import offload
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import snapshot, wire
+from pipetorch.parallel import arena, snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
+from pipetorch.parallel import shm
 from pipetorch.parallel.routes import Constant, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, StageExecutor
-from pipetorch.parallel.transport import PeerLink, backend_for
+from pipetorch.parallel.transport import backend_for, link_kind, new_link
 from pipetorch.partition.split import Source
 from pipetorch.runtime import devices as device_kinds
 from pipetorch.schedule import devices, plans
@@ -84,8 +85,12 @@ def _die_with_parent(parent: int) -> None:
 class Worker:
     """Holds the device's stages and answers commands: run, pull, push, grads, hyper, stop."""
 
-    def __init__(self, launch: Launch, setup: Setup) -> None:
-        self.launch, self.setup = launch, setup
+    def __init__(self, launch: Launch, setup: Setup, conn: Connection) -> None:
+        self.launch, self.setup, self.conn = launch, setup, conn
+        self._inputs, self._outputs = arena.Arena(), arena.Arena()  # shared with the host
+        self._growth: arena.Packed | None = None  # outputs' new arena, sent after the reply
+        # the host inputs the device's stages read, in the order the host lays them out
+        self.reads = sorted({i for s in setup.stages for i in s.route.host_inputs})
         self.device = torch.device(launch.placement.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -107,12 +112,16 @@ class Worker:
             # over all workers, each replica's (identical) share counts `replicas` times.
             self.optimizer._pipetorch_reduce = (  # type: ignore[attr-defined]
                 lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas)
-        link = PeerLink(device=self.device, wire_device=wire_device, timeout=launch.timeout,
-                        offset=meeting.rank(launch.replica, 0),
+        kind = link_kind([torch.device(d) for d in setup.devices],
+                         one_host=len(setup.devices) == meeting.world_size)
+        link = new_link(kind, prefix=shm.segment_prefix(launch.host_pid, meeting.prefix),
+                        rank=rank, device=self.device, wire_device=wire_device,
+                        timeout=launch.timeout, offset=meeting.rank(launch.replica, 0),
                         replica_group=groups[setup.device])
         self.executor = StageExecutor(setup.stages, setup.specs, link=link, device=self.device,
                                       optimizer=self.optimizer, owners=setup.owners,
                                       replica=launch.placement.replica)
+        link.open(self.executor.channels(self._transfers()))
         self._plans: dict[tuple[int, bool], list] = {}
         if self.optimizer is not None:
             # torch.optim imports torch._dynamo on the first zero_grad/step (seconds): pay it
@@ -124,12 +133,13 @@ class Worker:
             return self._run(payload, arrival)
         return getattr(self, f"_{kind}")(payload)
 
-    def _run(self, payload: tuple[Call, bool, int], arrival: wire.Transfer) -> Any:
-        call, training, commit = payload
+    def _run(self, payload: tuple[Call, bool, int, arena.Packed], arrival: wire.Transfer) -> Any:
+        call, training, commit, packed = payload
         key = (call.micro_batches, training)
         if key not in self._plans:
             self._plans[key] = self._plan(call.micro_batches, training)
-        call = Call({i: x.to(self.device, non_blocking=True) for i, x in call.inputs.items()},
+        inputs = zip(self.reads, self._inputs.unpack(self.conn, packed))
+        call = Call({i: x.to(self.device, non_blocking=True) for i, x in inputs},
                     call.iterations, call.micro_batches, call.wanted, call.scale)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copy ends the H2D span
@@ -145,7 +155,14 @@ class Worker:
                 trace.peak_memory = int(torch.cuda.max_memory_allocated(self.device))
         if training:
             self._snapshot(commit)
-        return self.executor.outputs, traces
+        outputs, self._growth = arena.pack_tree(self._outputs, self.executor.outputs)
+        return outputs, traces, self._growth
+
+    def replied(self) -> None:
+        """After the reply to a call went out: the outputs' new arena, if they needed one."""
+        if self._growth is not None:
+            self._outputs.send_growth(self.conn, self._growth)
+            self._growth = None
 
     def _plan(self, micro_batches: int, training: bool) -> list[Action]:
         count = self.setup.stages[0].route.stages
@@ -158,6 +175,16 @@ class Worker:
         at = next(n for n, a in enumerate(actions) if a.kind is Kind.STEP) if training else None
         return actions if at is None else [
             *actions[:at], Action(Kind.ALL_REDUCE, actions[at].stage), *actions[at:]]
+
+    def _transfers(self) -> list[Action]:
+        """This worker's transfers in every plan of its schedule (training and inference)."""
+        actions: list[Action] = []
+        for training in (True, False):
+            try:
+                actions += self._plan(2 * self.setup.stages[0].route.stages, training)
+            except ValueError:  # a schedule without this mode
+                pass
+        return [a for a in actions if a.kind.is_transfer]
 
     def _snapshot(self, commit: int) -> None:
         if self.launch.snapshots is not None:
@@ -232,7 +259,7 @@ def main(conn: Connection) -> None:
     worker: Worker | None = None
     try:
         try:
-            worker = Worker(launch, setup)
+            worker = Worker(launch, setup, conn)
             wire.send(conn, ("ok", os.getpid()))
         except Exception as exc:
             wire.send(conn, ("error", _failure(launch, None, exc)))
@@ -247,6 +274,7 @@ def main(conn: Connection) -> None:
                 continue  # after a failure only "stop" (or being killed) ends the worker
             try:
                 wire.send(conn, ("ok", worker.handle(kind, payload, arrival)))
+                worker.replied()
             except Exception as exc:
                 wire.send(conn, ("error", _failure(launch, worker.executor, exc)))
                 broken = True
@@ -254,6 +282,8 @@ def main(conn: Connection) -> None:
         pass  # the host has gone: nothing left to serve
     finally:
         record.unlink(missing_ok=True)
+        if worker is not None:
+            worker.executor.link.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

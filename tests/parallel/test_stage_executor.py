@@ -208,6 +208,8 @@ def test_a_non_tensor_output_that_changes_is_a_device_error(gloo):
 class QueueLink:
     """PeerLink's interface over in-process queues: asynchronous sends, blocking receives."""
 
+    kind = "queue"  # what the trace names as the transport
+
     def __init__(self, rank, boxes, lock):
         self.rank, self._boxes, self._lock = rank, boxes, lock
         self.bytes_sent = self.bytes_received = 0

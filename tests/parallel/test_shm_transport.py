@@ -1,0 +1,282 @@
+"""Bundles through shared memory arrive bitwise equal, a dead peer is named in seconds, and no
+/dev/shm file outlives the link set-up; pipelined training over shm equals plain PyTorch."""
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import pipetorch as poptorch
+from parallel_cases import (assert_in_processes, assert_same_result, assert_same_state, cleaned,
+                            one_thread_everywhere, options, plain_call, skip_case, twin)
+from test_transport_bundles import mixed_tensors, spec_of
+from pipetorch.errors import ConfigError, DeviceError
+from pipetorch.parallel import shm
+from pipetorch.parallel.routes import TensorSpec
+from pipetorch.parallel.shm import ShmLink
+from pipetorch.parallel.transport import (TRANSPORT_ENV, BundleLayout, ChannelSpec, Tag,
+                                          link_kind)
+
+CPU = torch.device("cpu")
+_names = itertools.count()
+
+
+def our_files(prefix):
+    """This test's files in /dev/shm (shared with other users: count only our own names)."""
+    return sorted(p.name for p in shm.FOLDER.glob(f"{prefix}*"))
+
+
+@pytest.fixture
+def prefix():
+    name = f"pipetorch-shm-test-{os.getpid()}-{next(_names)}-"
+    yield name
+    assert our_files(name) == [], "a shared-memory file outlived its test"
+
+
+def open_links(prefix, channels, *, timeout=10.0):
+    """One ShmLink per rank of `channels` ({rank: [ChannelSpec]}), opened together."""
+    links = {rank: ShmLink(prefix=prefix, rank=rank, device=CPU, wire_device=CPU, timeout=timeout)
+             for rank in channels}
+    errors = []
+
+    def opening(rank):
+        try:
+            links[rank].open(channels[rank])
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=opening, args=(r,)) for r in channels]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 5)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    return links
+
+
+def pair(prefix, layout, tag=Tag.ACTIVATIONS, **kw):
+    return open_links(prefix, {0: [ChannelSpec(1, tag, True, layout.nbytes)],
+                               1: [ChannelSpec(0, tag, False, layout.nbytes)]}, **kw)
+
+
+def assert_bitwise(got, sent):
+    assert len(got) == len(sent)
+    for g, s in zip(got, sent):
+        assert g.dtype == s.dtype and g.shape == s.shape and g.is_contiguous()
+        assert torch.equal(g.reshape(-1).view(torch.uint8), s.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_every_dtype_and_view_arrives_bitwise_over_more_sends_than_slots(prefix):
+    tensors = mixed_tensors()
+    layout = BundleLayout(tuple(spec_of(t) for t in tensors))
+    links = pair(prefix, layout)
+    assert our_files(prefix) == []  # unlinked as soon as both ends were open
+    rounds = [[t + n if t.dtype != torch.bool else t ^ bool(n % 2) for t in tensors]
+              for n in range(2 * shm.SLOTS + 1)]
+    for n, sent in enumerate(rounds):  # the ring fills: later sends wait packed aside
+        links[0].send(layout, sent, 1, Tag.ACTIVATIONS)
+        if n % 3 == 2:
+            assert_bitwise(links[1].recv(layout, 0, Tag.ACTIVATIONS), rounds[n - 2])
+            assert_bitwise(links[1].recv(layout, 0, Tag.ACTIVATIONS), rounds[n - 1])
+            assert_bitwise(links[1].recv(layout, 0, Tag.ACTIVATIONS), rounds[n])
+    for sent in rounds[len(rounds) // 3 * 3:]:
+        got = links[1].recv(layout, 0, Tag.ACTIVATIONS)
+        assert all(x.data_ptr() % 16 == 0 for x in got if x.numel())  # aligned, viewable
+        assert_bitwise(got, sent)
+    links[0].flush()
+    assert links[0].bytes_sent == links[1].bytes_received == len(rounds) * layout.nbytes
+    for link in links.values():
+        link.close()
+
+
+def test_a_sender_changing_its_tensor_after_send_does_not_change_what_arrives(prefix):
+    x = torch.ones(5)
+    layout = BundleLayout((spec_of(x),))
+    links = pair(prefix, layout, tag=Tag.GRADIENTS)
+    links[0].send(layout, [x], 1, Tag.GRADIENTS)
+    x.add_(1)
+    got, = links[1].recv(layout, 0, Tag.GRADIENTS)
+    got.requires_grad_(True)  # a leaf the receiving stage can differentiate
+    assert torch.equal(got.detach(), torch.ones(5)) and got.is_leaf
+
+
+def test_a_relayed_value_and_its_gradient_cross_two_links_bitwise(prefix):
+    # stage 0 --[a, skip]--> stage 1 --[b, skip]--> stage 2, gradients the same way back, and
+    # the done signal from the last stage to stage 0 (sharded inference), over non-neighbours.
+    a, skip = torch.randn(4, 3, dtype=torch.float64), torch.randn(2, 5).to(torch.bfloat16)
+    b = torch.randint(-9, 9, (3,), dtype=torch.int32)
+    first, second = BundleLayout((spec_of(a), spec_of(skip))), BundleLayout((spec_of(b), spec_of(skip)))
+    A, G, D = Tag.ACTIVATIONS, Tag.GRADIENTS, Tag.DONE
+    links = open_links(prefix, {
+        0: [ChannelSpec(1, A, True, first.nbytes), ChannelSpec(1, G, False, first.nbytes),
+            ChannelSpec(2, D, False, 0)],
+        1: [ChannelSpec(0, A, False, first.nbytes), ChannelSpec(0, G, True, first.nbytes),
+            ChannelSpec(2, A, True, second.nbytes), ChannelSpec(2, G, False, second.nbytes)],
+        2: [ChannelSpec(1, A, False, second.nbytes), ChannelSpec(1, G, True, second.nbytes),
+            ChannelSpec(0, D, True, 0)],
+    })
+    links[0].send(first, [a, skip], 1, A)
+    got_a, got_skip = links[1].recv(first, 0, A)
+    links[1].send(second, [b, got_skip], 2, A)
+    assert_bitwise(links[2].recv(second, 1, A), [b, skip])
+    links[2].send(second, [b * 2, skip * 3], 1, G)
+    grad_b, grad_skip = links[1].recv(second, 2, G)
+    links[1].send(first, [a * 5, grad_skip], 0, G)
+    assert_bitwise(links[0].recv(first, 1, G), [a * 5, skip * 3])
+    links[2].signal(0)
+    links[0].wait_signal(2)
+    for link in links.values():
+        link.flush()
+        link.close()
+
+
+def test_shape_mismatch_is_the_same_device_error_as_over_gloo(prefix):
+    layout = BundleLayout((spec_of(torch.zeros(3, 4)),))
+    links = pair(prefix, layout)
+    with pytest.raises(DeviceError, match="shape \\[3, 5\\] and dtype torch.float32, but the "
+                                          "stages were compiled for \\[3, 4\\]"):
+        links[0].send(layout, [torch.zeros(3, 5)], 1, Tag.ACTIVATIONS)
+
+
+def test_a_receive_with_nothing_coming_times_out_naming_the_stage(prefix):
+    layout = BundleLayout((spec_of(torch.zeros(2)),))
+    links = pair(prefix, layout, timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(DeviceError, match="No data from stage 0 within 1s"):
+        links[1].recv(layout, 0, Tag.ACTIVATIONS)
+    assert time.monotonic() - start < 5
+
+
+def test_link_kind_follows_the_environment_and_what_shm_can_reach(monkeypatch):
+    monkeypatch.delenv(TRANSPORT_ENV, raising=False)
+    assert link_kind([CPU, CPU], one_host=True) == "shm"  # the default on one host's CPUs
+    assert link_kind([CPU, CPU], one_host=False) == "gloo"  # across hosts
+    assert link_kind([torch.device("cuda", 0), torch.device("cuda", 1)], one_host=True) == "gloo"
+    monkeypatch.setenv(TRANSPORT_ENV, "gloo")
+    assert link_kind([CPU, CPU], one_host=True) == "gloo"
+    monkeypatch.setenv(TRANSPORT_ENV, "carrier-pigeon")
+    with pytest.raises(ConfigError, match="PIPETORCH_TRANSPORT='carrier-pigeon' must be one of "
+                                          "shm, gloo"):
+        link_kind([CPU, CPU], one_host=True)
+
+
+_SENDER = textwrap.dedent("""
+    import sys, torch
+    from pipetorch.parallel.shm import ShmLink
+    from pipetorch.parallel.transport import BundleLayout, ChannelSpec, Tag
+    from pipetorch.parallel.routes import TensorSpec
+    layout = BundleLayout((TensorSpec((1 << 18,), torch.float32, False),))
+    link = ShmLink(prefix=sys.argv[1], rank=0, device=torch.device("cpu"),
+                   wire_device=torch.device("cpu"), timeout=30)
+    link.open([ChannelSpec(1, Tag.ACTIVATIONS, True, layout.nbytes)])
+    for n in range(100):  # far more than the ring holds: the sender waits in flush
+        link.send(layout, [torch.full((1 << 18,), float(n))], 1, Tag.ACTIVATIONS)
+    print("sent", flush=True)
+    link.flush()
+""")
+
+
+@pytest.mark.slow
+def test_a_peer_killed_mid_send_is_named_within_seconds_and_leaves_no_file(prefix):
+    layout = BundleLayout((TensorSpec((1 << 18,), torch.float32, False),))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, prefix], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        link = ShmLink(prefix=prefix, rank=1, device=CPU, wire_device=CPU, timeout=60)
+        link.open([ChannelSpec(0, Tag.ACTIVATIONS, False, layout.nbytes)])
+        assert our_files(prefix) == []
+        first, = link.recv(layout, 0, Tag.ACTIVATIONS)
+        assert torch.equal(first, torch.zeros(1 << 18))
+        assert sender.stdout.readline().strip() == "sent"  # now waiting in flush, mid-send
+        sender.send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(DeviceError) as info:
+            for n in range(1, 100):
+                got, = link.recv(layout, 0, Tag.ACTIVATIONS)
+                assert torch.equal(got, torch.full((1 << 18,), float(n)))  # never torn
+        assert time.monotonic() - start < 5
+        assert f"Stage 0 (pid {sender.pid}) stopped answering" in str(info.value)
+        link.close()
+    finally:
+        sender.kill()
+        sender.wait(timeout=30)
+        sender.stdout.close()
+
+
+@pytest.mark.slow
+def test_pipelined_training_over_shm_equals_plain_pytorch_and_gloo(request, monkeypatch):
+    # Three stages with a value relayed over the middle one, trained over shared memory and over
+    # gloo: both equal plain PyTorch (and each other bitwise, with one thread everywhere).
+    one_thread_everywhere(request, monkeypatch)
+    case = skip_case()
+    plain = twin(case.model)
+    D, G, B = 2, 5, 2
+    batches = [case.data(D * G * B, seed=seed) for seed in range(2)]
+    results, models = {}, {}
+    for transport in ("shm", "gloo"):
+        monkeypatch.setenv(TRANSPORT_ENV, transport)
+        model = twin(case.model)
+        opts = options(case, sharded=False, D=D, G=G)
+        wrapper = cleaned(request, poptorch.trainingModel(
+            model, opts, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)))
+        results[transport] = [wrapper(*batch) for batch in batches]
+        assert_in_processes(wrapper, 3)
+        engine = wrapper._compiled.engine
+        assert {t.transport for t in engine.last_trace} == {transport}
+        prefixes = list(engine._segments)
+        assert prefixes and all(our_files(p) == [] for p in prefixes)  # nothing left while running
+        wrapper.destroy()
+        models[transport] = wrapper.model
+        assert all(our_files(p) == [] for p in prefixes)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    for call, batch in enumerate(batches):
+        expected = plain_call(plain, optimizer, batch, D=D, G=G)
+        assert_same_result(results["shm"][call], expected, what=f"call {call} over shm")
+        for got, want in zip(results["shm"][call], results["gloo"][call]):
+            assert torch.equal(got, want), f"call {call}: shm and gloo differ"
+    assert_same_state(models["shm"], plain, what="shm vs plain PyTorch: ")
+    assert_same_state(models["shm"], models["gloo"], what="shm vs gloo: ")
+
+
+def test_host_values_cross_through_an_arena_bitwise_and_grow_by_descriptor():
+    # What a worker returns to the host (and the host's inputs): tensors of every dtype inside
+    # lists and dicts, with non-tensor leaves; only their places are pickled.
+    import pickle
+    import socket
+    from multiprocessing.connection import Connection
+
+    from pipetorch.parallel import arena
+
+    ours, theirs = (Connection(s.detach()) for s in socket.socketpair())
+    writer, reader = arena.Arena(), arena.Arena()
+    try:
+        small = {0: [torch.arange(5), "label", None], 3: [torch.randn(2, 2)]}
+        big = {n: [t, n] for n, t in enumerate(mixed_tensors())} | {
+            99: [torch.randn(1 << 19)]}  # 2 MB: more than the first arena holds
+        for value in (small, big, small):
+            skeleton, packed = arena.pack_tree(writer, value)
+            message = pickle.dumps((skeleton, packed))
+            assert len(message) < 2000  # places, not bytes
+            writer.send_growth(ours, packed)
+            got = arena.unpack_tree(reader, theirs, *pickle.loads(message))
+            assert got.keys() == value.keys()
+            for key in value:
+                for g, v in zip(got[key], value[key]):
+                    if isinstance(v, torch.Tensor):
+                        assert_bitwise([g], [v])
+                    else:
+                        assert g == v
+        assert packed.grown is None and writer.size >= (1 << 21)  # grown once, then reused
+        assert writer.fd == reader.fd == -1  # once shared, an arena holds no descriptor
+    finally:
+        writer.close()
+        reader.close()
+        ours.close()
+        theirs.close()
