@@ -141,7 +141,7 @@ class Zygote:
         return Connection(ours.detach()), PooledProcess(pid, self)
 
     def thread_count(self, timeout: float) -> int:
-        """The zygote's threads once warm: 1, or forking it would not be safe."""
+        """The zygote's threads once warm: those importing torch makes, no more."""
         return self._ask(("threads", None), timeout)
 
     def exit_status(self, pid: int) -> int | None:
@@ -235,7 +235,8 @@ def shutdown() -> None:
 
 # -- the zygote process -----------------------------------------------------------------------
 def _warm() -> int:
-    """Import everything a worker needs; return this process's thread count (must be 1)."""
+    """Import everything a worker needs (running no tensor op: no intra-op thread pool may
+    exist when this process forks); return its thread count (only those imports make)."""
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401 - torch.optim imports it on the first step
     import torch.distributed  # noqa: F401
