@@ -6,7 +6,7 @@
 The 2-device seed CNN (benchmarks/pipeline.py's seed 000 network, blocks B1+B2 | B3+B4,
 D=1, G=10): each repeat runs a fresh interpreter that builds a first wrapper, calls it once,
 destroys it, then does the same with a second wrapper, timing each from trainingModel(...) to
-the first call's return. Settings alternate (pool, fresh, pool, fresh, ...) so a change in the
+the first call's return. Settings alternate (pool, pool started at import, fresh, pool, ...) so a change in the
 machine's load hits both alike; the table gives the median and the range of each.
 """
 from __future__ import annotations
@@ -69,14 +69,15 @@ def main() -> None:
     if args.one:
         return one_run()
     repeats = 2 if args.quick else args.repeats
-    results: dict[str, list[dict[str, float]]] = {"1": [], "0": []}
+    results: dict[str, list[dict[str, float]]] = {"1": [], "early": [], "0": []}
     for _ in range(repeats):
-        for pool in results:  # interleaved: pool on, off, on, off, ...
+        for pool in results:  # interleaved: 1, early, 0, 1, early, 0, ...
             results[pool].append(run(pool))
     print(f"2-device seed CNN, trainingModel(...) to the first result, {repeats} repeats "
           "(median [min-max] s)")
     print(f"{'workers':<28} {'import':>18} {'first wrapper':>18} {'second wrapper':>18}")
-    for pool, name in (("1", "pool (forked, warm zygote)"), ("0", "fresh processes")):
+    for pool, name in (("1", "pool, zygote at 1st wrapper"),
+                       ("early", "pool, zygote at import"), ("0", "fresh processes")):
         cells = []
         for key in ("import", "first", "second"):
             values = [r[key] for r in results[pool]]

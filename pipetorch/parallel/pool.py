@@ -15,8 +15,9 @@ Guarantees, as for fresh workers: no `__main__` guard (the zygote is exec'd, not
 the user's process); the zygote exits when the user's process does (it polls its parent) or
 closes its end of the socket; a worker exits when the user's process does (it holds a pidfd
 of the user's process, inherited from the zygote), not when the zygote does. The zygote reaps
-its children and tells the host their exit status. `PIPETORCH_WORKER_POOL=0` starts every
-worker as a fresh process instead.
+its children and tells the host their exit status. `PIPETORCH_WORKER_POOL=early` starts the
+zygote at `import pipetorch` (its imports then overlap the user's); `PIPETORCH_WORKER_POOL=0`
+starts every worker as a fresh process instead.
 """
 from __future__ import annotations
 
@@ -48,12 +49,14 @@ UNKNOWN_EXIT = 255  # exit status of a worker whose zygote died before telling i
 
 
 def enabled() -> bool:
-    """$PIPETORCH_WORKER_POOL: 1 (default) forks workers from the zygote, 0 starts them fresh."""
+    """$PIPETORCH_WORKER_POOL: 1 (default) forks workers from the zygote, started by the first
+    multi-process wrapper; early starts it at `import pipetorch`; 0 starts workers fresh."""
     raw = os.environ.get(POOL_ENV, "1")
-    if raw not in ("0", "1"):
+    if raw not in ("0", "1", "early"):
         raise ConfigError(f"{POOL_ENV}={raw!r} must be 1 (fork workers from a pre-started "
-                          "process, the default) or 0 (start each worker as a new process)")
-    return raw == "1"
+                          "process, the default), early (start that process at `import "
+                          "pipetorch`) or 0 (start each worker as a new process)")
+    return raw != "0"
 
 
 def worker_env() -> dict[str, str]:
@@ -117,10 +120,11 @@ class Zygote:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.env = worker_env()
-        try:
+        try:  # (not "early" in there: its `import pipetorch` must not start another zygote)
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "pipetorch.parallel.pool", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=self.env, stdin=subprocess.DEVNULL)
+                pass_fds=(theirs.fileno(),), env=self.env | {POOL_ENV: "1"},
+                stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
         self.sock = ours
