@@ -14,10 +14,9 @@ from torch.testing import assert_close
 import pipetorch as poptorch
 from fault_cases import registry  # noqa: F401 - the fixture
 from fault_cases import Script, TokenNet, alive, options, token_data, wait_gone
-from pipetorch.errors import DeviceError
+from pipetorch.errors import ConfigError, DeviceError
 from pipetorch.parallel import pool
 
-pytestmark = pytest.mark.slow
 
 
 def _parent(pid: int) -> int:
@@ -47,6 +46,7 @@ def _train_twice(tokens, labels):
     return outputs, {k: v.clone() for k, v in model.state_dict().items()}, pids
 
 
+@pytest.mark.slow
 def test_wrappers_fork_from_one_zygote_and_match_fresh_workers(registry, monkeypatch):
     tokens, labels = token_data(8)
     monkeypatch.setenv(pool.POOL_ENV, "0")
@@ -76,6 +76,7 @@ def test_wrappers_fork_from_one_zygote_and_match_fresh_workers(registry, monkeyp
     assert_close(first_weights, model.state_dict())
 
 
+@pytest.mark.slow
 def test_a_killed_zygote_leaves_running_wrappers_alone_and_is_replaced(registry, caplog):
     tokens, labels = token_data(8)
     torch.manual_seed(0)
@@ -110,6 +111,7 @@ def test_a_killed_zygote_leaves_running_wrappers_alone_and_is_replaced(registry,
     assert wait_gone(pids) == []
 
 
+@pytest.mark.slow
 def test_user_process_killed_takes_the_zygote_with_it(registry):
     script = Script("linger", registry)
     try:
@@ -122,3 +124,11 @@ def test_user_process_killed_takes_the_zygote_with_it(registry):
         assert wait_gone([zygote, *pids], timeout=5.0) == []
     finally:
         script.kill()
+
+
+@pytest.mark.parametrize("value", ["yes", "2", ""])
+def test_a_bad_pool_setting_names_the_values_it_takes(monkeypatch, value):
+    monkeypatch.setenv(pool.POOL_ENV, value)
+    with pytest.raises(ConfigError, match=rf"PIPETORCH_WORKER_POOL='{value}' must be 1 .*early"
+                                          r".* or 0"):
+        pool.enabled()
