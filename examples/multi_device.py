@@ -12,9 +12,10 @@ ResNet training) on pipetorch, with the session's options and the same one-line 
 different micro-batches and averages their gradients. `--split-at layer4` is
 `model.layer4 = poptorch.BeginBlock(model.layer4, ipu_id=1)`: everything before layer4 is
 stage 0, layer4 onwards (and the loss) is stage 1, pipelined (PipelinedExecution, the
-default). Each stage of each replica runs in its own worker process (2 stages x 2 replicas: 4
-workers), and the replicas' gradients are summed by an all-reduce before each step. The
-program prints the layout it runs (stages x replicas) and which process runs each.
+default). Each logical device of each replica runs in its own worker process, with every stage
+placed on it (here one stage per device; 2 devices x 2 replicas: 4 workers), and the replicas'
+gradients are summed by an all-reduce before each step. The program prints the layout it runs
+(stages x replicas) and which process runs each.
 
 The model is torchvision's resnet18 when torchvision is installed (`--model auto`), else a
 small ResNet of the same layout defined here. Normalisation is GroupNorm by default: it has
@@ -145,15 +146,20 @@ def layout(model: nn.Module, split_at: str | None, replicas: int) -> str:
 
 
 def processes(replicas: int) -> str:
-    """Which process runs each stage, from the registry the stage workers write."""
+    """Which process runs each stage, from the registry the device workers write."""
     workers = sorted((w for w in live_workers() if w["host_pid"] == os.getpid()),
-                     key=lambda w: (w.get("replica", 0), w["stage"]))
+                     key=lambda w: (w.get("replica", 0), w["ipu"]))
     if not workers:
         return f"Processes: all stages run in this process (pid {os.getpid()})."
-    name = "stage {stage} of replica {replica}" if replicas > 1 else "stage {stage}"
+
+    def name(worker: dict) -> str:
+        stages = worker["stages"]
+        held = f"stage{'s' if len(stages) > 1 else ''} {','.join(map(str, stages))}"
+        return f"{held} of replica {worker.get('replica', 0)}" if replicas > 1 else held
+
     return "Processes: " + ", ".join(
-        f"{name.format(stage=w['stage'], replica=w.get('replica', 0))} in pid {w['pid']} on "
-        f"{w['device']} ({w['threads']} thread(s))" for w in workers) + "."
+        f"{name(w)} in pid {w['pid']} on {w['device']} ({w['threads']} thread(s))"
+        for w in workers) + "."
 
 
 def train(training_model: poptorch.PoplarExecutor, training_data: poptorch.DataLoader,

@@ -41,8 +41,30 @@ _LAZY = {
     "PoplarExecutor": "pipetorch.runtime.executor",
     "DataLoader": "pipetorch.data",
     "AsynchronousDataAccessor": "pipetorch.data",
+    # -- issue 17 groups 3-5 (optimisers, executor, losses): saved executables ------------
+    "load": "pipetorch.runtime.artefact",
+    # -------------------------------------------------------------------------------------
 }
-_SUBMODULES = ("optim", "data", "ops", "enums", "errors")
+# --- issue 17, groups 1/2/6 (wt-compat): logging, extension points, printing, extra ops ---
+_LAZY.update({
+    "setLogLevel": "pipetorch.log_level",
+    "logger": "pipetorch.log_level",
+    "ICustomArgParser": "pipetorch.extensions",
+    "registerCustomArgParser": "pipetorch.extensions",
+    "registerPreCompileHook": "pipetorch.extensions",
+    "registerPostCompileHook": "pipetorch.extensions",
+    "accessAttributes": "pipetorch.extensions",
+    "module_repr": "pipetorch.printing",
+    "createPoptorchError": "pipetorch.errors",
+    "RecoverableError": "pipetorch.errors",
+    "UnrecoverableError": "pipetorch.errors",
+    "MatMulSerializationMode": "pipetorch.enums",
+    **{op: "pipetorch.tensor_ops" for op in (
+        "dynamic_slice", "dynamic_update", "serializedMatMul", "set_overlap_for_input",
+        "set_overlap_for_output", "ctc_beam_search_decoder", "custom_op")},
+})
+# --- end of the issue 17 block ---
+_SUBMODULES = ("optim", "data", "ops", "enums", "errors", "profiling", "options")
 
 __all__ = sorted([
     *_LAZY, *_SUBMODULES, "Error", "AutoStage", "CommGroupType", "ConnectionType",

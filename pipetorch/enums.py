@@ -100,3 +100,12 @@ class OverlapMode(enum.IntEnum):
     NoOverlap = 0
     OverlapAccumulationLoop = 1
     OverlapDeviceIterationLoop = 2
+
+
+class MatMulSerializationMode(enum.Enum):
+    """Which dimension `serializedMatMul` splits (A[m,n] @ B[n,p])."""
+
+    InputChannels = "input_channels"  # m
+    ReducingDim = "reducing_dim"  # n
+    OutputChannels = "output_channels"  # p
+    Disabled = "none"

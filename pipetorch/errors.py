@@ -2,23 +2,64 @@
 from __future__ import annotations
 
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
-           "OutOfMemoryError"]
+           "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",
+           "UnrecoverableError", "ModelChangedError", "DeviceMismatchError",
+           "createPoptorchError"]
 
 
 class Error(Exception):
-    """Base class of every error pipetorch raises on purpose."""
+    """Base class of every error pipetorch raises on purpose.
+
+    Like PopTorch's `poptorch.Error` it carries `message`, `type` and `location`.
+    """
+
+    type = "pipetorch_error"
+    location = ""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.message = str(args[0]) if args else ""
+
+
+class RecoverableError(Error, RuntimeError):
+    """A run failed but the program can go on after `recovery_action` (PopTorch's name).
+
+    Here the action is always "FULL_RESET": call destroy() on the wrapper and wrap the model
+    again; the model keeps the weights of the last completed call.
+    """
+
+    type = "recoverable_runtime_error"
+    recovery_action = "FULL_RESET"
+
+
+class UnrecoverableError(Error, RuntimeError):
+    """A failure after which the process must be restarted (PopTorch's name)."""
+
+    type = "unrecoverable_runtime_error"
 
 
 class ConfigError(Error, ValueError):
     """Options, strategies or blocks that cannot work together."""
 
 
+class OptionAssertionError(ConfigError, AssertionError):
+    """An option value PopTorch refuses with an assertion (caught as AssertionError there)."""
+
+
 class CompileError(Error, RuntimeError):
     """The model could not be prepared for the device (capture, partitioning, loss)."""
 
 
-class DeviceError(Error, RuntimeError):
+class DeviceError(RecoverableError):
     """A device (worker) failed or stopped answering while running the model."""
+
+
+class ModelChangedError(Error, RuntimeError):
+    """The wrapped model's buffers were added, removed or replaced after compilation."""
+
+
+class DeviceMismatchError(Error, RuntimeError):
+    """The model mixed a tensor on one device with the device it runs on."""
 
 
 class LoaderError(Error, RuntimeError):
@@ -27,3 +68,16 @@ class LoaderError(Error, RuntimeError):
 
 class OutOfMemoryError(ConfigError):
     """A configuration whose estimated memory exceeds a device's budget (raised at compile)."""
+
+
+def createPoptorchError(msg: str) -> Error:
+    """The `poptorch.Error` PopTorch raises for a failure on the Python side (not raised here)."""
+    error = Error(f"'poptorch_py_error': {msg}")
+    error.type = "poptorch_py_error"  # type: ignore[attr-defined]
+    error.message = msg  # type: ignore[attr-defined]
+    error.location = ""  # type: ignore[attr-defined]
+    return error
+
+
+class IpuOnlyError(Error, NotImplementedError):
+    """A feature that needs an IPU (Poplar codelets, IPU cycle counters) asked for on CPU/GPU."""

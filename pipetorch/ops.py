@@ -16,7 +16,6 @@ import torch.fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from pipetorch.errors import CompileError
 
 __all__ = [
     "identity_loss", "recomputationCheckpoint", "ipu_print_tensor", "set_available_memory",
@@ -77,9 +76,11 @@ class _LossCallCounter(TorchFunctionMode):
         self._counts = counts
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if func in _LOSS_FUNCTIONS and not _RECOMPUTING.get():
             self._counts["loss"] += 1
-        return func(*args, **(kwargs or {}))
+            self._counts.loss_tensors.append(out)
+        return out
 
 
 @contextlib.contextmanager
@@ -87,10 +88,12 @@ def record_calls() -> Iterator[collections.Counter]:
     """Count, while active, calls of identity_loss, recomputationCheckpoint and torch losses.
 
     Yields a Counter keyed "identity_loss", "recomputationCheckpoint" and "loss" (any
-    torch.nn.functional loss, which nn.*Loss modules call). Counting is per thread/context:
-    run the forward to inspect in the thread that entered this manager.
+    torch.nn.functional loss, which nn.*Loss modules call); its `loss_tensors` list holds the
+    tensors those losses returned (to find which outputs are losses). Counting is per
+    thread/context: run the forward to inspect in the thread that entered this manager.
     """
     counts: collections.Counter = collections.Counter()
+    counts.loss_tensors = []  # type: ignore[attr-defined]
     token = _RECORDER.set(counts)
     try:
         with _LossCallCounter(counts):
@@ -109,10 +112,12 @@ def recomputing() -> Iterator[None]:
         _RECOMPUTING.reset(token)
 
 
-def _record(op_name: str) -> None:
+def _record(op_name: str, loss: torch.Tensor | None = None) -> None:
     counts = _RECORDER.get()
     if counts is not None and not _RECOMPUTING.get():
         counts[op_name] += 1
+        if loss is not None:
+            counts.loss_tensors.append(loss)
 
 
 def _fx_leaf(fn: _Fn) -> _Fn:
@@ -159,12 +164,9 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction not in _REDUCTIONS:
         raise ValueError(f"poptorch.identity_loss got reduction={reduction!r}; use one of "
                          f"{', '.join(repr(r) for r in _REDUCTIONS)}.")
-    _record("identity_loss")
-    if reduction == "sum":
-        return x.sum()
-    if reduction == "mean":
-        return x.mean()
-    return x
+    loss = x.sum() if reduction == "sum" else x.mean() if reduction == "mean" else x
+    _record("identity_loss", loss)
+    return loss
 
 
 @_fx_leaf
@@ -273,19 +275,11 @@ def nop(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _check_inference_only(op: str, tensors: Sequence[torch.Tensor]) -> None:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise CompileError(
-            f"poptorch.{op} is inference-only in PopTorch, but it was called while gradients "
-            "are recorded on a tensor or parameter that requires grad. Use it in a "
-            f"poptorch.inferenceModel() or under torch.no_grad(), or replace poptorch.{op} "
-            "with Python control flow for training.")
-
-
 def _as_tensor_list(op: str, what: str, values: Any) -> list[torch.Tensor]:
+    """A tensor or a list/tuple of tensors, as a list (PopTorch accepts either)."""
     values = [values] if isinstance(values, torch.Tensor) else values
     if not isinstance(values, (list, tuple)):
-        raise TypeError(f"poptorch.{op} expects {what} to be a list of tensors, got "
+        raise TypeError(f"poptorch.{op} expects {what} to be a tensor or a list of tensors, got "
                         f"{type(values).__name__}.")
     for index, value in enumerate(values):
         _require_tensor(op, value, f"{what}[{index}]")
@@ -293,19 +287,17 @@ def _as_tensor_list(op: str, what: str, values: Any) -> list[torch.Tensor]:
 
 
 def for_loop(count: int, body: Callable[..., Union[torch.Tensor, Sequence[torch.Tensor]]],
-             inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Run `body(*inputs)` `count` times, each time on the previous outputs; inference only.
+             inputs: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run `body(*inputs)` `count` times, each time on the previous outputs.
 
-    `body` must return as many tensors as it takes, with the same shapes. Returns the last
-    outputs as a list (the inputs, copied, when `count` is 0).
+    `inputs` is a tensor or a list of tensors (constants made in forward are fine); `body`
+    returns as many tensors as it takes (a single tensor for one), with the same shapes.
+    Returns the last outputs as a list (the inputs, copied, when `count` is 0). Gradients
+    flow through every iteration, so a trainingModel can train through the loop.
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"poptorch.for_loop expects count to be an int >= 0, got {count!r}.")
-    if not isinstance(inputs, list):
-        raise TypeError("poptorch.for_loop expects inputs to be a list of tensors, got "
-                        f"{type(inputs).__name__}; wrap them in a list.")
     values = _as_tensor_list("for_loop", "inputs", inputs)
-    _check_inference_only("for_loop", values)
     # Inputs are passed by value in PopTorch: the body must not see the caller's tensors.
     values = [t.clone() for t in values]
     shapes = [tuple(t.shape) for t in values]
@@ -316,29 +308,36 @@ def for_loop(count: int, body: Callable[..., Union[torch.Tensor, Sequence[torch.
             raise ValueError(
                 "poptorch.for_loop's body must return as many tensors as it takes, with the "
                 f"same shapes: inputs have shapes {shapes}, the body returned {new_shapes}.")
-        _check_inference_only("for_loop", values)
     return values
 
 
 def cond(condition: torch.Tensor | bool,
          then_body: Callable[..., Union[torch.Tensor, Sequence[torch.Tensor]]],
-         then_inps: list[torch.Tensor],
+         then_inps: torch.Tensor | list[torch.Tensor],
          else_body: Callable[..., Union[torch.Tensor, Sequence[torch.Tensor]]],
-         else_inps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Run `then_body(*then_inps)` if `condition` else `else_body(*else_inps)`; inference only.
+         else_inps: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run `then_body(*then_inps)` if `condition` else `else_body(*else_inps)`.
 
-    Returns the chosen branch's outputs as a list.
+    The inputs are a tensor or a list of tensors; returns the chosen branch's outputs as a
+    list. Gradients flow through the branch taken. While a model's stages are being captured
+    (torch.export), both branches are kept and a tensor condition selects at run time.
     """
-    if not isinstance(then_inps, list) or not isinstance(else_inps, list):
-        raise TypeError("poptorch.cond expects then_inps and else_inps to be lists of tensors, "
-                        f"got {type(then_inps).__name__} and {type(else_inps).__name__}.")
     if isinstance(condition, torch.Tensor) and condition.numel() != 1:
         raise ValueError("poptorch.cond expects a one-element condition tensor, got shape "
                          f"{tuple(condition.shape)}; reduce it first, e.g. with .any().")
-    branch_inputs = _as_tensor_list("cond", "then_inps", then_inps) + \
-        _as_tensor_list("cond", "else_inps", else_inps)
-    _check_inference_only("cond", branch_inputs)
-    body, inps = (then_body, then_inps) if bool(condition) else (else_body, else_inps)
-    outputs = _as_tensor_list("cond", "the branch's outputs", body(*inps))
-    _check_inference_only("cond", outputs)
-    return outputs
+    then_values = _as_tensor_list("cond", "then_inps", then_inps)
+    else_values = _as_tensor_list("cond", "else_inps", else_inps)
+    if isinstance(condition, torch.Tensor) and torch.compiler.is_exporting():
+        # Captured stages hold no data: both branches run and the condition picks, per output,
+        # at run time (as an IPU compiles both). The branch not taken gets zero gradients.
+        taken = _as_tensor_list("cond", "the then branch's outputs", then_body(*then_values))
+        other = _as_tensor_list("cond", "the else branch's outputs", else_body(*else_values))
+        if [(t.shape, t.dtype) for t in taken] != [(t.shape, t.dtype) for t in other]:
+            raise ValueError(
+                "poptorch.cond's branches must return tensors of the same shapes and dtypes: "
+                f"then gives {[(tuple(t.shape), t.dtype) for t in taken]}, else gives "
+                f"{[(tuple(t.shape), t.dtype) for t in other]}.")
+        pick = condition.reshape(()).bool()
+        return [torch.where(pick, t, e) for t, e in zip(taken, other)]
+    body, inps = (then_body, then_values) if bool(condition) else (else_body, else_values)
+    return _as_tensor_list("cond", "the branch's outputs", body(*inps))

@@ -1,4 +1,4 @@
-"""`pipetorch devices`: the physical devices, their memory and the stage workers on each."""
+"""`pipetorch devices`: the physical devices, their memory and the device workers on each."""
 from __future__ import annotations
 
 import argparse
@@ -15,8 +15,9 @@ __all__ = ["register", "render_text", "snapshot"]
 _HELP = "list the CPU and GPUs, their memory and the pipetorch workers attached to each"
 _DESCRIPTION = """\
 List the physical devices pipetorch can run stages on (the CPU, and every CUDA GPU when
-torch sees one), their memory, and the live pipetorch stage workers attached to each, like
-`gc-monitor` lists IPUs and the processes attached to them. Registry files of workers that
+torch sees one), their memory, and the live pipetorch workers attached to each (one per
+logical device and replica, running every stage on it), like `gc-monitor` lists IPUs and the
+processes attached to them. Registry files of workers that
 died without cleaning up are deleted on the way. Also shows the device pipetorch uses by
 default and the PIPETORCH_* variables that change it.
 
@@ -37,8 +38,9 @@ default and the PIPETORCH_* variables that change it.
     cores_total     cores of the machine (CPU; null for GPUs)
     memory_total, memory_available   bytes (null when unknown)
     visible         false for a device a worker names that this process cannot see
-    workers         list of {pid, host_pid, stage, ipu, device, threads, rss}; rss is the
-                    resident memory in bytes (null when /proc/PID/status is unreadable)"""
+    workers         list of {pid, host_pid, stages, ipu, device, threads, rss}; stages
+                    lists the stages the worker runs; rss is the resident memory in bytes
+                    (null when /proc/PID/status is unreadable)"""
 
 # A module attribute so tests can point it at a folder without the files (as on macOS).
 _PROC = Path("/proc")
@@ -73,7 +75,7 @@ def snapshot() -> dict[str, Any]:
     from pipetorch.parallel import placement
 
     workers = [_worker(record) for record in placement.live_workers()]
-    workers.sort(key=lambda w: (_int(w["host_pid"]), _int(w["stage"]), _int(w["pid"])))
+    workers.sort(key=lambda w: (_int(w["host_pid"]), _int(w["ipu"]), _int(w["pid"])))
     devices = [_cpu(placement.cpu_cores()), *_gpus()]
     known = {d["device"]: d for d in devices}
     for worker in workers:
@@ -172,7 +174,7 @@ def _kib_fields(text: str) -> dict[str, int]:
 
 def _worker(record: dict[str, Any]) -> dict[str, Any]:
     pid = record.get("pid")
-    keys = ("pid", "host_pid", "stage", "ipu", "device", "threads")
+    keys = ("pid", "host_pid", "stages", "ipu", "device", "threads")
     return {key: record.get(key) for key in keys} | {"rss": _rss(pid)}
 
 
@@ -252,8 +254,8 @@ def _attached(device: dict[str, Any], cpu_threads: dict[str, int]) -> list[str]:
                      + (" (oversubscribed: workers take turns)" if oversubscribed else ""))
     if not workers:
         return [*lines, "No attached processes"]
-    header = ("PID", "HOST PID", "STAGE", "IPU", "THREADS", "RSS")
-    rows = [tuple(_text(w[k]) for k in ("pid", "host_pid", "stage", "ipu", "threads"))
+    header = ("PID", "HOST PID", "IPU", "STAGES", "THREADS", "RSS")
+    rows = [tuple(_text(w[k]) for k in ("pid", "host_pid", "ipu", "stages", "threads"))
             + (_size(w["rss"]),) for w in workers]
     widths = _widths([header, *rows])
     return [*lines, f"{len(workers)} attached process(es):",
@@ -269,6 +271,8 @@ def _line(row: Sequence[str], widths: Sequence[int]) -> str:
 
 
 def _text(value: Any) -> str:
+    if isinstance(value, list):  # a worker's stages: "0,2"
+        return ",".join(map(str, value)) or "-"
     return "-" if value is None else str(value)
 
 

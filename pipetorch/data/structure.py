@@ -6,12 +6,15 @@ from typing import Any
 
 import torch
 
+from pipetorch import extensions
+
 __all__: list[str] = []
 
 
 @dataclass(frozen=True)
 class Tree:
-    """The shape of a nested batch: kind is 'leaf', 'dict', 'list', 'tuple' or 'namedtuple'."""
+    """The shape of a nested batch: kind is 'leaf', 'dict', 'list', 'tuple', 'namedtuple' or
+    'custom' (an ICustomArgParser type; keys holds the first object, the structure to rebuild)."""
 
     kind: str
     children: tuple[Tree, ...] = ()
@@ -44,10 +47,17 @@ def _flatten_into(value: Any, leaves: list[torch.Tensor], where: str) -> Tree:
     if isinstance(value, (list, tuple)):
         children = tuple(_flatten_into(v, leaves, f"{where}[{i}]") for i, v in enumerate(value))
         return Tree("list" if isinstance(value, list) else "tuple", children)
+    parser = extensions.parser_for(type(value))
+    if parser is not None:  # a type registered with poptorch.registerCustomArgParser
+        children = tuple(_flatten_into(t, leaves, f"{where}.<tensor {i}>")
+                         for i, t in enumerate(parser.yieldTensors(value)))
+        return Tree("custom", children, keys=(value,), cls=type(value))
     raise TypeError(
         f"{where} is a {type(value).__name__}, but an asynchronous loader can only move "
-        "tensors (alone or in dicts, tuples and lists). Convert it to a tensor in the "
-        "dataset or collate_fn, or use mode=DataLoaderMode.Sync.")
+        "tensors (alone or in dicts, tuples and lists) and types registered with "
+        "poptorch.registerCustomArgParser (in the loader's process too: a spawned loader "
+        "must register them on import). Convert it to a tensor in the dataset or collate_fn, "
+        "register a parser, or use mode=DataLoaderMode.Sync.")
 
 
 def unflatten(leaves: list[torch.Tensor], tree: Tree) -> Any:
@@ -64,6 +74,12 @@ def _build(position: Any, tree: Tree) -> Any:
         return dict(zip(tree.keys, values))
     if tree.kind == "namedtuple":
         return tree.cls(*values)
+    if tree.kind == "custom":
+        parser = extensions.parser_for(tree.cls)
+        if parser is None:
+            raise TypeError(f"No poptorch.ICustomArgParser is registered for {tree.cls.__name__} "
+                            "in this process: call registerCustomArgParser before iterating")
+        return parser.reconstruct(tree.keys[0], iter(values))
     return values if tree.kind == "list" else tuple(values)
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipetorch.optim import scaling
+from pipetorch.optim import attributes, ipu_state, scaling
 
 __all__: list[str] = []
 
@@ -177,6 +177,21 @@ class PopTorchOptimizer:
             self.defaults[name] = value
             for group in self.param_groups:
                 group.setdefault(name, value)
+        self.variable_attrs = attributes.default_attributes(self)  # type: ignore[arg-type]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus "ipu_state": the state under PopTorch's names once a
+        trainingModel has compiled with this optimiser (None before), see `ipu_state`."""
+        ipu = ipu_state.read(self)  # type: ignore[arg-type]  # syncs from the device first
+        return {**super().state_dict(), "ipu_state": ipu}  # type: ignore[misc]
+
+    def read_ipu_state(self) -> dict[str, torch.Tensor] | None:
+        """The optimiser state on the device under PopTorch's names (None before compiling)."""
+        return ipu_state.read(self)  # type: ignore[arg-type]
+
+    def write_ipu_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the device's optimiser state from PopTorch's names (all or some of them)."""
+        ipu_state.write(self, state)  # type: ignore[arg-type]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         for name in set(self._option_names) & set(param_group):
@@ -186,7 +201,12 @@ class PopTorchOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch casts loaded float state to each parameter's dtype: cast it back to its
         # accumulation dtype (lossless, it was saved in that dtype; already scaled).
+        state_dict = dict(state_dict)
+        ipu = state_dict.pop("ipu_state", None)
+        state_dict.pop("ipu_param", None)
         super().load_state_dict(state_dict)  # type: ignore[misc]
+        if ipu is not None:
+            ipu_state.write(self, ipu)  # type: ignore[arg-type]
         for group in self.param_groups:
             for name in self._option_names:  # a plain torch optimiser's state lacks them
                 group[name] = normalize_option(name, group.get(name, self.defaults[name]))
@@ -272,6 +292,8 @@ class PopTorchOptimizer:
         # torch pickles (and deep-copies) only defaults, state and param_groups: the dynamic
         # loss scale must travel too (to stage workers, to the device copy).
         state = super().__getstate__()  # type: ignore[misc]
+        if "variable_attrs" in self.__dict__:
+            state["variable_attrs"] = self.__dict__["variable_attrs"]
         if scaling.is_automatic(self):
             state[scaling._ATTR] = getattr(self, scaling._ATTR)
         return state

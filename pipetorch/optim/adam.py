@@ -10,7 +10,7 @@ from pipetorch.optim._common import (
     Option, PopTorchOptimizer, check_betas, check_flag, check_number,
 )
 
-__all__ = ["Adam", "AdamW"]
+__all__ = ["Adam", "AdamW", "AdamWNoBias"]
 
 _DOC_EXTRAS = """
     - `loss_scaling`: the executor multiplies the loss by it; `step()` divides gradients back.
@@ -129,3 +129,18 @@ class AdamW(PopTorchOptimizer, torch.optim.AdamW):
                                        eps=group["eps"], bias_correction=False)
             param.mul_(1 - group["lr"] * group["weight_decay"])
             param.sub_(direction * group["lr"])
+
+
+class AdamWNoBias(AdamW):
+    """PopTorch's AdamW without bias correction (`AdamW(..., bias_correction=False)`)."""
+
+    def __init__(self, params: Iterable[Any], *args: Any, bias_correction: bool = False,
+                 **kwargs: Any) -> None:
+        _refuse_bias_correction(type(self).__name__, bias_correction)
+        super().__init__(params, *args, bias_correction=False, **kwargs)
+
+
+def _refuse_bias_correction(name: str, bias_correction: Any) -> None:
+    if bias_correction is not False:
+        raise ValueError(f"{name} never corrects the bias, got bias_correction="
+                         f"{bias_correction!r}; use the class without NoBias for that")

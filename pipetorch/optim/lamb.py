@@ -9,9 +9,9 @@ import torch
 from pipetorch.optim._common import (
     FP16_MAX, Option, PopTorchOptimizer, check_betas, check_flag, check_number,
 )
-from pipetorch.optim.adam import adam_direction
+from pipetorch.optim.adam import _refuse_bias_correction, adam_direction
 
-__all__ = ["LAMB"]
+__all__ = ["LAMB", "LAMBNoBias"]
 
 
 class LAMB(PopTorchOptimizer, torch.optim.Optimizer):
@@ -77,3 +77,12 @@ class LAMB(PopTorchOptimizer, torch.optim.Optimizer):
             both_nonzero = (weight_norm > 0) & (update_norm > 0)
             trust = torch.where(both_nonzero, weight_norm / update_norm, 1.0)
             param.sub_(update * (trust * group["lr"]))
+
+
+class LAMBNoBias(LAMB):
+    """PopTorch's LAMB without bias correction (`LAMB(..., bias_correction=False)`)."""
+
+    def __init__(self, params: Iterable[Any], *args: Any, bias_correction: bool = False,
+                 **kwargs: Any) -> None:
+        _refuse_bias_correction(type(self).__name__, bias_correction)
+        super().__init__(params, *args, bias_correction=False, **kwargs)

@@ -47,6 +47,16 @@ class _DistributedOptions(OptionGroup):
         """Number of processes (PopTorch's name for `num_processes`)."""
         return self.num_processes
 
+    @property
+    def distributed_process_id(self) -> int:
+        """Id of this process (PopTorch's option name)."""
+        return self.process_id
+
+    @property
+    def num_distributed_processes(self) -> int:
+        """Number of processes (PopTorch's option name)."""
+        return self.num_processes
+
     def configureProcessId(self, process_id: int,
                            num_processes: int) -> _DistributedOptions:
         """Set this process's id and the process count; takes precedence over the environment."""

@@ -16,6 +16,7 @@ class _TrainingOptions(OptionGroup):
     """Options of training models: `opts.Training.gradientAccumulation(4)`."""
 
     _LABEL = "Options.Training"
+    _strategy_chosen = False
     _DEFAULTS = {
         "gradient_accumulation": 1,
         "accumulation_and_replication_reduction_type": ReductionType.Mean,
@@ -33,6 +34,13 @@ class _TrainingOptions(OptionGroup):
     mean_accumulation_and_replication_reduction_strategy = readback(
         "mean_accumulation_and_replication_reduction_strategy",
         "When the mean is taken (numerically equal here).")
+    @property
+    def meanAccumulationAndReplicationReductionStrategy(self) -> MeanReductionStrategy:
+        """The strategy in use (PopTorch's attribute). Unless set, a wrapped training model
+        with float16 accumulators (`accum_type=torch.float16`, no combined accumulators)
+        uses Running, anything else Post, as PopTorch decides at compile."""
+        return self._values["mean_accumulation_and_replication_reduction_strategy"]
+
     auto_loss_scaling = readback("auto_loss_scaling", "Whether automatic loss scaling is on.")
     convolution_dithering = readback(
         "convolution_dithering", "Whether convolution dithering was requested (no-op here).")
@@ -68,6 +76,7 @@ class _TrainingOptions(OptionGroup):
         self._set(mean_accumulation_and_replication_reduction_strategy=check.enum_member(
             "setMeanAccumulationAndReplicationReductionStrategy", "mean_reduction_strategy",
             mean_reduction_strategy, MeanReductionStrategy))
+        self._strategy_chosen = True  # else a training wrapper picks it, as PopTorch does
         return self
 
     def setAutomaticLossScaling(self, enabled: bool) -> _TrainingOptions:

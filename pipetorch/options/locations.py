@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipetorch.errors import OptionAssertionError
 from pipetorch.options import _validate as check
 from pipetorch.options._group import OptionGroup, readback
 
@@ -149,9 +150,11 @@ class _TensorLocationOptions(OptionGroup):
 
     def numIOTiles(self, num_tiles: int) -> _TensorLocationOptions:
         """Reserve `num_tiles` IPU tiles for IO: an even number in [32, 192] (no-op here)."""
-        num_tiles = check.integer("numIOTiles", "num_tiles", num_tiles, minimum=32, maximum=192)
-        if num_tiles % 2:
-            raise check.value_error("numIOTiles", "num_tiles", num_tiles,
-                                    "an even number between 32 and 192")
+        num_tiles = check.integer("numIOTiles", "num_tiles", num_tiles)
+        if num_tiles % 2 or not 32 <= num_tiles <= 192:
+            # PopTorch asserts this; scripts catch AssertionError (this is also a ValueError)
+            raise OptionAssertionError(
+                f"numIOTiles must be an even number between 32 and 192. Got {num_tiles}; "
+                "pass an even value in [32, 192]")
         self._set(num_io_tiles=num_tiles)
         return self

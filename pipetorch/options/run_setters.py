@@ -44,6 +44,8 @@ class RunSetters(OptionGroup):
         "relax_optimizer_attributes_checks": False,
         "input_group_size": 1,
         "input_group_type": CommGroupType.Consecutive,
+        "max_repeat_logs": 4,
+        "updatable_named_buffers": [],
     }
     _env_profiling_dir: str | None = None
 
@@ -71,6 +73,10 @@ class RunSetters(OptionGroup):
         "input_group_size", "Replicas per input group: replicas in a group get the same data.")
     input_group_type = readback(
         "input_group_type", "How replicas are arranged into input groups.")
+    max_repeat_logs = readback(
+        "max_repeat_logs", "How often one repeated log message is printed before it is muted.")
+    updatable_named_buffers = readback(
+        "updatable_named_buffers", "Buffers copyNamedBuffersToDevice() sends to the device.")
 
     @property
     def execution_strategy(self) -> Any:
@@ -122,7 +128,8 @@ class RunSetters(OptionGroup):
         """Which outputs a call returns: All, Final, Sum, EveryN (with a period) or Default.
 
         Default means All for inference and Final for training. `output_return_period` is
-        required with EveryN (every N-th iteration) and refused with any other mode.
+        required with EveryN (every N-th iteration); with any other mode it is ignored, with a
+        warning, as PopTorch does.
         """
         mode = check.enum_member("outputMode", "output_mode", output_mode, OutputMode)
         if mode == OutputMode.EveryN:
@@ -131,11 +138,10 @@ class RunSetters(OptionGroup):
                                  "a positive int (return every N-th iteration); got None")
             period = check.integer("outputMode", "output_return_period",
                                    output_return_period, minimum=1)
-        elif output_return_period is not None:
-            raise ValueError(f"outputMode: output_return_period is only used with "
-                             f"OutputMode.EveryN; got {output_return_period!r} with {mode!r}. "
-                             "Drop it or use OutputMode.EveryN")
         else:
+            if output_return_period is not None:  # PopTorch warns and goes on
+                logger.warning("outputMode: output_return_period (%r) is ignored with %r; it "
+                               "is only used with OutputMode.EveryN", output_return_period, mode)
             period = 1
         self._set(output_mode=mode, output_return_period=period)
         return self
@@ -239,4 +245,19 @@ class RunSetters(OptionGroup):
             raise check.value_error("inputReplicaGrouping", "input_group_size", size,
                                     "1 with CommGroupType.NoGrouping")
         self._set(input_group_size=size, input_group_type=kind)
+        return self
+
+    def maxRepeatLogs(self, number_repeated: int) -> Options:
+        """Print one repeated pipetorch log message at most `number_repeated` times, then
+        once more saying that further repeats are muted (applied when a model is wrapped)."""
+        self._set(max_repeat_logs=check.integer(
+            "maxRepeatLogs", "number_repeated", number_repeated, minimum=0))
+        return self
+
+    def updatableNamedBuffers(self, buffers: list[str]) -> Options:
+        """Buffers (by name in the model) that `copyNamedBuffersToDevice()` may update."""
+        if isinstance(buffers, str) or not all(isinstance(b, str) for b in buffers):
+            raise check.type_error("updatableNamedBuffers", "buffers", buffers,
+                                   "a list of buffer names (str)")
+        self._set(updatable_named_buffers=list(buffers))
         return self

@@ -1,4 +1,4 @@
-"""From a probed model to running stage workers: split, route, measure shapes, place, start."""
+"""From a probed model to running device workers: split, route, measure shapes, place, start."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,21 +31,24 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
                    training: bool, recomputation: bool,
                    process: tuple[int, int] = (0, 1), seed: int | None = None,
                    capture: Callable[[], Traced] | None = None,
-                   compile_backend: str | None = None) -> ProcessEngine:
-    """Split `model` (the host copy, on the CPU) into `stages` and start one worker per stage
-    and replica. `process` is (this process's id, the number of host processes);
+                   compile_backend: str | None = None,
+                   loss_leaves: tuple[int, ...] = ()) -> ProcessEngine:
+    """Split `model` (the host copy, on the CPU) into `stages` and start one worker per logical
+    device and replica, running the stages on that device. `process` is (this process's id,
+    the number of host processes);
     `recomputation` checkpoints every stage's activations (Training.setRecomputation).
 
     `first` is one micro-batch, used to learn the shapes of the values crossing stages;
     `capture` gives the compilation's capture of forward (captured here when None);
-    `compile_backend` runs every stage through torch.compile with that backend.
+    `compile_backend` runs every stage through torch.compile with that backend;
+    `loss_leaves` locates several losses among forward's tensor outputs.
     """
     pool.prestart()  # the workers' zygote imports torch while this process splits the model
     args, kwargs = first
     staged = split_stages(model, args, kwargs, stages,
                           traced=capture() if capture is not None else None)
     removeBlocks(model)  # the stages are cut: BeginBlock's hooks have done their work
-    routes = routes_of(staged, training=training)
+    routes = routes_of(staged, training=training, loss_leaves=loss_leaves)
     with preserved(model):
         specs = value_specs(staged, args, kwargs, training=training)
     if training:  # recomputationCheckpoint segments, or the whole stage with `recomputation`

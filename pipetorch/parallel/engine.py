@@ -1,12 +1,13 @@
-"""The host side of multi-device execution: one worker per stage and replica, and host calls.
+"""The host side of multi-device execution: one worker per logical device and replica.
 
-A host call is one round trip: the host sends each worker the inputs its stage reads (its
-replica's D x G micro-batches at once), the workers run their schedules (all device
-iterations) talking to each other directly, summing gradients over the replicas before each
-optimiser step, and each sends back the outputs the host asked for.
+A worker runs every stage placed on its device (ipus 0, 1, 0: the worker of device 0 runs
+stages 0 and 2). A host call is one round trip: the host sends each worker the inputs its
+stages read (its replica's D x G micro-batches at once), the workers run their schedules (all
+device iterations) talking to each other directly, summing gradients over the replicas before
+each optimiser step, and each sends back the outputs the host asked for.
 
-    user process ---- run(inputs, scale, wanted) ---->  stage 0 <-> stage 1 <-> ... (p2p)
-                 <--- outputs, trace spans -----------  every stage of every replica
+    user process ---- run(inputs, scale, wanted) ---->  device 0 <-> device 1 <-> ... (p2p)
+                 <--- outputs, per-stage trace spans --  every device of every replica
 
 The engine keeps a host copy of the model and optimiser (`model`, `optimizer`): `pull` fills
 them from the workers, `push` sends the host copy's weights to the workers.
@@ -36,7 +37,7 @@ from pipetorch.parallel import placement as places
 from pipetorch.parallel import pool, snapshot, wire
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
-from pipetorch.parallel.stage import Call, Span, Trace
+from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
 from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
 from pipetorch.runtime.local import Batching, reduction_multiplier
@@ -61,9 +62,10 @@ def stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> torc
 
 
 class ProcessEngine:
-    """Runs host calls on one worker process per stage and replica (their devices).
+    """Runs host calls on one worker process per logical device and replica.
 
-    Workers are ordered replica-major: `peers[r * stages + s]` is stage s of replica r.
+    Workers are ordered replica-major, as `placements`: `peers[r * devices + d]` is device d
+    of replica r; `owners[s]` is the device of stage s.
     """
 
     def __init__(self, model: nn.Module, staged: StagedModel, routes: Sequence[Route],
@@ -84,6 +86,9 @@ class ProcessEngine:
         self.peak_memory: dict[int, int] = {}  # stage -> the CUDA allocator's peak (GPU only)
         self.timeout = wire.timeout_seconds()
         self.specs, self.schedule, self.placements = specs, schedule, list(placements)
+        self.devices = len(self.placements) // self.replicas  # workers per replica
+        self.owners = tuple(next(d for d, p in enumerate(self.placements) if s in p.stages)
+                            for s in range(len(self.routes)))
         self._lost: str | None = None
         self._folder = tempfile.mkdtemp(prefix="pipetorch-")
         self.peers: list[wire.Peer] = []
@@ -91,21 +96,22 @@ class ProcessEngine:
         self._launch()
 
     def _launch(self) -> None:
-        """Start a worker per stage and replica with the host copy's weights and optimiser state."""
-        stages = len(self.routes)
+        """Start a worker per device and replica with the host copy's weights and optimiser
+        state."""
         meeting = next_rendezvous(process_id=self.process_id, num_processes=self.num_processes,
-                                  stages=stages, replicas=self.replicas, timeout=self.timeout)
+                                  devices=self.devices, replicas=self.replicas,
+                                  timeout=self.timeout)
         devices = tuple(p.device for p in self.placements)
         keep = self.optimizer is not None and snapshot.enabled()
         self._commits = 0
         for placement in self.placements:
             self.peers.append(self._start(placement))
         for peer, placement in zip(self.peers, self.placements):
-            route = self.routes[placement.stage]
-            module = self.staged.modules[route.index]
-            optimizer = stage_optimizer(self.optimizer, module) if self.optimizer else None
-            setup = Setup(module, optimizer, route, self.staged.io[route.index].inputs,
-                          self.specs, self.schedule, devices)
+            stages = tuple(DeviceStage(self.staged.modules[s], self.routes[s],
+                                       self.staged.io[s].inputs) for s in placement.stages)
+            optimizer = (stage_optimizer(self.optimizer, nn.ModuleList(s.module for s in stages))
+                         if self.optimizer else None)
+            setup = Setup(stages, optimizer, self.specs, self.schedule, self.owners, devices)
             launch = Launch(placement, meeting,
                             self.process_id * self.replicas + placement.replica, self.timeout,
                             os.getpid(), self._folder if keep and placement.replica == 0 else None,
@@ -115,14 +121,15 @@ class ProcessEngine:
             except Exception as exc:
                 self.close()
                 raise CompileError(
-                    f"Stage {route.index} cannot be sent to its worker process: pickling it "
+                    f"{wire.stage_names(placement.stages).capitalize()} cannot be sent to "
+                    f"{'its' if len(stages) == 1 else 'their'} worker process: pickling "
                     f"failed with {type(exc).__name__}: {exc}. Hooks or attributes holding "
                     "lambdas or local functions cannot cross processes: remove them from the "
                     "model, or run every stage in this process with PIPETORCH_EXECUTION=local"
                 ) from exc
             self._send(peer, payload, raw=True)
         self._gather("start-up")
-        logger.info("Started %d stage worker(s): %s", len(self.peers),
+        logger.info("Started %d device worker(s): %s", len(self.peers),
                     ", ".join(p.describe() for p in self.peers))
 
     def release(self) -> None:
@@ -152,7 +159,7 @@ class ProcessEngine:
             finally:
                 theirs.close()
             conn = Connection(ours.detach())
-        return wire.Peer(placement.stage, placement.device, conn, process, placement.replica,
+        return wire.Peer(placement.stages, placement.device, conn, process, placement.replica,
                          self.replicas)
 
     @property
@@ -161,8 +168,8 @@ class ProcessEngine:
 
     @property
     def _first_replica(self) -> list[wire.Peer]:
-        """Replica 0's workers, by stage: the replicas hold the same weights."""
-        return self.peers[:len(self.routes)]
+        """Replica 0's workers, by device: the replicas hold the same weights."""
+        return self.peers[:self.devices]
 
     # -- host calls -------------------------------------------------------------------------
     def train(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
@@ -182,15 +189,15 @@ class ProcessEngine:
     def _run(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector, *,
              training: bool, iterations: int, per_iteration: int, scale: float) -> None:
         """Send replica r the micro-batches r, r + R, r + 2R, ... and collect what comes back."""
-        replicas, stages = self.replicas, len(self.routes)
+        replicas = self.replicas
         flat = [self.staged.flatten_inputs(*args, **kwargs) for args, kwargs in micro_batches]
         steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
         wanted = frozenset(j for j in range(steps) if collector.wants(j))
         commit = self._commits + 1
-        for n, peer in enumerate(self.peers):
-            route, replica = self.routes[n % stages], n // stages
-            inputs = {i: torch.stack([f[i] for f in flat[replica::replicas]])
-                      for i in route.host_inputs}
+        for peer, placement in zip(self.peers, self.placements):
+            reads = sorted({i for s in placement.stages for i in self.routes[s].host_inputs})
+            inputs = {i: torch.stack([f[i] for f in flat[placement.replica::replicas]])
+                      for i in reads}
             call = Call(inputs, iterations, per_iteration, wanted, scale)
             self._send(peer, ("run", (call, training, commit)))
         arrivals: list[wire.Transfer] = []
@@ -198,23 +205,30 @@ class ProcessEngine:
                                transfers=arrivals)
         if training:
             self._commits = commit
-        self.last_trace = [trace for _, trace in replies]
-        for trace, arrival in zip(self.last_trace, arrivals):  # device to host: the replies
-            trace.spans.append(Span("D2H", None, arrival.start, arrival.end, arrival.nbytes))
-            if trace.peak_memory is not None:
-                self.peak_memory[trace.stage] = max(trace.peak_memory,
-                                                    self.peak_memory.get(trace.stage, 0))
-        outputs = [out for out, _ in replies]
+        outputs: dict[tuple[int, int], dict[int, list[Any]]] = {}  # (replica, stage) -> m -> ...
+        traces: list[Trace] = []
+        for placement, (by_stage, device_traces), arrival in zip(self.placements, replies,
+                                                                 arrivals):
+            outputs.update({(placement.replica, s): o for s, o in by_stage.items()})
+            # device to host: the reply, on the device's first stage
+            device_traces[0].spans.append(Span("D2H", None, arrival.start, arrival.end,
+                                               arrival.nbytes))
+            traces += device_traces
+            for trace in device_traces:
+                if trace.peak_memory is not None:
+                    self.peak_memory[trace.stage] = max(trace.peak_memory,
+                                                        self.peak_memory.get(trace.stage, 0))
+        self.last_trace = sorted(traces, key=lambda t: (t.replica, t.stage))
         for j in sorted(wanted):
             for replica in range(replicas):
                 m = j * replicas + replica
 
-                def fetch(source: Source, m: int = m, base: int = replica * stages) -> Any:
+                def fetch(source: Source, m: int = m, replica: int = replica) -> Any:
                     if source.kind == "input":
                         return flat[m][source[1]]
                     stage = source[1]
                     index = self.routes[stage].host_outputs.index(source)
-                    return outputs[base + stage][m // replicas][index]
+                    return outputs[replica, stage][j][index]
 
                 collector.add(j, replica, map_leaves(self.staged.output, Source, fetch))
 
@@ -234,8 +248,19 @@ class ProcessEngine:
                            "copy keeps the weights of the last completed call",
                            str(exc).splitlines()[0])
             return
-        for route, stage in zip(self.routes, replies):
-            snapshot.load_stage_state(self.staged.modules[route.index], self.optimizer, stage)
+        for states in replies:
+            for stage, state in states.items():
+                snapshot.load_stage_state(self.staged.modules[stage], self.optimizer, state)
+
+    def pull_gradients(self) -> None:
+        """Copy the gradients of the last optimiser step into the host copy's `.grad`."""
+        for peer in self._first_replica:
+            self._send(peer, ("grads", None))
+        replies = self._gather("getAnchoredTensor", self._first_replica)
+        for stages in replies:
+            for stage, grads in stages.items():
+                for name, param in self.staged.modules[stage].named_parameters():
+                    param.grad = grads.get(name)
 
     def _restore_last_call(self) -> None:
         """After a failure: the host copy takes the state the workers saved after the last
@@ -251,17 +276,34 @@ class ProcessEngine:
         for route, stage in zip(self.routes, saved):
             snapshot.load_stage_state(self.staged.modules[route.index], self.optimizer, stage)
 
-    def push(self) -> None:
-        """Send the host copy's weights to every stage of every replica."""
+    def push(self, *, optimizer_state: bool = False) -> None:
+        """Send the host copy's weights (and with `optimizer_state` the host optimiser's
+        state) to every stage of every replica."""
         self._check_alive()
         commit = self._commits + 1
-        for n, peer in enumerate(self.peers):
-            module = self.staged.modules[n % len(self.routes)]
-            weights = {name: t.detach() for name, t in
-                       [*module.named_parameters(), *module.named_buffers()]}
-            self._send(peer, ("push", ((weights, {}, {}), commit)))
+        for peer in self.peers:
+            states = {}
+            for stage in peer.stages:
+                module = self.staged.modules[stage]
+                if optimizer_state:
+                    states[stage] = snapshot.stage_state(module, self.optimizer)
+                else:
+                    states[stage] = ({name: t.detach() for name, t in
+                                      [*module.named_parameters(), *module.named_buffers()]},
+                                     {}, {})
+            self._send(peer, ("push", (states, commit)))
         self._gather("copyWeightsToDevice")
         self._commits = commit
+
+    def rng_state(self, states: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
+        """Every worker's random generators (one list per worker), set first when given."""
+        self._check_alive()
+        if states is not None and len(states) != len(self.peers):
+            raise ValueError(f"This model runs on {len(self.peers)} worker(s); rng_state got "
+                             f"{len(states)} states: pass what rng_state returned")
+        for n, peer in enumerate(self.peers):
+            self._send(peer, ("rng", None if states is None else states[n]))
+        return self._gather("rng_state")
 
     def set_hyperparameters(self) -> None:
         """Send the host optimiser's hyper-parameters (after setOptimizer) to every stage."""

@@ -1,8 +1,9 @@
-"""Which physical device each stage's worker computes on, and the registry of live workers.
+"""Which physical device each logical device's worker computes on, and the registry of workers.
 
-A logical device (an `ipu_id`) maps to `cuda:i` when GPUs are present, else to a share of the
-CPU cores: each worker gets cores // workers intra-op threads, so the workers together never
-ask for more threads than there are cores. Workers register themselves in a directory that
+Each logical device (an `ipu_id`) of each replica has one worker, which runs every stage on
+that device. It maps to `cuda:i` when GPUs are present, else to a share of the CPU cores: each
+worker gets cores // workers intra-op threads, so the workers together never ask for more
+threads than there are cores. Workers register themselves in a directory that
 `pipetorch devices` reads (like `gc-monitor`).
 """
 from __future__ import annotations
@@ -32,9 +33,9 @@ REGISTRY_ENV = "PIPETORCH_REGISTRY"
 
 @dataclass(frozen=True)
 class Placement:
-    """Where stage `stage` (on logical device `ipu`) of replica `replica` runs."""
+    """Where the worker of logical device `ipu` of replica `replica` runs, and its stages."""
 
-    stage: int
+    stages: tuple[int, ...]  # the stages on `ipu`, in pipeline order
     ipu: int
     device: str    # "cpu" or "cuda:N"
     threads: int   # intra-op threads of the worker
@@ -83,37 +84,36 @@ def physical() -> Physical:
 
 
 def place(stages: Sequence[StageSpec], *, replicas: int = 1) -> list[Placement]:
-    """One placement per stage and replica on the `physical()` devices, replica-major.
+    """One placement per logical device and replica on the `physical()` devices, replica-major.
 
-    Replica r's logical devices come after replica r-1's, as on IPUs: with 2 stages and 2
+    Replica r's logical devices come after replica r-1's, as on IPUs: with 2 devices and 2
     replicas, GPUs 0 and 1 hold replica 0, GPUs 2 and 3 replica 1. Several processes on one
     machine (torchrun's LOCAL_RANK) take the next devices in turn.
     """
     found = physical()
-    workers = len(stages) * replicas
     ipus = sorted({s.ipu_id for s in stages})
+    held = [tuple(s.index for s in stages if s.ipu_id == ipu) for ipu in ipus]
+    workers = len(ipus) * replicas
     if found.devices[0].startswith("cuda"):
         count = len(found.devices)
-        first = int(os.environ.get("LOCAL_RANK", "0")) * len(ipus) * replicas
-        if len(ipus) * replicas > count:
+        first = int(os.environ.get("LOCAL_RANK", "0")) * workers
+        if workers > count:
             logger.warning("%d logical devices (%d per replica x %d replicas) share %d GPU(s): "
-                           "stages on the same GPU take turns", len(ipus) * replicas, len(ipus),
-                           replicas, count)
+                           "their workers take turns", workers, len(ipus), replicas, count)
         threads = max(1, found.cores // workers)
-        return [Placement(s.index, s.ipu_id,
-                          found.devices[(first + r * len(ipus) + ipus.index(s.ipu_id)) % count],
+        return [Placement(held[d], ipu, found.devices[(first + r * len(ipus) + d) % count],
                           threads, r)
-                for r in range(replicas) for s in stages]
+                for r in range(replicas) for d, ipu in enumerate(ipus)]
     cores = found.cores
     threads = found.threads or max(1, cores // workers)
     if workers > cores:
-        logger.warning("%d stage workers (%d stages x %d replicas) share %d CPU core(s): they "
-                       "take turns; expect no speed-up from more devices", workers, len(stages),
+        logger.warning("%d device workers (%d devices x %d replicas) share %d CPU core(s): they "
+                       "take turns; expect no speed-up from more devices", workers, len(ipus),
                        replicas, cores)
     else:
-        logger.info("%d stage worker(s) on the CPU, %d thread(s) each", workers, threads)
-    return [Placement(s.index, s.ipu_id, "cpu", threads, r)
-            for r in range(replicas) for s in stages]
+        logger.info("%d device worker(s) on the CPU, %d thread(s) each", workers, threads)
+    return [Placement(held[d], ipu, "cpu", threads, r)
+            for r in range(replicas) for d, ipu in enumerate(ipus)]
 
 
 # -- registry --------------------------------------------------------------------------------

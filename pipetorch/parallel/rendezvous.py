@@ -1,8 +1,8 @@
-"""How stage workers find each other: one torch.distributed store, ranks and replica groups.
+"""How device workers find each other: one torch.distributed store, ranks and replica groups.
 
-Every worker of every host process joins one process group. Rank = global replica x stages +
-stage, where the global replica is process_id x replicationFactor + the local replica, so a
-replica's stages are neighbours and point-to-point links are rank +/- 1.
+Every worker of every host process joins one process group. Rank = global replica x devices +
+device, where the global replica is process_id x replicationFactor + the local replica and
+device numbers a replica's logical devices (its distinct ipu_ids, in order) from 0.
 
 The store: with one host process, a TCPStore this process serves on 127.0.0.1. Under torchrun
 (several processes, maybe several machines), the store at MASTER_ADDR:MASTER_PORT: torchrun's
@@ -33,15 +33,15 @@ class Rendezvous:
     port: int
     prefix: str
     world_size: int
-    stages: int
+    devices: int    # workers per replica
     replicas: int   # global: replicationFactor x processes
 
-    def rank(self, replica: int, stage: int) -> int:
-        return replica * self.stages + stage
+    def rank(self, replica: int, device: int) -> int:
+        return replica * self.devices + device
 
-    def stage_ranks(self, stage: int) -> list[int]:
-        """The ranks holding `stage` in every replica: its gradient all-reduce group."""
-        return [self.rank(r, stage) for r in range(self.replicas)]
+    def device_ranks(self, device: int) -> list[int]:
+        """The ranks of `device` in every replica: its gradient all-reduce group."""
+        return [self.rank(r, device) for r in range(self.replicas)]
 
 
 def _host_store(process_id: int, num_processes: int, timeout: float) -> tuple[str, int]:
@@ -67,14 +67,14 @@ def _host_store(process_id: int, num_processes: int, timeout: float) -> tuple[st
     return key
 
 
-def next_rendezvous(*, process_id: int, num_processes: int, stages: int, replicas: int,
+def next_rendezvous(*, process_id: int, num_processes: int, devices: int, replicas: int,
                     timeout: float) -> Rendezvous:
     """The meeting point of this launch's workers (replicas: this process's replicationFactor)."""
     global _launches
     _launches += 1
     address, port = _host_store(process_id, num_processes, timeout)
     total = replicas * num_processes
-    return Rendezvous(address, port, f"pipetorch/{_launches}/", total * stages, stages, total)
+    return Rendezvous(address, port, f"pipetorch/{_launches}/", total * devices, devices, total)
 
 
 def join(rendezvous: Rendezvous, *, rank: int, backend: str, timeout: float) -> None:

@@ -1,10 +1,10 @@
-"""The one executor: runs a stage's action list (any schedule) inside its worker process."""
+"""The one executor: runs a device's action list (any schedule) over its stages, in its worker."""
 from __future__ import annotations
 
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -14,7 +14,7 @@ from pipetorch import ops
 from pipetorch.errors import DeviceError
 from pipetorch.optim.scaling import loss_scale
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
-from pipetorch.parallel.transport import BundleLayout, PeerLink, Tag
+from pipetorch.parallel.transport import BundleLayout, PeerLink, Tag, channel
 from pipetorch.runtime.recompute import original_module
 from pipetorch.partition.split import Source
 from pipetorch.schedule.actions import Action, Kind
@@ -26,9 +26,10 @@ Spec = TensorSpec | Constant
 
 @dataclass(frozen=True)
 class Call:
-    """One host call as a stage sees it."""
+    """One host call as a device sees it."""
 
-    inputs: dict[int, torch.Tensor]  # forward's tensor argument i -> its micro-batches stacked
+    inputs: dict[int, torch.Tensor]  # forward's tensor argument i (read by a stage of the device)
+    #                                  -> its micro-batches stacked
     iterations: int                  # times the plan runs (D when training, 1 for inference)
     micro_batches: int               # micro-batches per run of the plan
     wanted: frozenset[int]           # micro-batches whose outputs go back to the host
@@ -100,46 +101,86 @@ def _is_inplace(module: fx.GraphModule, node: fx.Node) -> bool:
         node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv)
 
 
-class StageExecutor:
-    """Runs schedule actions for one stage: compute, bundle transfers and optimiser steps."""
+@dataclass(frozen=True)
+class DeviceStage:
+    """A stage as its device's worker holds it: its module, its route, and where each of the
+    module's arguments comes from."""
 
-    def __init__(self, module: nn.Module, route: Route, specs: dict[Source, Spec], *,
-                 inputs: tuple[Source, ...], link: PeerLink, device: torch.device,
-                 optimizer: torch.optim.Optimizer | None, replica: int = 0) -> None:
-        self.module, self.route, self.specs, self.link = module, route, specs, link
+    module: nn.Module
+    route: Route
+    inputs: tuple[Source, ...]
+
+
+class _Held:
+    """One held stage's bundles and its per-call state (what waits for a backward or a send)."""
+
+    def __init__(self, stage: DeviceStage, specs: dict[Source, Spec], replica: int) -> None:
+        self.module, self.route, self.inputs = stage.module, stage.route, stage.inputs
+        self.clone_inputs = inplace_inputs(original_module(stage.module))
+        self.act_in = _bundle(stage.route.receive, specs)
+        self.act_out = _bundle(stage.route.send, specs)
+        self.grad_in = _bundle(stage.route.send, specs, grads=True)
+        self.grad_out = _bundle(stage.route.receive, specs, grads=True)
         self.replica = replica
+        self.reset()
+
+    def reset(self) -> None:
+        self.received: dict[int, dict[Source, torch.Tensor]] = {}
+        self.forwards: dict[int, _Forward] = {}
+        self.grads: dict[int, list[torch.Tensor]] = {}
+        self.grads_out: dict[int, list[torch.Tensor]] = {}
+        self.outputs: dict[int, list[Any]] = {}
+        self.trace = Trace(self.route.index, replica=self.replica)
+
+
+class StageExecutor:
+    """Runs a device's action list (any schedule) over the stages the device holds: compute,
+    bundle transfers and optimiser steps.
+
+    `owners[s]` is the device of stage s (default: every stage on its own device, numbered
+    like the stages); the link reaches the other devices by that number. A transfer between
+    two held stages is a hand-over in memory: the receiver gets the sender's tensors, detached.
+    """
+
+    def __init__(self, stages: Sequence[DeviceStage], specs: dict[Source, Spec], *,
+                 link: PeerLink, device: torch.device, optimizer: torch.optim.Optimizer | None,
+                 owners: Sequence[int] | None = None, replica: int = 0) -> None:
+        assert stages, "a device holds at least one stage"
+        self.specs, self.link, self.replica = specs, link, replica
         self.device, self.optimizer = device, optimizer
-        self.inputs = inputs  # where each argument of the stage module comes from
-        self.clone_inputs = inplace_inputs(original_module(module))
-        self.act_in = _bundle(route.receive, specs)
-        self.act_out = _bundle(route.send, specs)
-        self.grad_in = _bundle(route.send, specs, grads=True)
-        self.grad_out = _bundle(route.receive, specs, grads=True)
+        self.owners = tuple(owners) if owners is not None else tuple(
+            range(stages[0].route.stages))
+        self.held = {s.route.index: _Held(s, specs, replica) for s in stages}
+        self._handovers: dict[tuple[Tag, int, int], list[torch.Tensor]] = {}
         self._handlers: dict[Kind, Callable[[int, Action], None]] = {
             Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
             Kind.RECV_ACT: self._recv_act, Kind.SEND_ACT: self._send_act,
             Kind.RECV_GRAD: self._recv_grad, Kind.SEND_GRAD: self._send_grad,
-            Kind.SEND_DONE: lambda m, a: self.link.signal(a.peer),
-            Kind.RECV_DONE: lambda m, a: self.link.wait_signal(a.peer),
+            Kind.SEND_DONE: self._send_done, Kind.RECV_DONE: self._recv_done,
             Kind.ALL_REDUCE: self._all_reduce, Kind.STEP: self._step,
         }
-        self._reset()
         self.current: tuple[Action, int] | None = None  # for error messages
 
-    def _reset(self) -> None:
-        self._received: dict[int, dict[Source, torch.Tensor]] = {}
-        self._forwards: dict[int, _Forward] = {}
-        self._grads: dict[int, list[torch.Tensor]] = {}
-        self._grads_out: dict[int, list[torch.Tensor]] = {}
-        self.outputs: dict[int, list[Any]] = {}
-        self.trace = Trace(self.route.index, replica=self.replica)
+    @property
+    def outputs(self) -> dict[int, dict[int, list[Any]]]:
+        """Stage -> micro-batch -> the host outputs of the last `run` the host asked for."""
+        return {s: h.outputs for s, h in self.held.items()}
+
+    @property
+    def traces(self) -> list[Trace]:
+        """The spans of the last `run`, one Trace per held stage in pipeline order."""
+        return [h.trace for h in self.held.values()]
+
+    def _local(self, stage: int | None) -> bool:
+        return stage in self.held
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, actions: list[Action], call: Call, *, training: bool) -> None:
         """Run `actions` call.iterations times; outputs the host wants land in `self.outputs`."""
-        self._reset()
+        for held in self.held.values():
+            held.reset()
+            held.module.train(training)
         self._call, self._training, self._scale = call, training, call.scale
-        self.module.train(training)
         with ops.running_on_device(), torch.set_grad_enabled(training):
             for iteration in range(call.iterations):
                 base = iteration * call.micro_batches
@@ -154,31 +195,35 @@ class StageExecutor:
                     start = time.monotonic_ns()
                     self._handlers[action.kind](micro, action)
                     nbytes = self.link.bytes_sent - sent + self.link.bytes_received - received
-                    self.trace.spans.append(Span(action.kind.value, micro if micro >= 0 else None,
-                                                 start, time.monotonic_ns(), nbytes))
+                    self.held[action.stage].trace.spans.append(
+                        Span(action.kind.value, micro if micro >= 0 else None, start,
+                             time.monotonic_ns(), nbytes))
                 self.current = None
                 self.link.flush()
-        assert not self._forwards and not self._received, "a schedule left work undone"
+        assert not any(h.forwards or h.received for h in self.held.values()) \
+            and not self._handovers, "a schedule left work undone"
 
     # -- compute ----------------------------------------------------------------------------
     def _forward(self, m: int, action: Action) -> None:
-        route = self.route
+        held = self.held[action.stage]
+        route = held.route
         values: dict[Source, Any] = {Source.input(i): self._call.inputs[i][m]
                                      for i in route.host_inputs}
-        received = self._received.pop(m, {})
+        received = held.received.pop(m, {})
         values.update(received)
         values.update({s: self.specs[s].value for s in route.receive  # type: ignore[union-attr]
                        if isinstance(self.specs[s], Constant)})
-        args = [values[s] for s in self.inputs]
+        args = [values[s] for s in held.inputs]
         rewritten: set[Source] = set()
-        for i in self.clone_inputs:
-            if isinstance(args[i], torch.Tensor) and args[i].requires_grad:
-                args[i] = args[i].clone()  # autograd forbids in-place ops on a leaf
-                rewritten.add(self.inputs[i])
-        outputs = self.module(*args)
-        for i in self.clone_inputs:  # later stages read the value as this stage left it
-            if self.inputs[i] in rewritten:
-                values[self.inputs[i]] = args[i]
+        for i in held.clone_inputs:
+            if isinstance(args[i], torch.Tensor):
+                # autograd forbids in-place ops on a leaf, and the value may be shared: the
+                # host's inputs, or a tensor a stage of this device handed over
+                if args[i].requires_grad:
+                    rewritten.add(held.inputs[i])
+                args[i] = args[i].clone()
+                values[held.inputs[i]] = args[i]  # later stages read it as this stage left it
+        outputs = held.module(*args)
         for k, value in enumerate(outputs):
             source = Source.stage(route.index, k)
             spec = self.specs.get(source)
@@ -190,22 +235,24 @@ class StageExecutor:
             values[source] = value
         loss = None
         if self._training and route.loss is not None:
-            loss = values[route.loss]
-            loss = (loss.sum() if loss.dim() else loss) * self._scale
+            # A non-scalar loss (identity_loss "none") back-propagates its sum; several sum.
+            parts = [values[s] for s in (route.loss, *route.more_losses)]
+            loss = sum(p.sum() if p.dim() else p for p in parts) * self._scale
         if m in self._call.wanted:
-            self.outputs[m] = [_for_host(values[s]) for s in route.host_outputs]
+            held.outputs[m] = [_for_host(values[s]) for s in route.host_outputs]
         if self._training:
-            self._forwards[m] = _Forward(values, received, loss, rewritten)
+            held.forwards[m] = _Forward(values, received, loss, rewritten)
         elif not route.is_last:  # kept until its S>F, even for an empty bundle
-            self._forwards[m] = _Forward(values, received)
+            held.forwards[m] = _Forward(values, received)
 
     def _backward(self, m: int, action: Action) -> None:
-        forward = self._forwards.pop(m)
-        sources, _ = self.grad_in
-        grads = self._grads.pop(m, [])
+        held = self.held[action.stage]
+        forward = held.forwards.pop(m)
+        sources, _ = held.grad_in
+        grads = held.grads.pop(m, [])
         tensors, seeds = [], []
         for source, grad in zip(sources, grads):
-            if source[1] == self.route.index or source in forward.rewritten:
+            if source[1] == held.route.index or source in forward.rewritten:
                 # computed (or changed in place) here: back-propagate through it
                 tensors.append(forward.values[source])
                 seeds.append(grad)
@@ -217,40 +264,72 @@ class StageExecutor:
             seeds.append(None)
         if tensors:
             torch.autograd.backward(tensors, seeds)
-        out_sources, _ = self.grad_out
+        out_sources, _ = held.grad_out
         if out_sources:
-            self._grads_out[m] = [_grad_or_zeros(forward.received[s]) for s in out_sources]
+            held.grads_out[m] = [_grad_or_zeros(forward.received[s]) for s in out_sources]
 
     def _all_reduce(self, m: int, action: Action) -> None:
-        self.link.all_reduce([p.grad for p in self.module.parameters() if p.grad is not None])
+        """Sum the gradients of every held stage over the replicas of this device (a weight
+        two of its stages share, once)."""
+        params = {id(p): p for h in self.held.values() for p in h.module.parameters()}
+        self.link.all_reduce([p.grad for p in params.values() if p.grad is not None])
 
     def _step(self, m: int, action: Action) -> None:
         self.link.flush()
         if self.optimizer is not None:
             self.optimizer.step()
 
-    # -- transfers --------------------------------------------------------------------------
+    # -- transfers: over the link to another device, or handed over within this one --------
+    def _transfer_out(self, tag: Tag, action: Action, m: int, layout: BundleLayout,
+                      tensors: list[torch.Tensor]) -> None:
+        peer = action.peer
+        assert peer is not None
+        if self._local(peer):
+            layout.check(tensors)
+            self._handovers[(tag, peer, m)] = [t.detach() for t in tensors]
+        else:
+            self.link.send(layout, tensors, self.owners[peer], channel(tag, action.stage))
+
+    def _transfer_in(self, tag: Tag, action: Action, m: int,
+                     layout: BundleLayout) -> list[torch.Tensor]:
+        peer = action.peer
+        assert peer is not None
+        if self._local(peer):
+            return self._handovers.pop((tag, action.stage, m))
+        return self.link.recv(layout, self.owners[peer], channel(tag, peer))
+
     def _recv_act(self, m: int, action: Action) -> None:
-        sources, layout = self.act_in
-        tensors = self.link.recv(layout, self.route.index - 1, Tag.ACTIVATIONS)
+        held = self.held[action.stage]
+        sources, layout = held.act_in
+        tensors = self._transfer_in(Tag.ACTIVATIONS, action, m, layout)
         for source, tensor in zip(sources, tensors):
             if self._training and self.specs[source].requires_grad:  # type: ignore[union-attr]
                 tensor.requires_grad_(True)
-        self._received[m] = dict(zip(sources, tensors))
+        held.received[m] = dict(zip(sources, tensors))
 
     def _send_act(self, m: int, action: Action) -> None:
-        forward = self._forwards[m] if self._training else self._forwards.pop(m)
-        sources, layout = self.act_out
-        self.link.send(layout, [forward.values[s] for s in sources], self.route.index + 1,
-                       Tag.ACTIVATIONS)
+        held = self.held[action.stage]
+        forward = held.forwards[m] if self._training else held.forwards.pop(m)
+        sources, layout = held.act_out
+        self._transfer_out(Tag.ACTIVATIONS, action, m, layout,
+                           [forward.values[s] for s in sources])
 
     def _recv_grad(self, m: int, action: Action) -> None:
-        _, layout = self.grad_in
-        self._grads[m] = self.link.recv(layout, self.route.index + 1, Tag.GRADIENTS)
+        held = self.held[action.stage]
+        held.grads[m] = self._transfer_in(Tag.GRADIENTS, action, m, held.grad_in[1])
 
     def _send_grad(self, m: int, action: Action) -> None:
-        _, layout = self.grad_out
-        self.link.send(layout, self._grads_out.pop(m, []), self.route.index - 1, Tag.GRADIENTS)
+        held = self.held[action.stage]
+        self._transfer_out(Tag.GRADIENTS, action, m, held.grad_out[1],
+                           held.grads_out.pop(m, []))
+
+    def _send_done(self, m: int, action: Action) -> None:
+        if not self._local(action.peer):  # within the device its list already orders them
+            self.link.signal(self.owners[action.peer], channel(Tag.DONE, action.stage))
+
+    def _recv_done(self, m: int, action: Action) -> None:
+        if not self._local(action.peer):
+            self.link.wait_signal(self.owners[action.peer], channel(Tag.DONE, action.peer))
 
 
 def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
-"""Where a micro-batch crosses devices: bundles of tensors sent point-to-point between stages.
+"""Where a micro-batch crosses devices: bundles of tensors sent point-to-point between workers.
 
 A bundle (the activations one stage hands the next, or the gradients coming back) travels
 as one message: its tensors are packed back to back into one byte buffer, so a transfer pays
 the per-message latency once. Both ends know every bundle's shapes and dtypes from the
 compile-time shape pass, so nothing but the data crosses. Transfers go through
 torch.distributed: gloo between CPU processes, NCCL between GPUs (gloo with a copy through
-host memory when two stages share one GPU, which NCCL refuses).
+host memory when two workers share one GPU, which NCCL refuses).
 """
 from __future__ import annotations
 
@@ -27,11 +27,17 @@ _ALIGN = 16  # bytes: every packed tensor starts at an offset its dtype can be v
 
 
 class Tag(enum.IntEnum):
-    """Message tags, one per kind of traffic, so a pair of stages never mixes them up."""
+    """Kinds of traffic between stages."""
 
     ACTIVATIONS = 1
     GRADIENTS = 2
     DONE = 3
+
+
+def channel(tag: Tag, stage: int) -> int:
+    """The message tag of `tag` traffic sent by stage `stage`: two workers holding several
+    stages (ipus 0, 1, 0, 1) never mix up the bundles of different stages."""
+    return int(tag) + len(Tag) * stage
 
 
 def _aligned(size: int) -> int:
@@ -56,16 +62,21 @@ class BundleLayout:
     def nbytes(self) -> int:
         return sum(_aligned(spec.nbytes) for spec in self.specs)
 
-    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """One uint8 buffer holding `tensors` (checked against the layout)."""
-        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        for spec, at, tensor in zip(self.specs, self.offsets, tensors, strict=True):
+    def check(self, tensors: Sequence[torch.Tensor]) -> None:
+        """DeviceError unless `tensors` have the layout's shapes and dtypes."""
+        for spec, tensor in zip(self.specs, tensors, strict=True):
             if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
                 raise DeviceError(
                     f"A value crossing stages has shape {list(tensor.shape)} and dtype "
                     f"{tensor.dtype}, but the stages were compiled for {list(spec.shape)} "
                     f"{spec.dtype}: forward must produce the same shapes on every call (no "
                     "shape that depends on the data)")
+
+    def pack(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """One uint8 buffer holding `tensors` (checked against the layout)."""
+        self.check(tensors)
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        for spec, at, tensor in zip(self.specs, self.offsets, tensors):
             if spec.nbytes:
                 raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
                 buffer[at:at + spec.nbytes].copy_(raw)
@@ -78,31 +89,33 @@ class BundleLayout:
 
 
 class PeerLink:
-    """Point-to-point bundles between this stage's process and its neighbours.
+    """Point-to-point bundles between this worker and the other workers of its replica.
 
-    Sends are asynchronous: the buffer is kept until `flush` (called once per schedule step)
-    makes sure every send finished. Receives block for at most `timeout` seconds.
+    A peer is a worker's device number within the replica (its rank is `offset + peer`);
+    `tag` is a `channel`. Sends are asynchronous: the buffer is kept until `flush` (called
+    once per schedule step) makes sure every send finished. Receives block for at most
+    `timeout` seconds.
     """
 
     def __init__(self, *, device: torch.device, wire_device: torch.device, timeout: float,
                  offset: int = 0, replica_group: Any = None) -> None:
         self.device, self.wire_device = device, wire_device
-        self.offset = offset                 # rank of this replica's stage 0
-        self.replica_group = replica_group   # this stage in every replica (None: one replica)
+        self.offset = offset                 # rank of this replica's device 0
+        self.replica_group = replica_group   # this device in every replica (None: one replica)
         self.timeout = datetime.timedelta(seconds=timeout)
         self.bytes_sent = 0
         self.bytes_received = 0
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def send(self, layout: BundleLayout, tensors: Sequence[torch.Tensor], peer: int,
-             tag: Tag) -> None:
+             tag: int) -> None:
         if not layout.specs:
             return
         buffer = layout.pack(tensors, self.wire_device)
         self._pending.append((dist.isend(buffer, self.offset + peer, tag=int(tag)), buffer))
         self.bytes_sent += buffer.numel()
 
-    def recv(self, layout: BundleLayout, peer: int, tag: Tag) -> list[torch.Tensor]:
+    def recv(self, layout: BundleLayout, peer: int, tag: int) -> list[torch.Tensor]:
         if not layout.specs:
             return []
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.wire_device)
@@ -112,17 +125,17 @@ class PeerLink:
             buffer = buffer.to(self.device, non_blocking=True)
         return layout.unpack(buffer)
 
-    def signal(self, peer: int) -> None:
+    def signal(self, peer: int, tag: int) -> None:
         """A data-less message (one byte): 'micro-batch done' in sharded inference."""
         flag = torch.ones(1, dtype=torch.uint8, device=self.wire_device)
-        self._pending.append((dist.isend(flag, self.offset + peer, tag=int(Tag.DONE)), flag))
+        self._pending.append((dist.isend(flag, self.offset + peer, tag=tag), flag))
 
-    def wait_signal(self, peer: int) -> None:
+    def wait_signal(self, peer: int, tag: int) -> None:
         flag = torch.empty(1, dtype=torch.uint8, device=self.wire_device)
-        self._wait(dist.irecv(flag, self.offset + peer, tag=int(Tag.DONE)), peer)
+        self._wait(dist.irecv(flag, self.offset + peer, tag=tag), peer)
 
     def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Sum `tensors` in place over this stage's replicas: one flat buffer per dtype."""
+        """Sum `tensors` in place over this device's replicas: one flat buffer per dtype."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
         for tensor in tensors:
             by_dtype[tensor.dtype].append(tensor)
@@ -141,7 +154,7 @@ class PeerLink:
 
     def _wait(self, work: dist.Work, peer: int | str) -> None:
         if not work.wait(self.timeout):
-            who = f"stage {peer}" if isinstance(peer, int) else peer
+            who = f"the worker of device {peer}" if isinstance(peer, int) else peer
             raise DeviceError(f"No data from {who} within "
                               f"{self.timeout.total_seconds():.0f}s (PIPETORCH_TIMEOUT)")
 
@@ -155,7 +168,7 @@ class PeerLink:
 def backend_for(devices: Sequence[torch.device]) -> tuple[str, bool]:
     """(torch.distributed backend, whether bundles go through host memory) for these devices.
 
-    NCCL needs every process on its own GPU; stages sharing a GPU, or CPU stages, use gloo.
+    NCCL needs every process on its own GPU; workers sharing a GPU, or CPU workers, use gloo.
     """
     if all(d.type == "cuda" for d in devices):
         if len({d.index for d in devices}) == len(devices) and dist.is_nccl_available():

@@ -67,7 +67,7 @@ def receive_timed(conn: Connection, *, timeout: float,
 class Failure:
     """An exception in a worker, as the worker saw it."""
 
-    stage: int
+    stage: int              # the stage of the action that failed (else the worker's first)
     device: str
     pid: int
     action: str | None      # "F", "B", "S>F", ... or None outside the schedule
@@ -79,9 +79,9 @@ class Failure:
 
 @dataclass(frozen=True)
 class Peer:
-    """The host's view of one worker: its pipe, its process sentinel and what it runs."""
+    """The host's view of one worker: its pipe, its process sentinel and the stages it runs."""
 
-    stage: int
+    stages: tuple[int, ...]
     device: str
     conn: Connection
     process: Any  # subprocess.Popen
@@ -90,7 +90,14 @@ class Peer:
 
     def describe(self) -> str:
         replica = f" of replica {self.replica}" if self.replicas > 1 else ""
-        return f"stage {self.stage}{replica} on {self.device} (pid {self.process.pid})"
+        return f"{stage_names(self.stages)}{replica} on {self.device} (pid {self.process.pid})"
+
+
+def stage_names(stages: Sequence[int]) -> str:
+    """"stage 1", "stages 0 and 2", "stages 0, 1 and 2"."""
+    if len(stages) == 1:
+        return f"stage {stages[0]}"
+    return f"stages {', '.join(map(str, stages[:-1]))} and {stages[-1]}"
 
 
 class WorkerFailed(DeviceError):

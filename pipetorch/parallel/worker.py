@@ -1,4 +1,8 @@
-"""A stage's worker process: joins the stages' process group, then serves the host's commands."""
+"""A logical device's worker process: joins the workers' process group, then serves the host.
+
+It holds every stage placed on its device and runs them through one StageExecutor, on the
+device's list of the schedule (`schedule.devices.merge`).
+"""
 from __future__ import annotations
 
 import importlib
@@ -16,17 +20,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from pipetorch.optim import offload
 from pipetorch.parallel import placement as places
 from pipetorch.parallel import snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
-from pipetorch.parallel.routes import Constant, Route, TensorSpec
-from pipetorch.parallel.stage import Call, Span, StageExecutor
+from pipetorch.parallel.routes import Constant, TensorSpec
+from pipetorch.parallel.stage import Call, DeviceStage, Span, StageExecutor
 from pipetorch.parallel.transport import PeerLink, backend_for
 from pipetorch.partition.split import Source
-from pipetorch.schedule import plans
+from pipetorch.runtime import devices as device_kinds
+from pipetorch.schedule import devices, plans
 from pipetorch.schedule.actions import Action, Kind
 
 __all__: list[str] = []
@@ -38,13 +42,17 @@ _WATCH_PERIOD = 0.25  # seconds between checks that the host process is still th
 class Setup:
     """Everything a worker needs, sent once as its first message."""
 
-    module: nn.Module
-    optimizer: torch.optim.Optimizer | None
-    route: Route
-    inputs: tuple[Source, ...]
+    stages: tuple[DeviceStage, ...]             # the device's stages, in pipeline order
+    optimizer: torch.optim.Optimizer | None     # over all of their parameters
     specs: dict[Source, TensorSpec | Constant]
     schedule: str              # plans.KINDS: "pipelined" or "sharded"
-    devices: tuple[str, ...]   # the device of every worker of this host process
+    owners: tuple[int, ...]    # every stage's device (its worker within the replica)
+    devices: tuple[str, ...]   # the physical device of every worker of this host process
+
+    @property
+    def device(self) -> int:
+        """This worker's device number within its replica."""
+        return self.owners[self.stages[0].route.index]
 
 
 @dataclass(frozen=True)
@@ -79,36 +87,36 @@ def _die_with_host(parent: int, host: int | None) -> None:
 
 
 class Worker:
-    """Holds the stage and answers commands: run, pull, push, hyper, stop."""
+    """Holds the device's stages and answers commands: run, pull, push, grads, hyper, stop."""
 
     def __init__(self, launch: Launch, setup: Setup) -> None:
         self.launch, self.setup = launch, setup
         self.device = torch.device(launch.placement.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.module = setup.module.to(self.device)
+        self.modules = {s.route.index: s.module.to(self.device) for s in setup.stages}
         self.optimizer = setup.optimizer
         meeting = launch.rendezvous
         backend, staged = backend_for([torch.device(d) for d in setup.devices])
         wire_device = torch.device("cpu") if staged else self.device
-        rank = meeting.rank(launch.replica, setup.route.index)
+        rank = meeting.rank(launch.replica, setup.device)
         torch.manual_seed(launch.seed + rank)  # dropout differs between workers, not runs
         join(meeting, rank=rank, backend=backend, timeout=launch.timeout)
-        # Every worker creates every stage's group, in the same order (a collective call).
-        groups = [dist.new_group(meeting.stage_ranks(s)) if meeting.replicas > 1 else None
-                  for s in range(meeting.stages)]
+        # Every worker creates every device's group, in the same order (a collective call).
+        groups = [dist.new_group(meeting.device_ranks(d)) if meeting.replicas > 1 else None
+                  for d in range(meeting.devices)]
         if self.optimizer is not None:
             if not offload.is_offloaded(self.optimizer):  # else it moves in for each step
                 _move_state(self.optimizer, self.device)
-            # Global-norm clipping and overflow checks need sums over every stage. Summed
+            # Global-norm clipping and overflow checks need sums over every device. Summed
             # over all workers, each replica's (identical) share counts `replicas` times.
             self.optimizer._pipetorch_reduce = (  # type: ignore[attr-defined]
                 lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas)
         link = PeerLink(device=self.device, wire_device=wire_device, timeout=launch.timeout,
                         offset=meeting.rank(launch.replica, 0),
-                        replica_group=groups[setup.route.index])
-        self.executor = StageExecutor(self.module, setup.route, setup.specs, inputs=setup.inputs,
-                                      link=link, device=self.device, optimizer=self.optimizer,
+                        replica_group=groups[setup.device])
+        self.executor = StageExecutor(setup.stages, setup.specs, link=link, device=self.device,
+                                      optimizer=self.optimizer, owners=setup.owners,
                                       replica=launch.placement.replica)
         self._plans: dict[tuple[int, bool], list] = {}
         if self.optimizer is not None:
@@ -135,36 +143,53 @@ class Worker:
         loaded = Span("H2D", None, arrival.start, time.monotonic_ns(),
                       sum(x.nbytes for x in call.inputs.values()))
         self.executor.run(self._plans[key], call, training=training)
-        self.executor.trace.spans.insert(0, loaded)
+        traces = self.executor.traces
+        traces[0].spans.insert(0, loaded)
         if self.device.type == "cuda":
-            self.executor.trace.peak_memory = int(torch.cuda.max_memory_allocated(self.device))
+            for trace in traces:  # the device's peak, shown on each of its stages
+                trace.peak_memory = int(torch.cuda.max_memory_allocated(self.device))
         if training:
             self._snapshot(commit)
-        return self.executor.outputs, self.executor.trace
+        return self.executor.outputs, traces
 
     def _plan(self, micro_batches: int, training: bool) -> list[Action]:
-        stage = self.setup.route.index
-        actions = plans.plan(self.setup.schedule, self.setup.route.stages, micro_batches,
-                             training=training)[stage]
+        count = self.setup.stages[0].route.stages
+        actions = devices.merge(plans.plan(self.setup.schedule, count, micro_batches,
+                                           training=training),
+                                self.setup.owners)[self.setup.device]
         if self.launch.rendezvous.replicas == 1:
             return actions
         # The replicas' gradients are summed just before each optimiser step.
         at = next(n for n, a in enumerate(actions) if a.kind is Kind.STEP) if training else None
-        return actions if at is None else [*actions[:at], Action(Kind.ALL_REDUCE, stage),
-                                           *actions[at:]]
+        return actions if at is None else [
+            *actions[:at], Action(Kind.ALL_REDUCE, actions[at].stage), *actions[at:]]
 
     def _snapshot(self, commit: int) -> None:
         if self.launch.snapshots is not None:
-            snapshot.write(self.launch.snapshots, self.setup.route.index, commit,
-                           snapshot.stage_state(self.module, self.optimizer))
+            for stage, module in self.modules.items():
+                snapshot.write(self.launch.snapshots, stage, commit,
+                               snapshot.stage_state(module, self.optimizer))
 
-    def _pull(self, payload: None) -> snapshot.StageState:
-        return snapshot.stage_state(self.module, self.optimizer)
+    def _pull(self, payload: None) -> dict[int, snapshot.StageState]:
+        return {stage: snapshot.stage_state(module, self.optimizer)
+                for stage, module in self.modules.items()}
 
-    def _push(self, payload: tuple[snapshot.StageState, int]) -> None:
-        stage, commit = payload
-        snapshot.load_stage_state(self.module, self.optimizer, stage)
+    def _grads(self, payload: None) -> dict[int, dict[str, torch.Tensor]]:
+        """The last optimiser step's gradients of each stage (Gradient___ anchors), on the CPU."""
+        return {stage: {name: p.grad.detach().to("cpu", copy=True)
+                        for name, p in module.named_parameters() if p.grad is not None}
+                for stage, module in self.modules.items()}
+
+    def _push(self, payload: tuple[dict[int, snapshot.StageState], int]) -> None:
+        states, commit = payload
+        for stage, state in states.items():
+            snapshot.load_stage_state(self.modules[stage], self.optimizer, state)
         self._snapshot(commit)
+
+    def _rng(self, payload: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        if payload is not None:
+            device_kinds.set_rng_state(payload, self.device)
+        return device_kinds.rng_state(self.device)
 
     def _hyper(self, payload: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
         groups, attributes = payload
@@ -191,12 +216,12 @@ def _move_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
 
 
 def _failure(launch: Launch, executor: StageExecutor | None, exc: BaseException) -> wire.Failure:
-    action, micro = None, None
+    action, micro, stage = None, None, launch.placement.stages[0]
     if executor is not None and executor.current is not None:
         step, base = executor.current
-        action = step.kind.value
+        action, stage = step.kind.value, step.stage
         micro = base + step.micro_batch if step.micro_batch is not None else None
-    return wire.Failure(launch.placement.stage, launch.placement.device, os.getpid(), action,
+    return wire.Failure(stage, launch.placement.device, os.getpid(), action,
                         micro, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
                         launch.placement.replica)
 

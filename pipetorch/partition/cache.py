@@ -120,18 +120,10 @@ def _load(path: Path, key: str, model: nn.Module, args: tuple, kwargs: dict) -> 
     if not path.exists():
         return None
     try:
-        with open(path, "rb") as file:
-            if file.read(len(MAGIC)) != MAGIC:
-                raise ValueError("it is not a pipetorch capture")
-            header = json.loads(file.readline())
-            if header.get("format") != FORMAT or header.get("key") != key:
-                raise ValueError("it was written for another model, input or version")
-            payload = file.read()
-        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            raise ValueError("its contents do not match their checksum")
-        with warnings.catch_warnings():  # pytree's own pickled specs warn on some versions
-            warnings.simplefilter("ignore", FutureWarning)
-            return _rebuild(pickle.loads(payload), model, args, kwargs)
+        header, payload = read_checked(path, MAGIC, "a pipetorch capture")
+        if header.get("format") != FORMAT or header.get("key") != key:
+            raise ValueError("it was written for another model, input or version")
+        return _rebuild(unpickle(payload), model, args, kwargs)
     except Exception as error:  # any unreadable entry is captured again, never used
         logger.warning("Executable cache: %s is unusable (%s); capturing again", path, error)
         return None
@@ -155,14 +147,38 @@ def _store(path: Path, key: str, model: nn.Module, traced: Traced) -> None:
         logger.warning("Executable cache: the capture of %s cannot be saved (%s)",
                        type(model).__name__, error)
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = json.dumps({"format": FORMAT, "key": key,
-                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".capture-")
-    with os.fdopen(handle, "wb") as file:
-        file.write(MAGIC + header + b"\n" + payload)
-    os.replace(temporary, path)  # readers see the old entry or the whole new one
+    write_checked(path, MAGIC, {"format": FORMAT, "key": key}, payload)
     logger.info("Executable cache: saved the captured forward to %s", path)
+
+
+def write_checked(path: Path, magic: bytes, header: dict[str, Any], payload: bytes) -> None:
+    """`magic`, the JSON `header` plus the payload's SHA-256, then `payload`, written whole
+    (readers see the old file or the new one, never half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({**header, "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".pipetorch-")
+    with os.fdopen(handle, "wb") as file:
+        file.write(magic + line + b"\n" + payload)
+    os.replace(temporary, path)
+
+
+def read_checked(path: Path, magic: bytes, what: str) -> tuple[dict[str, Any], bytes]:
+    """(header, payload) of a `write_checked` file; ValueError when the magic or the
+    checksum is wrong. Nothing is unpickled here."""
+    with open(path, "rb") as file:
+        if file.read(len(magic)) != magic:
+            raise ValueError(f"it is not {what}")
+        header = json.loads(file.readline())
+        payload = file.read()
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise ValueError("its contents do not match their checksum")
+    return header, payload
+
+
+def unpickle(payload: bytes) -> Any:
+    with warnings.catch_warnings():  # pytree's own pickled specs warn on some versions
+        warnings.simplefilter("ignore", FutureWarning)
+        return pickle.loads(payload)
 
 
 def _rebuild(payload: dict[str, Any], model: nn.Module, args: tuple, kwargs: dict) -> Traced:

@@ -213,7 +213,8 @@ def split_stages(model: nn.Module, args: tuple, kwargs: dict,
 
     Ops before the first block go to stage 0. Raises CompileError when forward cannot be
     captured, when the captured blocks differ from `stages`, when a stage would need a value
-    computed by a later stage, or when a parameter or buffer is used by two stages.
+    computed by a later stage, or when a parameter or buffer is used by two stages on
+    different devices (two stages of one device share it: its worker holds one copy).
     """
     if traced is None:
         traced = capture(model, args, kwargs)
@@ -221,7 +222,7 @@ def split_stages(model: nn.Module, args: tuple, kwargs: dict,
     graph = traced.module.graph
     stage_of = _assign(graph, stage_of_blocks(stages))
     _check_order(graph, stage_of)
-    owners = _owners(model, traced.module, stage_of)
+    owners = _owners(model, traced.module, stage_of, [s.ipu_id for s in stages])
     qualnames: dict[str, str] = {}
     top = split_module(traced.module, traced.module, stage_of.__getitem__,
                        qualname_map=qualnames, keep_original_order=True)
@@ -261,9 +262,10 @@ def _check_order(graph: fx.Graph, stage_of: dict[fx.Node, int]) -> None:
                 )
 
 
-def _owners(model: nn.Module, traced: fx.GraphModule,
-            stage_of: dict[fx.Node, int]) -> dict[str, int]:
-    """Stage of each parameter and buffer forward uses; one used by two stages is an error."""
+def _owners(model: nn.Module, traced: fx.GraphModule, stage_of: dict[fx.Node, int],
+            ipus: list[int]) -> dict[str, int]:
+    """Stage of each parameter and buffer forward uses (the last one, for a tensor that
+    stages of one device share); one used on two devices is an error."""
     names: dict[int, tuple[str, str]] = {}  # id -> (name, kind), the first name of a tied one
     for kind, named in (("Parameter", model.named_parameters(remove_duplicate=False)),
                         ("Buffer", model.named_buffers(remove_duplicate=False))):
@@ -282,14 +284,17 @@ def _owners(model: nn.Module, traced: fx.GraphModule,
                 for user in users:
                     uses.setdefault(names[id(tensor)], {}).setdefault(stage_of[user], user)
     for (name, kind), by_stage in uses.items():
-        if len(by_stage) > 1:
-            (first, a), (second, b) = sorted(by_stage.items())[:2]
+        apart = sorted({ipus[stage]: (stage, user) for stage, user in
+                        sorted(by_stage.items(), reverse=True)}.values())
+        if len(apart) > 1:
+            (first, a), (second, b) = apart[:2]
             raise CompileError(
                 f"{kind} '{name}' is used by stage {first} ('{a.name}' in block "
-                f"{a.meta[BLOCK_KEY]!r}) and by stage {second} ('{b.name}' in block "
-                f"{b.meta[BLOCK_KEY]!r}), but each stage owns its weights on its own device. Put "
-                "both uses in one stage (move the Block / BeginBlock boundary), or untie them "
-                "(HuggingFace models: config.tie_word_embeddings=False)"
+                f"{a.meta[BLOCK_KEY]!r}, ipu {ipus[first]}) and by stage {second} ('{b.name}' "
+                f"in block {b.meta[BLOCK_KEY]!r}, ipu {ipus[second]}), but each device owns "
+                "its weights. Put both uses on one device (both blocks on one ipu_id: e.g. "
+                "the head back on ipu 0), or untie them (HuggingFace models: "
+                "config.tie_word_embeddings=False)"
             )
     return {name: stage for (name, _), by_stage in uses.items() for stage in by_stage}
 

@@ -1,3 +1,5 @@
 """Profiling: records host calls and stage spans, writes the report directory, compares runs."""
 
-__all__: list[str] = []
+from pipetorch.profiling.channel import Channel
+
+__all__ = ["Channel"]

@@ -16,7 +16,7 @@ FORMAT = "pipetorch-report/1"
 
 @dataclass(frozen=True)
 class Lane:
-    """One device lane of the report: a worker process, or this process for the local engine."""
+    """One lane of the report: a stage on its device worker, or this process (local engine)."""
 
     stage: int | None  # None: every stage, run in this process
     ipu: int
@@ -35,13 +35,15 @@ def is_local(engine: Any) -> bool:
 
 
 def lanes_of(compiled: Any) -> list[Lane]:
-    """The device lanes: one per stage worker, or a single one for the local engine."""
+    """The lanes: one per stage (on its device worker), or a single one for the local engine."""
     engine = compiled.engine
     if is_local(engine):
         device = getattr(engine, "input_device", torch.device("cpu"))
         return [Lane(None, compiled.stages[0].ipu_id if compiled.stages else 0, str(device),
                      torch.get_num_threads())]
-    return [Lane(p.stage, p.ipu, p.device, p.threads) for p in engine.placements]
+    lanes = [Lane(s, p.ipu, p.device, p.threads) for p in engine.placements if p.replica == 0
+             for s in p.stages]
+    return sorted(lanes, key=lambda lane: lane.stage)
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -90,3 +90,17 @@ def to_device(tree: Any, device: torch.device) -> Any:
     """Move every tensor of a nested structure to `device` (no copy if already there)."""
     return pytree.tree_map(
         lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def half_dtype(parameters: Iterable[torch.Tensor]) -> torch.dtype | None:
+    """float16 (or bfloat16) when every floating-point parameter has that dtype."""
+    dtypes = {p.dtype for p in parameters if p.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float16, torch.bfloat16} else None
+
+
+def cast_float_inputs(args: tuple, kwargs: dict, dtype: torch.dtype | None) -> tuple[tuple, dict]:
+    """PopTorch's input casting: float32 input tensors of a half model become `dtype`."""
+    if dtype is None:
+        return args, kwargs
+    return pytree.tree_map_only(
+        torch.Tensor, lambda x: x.to(dtype) if x.dtype == torch.float32 else x, (args, kwargs))

@@ -40,7 +40,7 @@ class Compiled:
     devices: int
     seconds: float
     synthetic: list[tuple[tuple, dict]] | None = None
-    graph: CaptureOnce | None = None  # the capture for splitting (None: never needed)
+    graph: CaptureOnce | None = None  # the whole-model capture, made when first needed
 
 
 def batching_of(options: Any) -> Batching:
@@ -85,7 +85,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                     "Couldn't find a loss in graph! A trainingModel's forward must compute its "
                     "loss (a torch loss function or poptorch.identity_loss) and return it, alone "
                     "or as the last element of a tuple")
-            find_loss(capture.output)
+            find_loss(capture.output, capture.loss_leaves)
         bar.update()
         strategy = options.execution_strategy
         stages = strategy.resolve(capture.blocks, preamble=capture.ops_before_blocks)
@@ -120,7 +120,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                 model, first, stages, batching=batching, optimizer=device_opt,
                 pipelined=strategy.pipelined, training=training, recomputation=recompute,
                 process=process, seed=options.random_seed, capture=graph,
-                compile_backend=backend)
+                compile_backend=backend, loss_leaves=capture.loss_leaves)
         else:
             forward: Any = model
             if training and (capture.uses_recomputation or recompute):
@@ -130,7 +130,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
             if backend is not None:
                 forward = CompiledStage(forward, backend)
             engine = LocalEngine(model, forward, optimizer=device_opt, batching=batching,
-                                 replica_buffers=replica_buffers)
+                                 replica_buffers=replica_buffers, loss_leaves=capture.loss_leaves)
         bar.update()
     finally:
         bar.close()
@@ -138,8 +138,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                  else None)
     seconds = time.perf_counter() - start
     logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices, seconds)
-    return Compiled(engine, stages, capture, devices, seconds, synthetic,
-                    graph if graph.done else None)
+    return Compiled(engine, stages, capture, devices, seconds, synthetic, graph)
 
 
 def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec],

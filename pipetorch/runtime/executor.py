@@ -1,6 +1,7 @@
 """`trainingModel` / `inferenceModel`: the wrapper that runs a model on its devices."""
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import sys
@@ -12,12 +13,24 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from pipetorch import extensions, log_level
 from pipetorch.errors import ConfigError, DeviceError
-from pipetorch.runtime import weights
-from pipetorch.runtime.batching import Signature, split_micro_batches, to_device
+from pipetorch.optim import attributes, ipu_state
+from pipetorch.printing import module_repr
+from pipetorch.runtime import artefact, counters, weights, wrapping
+from pipetorch.runtime.anchors import Anchors
+from pipetorch.runtime.batching import (
+    Signature, cast_float_inputs, half_dtype, split_micro_batches, to_device,
+)
+from pipetorch.runtime.checks import (
+    buffer_ids, check_buffers, device_mismatch_explained, held, resolve_mean_strategy,
+)
 from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.runtime.devices import default_device
-from pipetorch.runtime.optimizer import copy_hyperparameters, copy_state_to_host, default_optimizer
+from pipetorch.runtime.local import LocalEngine
+from pipetorch.runtime.optimizer import (
+    copy_hyperparameters, copy_state_to_device, copy_state_to_host, default_optimizer,
+)
 from pipetorch.runtime.outputs import OutputCollector, resolve_mode
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel"]
@@ -26,8 +39,6 @@ logger = logging.getLogger(__name__)
 
 # user model -> its live training wrapper: two would train diverging device copies.
 _training_wrappers: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-
-
 class _TrainingOutput(torch.Tensor):
     """A returned tensor whose `.backward()` explains that training already happened."""
 
@@ -37,10 +48,12 @@ class _TrainingOutput(torch.Tensor):
         return repr(self.as_subclass(torch.Tensor))
 
     def backward(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        # PopTorch returns plain tensors: torch's own message is what scripts match.
         raise RuntimeError(
-            "backward() was called on an output of a pipetorch trainingModel: the forward pass, "
-            "backward pass and optimiser step already ran inside the call. Use the returned loss "
-            "for logging only; to train a plain PyTorch model, call the model itself")
+            "element 0 of tensors does not require grad and does not have a grad_fn: "
+            "backward() was called on an output of a pipetorch trainingModel, whose forward "
+            "pass, backward pass and optimiser step already ran inside the call. Use the "
+            "returned loss for logging only; to train a plain PyTorch model, call the model itself")
 
 
 def _mark_training_output(x: Any) -> Any:
@@ -49,7 +62,7 @@ def _mark_training_output(x: Any) -> Any:
     return x
 
 
-class PoplarExecutor:
+class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     """A model wrapped for its devices; call it like the model, with a host call's batch."""
 
     def __init__(self, model: nn.Module, options: Any = None, *, training: bool,
@@ -57,9 +70,7 @@ class PoplarExecutor:
         from pipetorch.options import Options
 
         if isinstance(model, PoplarExecutor):
-            raise TypeError(
-                "This model is already wrapped by a pipetorch trainingModel/inferenceModel: "
-                "wrap the original nn.Module (wrapper.model) instead")
+            model = model._user_model  # PopTorch wraps a wrapper's model (e.g. for inference)
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected a torch.nn.Module to wrap, got {type(model).__name__}")
         options = Options() if options is None else options
@@ -80,11 +91,16 @@ class PoplarExecutor:
             other = _training_wrappers.get(model)
             if other is not None and other() is not None:
                 raise ConfigError(
-                    "This model is already wrapped by a live trainingModel: call destroy() on that "
-                    "wrapper before wrapping the model for training again")
+                    "Model has already been wrapped in 'poptorch.trainingModel'. Call "
+                    "model.destroy() on the model to re-use (this destroys its live "
+                    "trainingModel, whose device copy would otherwise train apart)")
             _training_wrappers[model] = weakref.ref(self)
+        wrapping.register(model, self)
         if training and optimizer is None:
             optimizer = default_optimizer(model)
+        if training:
+            resolve_mean_strategy(optimizer, options, own)
+        log_level.limit_repeats(own.max_repeat_logs)
         self._user_model, self._options, self._training = model, own, training
         self._user_optimizer = optimizer
         self._device = default_device()
@@ -94,14 +110,21 @@ class PoplarExecutor:
         self._uploaded_generation = -1
         self._attached = True
         self._profiler: Any = None
+        self._anchors: Anchors | None = None
+        self._buffer_ids: dict[str, int] | None = None
         self._profile_writer: weakref.finalize | None = None
+        self._optimizer_record: attributes.Compiled | None = None
+        self._times: counters.CallTimes | None = None
 
     # -- calls ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._attached:
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
+        args, kwargs = self._cast_inputs(args, kwargs)
         signature = Signature.of(args, kwargs)
-        compiled = self._compiled or self._compile(args, kwargs, signature)
+        with device_mismatch_explained(self._device):
+            compiled = self._compiled or self._compile(args, kwargs, signature)
+        check_buffers(self._user_model, self._buffer_ids)
         problem = self._signature.mismatch(signature) if self._signature else None
         if problem:
             raise ValueError(
@@ -111,13 +134,39 @@ class PoplarExecutor:
         if not self._training:
             self._refresh_from_host()
         o = self._options
+        times = counters.CallTimes()
         micro = compiled.synthetic or [to_device(mb, compiled.engine.input_device) for mb in split_micro_batches(
             args, kwargs, device_iterations=o.device_iterations,
             gradient_accumulation=o.Training.gradient_accumulation,
             replication_factor=o.replication_factor)]
         collector = OutputCollector(o.output_mode, steps=compiled.engine.batching.steps,
                                     replicas=o.replication_factor, period=o.output_return_period)
+        assert self._anchors is not None
+        collector = self._anchors.tee(collector, steps=compiled.engine.batching.steps,
+                                      replicas=o.replication_factor)
+        times.stamp("input_complete")
         start = time.monotonic_ns()
+        with device_mismatch_explained(self._device):
+            self._run(compiled, micro, collector)
+        times.stamp("output")
+        self._anchors.after_call(compiled.engine)
+        if self._profiler is not None:
+            items = next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
+                         if isinstance(leaf, torch.Tensor))
+            self._profiler.record_call(start, time.monotonic_ns(), items)
+        result = collector.result()
+        times.stamp("output_complete")
+        self._times = times
+        if self._training:
+            return pytree.tree_map(_mark_training_output, result)
+        return result
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """PopTorch casts float32 inputs of a half model to its dtype."""
+        dtype = half_dtype(held(self._user_model, "_parameters").values())
+        return cast_float_inputs(args, kwargs, dtype)
+
+    def _run(self, compiled: Compiled, micro: list, collector: Any) -> None:
         if self._training:
             compiled.engine.train(micro, collector)
             # The steps ran on the device: a learning-rate scheduler stepping the user's
@@ -127,29 +176,37 @@ class PoplarExecutor:
             self._sync.mark_stale(self._fetch)
         else:
             compiled.engine.infer(micro, collector)
-        if self._profiler is not None:
-            items = next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
-                         if isinstance(leaf, torch.Tensor))
-            self._profiler.record_call(start, time.monotonic_ns(), items)
-        if self._training:
-            return pytree.tree_map(_mark_training_output, collector.result())
-        return collector.result()
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Prepare the model for these inputs without running it."""
+        args, kwargs = self._cast_inputs(args, kwargs)
         self._compile(args, kwargs, Signature.of(args, kwargs))
 
     def _compile(self, args: tuple, kwargs: dict, signature: Signature) -> Compiled:
         if self._compiled is not None:
             raise ValueError("The model is already compiled: call destroy() to compile again")
+        extensions.run_pre_compile_hooks()
+        if self._training:
+            self._link_optimizer(self._user_optimizer)
         self._compiled = compile_model(
             self._user_model, args, kwargs, options=self._options, training=self._training,
             optimizer=self._user_optimizer, device=self._device)
         self._signature = signature
+        o, engine = self._options, self._compiled.engine
+        try:
+            self._anchors = Anchors(
+                o.anchored_tensors, engine.model, training=self._training,
+                in_process=isinstance(engine, LocalEngine), default_mode=o.output_mode,
+                default_period=o.output_return_period)
+        except ConfigError:
+            self.destroy()  # a bad anchor name: stop the workers; fix the options, wrap again
+            raise
         if self._options.profiling_dir:
             self._start_profiler(args, kwargs)
         self._sync = weights.attach(self._user_model)
+        self._buffer_ids = buffer_ids(self._user_model)
         self._uploaded_generation = self._sync.generation
+        extensions.run_post_compile_hooks()
         return self._compiled
 
     def _start_profiler(self, args: tuple, kwargs: dict) -> None:
@@ -171,6 +228,22 @@ class PoplarExecutor:
         if self._profile_writer is not None:
             self._profile_writer()  # at most once; a later call starts a new profiler
         self._profiler, self._profile_writer = None, None
+
+    # -- anchored tensors -------------------------------------------------------------------
+    def getAnchoredTensor(self, short_name: str) -> Any:
+        """The value of the tensor anchored as `short_name` by Options.anchorTensor, from the
+        last call (see pipetorch.runtime.anchors for the names)."""
+        return self._anchor_table().get(short_name)
+
+    def getTensorNames(self) -> list[str]:
+        """Every tensor name Options.anchorTensor accepts for this model."""
+        return list(self._anchor_table().names)
+
+    def _anchor_table(self) -> Anchors:
+        if self._anchors is None:
+            raise RuntimeError("Model has not been compiled or has been destroyed. Call the "
+                               "model (or compile()) first")
+        return self._anchors
 
     # -- weights ----------------------------------------------------------------------------
     def _fetch(self) -> None:
@@ -204,14 +277,64 @@ class PoplarExecutor:
             self._compiled.engine.push()
             self._uploaded_generation = self._sync.generation
 
+    def copyNamedBuffersToDevice(self) -> None:
+        """Copy the buffers named by Options.updatableNamedBuffers from the user's model to
+        the device (other weights and buffers on the device are kept)."""
+        compiled = self._compiled
+        if compiled is None:
+            raise RuntimeError("Model has not been compiled or has been destroyed. Call the "
+                               "model (or compile()) before copyNamedBuffersToDevice()")
+        names = self._options.updatable_named_buffers
+        if not names:
+            raise ConfigError("copyNamedBuffersToDevice: no buffers were named; list them with "
+                              "Options.updatableNamedBuffers([...]) before wrapping the model")
+        host = dict(self._user_model.named_buffers())
+        device = dict(compiled.engine.model.named_buffers())
+        missing = [n for n in names if n not in host or n not in device]
+        if missing:
+            raise ConfigError(f"copyNamedBuffersToDevice: {missing} are not buffers of the "
+                              f"model; its buffers are {sorted(host)}")
+        compiled.engine.pull()  # the host copy must hold the device's latest values first
+        with torch.no_grad():
+            for name in names:
+                device[name].copy_(host[name])
+        compiled.engine.push()
+
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Send new hyper-parameters (learning rate, ...) to the device; its state is kept."""
+        """Send new hyper-parameters (learning rate, ...) to the device; its state is kept.
+
+        The new optimiser may be another object of the same class; attributes that
+        `variable_attrs` marks constant must keep their compiled values."""
         if not self._training:
             raise ConfigError("setOptimizer is for trainingModel wrappers; this is an inferenceModel")
-        self._user_optimizer = optimizer
         if self._compiled is not None and self._compiled.engine.optimizer is not None:
+            assert self._optimizer_record is not None
+            attributes.check_replacement(self._optimizer_record, optimizer)
             copy_hyperparameters(optimizer, self._compiled.engine.optimizer)
             self._compiled.engine.set_hyperparameters()
+            if optimizer is not self._user_optimizer:
+                assert self._sync is not None
+                self._sync.flush()  # the old optimiser's state is the device's until now
+                ipu_state.unlink(self._user_optimizer)  # type: ignore[arg-type]
+                self._link_optimizer(optimizer)
+        self._user_optimizer = optimizer
+
+    def _link_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.state_dict()["ipu_state"]` and write_ipu_state reach this model."""
+        self._optimizer_record = attributes.record(
+            optimizer, automatic_loss_scaling=self._options.Training.auto_loss_scaling)
+        ipu_state.link(optimizer, self._user_model, sync=self._flush_host,
+                       push=self._push_optimizer_state)
+
+    def _flush_host(self) -> None:
+        if self._sync is not None:
+            self._sync.flush()
+
+    def _push_optimizer_state(self) -> None:
+        """The user's optimiser state (written by write_ipu_state) becomes the device's."""
+        if self._compiled is not None and self._compiled.engine.optimizer is not None:
+            assert self._user_optimizer is not None
+            copy_state_to_device(self._user_optimizer, self._compiled.engine)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The user model's state_dict, holding the device's latest weights."""
@@ -247,18 +370,43 @@ class PoplarExecutor:
     def isCompiled(self) -> bool:
         return self._compiled is not None
 
+    def _require_compiled(self, what: str) -> Compiled:
+        if self._compiled is None:
+            raise RuntimeError(f"{what} needs a compiled model: call the model or compile() first")
+        return self._compiled
+
+    def compilationTime(self) -> datetime.timedelta:
+        """How long compiling the model took."""
+        return datetime.timedelta(seconds=self._require_compiled("compilationTime()").seconds)
+
+    @property
+    def rng_state(self) -> list[list[torch.Tensor]]:
+        """The devices' random generator states (one list per device process); assign what
+        it returned to repeat the random numbers (dropout) from that point."""
+        return self._require_compiled("rng_state").engine.rng_state()
+
+    @rng_state.setter
+    def rng_state(self, state: list[list[torch.Tensor]]) -> None:
+        self._require_compiled("rng_state").engine.rng_state(state)
+
     def destroy(self) -> None:
         """Free the device copy; the user's model keeps the latest weights."""
         try:
             if self._sync is not None:
                 self._sync.flush()
         finally:
+            if self._training and self._user_optimizer is not None:
+                ipu_state.unlink(self._user_optimizer)
+            wrapping.forget(self._user_model, self)
             if self._sync is not None:
                 weights.detach(self._sync)
             self._write_profile()
             if self._compiled is not None:
                 self._compiled.engine.close()
-            self._compiled, self._signature, self._sync = None, None, None
+            if self._anchors is not None:
+                self._anchors.remove()
+            self._compiled, self._signature, self._sync, self._anchors = None, None, None, None
+            self._buffer_ids = None
             if self._training and _training_wrappers.get(self._user_model) is not None:
                 if _training_wrappers[self._user_model]() is self:
                     del _training_wrappers[self._user_model]
@@ -291,9 +439,13 @@ class PoplarExecutor:
             raise AttributeError(name)
         return getattr(self._user_model, name)
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(wrapped, type(model)) holds, as in PopTorch
+        return wrapping.wrapper_class(PoplarExecutor, type(self.__dict__["_user_model"]))
+
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
-        return f"{kind}({self._user_model!r})"
+        return f"{kind}({module_repr(self._user_model)})"
 
 
 def _write_report(profiler: Any) -> None:

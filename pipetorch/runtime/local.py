@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch import ops
+from pipetorch.runtime import devices
 from pipetorch.enums import ReductionType
 from pipetorch.errors import CompileError
 from pipetorch.optim.scaling import loss_scale
@@ -38,9 +39,14 @@ class Batching:
         return self.device_iterations * self.gradient_accumulation
 
 
-def find_loss(output: Any) -> torch.Tensor:
+def find_loss(output: Any, loss_leaves: tuple[int, ...] = ()) -> torch.Tensor:
     """The loss is the output itself, the last element of a tuple/list, or the "loss" entry
-    of a dict (HuggingFace's ModelOutput is one)."""
+    of a dict (HuggingFace's ModelOutput is one). With `loss_leaves` (the flat output
+    positions of several losses, see `capture.loss_leaves`) it is their sum, each reduced by
+    sum as PopTorch back-propagates ones through a loss it does not reduce."""
+    if len(loss_leaves) > 1:
+        leaves = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
+        return torch.stack([leaves[i].sum().float() for i in loss_leaves]).sum()
     if isinstance(output, Mapping) and "loss" in output:
         loss = output["loss"]
     else:
@@ -98,8 +104,10 @@ class LocalEngine:
 
     def __init__(self, model: nn.Module, forward: Callable[..., Any], *,
                  optimizer: torch.optim.Optimizer | None, batching: Batching,
-                 replica_buffers: ReplicaBuffers | None = None) -> None:
+                 replica_buffers: ReplicaBuffers | None = None,
+                 loss_leaves: tuple[int, ...] = ()) -> None:
         self.model, self.forward, self.optimizer = model, forward, optimizer
+        self.loss_leaves = loss_leaves
         self.batching = batching
         self._replica_buffers = replica_buffers
         self.schedule = "local"  # every stage in this process, one after another
@@ -111,11 +119,22 @@ class LocalEngine:
     def pull(self) -> None:
         """Device weights are `self.model` already."""
 
-    def push(self) -> None:
-        """Host edits copied into `self.model` are on the device already."""
+    def push(self, *, optimizer_state: bool = False) -> None:
+        """Host edits copied into `self.model` (and `self.optimizer`) are on the device already."""
+
+    def pull_gradients(self) -> None:
+        """The last step's gradients are on `self.model` already."""
 
     def set_hyperparameters(self) -> None:
         """`self.optimizer` is the device's optimiser already."""
+
+    def rng_state(self, states: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
+        """The device's random generators (this process's), set first when `states` is given."""
+        if states is not None:
+            if len(states) != 1:
+                raise ValueError(f"This model runs on 1 device; rng_state got {len(states)} states")
+            devices.set_rng_state(states[0], self.input_device)
+        return [devices.rng_state(self.input_device)]
 
     def close(self) -> None:
         """Nothing runs outside this process."""
@@ -158,7 +177,7 @@ class LocalEngine:
                         micro_batches, range(first, first + b.gradient_accumulation)):
                     with self._replica(r):
                         output = self.forward(*args, **kwargs)
-                        loss = find_loss(output)
+                        loss = find_loss(output, self.loss_leaves)
                         # A non-scalar loss (identity_loss "none") back-propagates its sum.
                         (loss.sum() if loss.dim() else loss).mul(scale).backward()
                     collector.add(step, r, _detach(output))

@@ -102,6 +102,16 @@ def copy_state_to_host(device_opt: torch.optim.Optimizer, host_opt: torch.optim.
         scaling.load_scaling_state(host_opt, scaling.scaling_state(device_opt))
 
 
+def copy_state_to_device(host_opt: torch.optim.Optimizer, engine: Any) -> None:
+    """The user's optimiser state (and dynamic loss scale) becomes the device's: after
+    `write_ipu_state` on a compiled model."""
+    state = host_opt.state_dict()
+    state.pop("ipu_state", None)
+    engine.optimizer.load_state_dict(copy.deepcopy(state))
+    scaling.load_scaling_state(engine.optimizer, scaling.scaling_state(host_opt))
+    engine.push(optimizer_state=True)
+
+
 def _base_class(optimizer: torch.optim.Optimizer) -> type:
     """The optimiser's own class (an offloaded one runs as a subclass of it)."""
     return type(optimizer).__dict__.get("_pipetorch_base", type(optimizer))

@@ -1,1 +1,2 @@
-"""Micro-batch schedules as data: per-stage action lists, their checks and their drawing."""
+"""Micro-batch schedules as data: per-stage action lists, their per-device merge, checks and
+drawing."""

@@ -9,10 +9,13 @@ __all__: list[str] = []
 IDLE = "."
 
 
-def render(schedule: Plan | Timeline, *, forward: int = 1, backward: int = 1) -> str:
+def render(schedule: Plan | Timeline, *, forward: int = 1, backward: int = 1,
+           unit: str = "stage") -> str:
     """The grid of `schedule` ("F3" forward, "B3" backward, "." idle), simulating a plan first.
 
     A backward costing 2 ticks fills two cells. Transfers take no time and are not drawn.
+    With `unit="device"` (a timeline of `devices.simulate_devices`) each row is a device and
+    a cell names the stage too: "2:F3" is stage 2's forward of micro-batch 3.
     """
     timeline = schedule if isinstance(schedule, Timeline) else simulate(
         schedule, forward=forward, backward=backward)
@@ -21,9 +24,10 @@ def render(schedule: Plan | Timeline, *, forward: int = 1, backward: int = 1) ->
         for event in row:
             if event.action.kind.is_compute:
                 for tick in range(event.start, event.end):
-                    cells[s][tick] = str(event.action)
+                    cells[s][tick] = (str(event.action) if unit == "stage"
+                                      else f"{event.action.stage}:{event.action}")
     width = max((len(c) for row in cells for c in row), default=1)
-    label = len(f"stage {timeline.stages - 1}")
+    label = len(f"{unit} {timeline.stages - 1}")
     return "\n".join(
-        f"{f'stage {s}':<{label}} | " + " ".join(c.rjust(width) for c in row)
+        f"{f'{unit} {s}':<{label}} | " + " ".join(c.rjust(width) for c in row)
         for s, row in enumerate(cells))

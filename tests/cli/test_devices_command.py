@@ -21,7 +21,7 @@ TOP_KEYS = {"registry", "environment", "default", "cpu_threads", "devices"}
 DEFAULT_KEYS = {"device", "devices", "cores", "threads_per_worker", "error"}
 DEVICE_KEYS = {"device", "type", "index", "name", "cores", "cores_total", "memory_total",
                "memory_available", "visible", "workers"}
-WORKER_KEYS = {"pid", "host_pid", "stage", "ipu", "device", "threads", "rss"}
+WORKER_KEYS = {"pid", "host_pid", "stages", "ipu", "device", "threads", "rss"}
 
 
 @pytest.fixture
@@ -34,11 +34,11 @@ def registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
-def write_record(folder: Path, *, pid: int, stage: int, ipu: int, device: str = "cpu",
+def write_record(folder: Path, *, pid: int, stages: list[int], ipu: int, device: str = "cpu",
                  threads: int = 1, host_pid: int | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"worker-{pid}.json"
-    record = {"stage": stage, "ipu": ipu, "device": device, "threads": threads, "pid": pid,
+    record = {"stages": stages, "ipu": ipu, "device": device, "threads": threads, "pid": pid,
               "host_pid": os.getppid() if host_pid is None else host_pid}
     path.write_text(json.dumps(record))
     return path
@@ -69,18 +69,18 @@ def section(text: str, device: str) -> list[str]:
 
 
 def test_live_worker_listed_under_cpu_and_stale_record_deleted(registry, capsys):
-    live = write_record(registry, pid=os.getpid(), stage=1, ipu=3, threads=2)
+    live = write_record(registry, pid=os.getpid(), stages=[1, 4], ipu=3, threads=2)
     gone = dead_pid()
-    stale = write_record(registry, pid=gone, stage=0, ipu=0)
+    stale = write_record(registry, pid=gone, stages=[0], ipu=0)
     text = run_devices(capsys)
     assert live.exists() and not stale.exists()
     cpu = section(text, "cpu")
     assert cpu[0].split()[-7:-5] == [str(cpu_cores()), "of"]  # CORES column: "N of M"
     assert f"  CPU threads asked for by all workers: 2 of {cpu_cores()} usable core(s)" in cpu
     assert "  1 attached process(es):" in cpu
-    assert cpu[3].split() == ["PID", "HOST", "PID", "STAGE", "IPU", "THREADS", "RSS"]
-    row = cpu[4].split()
-    assert row[:5] == [str(os.getpid()), str(os.getppid()), "1", "3", "2"]
+    assert cpu[3].split() == ["PID", "HOST", "PID", "IPU", "STAGES", "THREADS", "RSS"]
+    row = cpu[4].split()  # one worker per logical device, running every stage on it
+    assert row[:5] == [str(os.getpid()), str(os.getppid()), "3", "1,4", "2"]
     assert row[6] == "MiB" and float(row[5]) > 1
     assert str(gone) not in text
     assert "Environment: PIPETORCH_DEVICE=cpu" in text.splitlines()
@@ -88,8 +88,8 @@ def test_live_worker_listed_under_cpu_and_stale_record_deleted(registry, capsys)
 
 
 def test_json_lists_the_same_with_documented_keys(registry, capsys):
-    write_record(registry, pid=os.getpid(), stage=1, ipu=3, threads=2)
-    stale = write_record(registry, pid=dead_pid(), stage=0, ipu=0)
+    write_record(registry, pid=os.getpid(), stages=[1], ipu=3, threads=2)
+    stale = write_record(registry, pid=dead_pid(), stages=[0], ipu=0)
     state = run_json(capsys)
     assert not stale.exists()
     assert set(state) == TOP_KEYS and set(state["default"]) == DEFAULT_KEYS
@@ -105,7 +105,7 @@ def test_json_lists_the_same_with_documented_keys(registry, capsys):
     [worker] = cpu["workers"]
     assert set(worker) == WORKER_KEYS
     assert {k: worker[k] for k in WORKER_KEYS - {"rss"}} == {
-        "pid": os.getpid(), "host_pid": os.getppid(), "stage": 1, "ipu": 3, "device": "cpu",
+        "pid": os.getpid(), "host_pid": os.getppid(), "stages": [1], "ipu": 3, "device": "cpu",
         "threads": 2}
     if Path("/proc/meminfo").exists():
         status = Path(f"/proc/{os.getpid()}/status").read_text()
@@ -117,7 +117,7 @@ def test_json_lists_the_same_with_documented_keys(registry, capsys):
 
 
 def test_worker_on_a_device_not_visible_here_gets_its_own_entry(registry, capsys):
-    write_record(registry, pid=os.getpid(), stage=0, ipu=0, device="cuda:99")
+    write_record(registry, pid=os.getpid(), stages=[0], ipu=0, device="cuda:99")
     state = run_json(capsys)
     entry = state["devices"][-1]
     assert set(entry) == DEVICE_KEYS
@@ -135,7 +135,7 @@ def test_empty_registry_says_no_attached_processes(registry, capsys):
 
 
 def test_oversubscribed_threads_are_flagged(registry, capsys):
-    write_record(registry, pid=os.getpid(), stage=0, ipu=0, threads=cpu_cores() + 1)
+    write_record(registry, pid=os.getpid(), stages=[0], ipu=0, threads=cpu_cores() + 1)
     cpu = section(run_devices(capsys), "cpu")
     assert cpu[1] == (f"  CPU threads asked for by all workers: {cpu_cores() + 1} of "
                       f"{cpu_cores()} usable core(s) (oversubscribed: workers take turns)")
@@ -167,7 +167,7 @@ def test_bad_environment_is_reported_not_raised(registry, monkeypatch, capsys):
 def test_without_proc_files_falls_back_instead_of_crashing(registry, monkeypatch, tmp_path, capsys):
     missing = tmp_path / "no-proc"
     monkeypatch.setattr(devices, "_PROC", missing)
-    write_record(registry, pid=os.getpid(), stage=0, ipu=0)
+    write_record(registry, pid=os.getpid(), stages=[0], ipu=0)
     state = run_json(capsys)
     cpu = state["devices"][0]
     assert cpu["name"] == (platform.processor() or platform.machine() or None)
@@ -199,7 +199,7 @@ def test_python_m_pipetorch_devices_exits_0(registry):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpus_listed_with_memory_and_their_workers(registry, capsys):
-    write_record(registry, pid=os.getpid(), stage=0, ipu=0, device="cuda:0")
+    write_record(registry, pid=os.getpid(), stages=[0], ipu=0, device="cuda:0")
     state = run_json(capsys)
     gpus = [d for d in state["devices"] if d["type"] == "cuda"]
     assert [g["device"] for g in gpus] == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
@@ -228,7 +228,8 @@ def test_real_pipelined_workers_are_listed_until_destroy(registry, capsys):
         assert len(pids) == 2
         workers = [w for d in run_json(capsys)["devices"] for w in d["workers"]
                    if w["host_pid"] == os.getpid()]
-        assert sorted((w["stage"], w["ipu"], w["pid"]) for w in workers) == [(0, 0, pids[0]), (1, 1, pids[1])]
+        assert sorted((w["stages"], w["ipu"], w["pid"]) for w in workers) == [
+            ([0], 0, pids[0]), ([1], 1, pids[1])]
         assert all(w["rss"] > 0 and w["threads"] >= 1 for w in workers)
     finally:
         wrapped.destroy()

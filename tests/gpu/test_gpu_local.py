@@ -48,9 +48,13 @@ def test_logical_devices_take_the_gpus_replica_major(monkeypatch, caplog):
     assert placement.physical().devices == tuple(f"cuda:{i}" for i in range(count))
     stages = [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",))]
     placed = placement.place(stages, replicas=2)
-    assert [(p.stage, p.replica, p.device) for p in placed] == [
-        (0, 0, f"cuda:{0 % count}"), (1, 0, f"cuda:{1 % count}"),
-        (0, 1, f"cuda:{2 % count}"), (1, 1, f"cuda:{3 % count}")]
+    assert [(p.stages, p.replica, p.device) for p in placed] == [
+        ((0,), 0, f"cuda:{0 % count}"), ((1,), 0, f"cuda:{1 % count}"),
+        ((0,), 1, f"cuda:{2 % count}"), ((1,), 1, f"cuda:{3 % count}")]
+    # stages on ipus 0, 1, 0: one worker (one GPU) per logical device
+    interleaved = [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",)), StageSpec(2, 0, ("C",))]
+    assert [(p.stages, p.device) for p in placement.place(interleaved)] == [
+        ((0, 2), "cuda:0"), ((1,), f"cuda:{1 % count}")]
     on_gpu(monkeypatch, gpus=1)
     with caplog.at_level(logging.WARNING, logger=placement.__name__):
         placed = placement.place(stages, replicas=2)

@@ -92,6 +92,18 @@ class BatchNormNet(nn.Module):
         return out, nn.functional.cross_entropy(out, labels)
 
 
+class Shifted(nn.Module):
+    """A linear layer plus a buffer `shift` (a value scripts update on the host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("shift", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.shift
+
+
 def data(n: int, *, inputs: int = 6, classes: int = 3, seed: int = 0):
     """n random feature rows and integer labels."""
     g = torch.Generator().manual_seed(seed)

@@ -70,7 +70,10 @@ def test_training_matches_plain_pytorch(request, name, devices, sharded, auto_in
         got = wrapper(**inputs)
         want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B)
         assert_same_output(got, want, what=f"{name} call {call}")
-    assert len(wrapper._compiled.engine.worker_pids) >= devices
+    # one worker per device, running every stage on it (the tutorial: several per device)
+    assert len(wrapper._compiled.engine.worker_pids) == devices
+    assert len({s.ipu_id for s in wrapper._compiled.stages}) == devices
+    assert len(wrapper._compiled.stages) > devices or not auto_increment
     assert_same_state(wrapper.model, plain, what=f"{name}: ")
 
 
@@ -102,3 +105,22 @@ def test_tied_embeddings_across_stages_are_refused_with_the_fix(request):
     message = str(info.value)
     assert "'transformer.wte.weight'" in message and "stage 0" in message and "stage 1" in message
     assert "tie_word_embeddings=False" in message
+
+
+def test_gpt2_tied_embeddings_with_the_head_back_on_device_0_train_like_plain_pytorch(request):
+    # Graphcore's layout for tied language models: the head returns to the embedding's device
+    # (ipus 0, 1, 0), whose worker holds the one weight both stages use and update once.
+    case = gpt2(2, tied=True)
+    case.model.lm_head = poptorch.BeginBlock(case.model.lm_head, ipu_id=0)
+    plain = twin(case.model)
+    G = 3
+    opts = options(sharded=True, G=G, auto_increment=True)
+    wrapper = cleaned(request, poptorch.trainingModel(case.model, opts, optimizer=sgd(case.model)))
+    plain_optimizer = sgd(plain)
+    for call in range(CALLS):
+        inputs = case.make_inputs(D * G * B, call)
+        want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B)
+        assert_same_output(wrapper(**inputs), want, what=f"gpt2 tied call {call}")
+    assert [p.stages for p in wrapper._compiled.engine.placements] == [(0, 2), (1,)]
+    assert wrapper.model.lm_head.weight is wrapper.model.transformer.wte.weight
+    assert_same_state(wrapper.model, plain, what="gpt2 tied: ")

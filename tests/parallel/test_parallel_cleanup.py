@@ -40,10 +40,10 @@ def test_destroy_stops_the_workers_and_removes_their_files(registry):
         pids = list(engine.worker_pids)
         folder = engine._folder
         assert len(pids) == 2 and all(alive(p) for p in pids)
-        records = sorted(records_of(os.getpid()), key=lambda r: r["stage"])
+        records = sorted(records_of(os.getpid()), key=lambda r: r["ipu"])
         threads = max(1, placement.cpu_cores() // 2)
         assert records == [
-            {"stage": s, "ipu": s, "device": "cpu", "threads": threads, "replica": 0, "pid": pids[s],
+            {"stages": [s], "ipu": s, "device": "cpu", "threads": threads, "replica": 0, "pid": pids[s],
              "host_pid": os.getpid()} for s in range(2)]
         assert _registry_files(registry) == sorted(f"worker-{p}.json" for p in pids)
         assert os.path.isdir(folder)

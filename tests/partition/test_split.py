@@ -208,8 +208,19 @@ def test_tied_weights_across_stages_are_an_error():
     model = TiedNet()
     poptorch.BeginBlock(model.mid, "B2", ipu_id=1)
     with pytest.raises(CompileError, match="Parameter 'embed.weight' is used by stage 0 .*by stage "
-                                           "1 .*Put both uses in one stage"):
+                                           "1 .*Put both uses on one device"):
         split_stages(model, (torch.tensor([[1, 2]]),), {}, specs((), ("B2",)))
+
+
+def test_tied_weights_of_two_stages_on_one_device_are_one_tensor():
+    # ipus 0, 1, 0: the embedding and the head tied to it both live in device 0's worker
+    model = TiedNet()
+    poptorch.BeginBlock(model.mid, "B2", ipu_id=1)
+    poptorch.BeginBlock(model.out, "B3", ipu_id=0)
+    stages = [StageSpec(0, 0, ()), StageSpec(1, 1, ("B2",)), StageSpec(2, 0, ("B3",))]
+    staged = assert_same_as_unsplit(model, (torch.tensor([[1, 2]]),), {}, stages)
+    shared = [p for m in staged.modules for p in m.parameters() if p is model.embed.weight]
+    assert len(shared) == 2  # stage 0's and stage 2's: the same Parameter
 
 
 def test_tied_weights_within_one_stage_are_fine():

@@ -61,7 +61,7 @@ def process_compiled(schedule: str = "pipelined", *, gradient_accumulation: int 
         model=model, optimizer=opt,
         batching=Batching(device_iterations, gradient_accumulation, 1),
         staged=SimpleNamespace(modules=[model.a, model.b]), schedule=schedule,
-        placements=[Placement(0, 0, "cpu", 1), Placement(1, 1, "cpu", 1)], last_trace=[],
+        placements=[Placement((0,), 0, "cpu", 1), Placement((1,), 1, "cpu", 1)], last_trace=[],
         input_device=torch.device("cpu"))
     stages = [StageSpec(0, 0, ("B1",)), StageSpec(1, 1, ("B2",))]
     return Compiled(engine, stages, None, 2, 1.25)

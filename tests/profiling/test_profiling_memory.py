@@ -140,7 +140,7 @@ def staged_report(*, offload, recomputation):
     engine = SimpleNamespace(
         model=model, optimizer=adam, batching=batching, schedule="pipelined",
         staged=split_stages(model, (x,), {}, stages), last_trace=[],
-        placements=[Placement(0, 0, "cpu", 1), Placement(1, 1, "cpu", 1)])
+        placements=[Placement((0,), 0, "cpu", 1), Placement((1,), 1, "cpu", 1)])
     location = poptorch.TensorLocationSettings().useOnChipStorage(not offload)
     options = SimpleNamespace(TensorLocations=SimpleNamespace(optimizer_location=location),
                               Training=SimpleNamespace(recomputation=recomputation))

@@ -95,13 +95,14 @@ def test_backward_on_an_output_explains():
     assert type(loss.numpy()).__name__ == "ndarray" and (loss * 2).__class__ is torch.Tensor
 
 
-def test_wrapping_twice_is_an_error():
+def test_wrapping_twice_for_training_is_an_error():
     model = TinyMLP()
     wrapped = poptorch.trainingModel(model, quiet())
-    with pytest.raises(TypeError, match="already wrapped"):
-        poptorch.inferenceModel(wrapped)
+    assert poptorch.inferenceModel(wrapped).model is model  # PopTorch wraps the wrapper's model
     with pytest.raises(ConfigError, match="destroy"):
         poptorch.trainingModel(model, quiet())
+    with pytest.raises(ConfigError, match=r"Call model.destroy\(\)"):
+        poptorch.trainingModel(wrapped, quiet())
     wrapped.destroy()
     poptorch.trainingModel(model, quiet())
 

@@ -1,0 +1,82 @@
+"""`poptorch.setLogLevel` and `poptorch.logger`: the volume of pipetorch's own messages."""
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["logger", "setLogLevel", "LOG_LEVELS", "limit_repeats"]
+
+# The parent of every pipetorch.* module logger, so one level governs the whole library.
+logger = logging.getLogger("pipetorch")
+
+# PopTorch's level names, their legacy integers and the Python level each one means.
+LOG_LEVELS: dict[str, tuple[int, int]] = {
+    "TRACE": (0, logging.DEBUG),
+    "DEBUG": (1, logging.DEBUG),
+    "INFO": (2, logging.INFO),
+    "WARN": (3, logging.WARNING),
+    "ERR": (4, logging.ERROR),
+    "OFF": (6, logging.CRITICAL + 1),
+}
+
+
+def setLogLevel(level: str | int) -> None:
+    """Print messages of `level` and above: TRACE, DEBUG, INFO, WARN, ERR or OFF.
+
+    A legacy integer (0 = TRACE ... 4 = ERR, 6 = OFF) is accepted as PopTorch accepts it.
+    """
+    if isinstance(level, int) and not isinstance(level, bool):
+        names = [name for name, (number, _) in LOG_LEVELS.items() if number == level]
+        if not names:
+            raise ValueError(f"Invalid log level integer {level}: use one of "
+                             f"{sorted({n for n, _ in LOG_LEVELS.values()})} or a level name")
+        level = names[0]
+    if level not in LOG_LEVELS:
+        valid = sorted(LOG_LEVELS)
+        raise ValueError(f"Unknown log level: {level}. Valid values are "
+                         f"{', '.join(valid[:-1])} and {valid[-1]}")
+    logger.setLevel(LOG_LEVELS[level][1])
+    if not logger.handlers and not logging.getLogger().handlers:
+        # Like PopTorch's console handler: without one, Python prints only warnings and up.
+        console = logging.StreamHandler()
+        console.setFormatter(logging.Formatter("[%(asctime)s] [%(name)s] [%(levelname)s] "
+                                               "%(message)s", "%H:%M:%S"))
+        logger.addHandler(console)
+
+
+class RepeatFilter(logging.Filter):
+    """Lets one message (logger, level, text) through `limit` times, then mutes it."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self._seen: dict[tuple[str, int, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        count = self._seen[key] = self._seen.get(key, 0) + 1
+        if count == self.limit + 1:
+            note = f"repeated {self.limit} times; further repeats are muted"
+            record.msg, record.args = f"{key[2]} ({note})", None
+        return count <= self.limit + 1
+
+
+_repeat_filter = RepeatFilter(4)
+
+
+def limit_repeats(limit: int) -> None:
+    """Options.maxRepeatLogs: at most `limit` copies of one message from any pipetorch logger."""
+    _repeat_filter.limit = limit
+    names = [n for n in logging.root.manager.loggerDict if n.startswith("pipetorch.")]
+    for lg in [logger, *(logging.getLogger(n) for n in names)]:
+        if _repeat_filter not in lg.filters:
+            lg.addFilter(_repeat_filter)
+
+
+def _from_environment() -> None:
+    level = os.environ.get("POPTORCH_LOG_LEVEL")
+    if level:
+        setLogLevel(level)
+
+
+_from_environment()

@@ -1,0 +1,149 @@
+"""Which optimiser attributes are constant or variable (PopTorch's `variable_attrs`).
+
+On an IPU a constant attribute is compiled into the program, so changing it later with
+`setOptimizer` is an error; a variable one is a tensor the host may update. pipetorch keeps
+the rule so scripts behave as on PopTorch: by default `lr` is variable and every other
+hyper-parameter is constant while it holds PopTorch's default value (momentum 0,
+weight_decay 0 ...), variable otherwise. `markAsConstant` / `markAsVariable` change that
+before the model is compiled.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["VariableAttributes"]
+
+logger = logging.getLogger(__name__)
+
+# Hyper-parameter -> the value that leaves it constant by default (None: never constant).
+_CONSTANT_WHEN = {
+    "lr": None, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
+    "velocity_scaling": 1.0, "eps": 1e-8, "max_weight_norm": 65500.0, "alpha": "always",
+    "betas": (0.9, 0.999), "loss_scaling": 1.0,
+}
+_ADAMW_WEIGHT_DECAY = 1e-2  # AdamW's (and LAMB's) default, constant when kept
+# Keys of a group or optimiser that are not hyper-parameters PopTorch reads.
+_KNOWN_GROUP_KEYS = {"params", "initial_lr", "foreach", "maximize", "capturable",
+                     "differentiable", "fused", "nesterov", "amsgrad", "centered",
+                     "decoupled_weight_decay", "bias_correction", "use_combined_accum",
+                     "use_tf_variant", "max_grad_norm", "accum_type", "velocity_accum_type",
+                     "first_order_momentum_accum_type", "second_order_momentum_accum_type",
+                     "name", "param_names"}
+
+
+class VariableAttributes:
+    """`optimizer.variable_attrs`: `isConstant(name)`, `markAsConstant(name)`,
+    `markAsVariable(name)` for the optimiser's numeric hyper-parameters."""
+
+    def __init__(self, variable: set[str], allowed: set[str]) -> None:
+        self._variable, self._allowed = set(variable), set(allowed)
+
+    def _check(self, attr: str) -> None:
+        if attr not in self._allowed:
+            raise ValueError(f"Unknown optimizer attribute {attr!r}: variable_attrs knows "
+                             f"{sorted(self._allowed)}")
+
+    def isConstant(self, attr: str) -> bool:
+        self._check(attr)
+        return attr not in self._variable
+
+    def markAsConstant(self, attr: str) -> None:
+        self._check(attr)
+        self._variable.discard(attr)
+
+    def markAsVariable(self, attr: str) -> None:
+        self._check(attr)
+        self._variable.add(attr)
+
+    def __repr__(self) -> str:
+        return f"VariableAttributes(variable={sorted(self._variable)})"
+
+
+def default_attributes(optimizer: torch.optim.Optimizer) -> VariableAttributes:
+    """PopTorch's default constness for `optimizer`'s current values."""
+    from pipetorch.optim import scaling
+
+    names = {name for group in optimizer.param_groups for name in group
+             if name in _CONSTANT_WHEN}
+    if "loss_scaling" in optimizer.defaults:
+        names.add("loss_scaling")
+    variable = set()
+    for name in names:
+        constant_value = _CONSTANT_WHEN[name]
+        if name == "weight_decay" and any(c.__name__ in ("AdamW", "LAMB")
+                                          for c in type(optimizer).__mro__):
+            constant_value = _ADAMW_WEIGHT_DECAY
+        values = [group.get(name, optimizer.defaults.get(name)) for group in optimizer.param_groups]
+        if constant_value is None or (constant_value != "always"
+                                      and any(_value(v) != constant_value for v in values)):
+            variable.add(name)
+    if scaling.is_automatic(optimizer):
+        variable.add("loss_scaling")  # automatic loss scaling updates it
+    return VariableAttributes(variable, names)
+
+
+def _value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return float(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_value(v) for v in value)
+    return value
+
+
+def attributes_of(optimizer: torch.optim.Optimizer) -> VariableAttributes:
+    """`optimizer.variable_attrs` when it has one (pipetorch's optimisers), else the default."""
+    found = getattr(optimizer, "variable_attrs", None)
+    return found if isinstance(found, VariableAttributes) else default_attributes(optimizer)
+
+
+@dataclass
+class Compiled:
+    """What the compiled program fixed: constant values, and the attributes it knows."""
+
+    constants: dict[tuple[int, str], Any]
+    group_keys: list[set[str]]
+    optimizer_keys: set[str]
+    warned: set[str] = field(default_factory=set)
+
+
+def record(optimizer: torch.optim.Optimizer, *, automatic_loss_scaling: bool = False) -> Compiled:
+    """Note, at compile time, the constants and the attribute names `optimizer` has."""
+    attrs = attributes_of(optimizer)
+    if automatic_loss_scaling and "loss_scaling" in optimizer.defaults:
+        attrs.markAsVariable("loss_scaling")  # as PopTorch: the scale must be able to change
+    constants = {(index, name): _value(group[name])
+                 for index, group in enumerate(optimizer.param_groups)
+                 for name in group if name in _CONSTANT_WHEN and attrs.isConstant(name)}
+    return Compiled(constants, [set(g) for g in optimizer.param_groups], _public(optimizer))
+
+
+def _public(optimizer: torch.optim.Optimizer) -> set[str]:
+    return {k for k in vars(optimizer) if not k.startswith("_")
+            and k not in ("defaults", "state", "param_groups", "variable_attrs")}
+
+
+def check_replacement(compiled: Compiled, optimizer: torch.optim.Optimizer) -> None:
+    """setOptimizer: refuse a changed constant; warn (once) about attributes PopTorch ignores."""
+    for (index, name), value in compiled.constants.items():
+        new = _value(optimizer.param_groups[index].get(name))
+        if new != value:
+            raise ValueError(
+                f"Optimizer attribute {name!r} of param group {index} is constant: it was "
+                f"{value!r} when the model was compiled and setOptimizer got {new!r}. Constant "
+                "attributes are compiled in; call optimizer.variable_attrs.markAsVariable("
+                f"{name!r}) before the first call, or build a new trainingModel")
+    kind = type(optimizer).__name__
+    messages = [f"Ignoring unexpected optimizer attribute in {kind} optimizer: "
+                f"{sorted(_public(optimizer) - compiled.optimizer_keys)}"]
+    messages += [f"Ignoring unexpected group {index} attribute in {kind} optimizer: "
+                 f"{sorted(set(group) - known - _KNOWN_GROUP_KEYS)}"
+                 for index, (group, known) in enumerate(zip(optimizer.param_groups,
+                                                            compiled.group_keys))]
+    for message in messages:
+        if not message.endswith("[]") and message not in compiled.warned:
+            compiled.warned.add(message)
+            logger.warning(message)

@@ -1,0 +1,164 @@
+"""The optimiser state under PopTorch's names (`state_dict()["ipu_state"]`).
+
+PopTorch keeps an optimiser's state on the IPU under PopART tensor names: the momentum of
+parameter `fc.weight` is `Accl___fc.weight`, Adam's moments `Accl1___` / `Accl2___` and
+its step count `Step___`, and automatic loss scaling's factor `lossScaleUpdateFactor` (the
+loss scale is `loss_scaling * lossScaleUpdateFactor`). After a trainingModel has compiled,
+`optimizer.state_dict()` carries that dict as "ipu_state", `read_ipu_state()` returns it and
+`write_ipu_state(state)` (or `load_state_dict` of such a dict) sets it: at once on a compiled
+model, else when the model compiles. A state naming only some tensors (an incomplete state)
+sets those; the others keep their values, and a fresh parameter's missing moments start at 0.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Callable
+
+import torch
+
+from pipetorch.optim import scaling
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+LOSS_SCALE_FACTOR = "lossScaleUpdateFactor"
+_LINK = "_pipetorch_ipu_link"
+_PENDING = "_pipetorch_pending_ipu_state"
+# torch state key -> PopART prefix, per optimiser family (found through the class's MRO).
+_PREFIXES = {
+    "SGD": {"momentum_buffer": "Accl"},
+    "Adam": {"exp_avg": "Accl1", "exp_avg_sq": "Accl2", "step": "Step"},
+    "AdamW": {"exp_avg": "Accl1", "exp_avg_sq": "Accl2", "step": "Step"},
+    "LAMB": {"exp_avg": "Accl1", "exp_avg_sq": "Accl2", "step": "Step"},
+    "RMSprop": {"square_avg": "Accl1", "momentum_buffer": "Accl2", "grad_avg": "Accl3",
+                "step": "Step"},
+}
+
+
+class Link:
+    """How a host optimiser reaches its compiled model: parameter names and a sync."""
+
+    def __init__(self, names: dict[int, str], sync: Callable[[], None],
+                 push: Callable[[], None]) -> None:
+        self.names = names
+        self._sync, self._push = weakref.WeakMethod(sync), weakref.WeakMethod(push)
+
+    def sync(self) -> None:
+        method = self._sync()
+        if method is not None:
+            method()
+
+    def push(self) -> None:
+        method = self._push()
+        if method is not None:
+            method()
+
+
+def _prefixes(optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in _PREFIXES:
+            return _PREFIXES[cls.__name__]
+    return {}
+
+
+def link(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
+         sync: Callable[[], None], push: Callable[[], None]) -> None:
+    """Tie `optimizer` to its compiled model (the executor calls this), then apply any
+    state written before compiling."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    optimizer.__dict__[_LINK] = Link(names, sync, push)
+    pending = optimizer.__dict__.pop(_PENDING, None)
+    if pending is not None:
+        _apply(optimizer, pending)
+
+
+def unlink(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.__dict__.pop(_LINK, None)
+
+
+def read(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
+    """The state under PopTorch's names, None before a trainingModel compiled with it."""
+    found: Link | None = optimizer.__dict__.get(_LINK)
+    if found is None:
+        return None
+    found.sync()
+    prefixes = _prefixes(optimizer)
+    state: dict[str, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = found.names.get(id(param))
+            for key, value in optimizer.state.get(param, {}).items():
+                if name is not None and isinstance(value, torch.Tensor):
+                    state[f"{prefixes.get(key, key)}___{name}"] = value.detach().clone()
+    if scaling.is_automatic(optimizer):
+        base = optimizer.param_groups[0].get("loss_scaling", 1.0)
+        state[LOSS_SCALE_FACTOR] = torch.tensor(scaling.loss_scale(optimizer) / base)
+    return state
+
+
+def write(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:
+    """Set the state from PopTorch's names: now if compiled, else when the model compiles."""
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise TypeError("ipu_state must be a dict of PopTorch tensor names (such as "
+                        f"'Accl___fc.weight') to tensors, got {type(state).__name__}")
+    found: Link | None = optimizer.__dict__.get(_LINK)
+    if found is None:
+        optimizer.__dict__[_PENDING] = {**optimizer.__dict__.get(_PENDING, {}), **state}
+        return
+    found.sync()
+    _apply(optimizer, state)
+    found.push()
+
+
+def _apply(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:
+    found: Link = optimizer.__dict__[_LINK]
+    prefixes = _prefixes(optimizer)
+    by_name = {found.names[id(p)]: p for g in optimizer.param_groups for p in g["params"]
+               if id(p) in found.names}
+    unknown, missing = [], []
+    for key, value in state.items():
+        if key == LOSS_SCALE_FACTOR:
+            _set_factor(optimizer, float(value))
+            continue
+        prefix, _, name = key.partition("___")
+        torch_key = next((k for k, p in prefixes.items() if p == prefix), prefix)
+        if name not in by_name:
+            unknown.append(key)
+            continue
+        param = by_name[name]
+        slot = optimizer.state[param]
+        if not slot:  # a fresh parameter: every moment starts at 0, as on the IPU
+            slot.update({k: torch.zeros((), dtype=torch.float32) if k == "step"
+                         else torch.zeros_like(param) for k in prefixes
+                         if _uses(optimizer, k)})
+        slot[torch_key] = value.detach().clone().to(
+            param.device if value.dim() else value.device)
+    if unknown:
+        raise ValueError(f"ipu_state names tensors this optimiser does not hold: {unknown[:4]}; "
+                         f"its parameters are {sorted(by_name)[:6]}")
+    for name, param in by_name.items():
+        if not any(k.endswith(f"___{name}") for k in state):
+            missing.append(name)
+    if missing:
+        logger.warning("ipu_state sets no state for %d parameter(s) (%s): they keep theirs",
+                       len(missing), ", ".join(missing[:4]))
+
+
+def _uses(optimizer: torch.optim.Optimizer, key: str) -> bool:
+    """Whether a fresh state of `optimizer` holds `key` (momentum 0 keeps no velocity)."""
+    group = optimizer.param_groups[0]
+    if key == "momentum_buffer":
+        return bool(group.get("momentum", 0))
+    if key == "grad_avg":
+        return bool(group.get("centered", False))
+    return True
+
+
+def _set_factor(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    base = optimizer.param_groups[0].get("loss_scaling", 1.0)
+    if not scaling.is_automatic(optimizer):
+        scaling.enable_automatic_loss_scaling(optimizer)
+    current = scaling.scaling_state(optimizer)
+    scaling.load_scaling_state(optimizer, {**current, "scale": base * factor})

@@ -1,0 +1,101 @@
+"""PopTorch's performance counters (`getPerfCounters`, the latencies) from a call's timings.
+
+A PopTorch call streams each device iteration's inputs and outputs separately, and the IPU
+stamps each transfer. pipetorch moves a call's inputs to its devices at once, runs every
+iteration, then returns every output at once, so each iteration carries the call's four
+stamps: inputs requested, inputs on the device, outputs requested, outputs on the host
+(`time.perf_counter()` seconds: differences are meaningful, the origin is not). Latencies
+are reduced from the counters as PopTorch reduces them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__: list[str] = []
+
+EVENTS = ("input", "input_complete", "output", "output_complete")
+Counters = dict[str, list[list[float]]]
+
+
+@dataclass
+class CallTimes:
+    """The four stamps of one host call, in `time.perf_counter()` seconds."""
+
+    input: float = field(default_factory=time.perf_counter)
+    input_complete: float = 0.0
+    output: float = 0.0
+    output_complete: float = 0.0
+
+    def stamp(self, event: str) -> None:
+        setattr(self, event, time.perf_counter())
+
+
+def perf_counters(times: CallTimes | None, *, inputs: int, outputs: int,
+                  iterations: int) -> Counters:
+    """{event: [per input (or output) index: [per iteration: seconds]]}, as PopTorch's
+    (`[[]]` for every event before the first call)."""
+    if times is None:
+        return {event: [[]] for event in EVENTS}
+    counts = {"input": inputs, "input_complete": inputs, "output": outputs,
+              "output_complete": outputs}
+    return {event: [[getattr(times, event)] * iterations for _ in range(counts[event])] or [[]]
+            for event in EVENTS}
+
+
+def latency(counters: Counters, start: str, start_reduce: Callable[[list[float]], float],
+            end: str, end_reduce: Callable[[list[float]], float]) -> tuple[float, float, float]:
+    """(min, max, mean) over iterations of `end` minus `start`, each reduced over the
+    inputs/outputs; (0, 0, 0) before any call."""
+    def per_step(event: str, reduce: Callable[[list[float]], float]) -> list[float]:
+        rows = counters[event]
+        return [reduce([row[step] for row in rows]) for step in range(len(rows[0]))]
+
+    starts, ends = per_step(start, start_reduce), per_step(end, end_reduce)
+    if not ends:
+        return 0.0, 0.0, 0.0
+    group = len(starts) // len(ends)  # several inputs per output (output modes): earliest
+    durations = [e - min(starts[i * group:(i + 1) * group]) for i, e in enumerate(ends)]
+    return min(durations), max(durations), sum(durations) / len(durations)
+
+
+class PerfCounters:
+    """PoplarExecutor's counters and latencies, read from the last call's `_times`."""
+
+    _compiled: Any
+    _signature: Any
+    _times: Any
+    _options: Any
+
+    def getPerfCounters(self) -> dict[str, list[list[float]]]:
+        """PopTorch's counters of the last call: {"input", "input_complete", "output",
+        "output_complete": [per input/output: [per iteration: seconds]]} (see counters)."""
+        if self._compiled is None or self._signature is None:
+            return perf_counters(None, inputs=0, outputs=0, iterations=0)
+        outputs = len([x for x in pytree.tree_leaves(self._compiled.capture.output)
+                       if isinstance(x, torch.Tensor)])
+        return perf_counters(
+            self._times, inputs=sum(leaf.shape is not None for leaf in self._signature.leaves),
+            outputs=outputs,
+            iterations=self._options.device_iterations * self._options.replication_factor)
+
+    def getLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the first input requested to the last output on
+        the host, over the last call's iterations."""
+        return latency(self.getPerfCounters(), "input", min, "output_complete", max)
+
+    def getHostIpuLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds to move the inputs to the devices."""
+        return latency(self.getPerfCounters(), "input", min, "input_complete", max)
+
+    def getComputeLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the inputs on the devices to the outputs ready."""
+        return latency(self.getPerfCounters(), "input_complete", max, "output", max)
+
+    def getIpuHostLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds to bring the outputs to the host."""
+        return latency(self.getPerfCounters(), "output", min, "output_complete", max)
