@@ -203,7 +203,10 @@ def zygote() -> Zygote:
     global _zygote
     with _zygote_lock:
         if _zygote is not None:
-            stale = _imported_at_start(_zygote.env) != _imported_at_start(worker_env())
+            now, then = worker_env(), _imported_at_start(_zygote.env)
+            # changed or removed; added ones (torch sets TORCHINDUCTOR_CACHE_DIR) reach the
+            # workers with the rest of the environment
+            stale = any(now.get(k) != v for k, v in then.items())
             if not _zygote.alive() or stale:
                 if not _zygote.alive():
                     logger.warning("The worker pool process (pid %d) has exited (code %s): "
