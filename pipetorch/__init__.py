@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from pipetorch.enums import (
@@ -86,3 +87,9 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+if os.environ.get("PIPETORCH_WORKER_POOL") == "early":  # the workers' zygote, see parallel/pool
+    from pipetorch.parallel import pool as _pool
+
+    _pool.prestart()

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from pipetorch.parallel import pool
 from pipetorch.parallel.engine import ProcessEngine
 from pipetorch.parallel.placement import place
 from pipetorch.parallel.routes import routes_of, value_specs
@@ -42,6 +43,7 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     `compile_backend` runs every stage through torch.compile with that backend;
     `loss_leaves` locates several losses among forward's tensor outputs.
     """
+    pool.prestart()  # the workers' zygote imports torch while this process splits the model
     args, kwargs = first
     staged = split_stages(model, args, kwargs, stages,
                           traced=capture() if capture is not None else None)

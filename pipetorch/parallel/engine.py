@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import arena, shm, snapshot, wire
+from pipetorch.parallel import arena, pool, shm, snapshot, wire
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
@@ -60,13 +60,6 @@ def stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> torc
         group["params"] = [p for p in group["params"] if id(p) in own]
     clone.state = defaultdict(dict, {p: s for p, s in clone.state.items() if id(p) in own})
     return clone
-
-
-def _worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [p for p in sys.path if p] + env.get("PYTHONPATH", "").split(os.pathsep)
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-    return env
 
 
 class ProcessEngine:
@@ -156,15 +149,24 @@ class ProcessEngine:
             self._launch()
 
     def _start(self, placement: places.Placement) -> wire.Peer:
-        ours, theirs = socket.socketpair()
-        try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "pipetorch.parallel.worker", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=_worker_env(), stdin=subprocess.DEVNULL)
-        finally:
-            theirs.close()
-        return wire.Peer(placement.stages, placement.device, Connection(ours.detach()), process,
-                         placement.replica, self.replicas)
+        """A worker forked from the pool's warm zygote, or a fresh process with the pool off."""
+        if pool.enabled():
+            try:
+                conn, process = pool.start_worker(self.timeout)
+            except DeviceError:
+                self.close()
+                raise
+        else:
+            ours, theirs = socket.socketpair()
+            try:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "pipetorch.parallel.worker", str(theirs.fileno())],
+                    pass_fds=(theirs.fileno(),), env=pool.worker_env(), stdin=subprocess.DEVNULL)
+            finally:
+                theirs.close()
+            conn = Connection(ours.detach())
+        return wire.Peer(placement.stages, placement.device, conn, process, placement.replica,
+                         self.replicas)
 
     @property
     def worker_pids(self) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import select
 import signal
 import socket
 import sys
@@ -68,15 +69,19 @@ class Launch:
     seed: int                  # random numbers: seed + rank, so runs repeat exactly
 
 
-def _die_with_parent(parent: int) -> None:
-    """Exit when the process that started this worker is gone, even mid-transfer.
+def _die_with_host(parent: int, host: int | None) -> None:
+    """Exit when the user's process is gone, even mid-transfer: when `host` (a pidfd of it,
+    for a worker forked by the pool's zygote) is readable, else when `parent` is.
 
     (PR_SET_PDEATHSIG would fire when the *thread* that started the worker ends, which
     kills the workers of a wrapper built in a short-lived thread.)
     """
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_WATCH_PERIOD)
+        if host is not None:
+            select.select([host], [], [])  # readable once the user's process has exited
+        else:
+            while os.getppid() == parent:
+                time.sleep(_WATCH_PERIOD)
         os._exit(0)
 
     threading.Thread(target=watch, name="pipetorch-parent-watch", daemon=True).start()
@@ -248,10 +253,11 @@ def _failure(launch: Launch, executor: StageExecutor | None, exc: BaseException)
                         launch.placement.replica)
 
 
-def main(conn: Connection) -> None:
-    """Serve the host on `conn` until it says stop or goes away."""
-    parent = os.getppid()
-    _die_with_parent(parent)
+def main(conn: Connection, host: int | None = None) -> None:
+    """Serve the host on `conn` until it says stop or goes away (`host`: a pidfd of the user's
+    process when this worker was forked by the pool's zygote, see parallel/pool.py)."""
+    _die_with_host(os.getppid(), host)
+    parent = os.getppid() if host is None else None  # a zygote's death does not end a worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle
     launch, setup = wire.receive(conn, timeout=wire.timeout_seconds(), parent=parent)
     torch.set_num_threads(launch.placement.threads)

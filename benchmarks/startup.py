@@ -1,0 +1,89 @@
+"""Start-up: seconds from trainingModel(...) to the first result, pool of warm workers on/off.
+
+    python benchmarks/startup.py            # 5 interleaved repeats of each setting
+    python benchmarks/startup.py --quick    # 2 repeats
+
+The 2-device seed CNN (benchmarks/pipeline.py's seed 000 network, blocks B1+B2 | B3+B4,
+D=1, G=10): each repeat runs a fresh interpreter that builds a first wrapper, calls it once,
+destroys it, then does the same with a second wrapper, timing each from trainingModel(...) to
+the first call's return. Settings alternate (pool, pool started at import, fresh, pool, ...) so a change in the
+machine's load hits both alike; the table gives the median and the range of each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def one_run() -> None:
+    """In a fresh interpreter: two wrappers one after the other; print their seconds (JSON)."""
+    start = time.perf_counter()
+    import torch
+
+    sys.path.insert(0, HERE)
+    import pipetorch as poptorch
+    from pipeline import ACCUMULATION, MICRO_BATCH, WithLoss, Widths, new_network
+
+    imported = time.perf_counter() - start
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(ACCUMULATION * MICRO_BATCH, 1, 28, 28, generator=generator)
+    labels = torch.randint(0, 10, (ACCUMULATION * MICRO_BATCH,), generator=generator)
+    seconds = []
+    for _ in range(2):
+        begin = time.perf_counter()
+        model = WithLoss(new_network(Widths(28)))
+        opts = poptorch.Options().showCompilationProgressBar(False)
+        opts.Training.gradientAccumulation(ACCUMULATION)
+        opts.setExecutionStrategy(poptorch.PipelinedExecution(
+            poptorch.Stage("B1", "B2"), poptorch.Stage("B3", "B4")))
+        wrapper = poptorch.trainingModel(model, opts,
+                                         torch.optim.SGD(model.parameters(), lr=0.01))
+        wrapper(images, labels)
+        seconds.append(time.perf_counter() - begin)
+        wrapper.destroy()
+    print(json.dumps({"import": imported, "first": seconds[0], "second": seconds[1]}))
+
+
+def run(pool: str) -> dict[str, float]:
+    env = dict(os.environ, PIPETORCH_WORKER_POOL=pool, PIPETORCH_DEVICE="cpu")
+    out = subprocess.run([sys.executable, __file__, "--one"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    if out.returncode:
+        raise SystemExit(f"the run with PIPETORCH_WORKER_POOL={pool} failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 repeats")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        return one_run()
+    repeats = 2 if args.quick else args.repeats
+    results: dict[str, list[dict[str, float]]] = {"1": [], "early": [], "0": []}
+    for _ in range(repeats):
+        for pool in results:  # interleaved: 1, early, 0, 1, early, 0, ...
+            results[pool].append(run(pool))
+    print(f"2-device seed CNN, trainingModel(...) to the first result, {repeats} repeats "
+          "(median [min-max] s)")
+    print(f"{'workers':<28} {'import':>18} {'first wrapper':>18} {'second wrapper':>18}")
+    for pool, name in (("1", "pool, zygote at 1st wrapper"),
+                       ("early", "pool, zygote at import"), ("0", "fresh processes")):
+        cells = []
+        for key in ("import", "first", "second"):
+            values = [r[key] for r in results[pool]]
+            cells.append(f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]")
+        print(f"{name:<28} " + " ".join(f"{c:>18}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

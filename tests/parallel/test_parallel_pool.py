@@ -1,0 +1,134 @@
+"""Pre-started workers (parallel/pool.py): forked from one warm zygote across wrappers, equal to
+fresh processes, and gone with the user's process; a killed zygote is named or replaced."""
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import pipetorch as poptorch
+from fault_cases import registry  # noqa: F401 - the fixture
+from fault_cases import Script, TokenNet, alive, options, token_data, wait_gone
+from pipetorch.errors import ConfigError, DeviceError
+from pipetorch.parallel import pool
+
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rpartition(")")[2].split()[1])
+
+
+def _threads_after_importing_torch() -> int:
+    code = "import os, torch; print(len(os.listdir('/proc/self/task')))"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, check=True).stdout)
+
+
+def _train_twice(tokens, labels):
+    """Two training calls of a fresh TokenNet: (the calls' outputs, the trained weights, the
+    workers' pids)."""
+    torch.manual_seed(0)
+    model = TokenNet()
+    wrapper = poptorch.trainingModel(model, options(G=4),
+                                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        outputs = [wrapper(tokens, labels) for _ in range(2)]
+        pids = list(wrapper._compiled.engine.worker_pids)
+        wrapper.copyWeightsToHost()
+    finally:
+        wrapper.destroy()
+    return outputs, {k: v.clone() for k, v in model.state_dict().items()}, pids
+
+
+@pytest.mark.slow
+def test_wrappers_fork_from_one_zygote_and_match_fresh_workers(registry, monkeypatch):
+    tokens, labels = token_data(8)
+    monkeypatch.setenv(pool.POOL_ENV, "0")
+    fresh_out, fresh_weights, _ = _train_twice(tokens, labels)
+    monkeypatch.setenv(pool.POOL_ENV, "1")
+    first_out, first_weights, first_pids = _train_twice(tokens, labels)
+    zygote = pool.zygote()
+    # Only the threads importing torch makes (OpenBLAS's, fork-safe): no intra-op pool, so
+    # nothing ran in parallel before a fork.
+    assert zygote.thread_count(timeout=30) == _threads_after_importing_torch()
+    second_out, second_weights, second_pids = _train_twice(tokens, labels)
+    assert pool.zygote() is zygote and zygote.alive()  # one zygote serves every wrapper
+    assert set(first_pids).isdisjoint(second_pids)  # each wrapper forks its own workers
+    assert wait_gone(first_pids + second_pids) == []
+    for out, weights in ((first_out, first_weights), (second_out, second_weights)):
+        assert_close(out, fresh_out, rtol=0, atol=0)
+        assert_close(weights, fresh_weights, rtol=0, atol=0)
+    # Against plain PyTorch: the same two SGD steps of mean-reduced losses over 4 micro-batches.
+    torch.manual_seed(0)
+    model = TokenNet()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        sgd.zero_grad()
+        for t, y in zip(tokens.chunk(4), labels.chunk(4)):
+            (model(t, y)[1] / 4).backward()
+        sgd.step()
+    assert_close(first_weights, model.state_dict())
+
+
+@pytest.mark.slow
+def test_a_killed_zygote_leaves_running_wrappers_alone_and_is_replaced(registry, caplog):
+    tokens, labels = token_data(8)
+    torch.manual_seed(0)
+    model = TokenNet()
+    wrapper = poptorch.inferenceModel(model, options(D=2, G=1))
+    try:
+        want, _ = wrapper(tokens, labels)
+        dead = pool.zygote()
+        pids = list(wrapper._compiled.engine.worker_pids)
+        assert all(_parent(p) == dead.process.pid for p in pids)
+        os.kill(dead.process.pid, signal.SIGKILL)
+        dead.process.wait(10)
+        start = time.monotonic()
+        with pytest.raises(DeviceError, match=rf"worker pool process \(pid {dead.process.pid}\) "
+                                              r"died \(exit code -9\)"):
+            dead.fork(timeout=60)
+        assert time.monotonic() - start < 5
+        time.sleep(0.5)
+        assert all(alive(p) for p in pids)  # the workers watch the user's process, not it
+        out, _ = wrapper(tokens, labels)
+        assert_close(out, want)
+        with caplog.at_level(logging.WARNING, logger="pipetorch.parallel.pool"):
+            again = poptorch.inferenceModel(TokenNet(), options(D=2, G=1))
+            try:
+                again(tokens, labels)
+            finally:
+                again.destroy()
+        assert f"pool process (pid {dead.process.pid}) has exited" in caplog.text
+        assert pool.zygote() is not dead
+    finally:
+        wrapper.destroy()
+    assert wait_gone(pids) == []
+
+
+@pytest.mark.slow
+def test_user_process_killed_takes_the_zygote_with_it(registry):
+    script = Script("linger", registry)
+    try:
+        started = script.json('{"host"')
+        pids = started["pids"]
+        zygote = _parent(pids[0])
+        assert zygote != started["host"] and _parent(zygote) == started["host"]
+        os.kill(started["host"], signal.SIGKILL)
+        script.process.wait(10)
+        assert wait_gone([zygote, *pids], timeout=5.0) == []
+    finally:
+        script.kill()
+
+
+@pytest.mark.parametrize("value", ["yes", "2", ""])
+def test_a_bad_pool_setting_names_the_values_it_takes(monkeypatch, value):
+    monkeypatch.setenv(pool.POOL_ENV, value)
+    with pytest.raises(ConfigError, match=rf"PIPETORCH_WORKER_POOL='{value}' must be 1 .*early"
+                                          r".* or 0"):
+        pool.enabled()
