@@ -15,7 +15,8 @@ pipetorch with every block on ipu 0 (the in-process engine) with the same thread
 sharded over 2 devices; pipetorch pipelined over 2 devices (one worker per stage, cores // 2
 threads each) over shared memory and over gloo (PIPETORCH_TRANSPORT), for the CNNs once more
 with profiling on; and torch.distributed.pipelining's Schedule1F1B on the same split (2
-processes, gloo, 1 thread each).
+processes, gloo, 1 thread each); with --compiled, pipelined once more with every stage run
+through torch.compile (inductor).
 
 Every row is built first and kept (workers stay up), then timed in interleaved rounds: one
 warm-up call per row, then each round one host call of every row in turn (ABAB...), so a change
@@ -26,6 +27,7 @@ stages' times are closest.
 
     python benchmarks/pipeline.py                      # full run (~15 min on 2 quiet cores)
     python benchmarks/pipeline.py --quick --models seed
+    python benchmarks/pipeline.py --models seed --compiled   # adds compiled stages' row
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ BALANCED = 1.10  # slower stage / faster stage at or below this counts as balanc
 PIPELINED = "pipetorch, pipelined over 2 devices"
 PIPELINED_GLOO = "pipetorch, pipelined over 2 devices, gloo transport"
 PROFILED = "pipetorch, pipelined over 2 devices, profiling on"
+COMPILED = "pipetorch, pipelined over 2 devices, compiled stages"
 SHARDED = "pipetorch, sharded over 2 devices"
 TORCH_1F1B = "torch.distributed.pipelining Schedule1F1B"
 
@@ -415,12 +418,15 @@ class PipetorchRow(Row):
     """A trainingModel on one device (in process) or two (worker processes over `transport`)."""
 
     def __init__(self, work: Work, data: tuple, name: str, *, devices: str, threads: int,
-                 baseline: str | None, transport: str = "shm", profile: str | None = None) -> None:
+                 baseline: str | None, transport: str = "shm", profile: str | None = None,
+                 compiled: bool = False) -> None:
         self.name, self.baseline, self.data, self.threads = name, baseline, data, threads
         model = work.model()
         opts = poptorch.Options().deviceIterations(work.device_iterations)
         if profile is not None:
             opts.enableProfiling(profile)
+        if compiled:  # torch.compile (inductor) in each worker, at the warm-up call
+            opts.Jit.compileStages(True)
         opts.Training.gradientAccumulation(work.accumulation)
         opts.showCompilationProgressBar(False).setExecutionStrategy(work.strategy(model, devices))
         self.training = poptorch.trainingModel(
@@ -631,8 +637,10 @@ def print_trace(row: Row, seconds: float) -> None:
               f"{per_f:.2f} / {per_b:.2f}, {moved:.1f} MB")
 
 
-def build_rows(work: Work, data: tuple, *, cores: int, profile: str, full: bool) -> list[Row]:
-    """Every row of `work`'s table; `full` adds the 1-device, sharded and profiling rows."""
+def build_rows(work: Work, data: tuple, *, cores: int, profile: str, full: bool,
+               compiled: bool) -> list[Row]:
+    """Every row of `work`'s table; `full` adds the 1-device, sharded and profiling rows,
+    `compiled` the pipelined row with compiled stages."""
     plain1, plain_all = "plain PyTorch, 1 thread", f"plain PyTorch, {cores} threads"
     rows: list[Row] = [PlainRow(work, data, threads=1, baseline=None),
                        PlainRow(work, data, threads=cores, baseline=plain1)]
@@ -647,6 +655,9 @@ def build_rows(work: Work, data: tuple, *, cores: int, profile: str, full: bool)
                              baseline=plain_all))
     rows.append(PipetorchRow(work, data, PIPELINED_GLOO, devices="pipelined", threads=cores,
                              baseline=PIPELINED, transport="gloo"))
+    if compiled:
+        rows.append(PipetorchRow(work, data, COMPILED, devices="pipelined", threads=cores,
+                                 baseline=PIPELINED, compiled=True))
     if full:
         rows.append(PipetorchRow(work, data, PROFILED, devices="pipelined", threads=cores,
                                  baseline=PIPELINED, profile=profile))
@@ -654,7 +665,7 @@ def build_rows(work: Work, data: tuple, *, cores: int, profile: str, full: bool)
     return rows
 
 
-def run(work: Work, *, rounds: int, cores: int, full: bool) -> None:
+def run(work: Work, *, rounds: int, cores: int, full: bool, compiled: bool) -> None:
     data = work.data()
     if isinstance(work, CnnWork):
         bench = work.bench
@@ -675,7 +686,8 @@ def run(work: Work, *, rounds: int, cores: int, full: bool) -> None:
           f"({work.samples_per_call} samples per call), AdamW lr {LEARNING_RATE}; every row's "
           f"calls interleaved, median of {rounds} round(s)")
     with tempfile.TemporaryDirectory() as profile:
-        rows = build_rows(work, data, cores=cores, profile=profile, full=full)
+        rows = build_rows(work, data, cores=cores, profile=profile, full=full,
+                          compiled=compiled)
         try:
             timings = interleave(rows, rounds=rounds, samples=work.samples_per_call,
                                  log=lambda line: None)
@@ -691,7 +703,8 @@ def run(work: Work, *, rounds: int, cores: int, full: bool) -> None:
     print("where the last call's time went, ms per stage (recv+wait includes waiting for the "
           "peer; untraced: gaps between spans):")
     for row in rows:
-        if isinstance(row, PipetorchRow) and row.name in (SHARDED, PIPELINED, PIPELINED_GLOO):
+        if isinstance(row, PipetorchRow) and row.name in (SHARDED, PIPELINED, PIPELINED_GLOO,
+                                                           COMPILED):
             print_trace(row, timings[row.name].seconds[-1])
 
 
@@ -705,6 +718,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved rounds of one call per row after the warm-up "
                              "(default: 5, quick: 2)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="add a pipelined row whose stages run through torch.compile "
+                             "(opts.Jit.compileStages; inductor compiles at the warm-up call, "
+                             "about a minute per model on 2 cores)")
     parser.add_argument("--heavy-filters", type=int, default=None,
                         help="layer1 filters of the heavy variant (default: the seed's 10, "
                              "widened automatically when its stages are unbalanced)")
@@ -733,7 +750,7 @@ def main() -> None:
                   "micro-batch, 1 thread):")
             work = CnnWork(balance(benches[model], reps=reps, log=print,
                                    widen=model == "heavy" and args.heavy_filters is None))
-        run(work, rounds=rounds, cores=cores, full=model != "bert")
+        run(work, rounds=rounds, cores=cores, full=model != "bert", compiled=args.compiled)
 
 
 if __name__ == "__main__":
