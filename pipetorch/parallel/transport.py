@@ -159,13 +159,13 @@ class PeerLink:
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
         for tensor in tensors:
             by_dtype[tensor.dtype].append(tensor)
-        for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in group]).to(self.wire_device)
-            self._wait(dist.all_reduce(flat, group=self.replica_group if group is None else group, async_op=True),
-                       who)
-            flat = flat.to(group[0].device)
+        process_group = self.replica_group if group is None else group
+        for same in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in same]).to(self.wire_device)
+            self._wait(dist.all_reduce(flat, group=process_group, async_op=True), who)
+            flat = flat.to(same[0].device)
             at = 0
-            for tensor in group:
+            for tensor in same:
                 tensor.copy_(flat[at:at + tensor.numel()].view_as(tensor))
                 at += tensor.numel()
             nbytes = flat.numel() * flat.element_size()
