@@ -185,9 +185,9 @@ class Worker:
                                 self.setup.owners)[self.setup.device]
         # Just before each optimiser step, the gradients of weights tied across devices are
         # summed over those devices, then every gradient over the replicas.
+        replicas = self.launch.rendezvous.replicas
         reduce = [kind for kind, wanted in ((Kind.TIED_REDUCE, bool(self.tied)),
-                                            (Kind.ALL_REDUCE, self.launch.rendezvous.replicas > 1))
-                  if wanted]
+                                            (Kind.ALL_REDUCE, replicas > 1)) if wanted]
         at = next(n for n, a in enumerate(actions) if a.kind is Kind.STEP) if training else None
         if at is None or not reduce:
             return actions

@@ -165,7 +165,8 @@ def test_in_one_process_the_stages_share_the_one_weight_and_train_it_once(monkey
         monkeypatch, lambda: poptorch.trainingModel(model, options(D, G), optimizer=adam(model)),
         first)
     try:
-        assert_same_result(got, plain_call(plain, plain_optimizer, first, D=D, G=G), what="call 0")
+        assert_same_result(got, plain_call(plain, plain_optimizer, first, D=D, G=G),
+                           what="call 0")
         batch = tokens(D * G * B, 1)
         assert_same_result(wrapper(*batch), plain_call(plain, plain_optimizer, batch, D=D, G=G),
                            what="call 1")

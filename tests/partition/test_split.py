@@ -212,7 +212,8 @@ def test_a_weight_tied_across_devices_is_held_by_a_stage_of_each():
     staged = assert_same_as_unsplit(model, (torch.tensor([[1, 2]]),), {}, specs((), ("B2",)))
     assert staged.owners["embed.weight"] == (0, 1) and staged.owners["mid.weight"] == (1,)
     assert staged.tied() == {"embed.weight": (0, 1)}
-    assert [p is model.embed.weight for m in staged.modules for p in m.parameters()].count(True) == 2
+    held = [p for m in staged.modules for p in m.parameters() if p is model.embed.weight]
+    assert len(held) == 2
 
 
 class SharedBuffer(nn.Module):
