@@ -259,12 +259,15 @@ class PopTorchOptimizer:
         try:
             for group, group_swaps in zip(self.param_groups, swaps):
                 group["params"] = [swap.work for swap in group_swaps]
-            working = [s.work for gs in swaps for s in gs if s.work.grad is not None]
+            used = [s for gs in swaps for s in gs if s.work.grad is not None]
+            working = [s.work for s in used]
             if loss_scaling != 1.0:
                 for param in working:
                     param.grad.div_(loss_scaling)
             if max_grad_norm != math.inf:
-                _clip_grad_norm(working, max_grad_norm, getattr(self, "_pipetorch_reduce", None))
+                shares = getattr(self, "_pipetorch_shares", {})  # set by a stage worker
+                _clip_grad_norm(working, max_grad_norm, getattr(self, "_pipetorch_reduce", None),
+                                [shares.get(id(s.param), 1.0) for s in used])
             self._update()
         finally:
             for group, params, group_swaps in zip(self.param_groups, originals, swaps):
@@ -364,13 +367,15 @@ def _store_state(state: dict[str, Any], formats: StateFormats) -> dict[str, Any]
 
 
 def _clip_grad_norm(params: list[torch.Tensor], max_norm: float,
-                    reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+                    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+                    shares: list[float]) -> None:
     """clip_grad_norm_ over the whole model; with `reduce` (a sum over the stages' processes,
-    set by a stage worker) the norm covers the parameters every stage holds."""
+    set by a stage worker) the norm covers the parameters every stage holds, each weighted by
+    its `shares` (1 / copies for a weight tied across devices: it counts once)."""
     if reduce is None:
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         return
-    squares = [p.grad.detach().float().pow(2).sum() for p in params]
+    squares = [p.grad.detach().float().pow(2).sum() * share for p, share in zip(params, shares)]
     local = torch.stack(squares).sum() if squares else torch.zeros(())
     total = reduce(local).sqrt()
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)

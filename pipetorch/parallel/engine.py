@@ -10,7 +10,9 @@ each optimiser step, and each sends back the outputs the host asked for.
                  <--- outputs, per-stage trace spans --  every device of every replica
 
 The engine keeps a host copy of the model and optimiser (`model`, `optimizer`): `pull` fills
-them from the workers, `push` sends the host copy's weights to the workers.
+them from the workers, `push` sends the host copy's weights to the workers. A weight tied
+across devices has a copy on each (`parallel.tied`): `push` sends it to each, and `pull`
+writes the host's one Parameter from each of them, the copies being equal.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from pipetorch.parallel import arena, pool, shm, snapshot, wire
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
+from pipetorch.parallel.tied import ties_of
 from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
 from pipetorch.runtime.local import Batching, reduction_multiplier
@@ -90,6 +93,7 @@ class ProcessEngine:
         self.devices = len(self.placements) // self.replicas  # workers per replica
         self.owners = tuple(next(d for d, p in enumerate(self.placements) if s in p.stages)
                             for s in range(len(self.routes)))
+        self.ties = ties_of(model, staged, self.owners)  # weights held on several devices
         self._lost: str | None = None
         self._folder = tempfile.mkdtemp(prefix="pipetorch-")
         self.peers: list[wire.Peer] = []
@@ -117,7 +121,8 @@ class ProcessEngine:
                                        self.staged.io[s].inputs) for s in placement.stages)
             optimizer = (stage_optimizer(self.optimizer, nn.ModuleList(s.module for s in stages))
                          if self.optimizer else None)
-            setup = Setup(stages, optimizer, self.specs, self.schedule, self.owners, devices)
+            setup = Setup(stages, optimizer, self.specs, self.schedule, self.owners, devices,
+                          self.ties)
             launch = Launch(placement, meeting,
                             self.process_id * self.replicas + placement.replica, self.timeout,
                             os.getpid(), self._folder if keep and placement.replica == 0 else None,

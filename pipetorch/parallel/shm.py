@@ -198,8 +198,9 @@ class ShmLink(PeerLink):
         finally:
             os.close(fd)
         memory[8:16] = struct.pack("q", os.getpid())
-        credit_fd = os.open(path("credit"), os.O_RDONLY | os.O_NONBLOCK)
+        # data before credit: the receiver unlinks every file once credit has a reader
         data_fd = os.open(path("data"), os.O_WRONLY | os.O_NONBLOCK)
+        credit_fd = os.open(path("credit"), os.O_RDONLY | os.O_NONBLOCK)
         peer_pid = struct.unpack("q", memory[0:8])[0]
         self._out[(peer, spec.tag)] = _Channel(spec, memory, self._sizes(spec)[0], credit_fd,
                                                data_fd, peer_pid)

@@ -14,6 +14,7 @@ from pipetorch import ops
 from pipetorch.errors import DeviceError
 from pipetorch.optim.scaling import loss_scale
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
+from pipetorch.parallel.tied import TiedGrads
 from pipetorch.parallel.transport import BundleLayout, ChannelSpec, PeerLink, Tag, channel
 from pipetorch.runtime.recompute import original_module
 from pipetorch.partition.split import Source
@@ -141,14 +142,16 @@ class StageExecutor:
     `owners[s]` is the device of stage s (default: every stage on its own device, numbered
     like the stages); the link reaches the other devices by that number. A transfer between
     two held stages is a hand-over in memory: the receiver gets the sender's tensors, detached.
+    `tied` holds the device's copies of weights tied with other devices (TIED_REDUCE).
     """
 
     def __init__(self, stages: Sequence[DeviceStage], specs: dict[Source, Spec], *,
                  link: PeerLink, device: torch.device, optimizer: torch.optim.Optimizer | None,
-                 owners: Sequence[int] | None = None, replica: int = 0) -> None:
+                 owners: Sequence[int] | None = None, replica: int = 0,
+                 tied: TiedGrads | None = None) -> None:
         assert stages, "a device holds at least one stage"
         self.specs, self.link, self.replica = specs, link, replica
-        self.device, self.optimizer = device, optimizer
+        self.device, self.optimizer, self.tied = device, optimizer, tied
         self.owners = tuple(owners) if owners is not None else tuple(
             range(stages[0].route.stages))
         self.held = {s.route.index: _Held(s, specs, replica) for s in stages}
@@ -158,7 +161,8 @@ class StageExecutor:
             Kind.RECV_ACT: self._recv_act, Kind.SEND_ACT: self._send_act,
             Kind.RECV_GRAD: self._recv_grad, Kind.SEND_GRAD: self._send_grad,
             Kind.SEND_DONE: self._send_done, Kind.RECV_DONE: self._recv_done,
-            Kind.ALL_REDUCE: self._all_reduce, Kind.STEP: self._step,
+            Kind.ALL_REDUCE: self._all_reduce, Kind.TIED_REDUCE: self._tied_reduce,
+            Kind.STEP: self._step,
         }
         self.current: tuple[Action, int] | None = None  # for error messages
 
@@ -297,6 +301,11 @@ class StageExecutor:
         two of its stages share, once)."""
         params = {id(p): p for h in self.held.values() for p in h.module.parameters()}
         self.link.all_reduce([p.grad for p in params.values() if p.grad is not None])
+
+    def _tied_reduce(self, m: int, action: Action) -> None:
+        """Sum the gradients of the weights tied with other devices over those devices."""
+        assert self.tied is not None, "TIED_REDUCE in the plan of a device with no tied weight"
+        self.tied.sum(self.link)
 
     def _step(self, m: int, action: Action) -> None:
         self.link.flush()

@@ -152,18 +152,20 @@ class PeerLink:
         flag = torch.empty(1, dtype=torch.uint8, device=self.wire_device)
         self._wait(dist.irecv(flag, self.offset + peer, tag=tag), peer)
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Sum `tensors` in place over this device's replicas: one flat buffer per dtype."""
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, group: Any = None,
+                   who: str = "the other replicas") -> None:
+        """Sum `tensors` in place over this device's replicas (or over `group`, the workers
+        named `who` in a timeout's message): one flat buffer per dtype."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
         for tensor in tensors:
             by_dtype[tensor.dtype].append(tensor)
-        for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in group]).to(self.wire_device)
-            self._wait(dist.all_reduce(flat, group=self.replica_group, async_op=True),
-                       "the other replicas")
-            flat = flat.to(group[0].device)
+        process_group = self.replica_group if group is None else group
+        for same in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in same]).to(self.wire_device)
+            self._wait(dist.all_reduce(flat, group=process_group, async_op=True), who)
+            flat = flat.to(same[0].device)
             at = 0
-            for tensor in group:
+            for tensor in same:
                 tensor.copy_(flat[at:at + tensor.numel()].view_as(tensor))
                 at += tensor.numel()
             nbytes = flat.numel() * flat.element_size()

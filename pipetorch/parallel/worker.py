@@ -28,6 +28,7 @@ from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel import shm
 from pipetorch.parallel.routes import Constant, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, StageExecutor
+from pipetorch.parallel.tied import Tie, TiedGrads, new_groups
 from pipetorch.parallel.transport import backend_for, link_kind, new_link
 from pipetorch.partition.split import Source
 from pipetorch.runtime import devices as device_kinds
@@ -49,6 +50,7 @@ class Setup:
     schedule: str              # plans.KINDS: "pipelined" or "sharded"
     owners: tuple[int, ...]    # every stage's device (its worker within the replica)
     devices: tuple[str, ...]   # the physical device of every worker of this host process
+    ties: tuple[Tie, ...] = ()  # every weight tied across devices (the same on every worker)
 
     @property
     def device(self) -> int:
@@ -110,6 +112,10 @@ class Worker:
         # Every worker creates every device's group, in the same order (a collective call).
         groups = [dist.new_group(meeting.device_ranks(d)) if meeting.replicas > 1 else None
                   for d in range(meeting.devices)]
+        tie_groups = new_groups(setup.ties, meeting)  # after those, in the same order everywhere
+        self.tied = TiedGrads(setup.ties, self.modules, device=setup.device,
+                              groups={d: g for (r, d), g in tie_groups.items()
+                                      if r == launch.replica})
         if self.optimizer is not None:
             if not offload.is_offloaded(self.optimizer):  # else it moves in for each step
                 _move_state(self.optimizer, self.device)
@@ -117,6 +123,8 @@ class Worker:
             # over all workers, each replica's (identical) share counts `replicas` times.
             self.optimizer._pipetorch_reduce = (  # type: ignore[attr-defined]
                 lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas)
+            # ... and a weight tied across devices counts once, not once per copy.
+            self.optimizer._pipetorch_shares = self.tied.shares()  # type: ignore[attr-defined]
         kind = link_kind([torch.device(d) for d in setup.devices],
                          one_host=len(setup.devices) == meeting.world_size)
         link = new_link(kind, prefix=shm.segment_prefix(launch.host_pid, meeting.prefix),
@@ -125,7 +133,8 @@ class Worker:
                         replica_group=groups[setup.device])
         self.executor = StageExecutor(setup.stages, setup.specs, link=link, device=self.device,
                                       optimizer=self.optimizer, owners=setup.owners,
-                                      replica=launch.placement.replica)
+                                      replica=launch.placement.replica,
+                                      tied=self.tied or None)
         link.open(self.executor.channels(self._transfers()))
         self._plans: dict[tuple[int, bool], list] = {}
         if self.optimizer is not None:
@@ -174,12 +183,15 @@ class Worker:
         actions = devices.merge(plans.plan(self.setup.schedule, count, micro_batches,
                                            training=training),
                                 self.setup.owners)[self.setup.device]
-        if self.launch.rendezvous.replicas == 1:
-            return actions
-        # The replicas' gradients are summed just before each optimiser step.
+        # Just before each optimiser step, the gradients of weights tied across devices are
+        # summed over those devices, then every gradient over the replicas.
+        replicas = self.launch.rendezvous.replicas
+        reduce = [kind for kind, wanted in ((Kind.TIED_REDUCE, bool(self.tied)),
+                                            (Kind.ALL_REDUCE, replicas > 1)) if wanted]
         at = next(n for n, a in enumerate(actions) if a.kind is Kind.STEP) if training else None
-        return actions if at is None else [
-            *actions[:at], Action(Kind.ALL_REDUCE, actions[at].stage), *actions[at:]]
+        if at is None or not reduce:
+            return actions
+        return [*actions[:at], *(Action(k, actions[at].stage) for k in reduce), *actions[at:]]
 
     def _transfers(self) -> list[Action]:
         """This worker's transfers in every plan of its schedule (training and inference)."""

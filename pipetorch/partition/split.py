@@ -55,8 +55,10 @@ class StagedModel:
 
     `modules[j]` is stage j: an `fx.GraphModule` holding only the parameters and buffers that
     stage uses, under their names in the user's model (`layer3.1.conv1.weight`); they are the
-    user's Parameter objects, not copies. `io[j].inputs` lists where each of its arguments
-    comes from; `output` is forward's return structure with a Source at each tensor leaf.
+    user's Parameter objects, not copies (a tied one is in every stage using it; `owners`
+    names a stage per device holding it, and each device's worker trains its own copy).
+    `io[j].inputs` lists where each of its arguments comes from; `output` is forward's return
+    structure with a Source at each tensor leaf.
 
     Routing for the runtime: a value read by a stage other than the next one (a skip
     connection over a stage) is listed with its true source `("stage", j, k)`. Send it from
@@ -77,12 +79,18 @@ class StagedModel:
     io: tuple[StageIO, ...]
     output: Any
     layout: InputLayout
-    owners: dict[str, int]  # parameter or buffer name in the user's model -> its stage
+    owners: dict[str, tuple[int, ...]]  # parameter or buffer name in the user's model -> the
+    # stages holding it: one per device using it (several for a parameter tied across devices)
     training: bool
 
     def flatten_inputs(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
         """The host inputs `("input", i)` of a call: its tensor arguments in forward's order."""
         return self.layout.flatten(args, kwargs)
+
+    def tied(self) -> dict[str, tuple[int, ...]]:
+        """The parameters held by stages of several devices, with those stages: each device
+        has its own copy, trained as one weight (gradients summed before every step)."""
+        return {name: stages for name, stages in self.owners.items() if len(stages) > 1}
 
     def readers(self, stage: int, slot: int) -> tuple[int, ...]:
         """The stages that take output `slot` of `stage` as an input."""
@@ -213,8 +221,9 @@ def split_stages(model: nn.Module, args: tuple, kwargs: dict,
 
     Ops before the first block go to stage 0. Raises CompileError when forward cannot be
     captured, when the captured blocks differ from `stages`, when a stage would need a value
-    computed by a later stage, or when a parameter or buffer is used by two stages on
-    different devices (two stages of one device share it: its worker holds one copy).
+    computed by a later stage, or when a buffer is used by two stages on different devices.
+    A parameter used on several devices (GPT-2's lm_head tied to wte) is held by a stage of
+    each (`StagedModel.tied`); two stages of one device share its worker's one copy.
     """
     if traced is None:
         traced = capture(model, args, kwargs)
@@ -263,9 +272,10 @@ def _check_order(graph: fx.Graph, stage_of: dict[fx.Node, int]) -> None:
 
 
 def _owners(model: nn.Module, traced: fx.GraphModule, stage_of: dict[fx.Node, int],
-            ipus: list[int]) -> dict[str, int]:
-    """Stage of each parameter and buffer forward uses (the last one, for a tensor that
-    stages of one device share); one used on two devices is an error."""
+            ipus: list[int]) -> dict[str, tuple[int, ...]]:
+    """The stages holding each parameter and buffer forward uses: one per device using it,
+    the last of its stages there (stages of one device share the device's copy). A buffer
+    used on two devices is an error: forward may change it, and the copies would diverge."""
     names: dict[int, tuple[str, str]] = {}  # id -> (name, kind), the first name of a tied one
     for kind, named in (("Parameter", model.named_parameters(remove_duplicate=False)),
                         ("Buffer", model.named_buffers(remove_duplicate=False))):
@@ -283,20 +293,28 @@ def _owners(model: nn.Module, traced: fx.GraphModule, stage_of: dict[fx.Node, in
             if id(tensor) in names:
                 for user in users:
                     uses.setdefault(names[id(tensor)], {}).setdefault(stage_of[user], user)
+    owners: dict[str, tuple[int, ...]] = {}
     for (name, kind), by_stage in uses.items():
-        apart = sorted({ipus[stage]: (stage, user) for stage, user in
-                        sorted(by_stage.items(), reverse=True)}.values())
-        if len(apart) > 1:
-            (first, a), (second, b) = apart[:2]
-            raise CompileError(
-                f"{kind} '{name}' is used by stage {first} ('{a.name}' in block "
-                f"{a.meta[BLOCK_KEY]!r}, ipu {ipus[first]}) and by stage {second} ('{b.name}' "
-                f"in block {b.meta[BLOCK_KEY]!r}, ipu {ipus[second]}), but each device owns "
-                "its weights. Put both uses on one device (both blocks on one ipu_id: e.g. "
-                "the head back on ipu 0), or untie them (HuggingFace models: "
-                "config.tie_word_embeddings=False)"
-            )
-    return {name: stage for (name, _), by_stage in uses.items() for stage in by_stage}
+        if kind == "Buffer":
+            _check_one_device(name, by_stage, ipus)
+        last = {ipus[stage]: stage for stage in sorted(by_stage)}
+        owners[name] = tuple(sorted(last.values()))
+    return owners
+
+
+def _check_one_device(name: str, by_stage: dict[int, fx.Node], ipus: list[int]) -> None:
+    apart = sorted({ipus[stage]: (stage, user) for stage, user in
+                    sorted(by_stage.items(), reverse=True)}.values())
+    if len(apart) > 1:
+        (first, a), (second, b) = apart[:2]
+        raise CompileError(
+            f"Buffer '{name}' is used by stage {first} ('{a.name}' in block "
+            f"{a.meta[BLOCK_KEY]!r}, ipu {ipus[first]}) and by stage {second} ('{b.name}' "
+            f"in block {b.meta[BLOCK_KEY]!r}, ipu {ipus[second]}), but each device keeps its "
+            "own copy of a buffer and forward may change it, so the copies would diverge. "
+            "Put both uses on one device (both blocks on one ipu_id), or give each use its "
+            "own buffer"
+        )
 
 
 def _tensors_of(value: Any) -> list[torch.Tensor]:
@@ -306,7 +324,8 @@ def _tensors_of(value: Any) -> list[torch.Tensor]:
 
 
 def _assemble(top: fx.GraphModule, qualnames: dict[str, str], traced: Traced,
-              stages: list[StageSpec], owners: dict[str, int], *, training: bool) -> StagedModel:
+              stages: list[StageSpec], owners: dict[str, tuple[int, ...]], *,
+              training: bool) -> StagedModel:
     """Read the stages' sources off split_module's top-level graph and re-home their weights."""
     sources: dict[fx.Node, Source] = {}
     modules: list[nn.Module] = [_empty_stage(j) for j in range(len(stages))]

@@ -17,7 +17,7 @@ __all__: list[str] = []
 
 HOST_PID = 0
 CATEGORIES = {"F": "forward", "B": "backward", "STEP": "step", "H2D": "host-to-device",
-              "D2H": "device-to-host", "AR": "all-reduce"}
+              "D2H": "device-to-host", "AR": "all-reduce", "TR": "all-reduce"}
 
 
 def category(kind: str) -> str:

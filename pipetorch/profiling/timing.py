@@ -20,8 +20,9 @@ __all__: list[str] = []
 
 COMPUTE = frozenset({"F", "B"})
 # Sends and receives between stages; the host's inputs arriving (H2D) and outputs leaving
-# (D2H); the all-reduce of gradients with the other replicas (AR).
-TRANSFER = frozenset({"S>F", "R<F", "S<B", "R>B", "S<D", "R>D", "H2D", "D2H", "AR"})
+# (D2H); the all-reduce of gradients with the other replicas (AR), and of a tied weight's
+# gradients with the other devices holding it (TR).
+TRANSFER = frozenset({"S>F", "R<F", "S<B", "R>B", "S<D", "R>D", "H2D", "D2H", "AR", "TR"})
 STEP = "STEP"
 
 

@@ -20,11 +20,12 @@ class Kind(enum.Enum):
     RECV_DONE = "R>D"  # wait until a later stage says the micro-batch is done
     STEP = "STEP"      # one optimiser step after all the micro-batches' backwards
     ALL_REDUCE = "AR"  # gradients summed over the replicas of the stage, before STEP
+    TIED_REDUCE = "TR"  # a weight tied across devices: its copies' gradients summed, before AR
 
     @property
     def is_whole_step(self) -> bool:
         """Kinds that cover every micro-batch of the step and have no peer."""
-        return self in (Kind.STEP, Kind.ALL_REDUCE)
+        return self in (Kind.STEP, Kind.ALL_REDUCE, Kind.TIED_REDUCE)
 
     @property
     def is_compute(self) -> bool:

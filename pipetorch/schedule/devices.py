@@ -15,8 +15,9 @@ device 1's work and is never idle:
     device 0 | 0:F0 0:F1 2:F0 0:F2 2:B0 2:F1 2:B1 0:B0 2:F2 2:B2 0:B1 0:B2
     device 1 |    . 1:F0 1:F1    .    . 1:B0 1:F2 1:B1    .    . 1:B2    .
 
-Whole-step actions (STEP, and ALL_REDUCE the worker adds with replicas) cover every stage of
-the device: a device plan has one of each, named for the device's first stage.
+Whole-step actions (STEP, and the ALL_REDUCE / TIED_REDUCE the worker adds with replicas / with
+a weight tied across devices) cover every stage of the device: a device plan has one of each,
+named for the device's first stage.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward:
     device needs its send earlier in the list than its receive. Raises DeadlockError."""
     _check_device_plan(device_plan, owners)
     costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.STEP: step,
-             Kind.ALL_REDUCE: step}
+             Kind.ALL_REDUCE: step, Kind.TIED_REDUCE: step}
     pos, clock = [0] * len(device_plan), [0] * len(device_plan)
     handed: set[Action] = set()  # local sends whose receive has not run yet
     events: list[list[Event]] = [[] for _ in device_plan]

@@ -9,7 +9,6 @@ from torch.utils import _pytree as pytree
 import pipetorch as poptorch
 from hf_cases import BUILDERS, gpt2, join, plain_call, slice_inputs, twin
 from parallel.parallel_cases import assert_same_state, cleaned, one_thread_everywhere
-from pipetorch.errors import CompileError
 
 pytestmark = [pytest.mark.slow, pytest.mark.transformers]
 
@@ -94,17 +93,24 @@ def test_inference_logits_equal_the_plain_model(request, name):
     assert_same_output(got, want, what=name)
 
 
-def test_tied_embeddings_across_stages_are_refused_with_the_fix(request):
-    # GPT-2 ties lm_head.weight to wte.weight: with wte on device 0 and the head on device 1,
-    # each device would update its own copy of one weight.
+def test_gpt2_tied_embeddings_across_two_devices_train_like_plain_pytorch(request):
+    # GPT-2 ties lm_head.weight to wte.weight, with wte on device 0 and the head on device 1:
+    # each device holds a copy, their gradients are summed before every step (DeepSpeed's
+    # tied layers), and the user's model keeps one weight.
     case = gpt2(2, tied=True)
-    opts = options(sharded=True, G=2)
+    plain = twin(case.model)
+    G = 3
+    opts = options(sharded=False, G=G)
     wrapper = cleaned(request, poptorch.trainingModel(case.model, opts, optimizer=sgd(case.model)))
-    with pytest.raises(CompileError) as info:
-        wrapper(**case.make_inputs(D * 2 * B, 0))
-    message = str(info.value)
-    assert "'transformer.wte.weight'" in message and "stage 0" in message and "stage 1" in message
-    assert "tie_word_embeddings=False" in message
+    plain_optimizer = sgd(plain)
+    for call in range(CALLS):
+        inputs = case.make_inputs(D * G * B, call)
+        want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B)
+        assert_same_output(wrapper(**inputs), want, what=f"gpt2 tied across devices call {call}")
+    assert [p.stages for p in wrapper._compiled.engine.placements] == [(0,), (1,)]
+    wrapper.copyWeightsToHost()
+    assert wrapper.model.lm_head.weight is wrapper.model.transformer.wte.weight
+    assert_same_state(wrapper.model, plain, what="gpt2 tied across devices: ")
 
 
 def test_gpt2_tied_embeddings_with_the_head_back_on_device_0_train_like_plain_pytorch(request):

@@ -189,6 +189,26 @@ def assert_same_result(got: Any, want: Any, *, what: str) -> None:
                      msg=lambda m, index=index: f"{what}[{index}]: {m}")
 
 
+def train_and_compare(request: pytest.FixtureRequest, model: nn.Module, opts: Any, *, D: int,
+                      G: int, R: int = 1, calls: int = 2, make_optimizer: MakeOptimizer,
+                      make_data: Callable[[int, int], Batch], batch: int = 2) -> Any:
+    """Train `model` for `calls` host calls (micro-batches of `batch`) and plain PyTorch
+    alongside: same outputs and losses at every call, same weights at the end; returns the
+    wrapper."""
+    plain = copy.deepcopy(model)
+    plain_optimizer = make_optimizer(plain)
+    wrapper = cleaned(request, poptorch.trainingModel(model, opts,
+                                                      optimizer=make_optimizer(model)))
+    for seed in range(calls):
+        inputs = make_data(D * G * R * batch, seed)
+        got = wrapper(*inputs)
+        rows = plain_train_call(plain, plain_optimizer, *inputs, D=D, G=G, R=R)
+        expected = expected_outputs(rows, "All", steps=D * G, R=R)
+        assert_same_result(got, expected, what=f"call {seed} vs plain PyTorch")
+    assert_same_state(wrapper.model, plain, what="vs plain PyTorch: ")
+    return wrapper
+
+
 def plain_call(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, *, D: int,
                G: int, R: int = 1, mode: str = "All", period: int | None = None) -> Batch:
     """What one host call returns, computed by the plain-PyTorch hand loop."""

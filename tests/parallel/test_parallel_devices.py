@@ -5,6 +5,7 @@ BERT tutorial's layers_per_ipu). Consecutive stages hand over in memory; ipus 0,
 stages 0 and 2 interleaved on device 0. Every run equals the plain-PyTorch loop.
 """
 import copy
+import functools
 import os
 import signal
 
@@ -16,6 +17,7 @@ from torch.testing import assert_close
 
 import pipetorch as poptorch
 from fault_cases import records_of, registry, wait_gone  # noqa: F401 - registry: a fixture
+import parallel_cases as cases
 from helpers.reference import expected_outputs, plain_train_call
 from parallel_cases import (SkipNet, assert_in_processes, assert_same_result, assert_same_state,
                             cleaned, one_thread_everywhere)
@@ -68,21 +70,8 @@ def sgd(model, lr=0.05):
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
-def train_and_compare(request, model, opts, *, D, G, R=1, calls=2, make_optimizer=sgd,
-                      make_data=data):
-    """Train `model` for `calls` host calls and plain PyTorch alongside; returns the wrapper."""
-    plain = copy.deepcopy(model)
-    plain_optimizer = make_optimizer(plain)
-    wrapper = cleaned(request, poptorch.trainingModel(model, opts,
-                                                      optimizer=make_optimizer(model)))
-    for seed in range(calls):
-        batch = make_data(D * G * R * B, seed)
-        got = wrapper(*batch)
-        rows = plain_train_call(plain, plain_optimizer, *batch, D=D, G=G, R=R)
-        expected = expected_outputs(rows, "All", steps=D * G, R=R)
-        assert_same_result(got, expected, what=f"call {seed} vs plain PyTorch")
-    assert_same_state(wrapper.model, plain, what="vs plain PyTorch: ")
-    return wrapper
+train_and_compare = functools.partial(cases.train_and_compare, make_optimizer=sgd,
+                                      make_data=data, batch=B)
 
 
 def stages_per_worker(wrapper):

@@ -123,8 +123,9 @@ def test_resnet_split_at_begin_blocks_matches_unsplit(starts):
     assert_partition(staged, model,
                      lambda n: sum(position(n) >= position("model." + s) for s in starts))
     # BatchNorm statistics live with their layer's stage.
-    assert staged.owners["model.bn1.running_mean"] == 0
-    assert staged.owners["model.layer4.0.bn1.running_var"] == len(starts)
+    assert staged.owners["model.bn1.running_mean"] == (0,)
+    assert staged.owners["model.layer4.0.bn1.running_var"] == (len(starts),)
+    assert staged.tied() == {}
 
 
 def test_bottleneck_resnet_in_eval_mode():
@@ -204,12 +205,37 @@ class TiedNet(nn.Module):
         return self.out(self.mid(self.embed(tokens)))
 
 
-def test_tied_weights_across_stages_are_an_error():
+def test_a_weight_tied_across_devices_is_held_by_a_stage_of_each():
+    # The embedding on ipu 0, the head reading its weight on ipu 1: both stages hold it.
     model = TiedNet()
     poptorch.BeginBlock(model.mid, "B2", ipu_id=1)
-    with pytest.raises(CompileError, match="Parameter 'embed.weight' is used by stage 0 .*by stage "
-                                           "1 .*Put both uses on one device"):
-        split_stages(model, (torch.tensor([[1, 2]]),), {}, specs((), ("B2",)))
+    staged = assert_same_as_unsplit(model, (torch.tensor([[1, 2]]),), {}, specs((), ("B2",)))
+    assert staged.owners["embed.weight"] == (0, 1) and staged.owners["mid.weight"] == (1,)
+    assert staged.tied() == {"embed.weight": (0, 1)}
+    held = [p for m in staged.modules for p in m.parameters() if p is model.embed.weight]
+    assert len(held) == 2
+
+
+class SharedBuffer(nn.Module):
+    """A buffer read on two devices: forward may change it, so it cannot be copied."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.register_buffer("shift", torch.ones(3))
+
+    def forward(self, x):
+        with poptorch.Block("A", ipu_id=0):
+            x = self.first(x) + self.shift
+        with poptorch.Block("B", ipu_id=1):
+            return self.second(x) * self.shift
+
+
+def test_a_buffer_used_on_two_devices_is_an_error_naming_both_stages_and_the_fix():
+    model = SharedBuffer()
+    with pytest.raises(CompileError, match="Buffer 'shift' is used by stage 0 .*ipu 0.* by stage "
+                                           "1 .*ipu 1.*Put both uses on one device"):
+        split_stages(model, (torch.randn(2, 3),), {}, specs("A", "B"))
 
 
 def test_tied_weights_of_two_stages_on_one_device_are_one_tensor():
@@ -221,13 +247,14 @@ def test_tied_weights_of_two_stages_on_one_device_are_one_tensor():
     staged = assert_same_as_unsplit(model, (torch.tensor([[1, 2]]),), {}, stages)
     shared = [p for m in staged.modules for p in m.parameters() if p is model.embed.weight]
     assert len(shared) == 2  # stage 0's and stage 2's: the same Parameter
+    assert staged.owners["embed.weight"] == (2,) and staged.tied() == {}  # one device
 
 
 def test_tied_weights_within_one_stage_are_fine():
     model = TiedNet()
     poptorch.BeginBlock(model.mid, "B2", ipu_id=0)
     staged = split_stages(model, (torch.tensor([[1, 2]]),), {}, [StageSpec(0, 0, ("B2",))])
-    assert staged.owners["embed.weight"] == 0  # out.weight is the same tensor, in the same stage
+    assert staged.owners["embed.weight"] == (0,)  # out.weight is the same tensor, in the same stage
     assert stage_parameter_names(staged) == [["embed.weight", "mid.weight", "mid.bias"]]
 
 

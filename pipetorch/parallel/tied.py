@@ -1,0 +1,104 @@
+"""Weights tied across devices: a copy on each device using it, gradients summed before the step.
+
+GPT-2's lm_head reads wte's weight on the last device while wte runs on the first. As
+DeepSpeed's tied layers do, each device's worker holds its own copy; after the step's last
+backward each copy's gradient becomes the sum over the devices holding it (then over the
+replicas, as every gradient does), and every copy takes the same update from the same state,
+so the copies stay equal, bit for bit:
+
+    device 0: F0 F1 .. B0 B1 | TR (wte.weight with device 1) | AR (replicas) | STEP
+    device 1: F0 F1 .. B0 B1 | TR (wte.weight with device 0) | AR (replicas) | STEP
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from pipetorch.parallel.rendezvous import Rendezvous
+from pipetorch.parallel.transport import PeerLink
+from pipetorch.partition.split import StagedModel
+
+__all__: list[str] = []
+
+DeviceSet = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A parameter held on several devices of a replica."""
+
+    name: str                          # in the user's model
+    devices: DeviceSet                 # the devices holding a copy, ascending
+    held: tuple[tuple[int, str], ...]  # (stage, the parameter's name in that stage's module)
+
+
+def ties_of(model: nn.Module, staged: StagedModel, owners: Sequence[int]) -> tuple[Tie, ...]:
+    """Every parameter of `model` tied across devices (`owners[s]`: the device of stage s), by
+    name: the same list for every worker."""
+    ties = []
+    for name, stages in sorted(staged.tied().items()):
+        param = model.get_parameter(name)
+        held = tuple((s, _name_in(staged.modules[s], param)) for s in stages)
+        ties.append(Tie(name, tuple(sorted(owners[s] for s in stages)), held))
+    return tuple(ties)
+
+
+def _name_in(module: nn.Module, param: nn.Parameter) -> str:
+    return next(n for n, p in module.named_parameters(remove_duplicate=False) if p is param)
+
+
+def device_sets(ties: Sequence[Tie]) -> list[DeviceSet]:
+    """The distinct sets of devices sharing a weight, in one order for every worker."""
+    return sorted({t.devices for t in ties})
+
+
+def new_groups(ties: Sequence[Tie], meeting: Rendezvous) -> dict[tuple[int, DeviceSet], Any]:
+    """A process group per replica and device set sharing a weight. Collective: every worker
+    calls it with the same ties (no ties: no group, no wait)."""
+    return {(replica, devices): dist.new_group([meeting.rank(replica, d) for d in devices])
+            for replica in range(meeting.replicas) for devices in device_sets(ties)}
+
+
+class TiedGrads:
+    """One worker's copies of the weights tied across devices, grouped by the devices holding
+    them, each group with its process group (within the worker's replica)."""
+
+    def __init__(self, ties: Sequence[Tie], modules: dict[int, nn.Module], *, device: int,
+                 groups: dict[DeviceSet, Any]) -> None:
+        self.sets: list[tuple[DeviceSet, Any, list[nn.Parameter]]] = []
+        for devices in device_sets(ties):
+            if device in devices:
+                params = [_local(t, modules) for t in ties if t.devices == devices]
+                self.sets.append((devices, groups[devices], params))
+
+    def __bool__(self) -> bool:
+        return bool(self.sets)
+
+    def shares(self) -> dict[int, float]:
+        """id(copy) -> 1 / copies: a sum over every device (a global gradient norm) counts a
+        tied weight once."""
+        return {id(p): 1.0 / len(devices) for devices, _, params in self.sets for p in params}
+
+    @torch.no_grad()
+    def sum(self, link: PeerLink) -> None:
+        """Each copy's gradient becomes the sum over the devices holding the weight. A copy its
+        device did not use this step adds zeros (every holder must join the collective); one
+        no device used keeps no gradient, as in plain PyTorch."""
+        for devices, group, params in self.sets:  # in the same order on every device
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            used = [torch.full((1,), float(p.grad is not None), dtype=g.dtype, device=g.device)
+                    for p, g in zip(params, grads)]
+            link.all_reduce([*grads, *used], group=group,
+                            who=f"the workers of devices {', '.join(map(str, devices))}")
+            for param, grad, flag in zip(params, grads, used):
+                param.grad = grad if flag.item() > 0 else None
+
+
+def _local(tie: Tie, modules: dict[int, nn.Module]) -> nn.Parameter:
+    """This worker's copy of `tie` (stages of one device share it: the first one found)."""
+    stage, name = next((s, n) for s, n in tie.held if s in modules)
+    return modules[stage].get_parameter(name)
