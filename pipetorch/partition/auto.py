@@ -1,15 +1,17 @@
-"""Automatic stage balancing: profile the candidate segments, plan, and place BeginBlocks."""
+"""Automatic stage balancing: profile the candidate segments, plan, and place the stages."""
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from pipetorch.partition.balance import Placement, default_in_flight, plan
 from pipetorch.partition.blocks import BeginBlock, removeBlocks
-from pipetorch.partition.candidates import candidates
+from pipetorch.partition.candidates import ordered_candidates
+from pipetorch.partition.strategies import ExecutionStrategy
 from pipetorch.profiling.costs import cost_table
 
 __all__ = ["balance"]
@@ -21,45 +23,54 @@ def balance(model: nn.Module, *sample_inputs: Any, devices: int,
             sample_kwargs: dict[str, Any] | None = None,
             memory_budget: int | Sequence[int] | None = None, repeats: int = 5,
             optimizer_slots: int = 2, threads: int | None = None,
-            link_bytes_per_s: float | None = None, apply: bool = True) -> Placement:
+            link_bytes_per_s: float | None = None, apply: bool = True,
+            options: Any = None) -> Placement:
     """Split `model` over `devices` pipeline stages by measured time and memory.
 
-    `sample_inputs` (and `sample_kwargs`, for models called by keyword) is one micro-batch. Each candidate segment (the user's blocks, else the
-    model's layers) is profiled here for forward+backward time, activations and parameter +
-    optimiser bytes; the plan minimises the slowest stage, transfers included, under
-    `memory_budget` bytes per device. With `apply` (default) the placement is written on the
-    model as `BeginBlock(..., ipu_id=d)` annotations, replacing any there, so that
-    `poptorch.trainingModel(model, opts)` runs it. Raises `OutOfMemoryError` when nothing fits.
+    `sample_inputs` (and `sample_kwargs`, for models called by keyword) is one micro-batch.
+    Each candidate segment (the user's blocks, else the model's layers) is profiled here for
+    forward+backward time, activations and parameter + optimiser bytes; the plan minimises the
+    slowest stage, transfers included, under `memory_budget` bytes per device. Raises
+    `OutOfMemoryError` when nothing fits.
+
+    With `apply` (default) the placement is written on the model as `BeginBlock(..., ipu_id=d)`
+    annotations, replacing any there, so that `poptorch.trainingModel(model, opts)` runs it.
+    When forward opens `Block` scopes (`with Block`, `Block.start`, `BlockFunction`), the
+    candidates are all its blocks and the placement groups them into stages: it is set as
+    `options`' execution strategy (`placement.strategy()`, printed by `strategy_lines()`).
     """
-    names = candidates(model)
-    if not names:
-        raise ValueError(
-            f"{type(model).__name__} has no candidate cut points: balancing needs BeginBlock "
-            "annotations or children in an nn.Sequential / nn.ModuleList")
     kwargs = sample_kwargs or {}
-    names = _execution_order(model, names, sample_inputs, kwargs)
-    previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    # Profiling steps must not change the model: restore buffers (BatchNorm statistics) and
-    # the random state (dropout) they consume.
-    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
-    try:
-        with torch.random.fork_rng(devices=[]):
-            table = cost_table(model, names, sample_inputs, kwargs, repeats=repeats,
-                               optimizer_slots=optimizer_slots,
-                               link_bytes_per_s=link_bytes_per_s)
-    finally:
-        torch.set_num_threads(previous)
-        with torch.no_grad():
-            for k, v in model.named_buffers():
-                v.copy_(buffers[k])
-    placement = plan(table, devices, budgets=memory_budget, in_flight=default_in_flight)
-    logger.info("Balanced placement:\n%s\nEquivalent BeginBlock lines:\n%s",
-                placement.table(), "\n".join(placement.begin_block_lines()))
-    if apply:
+    names, scopes = _ordered(model, sample_inputs, kwargs)
+    if scopes and apply and options is None:
+        raise ValueError(
+            f"{type(model).__name__}'s blocks are Block scopes {names}: their placement is an "
+            "execution strategy, not BeginBlock annotations; pass options=opts to set it there, "
+            "or apply=False and opts.setExecutionStrategy(placement.strategy())")
+    placement = _plan(model, names, sample_inputs, kwargs, devices=devices, scopes=scopes,
+                      memory_budget=memory_budget, repeats=repeats, threads=threads,
+                      optimizer_slots=optimizer_slots, link_bytes_per_s=link_bytes_per_s)
+    if apply and scopes:
+        options.setExecutionStrategy(placement.strategy(type(options.execution_strategy)))
+    elif apply:
         apply_placement(model, placement)
     return placement
+
+
+def balanced_strategy(model: nn.Module, args: tuple, kwargs: dict[str, Any], *,
+                      devices: int, strategy: ExecutionStrategy,
+                      memory_budget: int | None = None) -> ExecutionStrategy:
+    """opts.autoBalance inside compile: balance `model`, and the strategy to run it with.
+
+    A model with BeginBlock modules or none gets BeginBlock annotations and keeps `strategy`;
+    a model with Block scopes keeps its scopes and gets `strategy`'s kind over the new stages.
+    """
+    names, scopes = _ordered(model, args, kwargs)
+    placement = _plan(model, names, args, kwargs, devices=devices, scopes=scopes,
+                      memory_budget=memory_budget)
+    if scopes:
+        return placement.strategy(type(strategy))
+    apply_placement(model, placement)
+    return strategy
 
 
 def apply_placement(model: nn.Module, placement: Placement) -> nn.Module:
@@ -71,17 +82,44 @@ def apply_placement(model: nn.Module, placement: Placement) -> nn.Module:
     return model
 
 
-def _execution_order(model: nn.Module, names: list[str], args: tuple,
-                     kwargs: dict[str, Any]) -> list[str]:
-    """Candidates in the order the forward first calls them; ones never called are dropped."""
-    modules = dict(model.named_modules())
-    order: list[str] = []
-    handles = [modules[n].register_forward_pre_hook(
-        lambda m, a, n=n: order.append(n) if n not in order else None) for n in names]
+def _ordered(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[list[str], bool]:
+    """The candidates in execution order, and whether they are block ids; the forward that
+    finds them must not change the model (BatchNorm statistics)."""
+    with _buffers_kept(model):
+        return ordered_candidates(model, args, kwargs)
+
+
+def _plan(model: nn.Module, names: list[str], args: tuple, kwargs: dict[str, Any], *,
+          devices: int, scopes: bool, memory_budget: int | Sequence[int] | None,
+          repeats: int = 5, threads: int | None = None, optimizer_slots: int = 2,
+          link_bytes_per_s: float | None = None) -> Placement:
+    """Profile the candidates and plan; the profiling steps leave the model as it was."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            model(*args, **kwargs)
+        # Profiling steps must not change the model: restore buffers (BatchNorm statistics)
+        # and the random state (dropout) they consume.
+        with _buffers_kept(model), torch.random.fork_rng(devices=[]):
+            table = cost_table(model, names, args, kwargs, repeats=repeats,
+                               optimizer_slots=optimizer_slots,
+                               link_bytes_per_s=link_bytes_per_s, scopes=scopes)
     finally:
-        for h in handles:
-            h.remove()
-    return order
+        torch.set_num_threads(previous)
+    placement = plan(table, devices, budgets=memory_budget, in_flight=default_in_flight)
+    lines = placement.strategy_lines() if scopes else placement.begin_block_lines()
+    logger.info("Balanced placement:\n%s\nEquivalent %s lines:\n%s", placement.table(),
+                "execution strategy" if scopes else "BeginBlock", "\n".join(lines))
+    return placement
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Restores the model's buffers on exit."""
+    saved = {k: v.detach().clone() for k, v in model.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(saved[k])

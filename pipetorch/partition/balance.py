@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from pipetorch.errors import OutOfMemoryError
+from pipetorch.partition.strategies import ExecutionStrategy, PipelinedExecution
+from pipetorch.partition.strategies import Stage as BlockStage
 
 __all__: list[str] = []
 
@@ -70,9 +72,22 @@ class Placement:
                          f"\"stage{stage.device}\", ipu_id={stage.device})")
         return lines
 
+    def strategy(self, kind: type[ExecutionStrategy] = PipelinedExecution) -> ExecutionStrategy:
+        """The execution strategy grouping the segments, as block ids, into this placement's
+        stages: how a placement of `Block` scopes is applied."""
+        return kind(*(BlockStage(*s.segments).ipu(s.device) for s in self.stages))
+
+    def strategy_lines(self, kind: type[ExecutionStrategy] = PipelinedExecution,
+                       options: str = "opts") -> list[str]:
+        """The `setExecutionStrategy(...)` lines that reproduce `strategy(kind)` by hand."""
+        stages = self.strategy(kind).stages
+        assert isinstance(stages, list)
+        return ([f"{options}.setExecutionStrategy(poptorch.{kind.__name__}("]
+                + [f"    poptorch.{stage!r}," for stage in stages] + ["))"])
+
     def table(self) -> str:
-        """Device, modules, predicted ms and MB, and predicted throughput, as text."""
-        rows = [f"{'device':>6}  {'ms':>9}  {'MB':>9}  modules"]
+        """Device, segments (modules or blocks), predicted ms and MB, and predicted throughput, as text."""
+        rows = [f"{'device':>6}  {'ms':>9}  {'MB':>9}  segments"]
         for s in self.stages:
             mods = _span(s.segments)
             rows.append(f"{s.device:>6}  {s.seconds * 1e3:>9.2f}  "

@@ -1,9 +1,12 @@
 """Candidate cut points for balancing: the user's blocks, else the model's layer containers."""
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
-from pipetorch.partition.blocks import begin_blocks
+from pipetorch.partition.blocks import begin_blocks, recording
 
 __all__: list[str] = []
 
@@ -24,6 +27,38 @@ def candidates(model: nn.Module) -> list[str]:
         return [name for name in marked if name]
     names = _open(model, "")
     return names if len(names) > 1 else []
+
+
+def ordered_candidates(model: nn.Module, args: tuple,
+                       kwargs: dict[str, Any]) -> tuple[list[str], bool]:
+    """The candidates in the order one forward on `args` first reaches them, and whether they
+    are block ids rather than module names.
+
+    When forward opens `Block` scopes (`with Block`, `Block.start`, `BlockFunction`), the
+    candidates are all the blocks it enters, BeginBlock modules' blocks included: a placement
+    of blocks is a grouping of block ids into stages. Otherwise they are `candidates(model)`,
+    those never called dropped.
+    """
+    names = candidates(model)
+    modules = dict(model.named_modules())
+    order: list[str] = []
+    handles = [modules[n].register_forward_pre_hook(
+        lambda m, a, n=n: order.append(n) if n not in order else None) for n in names]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), recording() as recorder:
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    marked = {user_id for user_id, _ in begin_blocks(model).values()}
+    blocks = [b.user_id for b in recorder.ordered()]
+    if any(b not in marked for b in blocks):
+        return blocks, True
+    if not order:
+        raise ValueError(
+            f"{type(model).__name__} has no candidate cut points: balancing needs blocks "
+            "(BeginBlock, Block scopes) or children in an nn.Sequential / nn.ModuleList")
+    return order, False
 
 
 def _open(module: nn.Module, prefix: str) -> list[str]:

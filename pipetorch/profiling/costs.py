@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from pipetorch.partition.balance import Segment
+from pipetorch.profiling.probes import BlockProbe, ModuleProbe, Probe
 
 __all__: list[str] = []
 
@@ -31,58 +32,6 @@ def measure_link_speed(*, repeats: int = 5) -> float:
     return _LINK_PROBE_BYTES / max(statistics.median(times), 1e-9)
 
 
-class _Probe:
-    """Hooks that timestamp each candidate's forward and the gradient reaching its output."""
-
-    def __init__(self, model: nn.Module, names: Sequence[str]) -> None:
-        self.names = list(names)
-        self.index = {n: k for k, n in enumerate(names)}
-        modules = dict(model.named_modules())
-        self.handles = []
-        for name in names:
-            module = modules[name]
-            self.handles.append(module.register_forward_pre_hook(self._enter(name)))
-            self.handles.append(module.register_forward_hook(self._leave(name)))
-        self.reset()
-
-    def reset(self) -> None:
-        self.current = 0
-        self.fwd_start: dict[int, float] = {}
-        self.grad_at: dict[int, float] = {}
-        self.saved = [0] * len(self.names)
-        self.out_bytes = [0] * len(self.names)
-
-    def _enter(self, name: str):
-        def hook(module: nn.Module, args: Any) -> None:
-            k = self.index[name]
-            self.fwd_start.setdefault(k, time.perf_counter())
-            self.current = max(self.current, k)
-        return hook
-
-    def _leave(self, name: str):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            k = self.index[name]
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-            self.out_bytes[k] = sum(t.numel() * t.element_size() for t in tensors)
-            grads = [t for t in tensors if t.requires_grad]
-            if grads:
-                grads[0].register_hook(self._grad(k))
-        return hook
-
-    def _grad(self, k: int):
-        def hook(grad: torch.Tensor) -> None:
-            self.grad_at.setdefault(k, time.perf_counter())
-        return hook
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.saved[self.current] += tensor.numel() * tensor.element_size()
-        return tensor
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def _loss_of(output: Any) -> torch.Tensor:
     tensors = [t for t in tree_flatten(output)[0]
                if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -93,10 +42,10 @@ def _loss_of(output: Any) -> torch.Tensor:
     return scalars[-1] if scalars else tensors[0].float().sum()
 
 
-def _one_step(model: nn.Module, probe: _Probe, args: tuple, kwargs: dict[str, Any]) -> tuple[list[float], list[float]]:
+def _one_step(model: nn.Module, probe: Probe, args: tuple, kwargs: dict[str, Any]) -> tuple[list[float], list[float]]:
     """Forward and backward seconds per candidate segment for one micro-batch."""
     probe.reset()
-    with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t), probe.watching():
         start = time.perf_counter()
         loss = _loss_of(model(*args, **kwargs))
         fwd_end = time.perf_counter()
@@ -124,9 +73,10 @@ def _span(starts: list[float | None], k: int, end: float) -> float:
 def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
                kwargs: dict[str, Any] | None = None, *, repeats: int = 5,
                optimizer_slots: int = 2, link_bytes_per_s: float | None = None,
-               training: bool = True) -> list[Segment]:
+               training: bool = True, scopes: bool = False) -> list[Segment]:
     """Profile `model` on the micro-batch `args` in this process: one Segment per candidate.
 
+    `names` are submodules, or with `scopes` the user_ids of the Block scopes forward opens.
     Times are the least-disturbed (minimum) forward and backward over `repeats` steps after
     one warm-up, since a busy host only ever adds time; parameter bytes count weights,
     gradients and `optimizer_slots` optimiser states (2 for Adam/LAMB, 1 for SGD momentum).
@@ -134,7 +84,7 @@ def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
     if repeats < 1:
         raise ValueError(f"repeats ({repeats}) must be >= 1")
     link = link_bytes_per_s or measure_link_speed()
-    probe = _Probe(model, names)
+    probe = BlockProbe(names) if scopes else ModuleProbe(model, names)
     try:
         runs = []
         for _ in range(repeats + 1):
@@ -143,7 +93,6 @@ def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
     finally:
         probe.close()
     runs = runs[1:]
-    modules = dict(model.named_modules())
     per_param = (2 + optimizer_slots) if training else 1
     crossings = 2 if training else 1
     return [Segment(
@@ -151,6 +100,6 @@ def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
         seconds=min(f[k] for f, _ in runs) + min(b[k] for _, b in runs),
         activation_bytes=probe.saved[k] if training else 0,
         param_bytes=per_param * sum(p.numel() * p.element_size()
-                                    for p in modules[name].parameters()),
+                                    for p in probe.parameters(k)),
         transfer_seconds=crossings * probe.out_bytes[k] / link,
     ) for k, name in enumerate(names)]

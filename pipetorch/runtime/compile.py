@@ -78,8 +78,9 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                                     gradient_accumulation=batching.gradient_accumulation,
                                     replication_factor=batching.replication_factor)
         first_args, first_kwargs = to_device(micro[0], device)
+        strategy = options.execution_strategy
         if options.auto_balance_devices:
-            _auto_balance(model, first_args, first_kwargs, options)
+            strategy = _auto_balance(model, first_args, first_kwargs, options)
         capture = probe(model, first_args, first_kwargs, training=training)
         if training:
             if capture.loss_calls == 0:
@@ -89,7 +90,6 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                     "or as the last element of a tuple")
             find_loss(capture.output, capture.loss_leaves)
         bar.update()
-        strategy = options.execution_strategy
         stages = strategy.resolve(capture.blocks, preamble=capture.ops_before_blocks)
         plan.check_batching(stages, pipelined=strategy.pipelined, training=training,
                             gradient_accumulation=batching.gradient_accumulation,
@@ -143,13 +143,15 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
     return Compiled(engine, stages, capture, devices, seconds, synthetic, graph)
 
 
-def _auto_balance(model: nn.Module, args: tuple, kwargs: dict, options: Any) -> None:
-    """opts.autoBalance: place the model's stages by measured cost before capturing it."""
-    from pipetorch.partition.auto import balance
+def _auto_balance(model: nn.Module, args: tuple, kwargs: dict, options: Any) -> Any:
+    """opts.autoBalance: place the model's stages by measured cost before capturing it; the
+    strategy to run with (the options' own, or its kind over the balanced Block scopes)."""
+    from pipetorch.partition.auto import balanced_strategy
 
     budget = options.memory_budget
-    balance(model, *args, sample_kwargs=kwargs, devices=options.auto_balance_devices,
-            memory_budget=budget if isinstance(budget, int) else None)
+    return balanced_strategy(model, args, kwargs, devices=options.auto_balance_devices,
+                             strategy=options.execution_strategy,
+                             memory_budget=budget if isinstance(budget, int) else None)
 
 
 def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec],

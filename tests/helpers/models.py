@@ -1,4 +1,5 @@
-"""Toy models used by many tests: seed 000's CNN, a small MLP, a BatchNorm net."""
+"""Toy models used by many tests: seed 000's CNN, a small MLP, a BatchNorm net, Block-scoped
+nets."""
 from __future__ import annotations
 
 import torch
@@ -130,4 +131,37 @@ class ReluStages(nn.Module):
         with poptorch.Block("B"):
             out = self.fc2(h)
             loss = poptorch.identity_loss(out, reduction="sum")
+        return out, loss
+
+
+class HeavyLastBlocks(nn.Module):
+    """Blocks made the three PopTorch ways, in forward only: L1 (`with Block`), L2
+    (`BlockFunction`), L3 (`Block.start`), then Heavy (`with Block`, ten layers and the loss).
+
+    Deliberately unbalanced: Heavy costs more than L1..L3 together, so over 2 devices it
+    belongs alone on the last one, the latest cut the planner can choose.
+    """
+
+    def __init__(self, inputs: int = 16, width: int = 64, classes: int = 4) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(inputs, width)
+        self.l2 = nn.Linear(width, width)
+        self.l3 = nn.Linear(width, width)
+        self.heavy = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                     for _ in range(10)))
+        self.head = nn.Linear(width, classes)
+
+    @poptorch.BlockFunction("L2")
+    def second(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.l2(h))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor):
+        with poptorch.Block("L1"):
+            h = torch.relu(self.l1(x))
+        h = self.second(h)
+        poptorch.Block.start("L3")
+        h = torch.relu(self.l3(h))
+        with poptorch.Block("Heavy"):
+            out = self.head(self.heavy(h))
+            loss = nn.functional.cross_entropy(out, labels)
         return out, loss

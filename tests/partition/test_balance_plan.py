@@ -140,3 +140,129 @@ def test_auto_balance_option_reads_back_and_rejects_bad_counts():
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="autoBalance"):
             poptorch.Options().autoBalance(bad)
+
+
+def _scoped_sample(n=16, seed=0):
+    from helpers.models import HeavyLastBlocks
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    return HeavyLastBlocks(), (torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
+
+
+def test_block_scope_candidates_are_the_blocks_in_execution_order():
+    from pipetorch.partition.candidates import ordered_candidates
+
+    model, sample = _scoped_sample()
+    assert ordered_candidates(model, sample, {}) == (["L1", "L2", "L3", "Heavy"], True)
+
+
+def test_block_scope_costs_count_first_used_parameters_and_every_crossing_tensor():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import pipetorch as poptorch
+    from pipetorch.profiling.costs import cost_table
+
+    class Skip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 5), nn.Linear(5, 3)
+
+        def forward(self, x, labels):
+            with poptorch.Block("A"):
+                h = self.a(x)  # read again in C: it crosses both cuts
+            with poptorch.Block("B"):
+                g = torch.tanh(self.b(h))
+            with poptorch.Block("C"):
+                out = self.c(g) + h[:, :3]
+                loss = F.cross_entropy(out, labels)
+            return out, loss
+
+    n = 4
+    table = cost_table(Skip(), ["A", "B", "C"], (torch.randn(n, 6), torch.tensor([0, 1, 2, 0])),
+                       repeats=1, optimizer_slots=0, link_bytes_per_s=1.0, scopes=True)
+    assert [s.name for s in table] == ["A", "B", "C"]
+    # Weights and gradients (no optimiser slots) of the Linear each scope uses.
+    assert [s.param_bytes for s in table] == [2 * 4 * (6 * 8 + 8), 2 * 4 * (8 * 5 + 5),
+                                              2 * 4 * (5 * 3 + 3)]
+    # Training sends each cut's tensors forward and their gradients back: 2 x bytes.
+    assert [s.transfer_seconds for s in table] == [2 * 4 * n * 8, 2 * 4 * n * (8 + 5), 0.0]
+    assert all(s.seconds > 0 and s.activation_bytes > 0 for s in table)
+
+
+def test_block_scope_placement_puts_the_heavy_block_alone_and_prints_its_strategy():
+    import pipetorch as poptorch
+    from pipetorch.partition.blocks import begin_blocks
+
+    model, sample = _scoped_sample()
+    opts = poptorch.Options()
+    placement = poptorch.balance(model, *sample, devices=2, options=opts)
+    assert [s.segments for s in placement.stages] == [("L1", "L2", "L3"), ("Heavy",)]
+    assert begin_blocks(model) == {}  # the scopes stay; the placement is the strategy
+    assert repr(opts.execution_strategy) == (
+        "PipelinedExecution(Stage('L1', 'L2', 'L3').ipu(0), Stage('Heavy').ipu(1))")
+    assert "L1 .. L3 (3)" in placement.table() and "Heavy" in placement.table()
+
+    pasted = poptorch.Options()
+    exec("\n".join(placement.strategy_lines()), {"poptorch": poptorch, "opts": pasted})
+    assert repr(pasted.execution_strategy) == repr(placement.strategy())
+    sharded = placement.strategy(poptorch.ShardedExecution)
+    assert repr(sharded).startswith("ShardedExecution(Stage('L1', 'L2', 'L3').ipu(0)")
+
+
+def test_block_scope_placement_needs_options_to_apply_to():
+    import pipetorch as poptorch
+
+    model, sample = _scoped_sample()
+    with pytest.raises(ValueError, match=r"Block scopes \['L1', 'L2', 'L3', 'Heavy'\].*options=opts"):
+        poptorch.balance(model, *sample, devices=2)
+
+
+def test_begin_block_modules_mixed_with_block_scopes_balance_as_blocks():
+    import torch
+    import torch.nn as nn
+
+    import pipetorch as poptorch
+    from pipetorch.partition.blocks import begin_blocks, recording
+    from pipetorch.partition.candidates import ordered_candidates
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.mid, self.head = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+            poptorch.BeginBlock(self.mid, "Mid", ipu_id=1)
+
+        def forward(self, x):
+            with poptorch.Block("Embed"):
+                h = self.embed(x)
+            h = self.mid(h)
+            with poptorch.Block("Head"):
+                return self.head(h).sum()
+
+    model, x = Mixed(), torch.randn(3, 4)
+    assert ordered_candidates(model, (x,), {}) == (["Embed", "Mid", "Head"], True)
+    placement = poptorch.balance(model, x, devices=3, apply=False)
+    assert [s.segments for s in placement.stages] == [("Embed",), ("Mid",), ("Head",)]
+    with recording() as recorder:
+        model(x)
+    stages = placement.strategy().resolve(recorder.ordered())
+    assert [(s.ipu_id, s.block_ids) for s in stages] == [(0, ("Embed",)), (1, ("Mid",)),
+                                                         (2, ("Head",))]
+    assert begin_blocks(model) == {"mid": ("Mid", 1)}  # apply=False leaves the model alone
+
+
+def test_balancing_leaves_batchnorm_statistics_unchanged():
+    # The forward that finds the candidates' order once ran outside the buffer restore,
+    # so balancing moved a BatchNorm's running statistics.
+    import torch
+
+    import pipetorch as poptorch
+    from helpers.models import BatchNormNet, data
+
+    model = BatchNormNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    poptorch.balance(model, *data(8), devices=2, apply=False, repeats=1)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], msg=k)
