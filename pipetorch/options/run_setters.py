@@ -175,7 +175,9 @@ class RunSetters(OptionGroup):
 
     def autoBalance(self, devices: int | None) -> Options:
         """pipetorch extension: before compiling, split the model over `devices` stages by
-        measured time and memory (pipetorch.balance), replacing its BeginBlock annotations."""
+        measured time and memory (pipetorch.balance), replacing its BeginBlock annotations; a
+        model with Block scopes runs its blocks grouped into the balanced stages instead of the
+        strategy's own grouping (the strategy's kind, pipelined or sharded, is kept)."""
         if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int)
                                     or devices < 1):
             raise ValueError(f"autoBalance(devices={devices!r}): devices must be an int >= 1 "

@@ -2,6 +2,7 @@
 start mark where a segment begins, and each segment's output tells when its backward begins."""
 from __future__ import annotations
 
+import abc
 import contextlib
 import time
 from typing import Any, Iterator, Sequence
@@ -24,7 +25,7 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class Probe:
+class Probe(abc.ABC):
     """Timestamps each segment's forward start and the gradient reaching its output, and sizes
     the activations it keeps for backward and the output it sends to the next segment.
 
@@ -69,9 +70,9 @@ class Probe:
         """Active around one forward pass."""
         yield
 
+    @abc.abstractmethod
     def parameters(self, k: int) -> list[nn.Parameter]:
         """The parameters segment k holds."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Remove whatever the probe attached to the model."""

@@ -1,5 +1,6 @@
 """Balancing real runs: an unbalanced CNN's report proposes a move, its balanced placement
-trains equal to plain PyTorch with even stages; a small BERT balanced over 4 devices."""
+trains equal to plain PyTorch with even stages; a model of Block scopes balanced by
+pipetorch.balance and by opts.autoBalance; a small BERT balanced over 4 devices."""
 import time
 import warnings
 
@@ -8,8 +9,9 @@ import torch
 import torch.nn as nn
 
 import pipetorch as poptorch
-from parallel.parallel_cases import (assert_same_result, assert_same_state, cleaned,
-                                     one_thread_everywhere, plain_call, twin)
+from helpers.models import HeavyLastBlocks
+from parallel.parallel_cases import (assert_in_processes, assert_same_result, assert_same_state,
+                                     cleaned, one_thread_everywhere, plain_call, twin)
 from pipetorch.cli.report import show_report
 from pipetorch.partition.balance import evaluate
 from pipetorch.partition.candidates import candidates
@@ -115,6 +117,56 @@ def test_unbalanced_report_proposes_a_move_and_the_balanced_split_trains_evenly(
     if spread > 1.15 or spread >= before:  # timing on a shared host: reported, never a failure
         warnings.warn(f"balanced stages measured {balanced} ms, {spread:.2f}x apart (target "
                       f"1.15x; the natural split was {before:.2f}x)")
+
+
+def scoped_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    n = D * G * MICRO
+    return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def scoped_options():
+    opts = poptorch.Options().deviceIterations(D).showCompilationProgressBar(False)
+    opts.outputMode(poptorch.OutputMode.All)
+    opts.Training.gradientAccumulation(G)
+    return opts
+
+
+def train_scoped_like_plain(request, model, opts, *, calls: int = 3):
+    """Train `model` under `opts` against a plain-PyTorch twin; return the wrapper."""
+    plain = twin(model)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.05)
+    wrapper = cleaned(request, poptorch.trainingModel(
+        model, opts, optimizer=torch.optim.SGD(model.parameters(), lr=0.05)))
+    for call in range(calls):
+        got = wrapper(*scoped_batch(call))
+        want = plain_call(plain, plain_optimizer, scoped_batch(call), D=D, G=G)
+        assert_same_result(got, want, what=f"scoped call {call}")
+    assert_same_state(wrapper.model, plain, what="scoped: ")
+    return wrapper
+
+
+def test_block_scopes_balanced_over_two_devices_train_equal_to_plain(request):
+    torch.manual_seed(0)
+    model = HeavyLastBlocks()
+    opts = scoped_options()
+    sample = tuple(t[:MICRO] for t in scoped_batch(0))
+    placement = poptorch.balance(model, *sample, devices=2, options=opts)
+    assert [s.segments for s in placement.stages] == [("L1", "L2", "L3"), ("Heavy",)]
+    wrapper = train_scoped_like_plain(request, model, opts)
+    assert [s.block_ids for s in wrapper._compiled.stages] == [("L1", "L2", "L3"), ("Heavy",)]
+    assert_in_processes(wrapper, 2)
+
+
+def test_auto_balance_of_block_scopes_trains_equal_to_plain(request):
+    # The scopes carry no ipu_id: without the balanced strategy AutoStage.SameAsIpu refuses.
+    torch.manual_seed(0)
+    model = HeavyLastBlocks()
+    opts = scoped_options().autoBalance(2)
+    wrapper = train_scoped_like_plain(request, model, opts)
+    assert [(s.ipu_id, s.block_ids) for s in wrapper._compiled.stages] == [
+        (0, ("L1", "L2", "L3")), (1, ("Heavy",))]
+    assert_in_processes(wrapper, 2)
 
 
 @pytest.mark.transformers
