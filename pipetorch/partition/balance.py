@@ -86,7 +86,8 @@ class Placement:
                 + [f"    poptorch.{stage!r}," for stage in stages] + ["))"])
 
     def table(self) -> str:
-        """Device, segments (modules or blocks), predicted ms and MB, and predicted throughput, as text."""
+        """Device, segments (modules or block ids), predicted ms and MB, and predicted
+        throughput, as text."""
         rows = [f"{'device':>6}  {'ms':>9}  {'MB':>9}  segments"]
         for s in self.stages:
             mods = _span(s.segments)

@@ -42,7 +42,8 @@ def _loss_of(output: Any) -> torch.Tensor:
     return scalars[-1] if scalars else tensors[0].float().sum()
 
 
-def _one_step(model: nn.Module, probe: Probe, args: tuple, kwargs: dict[str, Any]) -> tuple[list[float], list[float]]:
+def _one_step(model: nn.Module, probe: Probe, args: tuple,
+              kwargs: dict[str, Any]) -> tuple[list[float], list[float]]:
     """Forward and backward seconds per candidate segment for one micro-batch."""
     probe.reset()
     with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t), probe.watching():

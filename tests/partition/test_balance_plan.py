@@ -143,11 +143,15 @@ def test_auto_balance_option_reads_back_and_rejects_bad_counts():
 
 
 def _scoped_sample(n=16, seed=0):
+    """HeavyLastBlocks (L1, L2, L3 light, Heavy last) and one micro-batch for it."""
+    import torch
+
     from helpers.models import HeavyLastBlocks
-    torch = pytest.importorskip("torch")
+
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
-    return HeavyLastBlocks(), (torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
+    return HeavyLastBlocks(), (torch.randn(n, 16, generator=g),
+                               torch.randint(0, 4, (n,), generator=g))
 
 
 def test_block_scope_candidates_are_the_blocks_in_execution_order():
@@ -163,7 +167,8 @@ def test_block_scope_costs_count_first_used_parameters_and_every_crossing_tensor
     import torch.nn.functional as F
 
     import pipetorch as poptorch
-    from pipetorch.profiling.costs import cost_table
+    from pipetorch.profiling.costs import _one_step, cost_table
+    from pipetorch.profiling.probes import BlockProbe
 
     class Skip(nn.Module):
         def __init__(self):
@@ -181,8 +186,9 @@ def test_block_scope_costs_count_first_used_parameters_and_every_crossing_tensor
             return out, loss
 
     n = 4
-    table = cost_table(Skip(), ["A", "B", "C"], (torch.randn(n, 6), torch.tensor([0, 1, 2, 0])),
-                       repeats=1, optimizer_slots=0, link_bytes_per_s=1.0, scopes=True)
+    model, sample = Skip(), (torch.randn(n, 6), torch.tensor([0, 1, 2, 0]))
+    table = cost_table(model, ["A", "B", "C"], sample, repeats=1, optimizer_slots=0,
+                       link_bytes_per_s=1.0, scopes=True)
     assert [s.name for s in table] == ["A", "B", "C"]
     # Weights and gradients (no optimiser slots) of the Linear each scope uses.
     assert [s.param_bytes for s in table] == [2 * 4 * (6 * 8 + 8), 2 * 4 * (8 * 5 + 5),
@@ -190,6 +196,10 @@ def test_block_scope_costs_count_first_used_parameters_and_every_crossing_tensor
     # Training sends each cut's tensors forward and their gradients back: 2 x bytes.
     assert [s.transfer_seconds for s in table] == [2 * 4 * n * 8, 2 * 4 * n * (8 + 5), 0.0]
     assert all(s.seconds > 0 and s.activation_bytes > 0 for s in table)
+    # A's and B's backward start when the gradient reaches the tensors their cuts carry.
+    probe = BlockProbe(["A", "B", "C"])
+    _one_step(model, probe, sample, {})
+    assert sorted(probe.grad_at) == [0, 1] and sorted(probe.fwd_start) == [0, 1, 2]
 
 
 def test_block_scope_placement_puts_the_heavy_block_alone_and_prints_its_strategy():
@@ -216,7 +226,8 @@ def test_block_scope_placement_needs_options_to_apply_to():
     import pipetorch as poptorch
 
     model, sample = _scoped_sample()
-    with pytest.raises(ValueError, match=r"Block scopes \['L1', 'L2', 'L3', 'Heavy'\].*options=opts"):
+    with pytest.raises(ValueError,
+                       match=r"Block scopes \['L1', 'L2', 'L3', 'Heavy'\].*options=opts"):
         poptorch.balance(model, *sample, devices=2)
 
 
