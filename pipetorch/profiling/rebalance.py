@@ -70,8 +70,9 @@ def advice(summary: dict[str, Any]) -> str | None:
     move = propose([list(s["blocks"]) for s in stages], compute)
     if move is None:
         return (head + f". No whole block can move: split stage {slow}'s blocks "
-                "(more BeginBlocks) or run pipetorch.balance(model, *micro_batch, devices=N).")
+                "(more BeginBlocks) or run "
+                "pipetorch.balance(model, *micro_batch, devices=N, options=opts).")
     return (head + f". Move block {move.block!r} from stage {move.source} to stage "
             f"{move.target} (ipu_id={stages[move.target]['ipu']}): predicted slowest stage "
             f"{move.predicted_ms:.1f} ms, {move.gain:.2f}x faster; or run "
-            "pipetorch.balance(model, *micro_batch, devices=N).")
+            "pipetorch.balance(model, *micro_batch, devices=N, options=opts).")
