@@ -94,6 +94,19 @@ def test_default_and_upcast_train_like_explicit_float_casts(behaviour):
     _assert_same(_pipetorch_steps(opts, x, y), _plain_steps(torch.float32, x, y))
 
 
+@pytest.mark.parametrize("setting", ["recomputation", "compiled stage"])
+def test_recomputed_and_compiled_forwards_cast_too(setting):
+    # A checkpointed forward reruns inside backward, where the first forward's mode is off:
+    # the rerun must enter it again, or the float16 layer refuses its float32 input.
+    opts = poptorch.Options()
+    if setting == "recomputation":
+        opts.Training.setRecomputation(True)
+    else:
+        opts.Jit.compileStages(True, backend="aot_eager")
+    x, y = _data()
+    _assert_same(_pipetorch_steps(opts, x, y), _plain_steps(torch.float32, x, y))
+
+
 def test_downcast_trains_like_explicit_half_casts():
     opts = poptorch.Options()
     opts.Precision.halfFloatCasting(Behaviour.FloatDowncastToHalf)
