@@ -69,8 +69,8 @@ _SUBMODULES = ("optim", "data", "ops", "enums", "errors", "profiling", "options"
 
 __all__ = sorted([
     *_LAZY, *_SUBMODULES, "Error", "AutoStage", "CommGroupType", "ConnectionType",
-    "DataLoaderMode", "HalfFloatCastingBehavior", "Liveness", "MeanReductionStrategy", "OutputMode", "OverlapMode",
-    "ReductionType", "SharingStrategy", "SyncPattern",
+    "DataLoaderMode", "HalfFloatCastingBehavior", "Liveness", "MeanReductionStrategy",
+    "OutputMode", "OverlapMode", "ReductionType", "SharingStrategy", "SyncPattern",
 ])
 
 
