@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 from pipetorch.enums import (
-    AutoStage, CommGroupType, ConnectionType, DataLoaderMode, Liveness, MeanReductionStrategy,
-    OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern,
+    AutoStage, CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
+    MeanReductionStrategy, OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern,
 )
 from pipetorch.errors import Error
 
@@ -69,8 +69,8 @@ _SUBMODULES = ("optim", "data", "ops", "enums", "errors", "profiling", "options"
 
 __all__ = sorted([
     *_LAZY, *_SUBMODULES, "Error", "AutoStage", "CommGroupType", "ConnectionType",
-    "DataLoaderMode", "Liveness", "MeanReductionStrategy", "OutputMode", "OverlapMode",
-    "ReductionType", "SharingStrategy", "SyncPattern",
+    "DataLoaderMode", "HalfFloatCastingBehavior", "Liveness", "MeanReductionStrategy",
+    "OutputMode", "OverlapMode", "ReductionType", "SharingStrategy", "SyncPattern",
 ])
 
 

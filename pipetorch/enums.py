@@ -6,7 +6,7 @@ import enum
 __all__ = [
     "OutputMode", "DataLoaderMode", "ReductionType", "MeanReductionStrategy", "AutoStage",
     "ConnectionType", "SyncPattern", "CommGroupType", "SharingStrategy", "Liveness",
-    "OverlapMode",
+    "OverlapMode", "HalfFloatCastingBehavior",
 ]
 
 
@@ -100,6 +100,14 @@ class OverlapMode(enum.IntEnum):
     NoOverlap = 0
     OverlapAccumulationLoop = 1
     OverlapDeviceIterationLoop = 2
+
+
+class HalfFloatCastingBehavior(enum.IntEnum):
+    """Which dtype an op mixing float16 and float32 operands casts them to."""
+
+    FloatDowncastToHalf = 0  # every operand to the 16-bit dtype
+    HalfUpcastToFloat = 1  # PyTorch's rule: every operand to float32
+    Default = 2  # HalfUpcastToFloat, as PopTorch 3.x's dispatcher
 
 
 class MatMulSerializationMode(enum.Enum):

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from pipetorch.enums import MeanReductionStrategy, ReductionType
+from pipetorch.enums import HalfFloatCastingBehavior, MeanReductionStrategy, ReductionType
 from pipetorch.options import _validate as check
 from pipetorch.options._group import OptionGroup, readback
 
@@ -107,7 +107,9 @@ class _PrecisionOptions(OptionGroup):
     """Options of numerical precision: `opts.Precision.setPartialsType(torch.half)`."""
 
     _LABEL = "Options.Precision"
+    _casting_chosen = False
     _DEFAULTS = {
+        "half_float_casting": HalfFloatCastingBehavior.Default,
         "partials_type": torch.float32,
         "stochastic_rounding": False,
         "floating_point_exceptions": False,
@@ -120,6 +122,8 @@ class _PrecisionOptions(OptionGroup):
         "stochastic_rounding", "Whether stochastic rounding was requested (no-op here).")
     floating_point_exceptions = readback(
         "floating_point_exceptions", "Whether FP exceptions were requested (no-op here).")
+    half_float_casting = readback(
+        "half_float_casting", "Which dtype an op mixing float16 and float32 operands casts to.")
     running_statistics_always_float = readback(
         "running_statistics_always_float",
         "Whether BatchNorm running statistics are kept in float32 (no-op here).")
@@ -143,6 +147,22 @@ class _PrecisionOptions(OptionGroup):
         """Raise on IPU floating point exceptions (no-op here)."""
         self._set(floating_point_exceptions=check.boolean(
             "enableFloatingPointExceptions", "enabled", enabled))
+        return self
+
+    def halfFloatCasting(self, half_float_casting: HalfFloatCastingBehavior
+                         ) -> _PrecisionOptions:
+        """How an op in forward whose operands mix float16 (or bfloat16) and float32 casts them.
+
+        `Default` and `HalfUpcastToFloat` cast every operand to float32 (PyTorch's rule,
+        also for the ops PyTorch refuses, such as a float32 input to a float16 `nn.Linear`);
+        `FloatDowncastToHalf` casts every operand to the 16-bit dtype. In-place ops keep
+        the output's dtype. The casts run only for models with a 16-bit parameter, buffer or
+        input, or once this option is set.
+        """
+        self._set(half_float_casting=check.enum_member(
+            "halfFloatCasting", "half_float_casting", half_float_casting,
+            HalfFloatCastingBehavior))
+        self._casting_chosen = True
         return self
 
     def runningStatisticsAlwaysFloat(self, value: bool) -> _PrecisionOptions:

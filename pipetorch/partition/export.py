@@ -11,7 +11,7 @@ import contextlib
 import operator
 import re
 import traceback
-from typing import Any, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.fx as fx
@@ -39,11 +39,14 @@ def available() -> bool:
 
 
 class _Bound(nn.Module):
-    """Calls the model with the constants of the captured call and the tensors it is given."""
+    """Calls the model with the constants of the captured call and the tensors it is given,
+    under `casting` when given."""
 
-    def __init__(self, model: nn.Module, layout: InputLayout, args: tuple, kwargs: dict) -> None:
+    def __init__(self, model: nn.Module, layout: InputLayout, args: tuple, kwargs: dict,
+                 casting: Callable[[], ContextManager[Any]] | None = None) -> None:
         super().__init__()
         self.model = model
+        self._casting = casting or contextlib.nullcontext
         self._bound = layout.signature.bind(*args, **kwargs)
         self._bound.apply_defaults()
         self._names = layout.tensors
@@ -54,7 +57,8 @@ class _Bound(nn.Module):
         arguments.update(zip(self._names, tensors))
         call = bound.signature.bind_partial()
         call.arguments.update(arguments)
-        return self.model(*call.args, **call.kwargs)
+        with self._casting():
+            return self.model(*call.args, **call.kwargs)
 
 
 @contextlib.contextmanager
@@ -86,16 +90,18 @@ def checkpoint_marker(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, 
         return tuple(torch.ops.aten.alias.default(t) for t in tensors)
 
 
-def export_blocks(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
+def export_blocks(model: nn.Module, args: tuple, kwargs: dict, *,
+                  casting: Callable[[], ContextManager[Any]] | None = None) -> Traced:
     """Capture `model(*args, **kwargs)` with torch.export (non-strict) for splitting.
 
     The result's graph takes the call's tensor arguments, in forward's signature order, and
     returns the flat leaves of forward's output; `Traced.output_spec` rebuilds the structure
     (tuples, dicts, dataclasses such as HuggingFace's ModelOutput). Parameters and buffers
-    are the model's own objects under their names in the model.
+    are the model's own objects under their names in the model. `casting` (runtime.casting)
+    is the mode forward runs under: the casts it makes are nodes of the graph.
     """
     layout = input_layout(model, args, kwargs)
-    bound = _Bound(model, layout, args, kwargs)
+    bound = _Bound(model, layout, args, kwargs, casting)
     tensors = tuple(layout.flatten(args, kwargs))
     with blocks.recording() as recorder:
         try:

@@ -5,7 +5,7 @@ import functools
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.fx as fx
@@ -166,18 +166,22 @@ def map_leaves(structure: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:
     return structure
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
+def capture(model: nn.Module, args: tuple, kwargs: dict, *,
+            casting: Callable[[], ContextManager[Any]] | None = None) -> Traced:
     """`model(*args, **kwargs)` as one graph stamped with blocks: torch.export, else torch.fx.
 
     torch.fx symbolic tracing serves only where export cannot run (an old torch); when export
-    fails the error names the user's line and the construct.
+    fails the error names the user's line and the construct. `casting` (runtime.casting) is
+    the mode forward runs under; the casts it makes become nodes of the graph. torch.fx traces
+    proxies, whose dtypes are unknown, so on that path ops mixing float16 and float32 are
+    left to PyTorch's rules.
     """
     from pipetorch import ops
 
     # The device's view of forward (isRunningOnIpu() is True), printing nothing while captured.
     with ops.running_on_device(), ops.recomputing():
         if export.available():
-            return export.export_blocks(model, args, kwargs)
+            return export.export_blocks(model, args, kwargs, casting=casting)
         return trace_blocks(model, args, kwargs)
 
 
@@ -188,8 +192,10 @@ class CaptureOnce:
     changed."""
 
     def __init__(self, model: nn.Module, first: tuple[tuple, dict], *,
-                 cache_dir: str | None = None, options: Any = None) -> None:
+                 cache_dir: str | None = None, options: Any = None,
+                 casting: Callable[[], ContextManager[Any]] | None = None) -> None:
         self.model, self.first, self.cache_dir, self.options = model, first, cache_dir, options
+        self.casting = casting
         self._traced: Traced | None = None
         self.seconds = 0.0
         self.from_cache = False
@@ -202,7 +208,7 @@ class CaptureOnce:
     def __call__(self) -> Traced:
         if self._traced is None:
             start = time.perf_counter()
-            make = functools.partial(capture, self.model, *self.first)
+            make = functools.partial(capture, self.model, *self.first, casting=self.casting)
             if self.cache_dir:
                 from pipetorch.partition.cache import cached_capture
 

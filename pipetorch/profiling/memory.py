@@ -212,6 +212,7 @@ def footprints(compiled: Any, sample: tuple[tuple, dict]) -> list[Footprint]:
     """Each lane's Footprint for one training micro-batch (see the module doc)."""
     from pipetorch import ops
     from pipetorch.runtime.capture import preserved
+    from pipetorch.runtime.casting import within
 
     engine = compiled.engine
     args, kwargs = sample
@@ -229,8 +230,9 @@ def footprints(compiled: Any, sample: tuple[tuple, dict]) -> list[Footprint]:
                     a, k = torch.utils._pytree.tree_unflatten(list(leaves), spec)
                     return engine.forward(*a, **k)
 
-                return [measure_forward(whole, flat, weight_storages(engine.model),
-                                        training=True)[0]]
+                with within(engine.casting):  # forward (and backward) cast as they run
+                    return [measure_forward(whole, flat, weight_storages(engine.model),
+                                            training=True)[0]]
             return staged_footprints(engine.staged, args, kwargs, training=True)
     finally:
         for module, mode in modes.items():

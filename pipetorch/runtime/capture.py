@@ -14,6 +14,7 @@ from pipetorch import ops
 from pipetorch.errors import CompileError
 from pipetorch.partition import blocks
 from pipetorch.partition.blocks import BlockInfo, BlockRecorder
+from pipetorch.runtime.casting import Casting, within
 
 __all__: list[str] = []
 
@@ -81,12 +82,14 @@ def preserved(model: nn.Module) -> Iterator[list[str]]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool) -> Capture:
-    """Run forward once without gradients, leaving the model's buffers and the RNG untouched."""
+def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
+          casting: Casting | None = None) -> Capture:
+    """Run forward once without gradients (under `casting`, see runtime.casting), leaving the
+    model's buffers and the RNG untouched."""
     model.train(training)
     with preserved(model) as mutated:
         with torch.no_grad(), blocks.recording() as rec, ops.record_calls() as calls, \
-                _BlockGuard(rec), ops.running_on_device():
+                _BlockGuard(rec), ops.running_on_device(), within(casting):
             output = model(*args, **kwargs)
     return Capture(rec.ordered(), rec.ops_before_blocks, calls["loss"] + calls["identity_loss"],
                    calls["recomputationCheckpoint"] > 0, mutated, output,

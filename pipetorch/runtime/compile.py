@@ -16,7 +16,7 @@ from pipetorch.partition import plan
 from pipetorch.profiling import estimate, memory
 from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.runtime import weights
+from pipetorch.runtime import casting, weights
 from pipetorch.runtime.batching import split_micro_batches, to_device
 from pipetorch.runtime.capture import Capture, probe
 from pipetorch.runtime.compiled import CompiledStage, compile_backend
@@ -78,10 +78,12 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                                     gradient_accumulation=batching.gradient_accumulation,
                                     replication_factor=batching.replication_factor)
         first_args, first_kwargs = to_device(micro[0], device)
+        cast = casting.for_forward(model, first_args, first_kwargs, options)
         strategy = options.execution_strategy
         if options.auto_balance_devices:
-            strategy = _auto_balance(model, first_args, first_kwargs, options)
-        capture = probe(model, first_args, first_kwargs, training=training)
+            with casting.within(cast):
+                strategy = _auto_balance(model, first_args, first_kwargs, options)
+        capture = probe(model, first_args, first_kwargs, training=training, casting=cast)
         if training:
             if capture.loss_calls == 0:
                 raise CompileError(
@@ -109,10 +111,11 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                       if training else None)
         # One capture for the estimate and the split, from the executable cache if enabled.
         graph = CaptureOnce(model, first, cache_dir=options.executable_cache_dir,
-                            options=options)
-        _check_memory(model, first, stages, options, batching=batching, optimizer=device_opt,
-                      pipelined=strategy.pipelined, training=training, device=device,
-                      capture=graph)
+                            options=options, casting=cast)
+        with casting.within(cast):
+            _check_memory(model, first, stages, options, batching=batching,
+                          optimizer=device_opt, pipelined=strategy.pipelined,
+                          training=training, device=device, capture=graph)
         recompute = training and bool(options.Training.recomputation)
         backend = compile_backend(options)
         if in_processes:
@@ -132,7 +135,8 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
             if backend is not None:
                 forward = CompiledStage(forward, backend)
             engine = LocalEngine(model, forward, optimizer=device_opt, batching=batching,
-                                 replica_buffers=replica_buffers, loss_leaves=capture.loss_leaves)
+                                 replica_buffers=replica_buffers, loss_leaves=capture.loss_leaves,
+                                 casting=cast)
         bar.update()
     finally:
         bar.close()

@@ -15,6 +15,7 @@ from pipetorch.runtime import devices
 from pipetorch.enums import ReductionType
 from pipetorch.errors import CompileError
 from pipetorch.optim.scaling import loss_scale
+from pipetorch.runtime.casting import Casting, within
 from pipetorch.runtime.outputs import OutputCollector
 
 __all__: list[str] = []
@@ -105,8 +106,10 @@ class LocalEngine:
     def __init__(self, model: nn.Module, forward: Callable[..., Any], *,
                  optimizer: torch.optim.Optimizer | None, batching: Batching,
                  replica_buffers: ReplicaBuffers | None = None,
-                 loss_leaves: tuple[int, ...] = ()) -> None:
+                 loss_leaves: tuple[int, ...] = (), casting: Casting | None = None) -> None:
         self.model, self.forward, self.optimizer = model, forward, optimizer
+        # Around backward too: a recomputed forward must cast as the first one did.
+        self.casting = casting
         self.loss_leaves = loss_leaves
         self.batching = batching
         self._replica_buffers = replica_buffers
@@ -167,7 +170,7 @@ class LocalEngine:
         b = self.batching
         assert self.optimizer is not None and len(micro_batches) == b.micro_batches
         self.model.train()
-        with ops.running_on_device():
+        with ops.running_on_device(), within(self.casting):
             for d in range(b.device_iterations):
                 # Read at every step: automatic loss scaling changes the scale between steps.
                 scale = reduction_multiplier(b) * loss_scale(self.optimizer)
@@ -187,7 +190,7 @@ class LocalEngine:
     def infer(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
         """Forward of every micro-batch, in [D][R] order (G is 1 for inference)."""
         self.model.eval()
-        with ops.running_on_device():
+        with ops.running_on_device(), within(self.casting):
             for step, r, args, kwargs in self._walk(micro_batches, range(self.batching.steps)):
                 with self._replica(r):
                     collector.add(step, r, _detach(self.forward(*args, **kwargs)))

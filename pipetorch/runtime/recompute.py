@@ -19,6 +19,7 @@ from pipetorch import ops
 from pipetorch.errors import CompileError
 from pipetorch.partition.trace import FX_RULES, user_line
 from pipetorch.runtime.capture import preserved
+from pipetorch.runtime.casting import HalfFloatCasting
 
 __all__: list[str] = []
 
@@ -245,16 +246,23 @@ def _replay_contexts(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
 
 
 def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
-    return contextlib.nullcontext(), _recomputation(list(module.buffers()))
+    # Called as the forward starts: the rerun casts as this forward does (runtime.casting).
+    casting = [m for m in torch.overrides._get_current_function_mode_stack()
+               if isinstance(m, HalfFloatCasting)]
+    return contextlib.nullcontext(), _recomputation(list(module.buffers()), casting)
 
 
 @contextlib.contextmanager
-def _recomputation(buffers: list[torch.Tensor]) -> Iterator[None]:
+def _recomputation(buffers: list[torch.Tensor],
+                   modes: list[HalfFloatCasting]) -> Iterator[None]:
     """Recompute without side effects: buffers (BatchNorm statistics, counters) are restored,
-    so they are updated once per forward as without recomputation; ops don't print twice."""
+    so they are updated once per forward as without recomputation; ops don't print twice.
+    `modes` (the forward's casting) are entered again."""
     saved = [b.clone() for b in buffers]
     try:
-        with ops.recomputing():
+        with ops.recomputing(), contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
             yield
     finally:
         with torch.no_grad():

@@ -6,8 +6,8 @@ import torch
 
 import pipetorch as poptorch
 from pipetorch.enums import (
-    AutoStage, CommGroupType, ConnectionType, MeanReductionStrategy, OutputMode, ReductionType,
-    SyncPattern,
+    AutoStage, CommGroupType, ConnectionType, HalfFloatCastingBehavior, MeanReductionStrategy,
+    OutputMode, ReductionType, SyncPattern,
 )
 from pipetorch.options import Options, TensorLocationSettings
 from pipetorch.partition.strategies import PipelinedExecution, ShardedExecution
@@ -71,6 +71,8 @@ SETTERS = [
     ("Precision", "enableFloatingPointExceptions", (True,), "floating_point_exceptions", True),
     ("Precision", "runningStatisticsAlwaysFloat", (False,), "running_statistics_always_float",
      False),
+    ("Precision", "halfFloatCasting", (HalfFloatCastingBehavior.FloatDowncastToHalf,),
+     "half_float_casting", HalfFloatCastingBehavior.FloatDowncastToHalf),
     ("Jit", "traceModel", (False,), "trace_model", False),
     ("_Popart", "set", ("autoRecomputation", 3), "options", {"autoRecomputation": 3}),
     ("_Popart", "setPatterns", ({"OpToIdentity": True}, 1), "options",
@@ -135,6 +137,7 @@ def test_contract_defaults():
     assert opts.Precision.partials_type == torch.float32
     assert opts.Precision.stochastic_rounding is False
     assert opts.Precision.floating_point_exceptions is False
+    assert opts.Precision.half_float_casting == HalfFloatCastingBehavior.Default
     assert opts.Jit.trace_model is True
     assert opts._is_frozen is False
 

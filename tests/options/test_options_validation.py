@@ -151,6 +151,8 @@ BAD_CALLS = [
      "enableFloatingPointExceptions: enabled must be True or False"),
     ("Precision", "runningStatisticsAlwaysFloat", (None,), TypeError,
      "runningStatisticsAlwaysFloat: value must be True or False"),
+    ("Precision", "halfFloatCasting", (torch.float16,), TypeError,
+     "halfFloatCasting: half_float_casting must be one of HalfFloatCastingBehavior."),
     ("Jit", "traceModel", (0,), TypeError, "traceModel: trace_model must be True or False; got 0"),
     ("_Popart", "set", (3, 1), TypeError, "_Popart.set: key must be a non-empty str; got 3"),
     ("_Popart", "set", ("k", object()), TypeError,
