@@ -6,7 +6,7 @@ machine's load hits every row alike) and reported as medians:
     cnn   seed 000's CNN on 128x128 images with the seed's widths (no widening): pipelined over
           2 devices with the natural split (B1+B2 | B3+B4) and with the split pipetorch.balance
           chooses from measured costs; plain PyTorch on 2 threads; torch's Schedule1F1B on the
-          natural split (its own processes, timed after the rounds)
+          natural split (its own processes, interleaved with the others)
     bert  BERT (hidden 256, 8 layers, sequence 128) over 2 devices: uniform layers per device
           vs pipetorch.balance
 
@@ -23,7 +23,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -41,6 +40,7 @@ import pipeline as seed  # noqa: E402
 BLOCK_OF = {"model.layer1": "B1", "model.layer2": "B2", "model.layer3": "B3",
             "model.layer3_act": "B3", "model.layer4": "B4", "loss": "B4"}
 EPOCH = 60_000
+NATURAL, BALANCED = "pipelined, natural split", "pipelined, balanced split"
 
 
 def block_table(bench: seed.Bench, *, threads: int) -> list[Segment]:
@@ -63,34 +63,30 @@ def block_table(bench: seed.Bench, *, threads: int) -> list[Segment]:
     return blocks
 
 
-def interleaved(rows: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Median seconds per call of each row, one call of each per round after a warm-up."""
-    for call in rows.values():
-        call()
-    seconds: dict[str, list[float]] = {name: [] for name in rows}
-    for _ in range(rounds):
-        for name, call in rows.items():
-            start = time.perf_counter()
-            call()
-            seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in seconds.items()}
+class WrapperRow(seed.Row):
+    """A pipetorch wrapper called with the same batch every time."""
+
+    def __init__(self, name: str, wrapper, *, baseline: str | None = None,
+                 kwargs: dict | None = None, args: tuple = ()) -> None:
+        self.name, self.wrapper, self.baseline = name, wrapper, baseline
+        self.args, self.kwargs = args, kwargs or {}
+
+    def call(self) -> float:
+        start = time.perf_counter()
+        self.wrapper(*self.args, **self.kwargs)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.wrapper.destroy()
 
 
-def plain_call(bench: seed.Bench, data, threads: int) -> Callable[[], None]:
-    model = seed.WithLoss(seed.new_network(bench.widths))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=seed.LEARNING_RATE)
-    images, labels = data
-    step = seed.ACCUMULATION * seed.MICRO_BATCH
-
-    def call() -> None:
-        torch.set_num_threads(threads)
-        for d in range(bench.device_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            for g in range(d * step, (d + 1) * step, seed.MICRO_BATCH):
-                _, loss = model(images[g:g + seed.MICRO_BATCH], labels[g:g + seed.MICRO_BATCH])
-                (loss / seed.ACCUMULATION).backward()
-            optimizer.step()
-    return call
+def timed(rows: list[seed.Row], rounds: int, samples: int) -> dict[str, seed.Timing]:
+    """Every row's interleaved calls (pipeline.py's rounds); the rows are closed after."""
+    try:
+        return seed.interleave(rows, rounds=rounds, samples=samples, log=lambda line: None)
+    finally:
+        for row in rows:
+            row.close()
 
 
 def cnn(args: argparse.Namespace, cores: int) -> None:
@@ -110,33 +106,31 @@ def cnn(args: argparse.Namespace, cores: int) -> None:
         print(f"  {label:<9} {'+'.join(p.stages[0].segments)} | "
               f"{'+'.join(p.stages[1].segments)}: {ms} ms predicted per stage")
     print(f"  balancing took {took:.2f} s (profiling + solving)")
-    balanced = seed.replace(bench, boundary=chosen.starts[1])
-    data = seed.make_data(bench)
-    wrappers = {
-        "pipelined, natural split": seed.training_model(
-            bench, poptorch.PipelinedExecution(*seed.two_stages(bench))),
-        "pipelined, balanced split": seed.training_model(
-            balanced, poptorch.PipelinedExecution(*seed.two_stages(balanced))),
-    }
-    try:
-        rows = {name: (lambda w=w: w(*data)) for name, w in wrappers.items()}
-        rows["plain PyTorch, 2 threads"] = plain_call(bench, data, 2)
-        medians = interleaved(rows, args.rounds)
-    finally:
-        for w in wrappers.values():
-            w.destroy()
-    medians["torch Schedule1F1B, natural split"] = bench.images_per_call / seed.torch_pipelining_rate(
-        bench, data, calls=args.rounds)
-    _print_rates(bench.images_per_call, medians)
-    rates = {n: bench.images_per_call / s for n, s in medians.items()}
-    print(f"  balanced / natural {rates['pipelined, balanced split'] / rates['pipelined, natural split']:.2f}x "
-          f"(target >= 1.2x); balanced / plain 2 threads "
-          f"{rates['pipelined, balanced split'] / rates['plain PyTorch, 2 threads']:.2f}x (target >= 1.0x)")
+    natural = seed.CnnWork(bench)
+    balanced = seed.CnnWork(seed.replace(bench, boundary=chosen.starts[1]))
+    data = natural.data()
+    plain = seed.PlainRow(natural, data, threads=2, baseline=None)
+    rows = [plain,
+            seed.PipetorchRow(natural, data, NATURAL, devices="pipelined", threads=cores,
+                              baseline=plain.name),
+            seed.PipetorchRow(balanced, data, BALANCED, devices="pipelined", threads=cores,
+                              baseline=NATURAL),
+            seed.TorchPipeliningRow(natural, data, baseline=NATURAL)]
+    timings = timed(rows, args.rounds, natural.samples_per_call)
+    _print_rates(rows, timings)
+    rates = {n: t.rate for n, t in timings.items()}
+    print(f"  balanced / natural {rates[BALANCED] / rates[NATURAL]:.2f}x (target >= 1.2x); "
+          f"balanced / plain 2 threads {rates[BALANCED] / rates[plain.name]:.2f}x "
+          "(target >= 1.0x)")
 
 
-def _print_rates(images: int, medians: dict[str, float]) -> None:
-    for name, seconds in medians.items():
-        print(f"  {name:<36} {images / seconds:9.1f} images/s  ({seconds * 1e3:.0f} ms/call)")
+def _print_rates(rows: list[seed.Row], timings: dict[str, seed.Timing]) -> None:
+    for row in rows:
+        timing = timings[row.name]
+        low, high = timing.spread
+        ratio = (f"  {timing.rate / timings[row.baseline].rate:.2f}x {row.baseline}"
+                 if row.baseline in timings else "")
+        print(f"  {row.name:<44} {timing.rate:9.1f} /s  ({low:.1f}..{high:.1f}){ratio}")
 
 
 def bert(args: argparse.Namespace) -> None:
@@ -152,20 +146,16 @@ def bert(args: argparse.Namespace) -> None:
           f"2 devices; balancing took {took:.2f} s\n{placement.table()}")
     print("  " + "\n  ".join(placement.begin_block_lines()))
     batch = inputs(micro * G * D, sequence)
-    wrappers = {}
+    rows = []
     for name, model in (("uniform layers per device", uniform), ("balanced", balanced)):
         opts = poptorch.Options().deviceIterations(D).showCompilationProgressBar(False)
         opts.Training.gradientAccumulation(G)
         opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.SameAsIpu))
-        wrappers[name] = poptorch.trainingModel(
+        wrapper = poptorch.trainingModel(
             model, opts, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
-    try:
-        medians = interleaved({n: (lambda w=w: w(**batch)) for n, w in wrappers.items()},
-                              args.rounds)
-    finally:
-        for w in wrappers.values():
-            w.destroy()
-    _print_rates(micro * G * D, medians)
+        rows.append(WrapperRow(name, wrapper, kwargs=batch,
+                               baseline=rows[0].name if rows else None))
+    _print_rates(rows, timed(rows, args.rounds, micro * G * D))
 
 
 def balancing_cost(args: argparse.Namespace, cores: int) -> None:
@@ -173,12 +163,10 @@ def balancing_cost(args: argparse.Namespace, cores: int) -> None:
     start = time.perf_counter()
     plan(block_table(bench, threads=max(1, cores // 2)), 2)
     took = time.perf_counter() - start
-    data = seed.make_data(bench)
-    wrapper = seed.training_model(bench, poptorch.PipelinedExecution(*seed.two_stages(bench)))
-    try:
-        seconds = interleaved({"seed": lambda: wrapper(*data)}, args.rounds)["seed"]
-    finally:
-        wrapper.destroy()
+    work = seed.CnnWork(bench)
+    row = seed.PipetorchRow(work, work.data(), "seed", devices="pipelined",
+                            threads=cores, baseline=None)
+    seconds = statistics.median(timed([row], args.rounds, work.samples_per_call)["seed"].seconds)
     epoch = seconds * EPOCH / bench.images_per_call
     print(f"\n== balancing cost: {took:.2f} s vs one epoch of seed 000 ({EPOCH} images, "
           f"pipelined) {epoch:.1f} s: {100 * took / epoch:.1f}% (target < 10%)")
