@@ -117,20 +117,11 @@ def cnn(args: argparse.Namespace, cores: int) -> None:
                               baseline=NATURAL),
             seed.TorchPipeliningRow(natural, data, baseline=NATURAL)]
     timings = timed(rows, args.rounds, natural.samples_per_call)
-    _print_rates(rows, timings)
+    seed.print_rows(rows, timings, "images/s")
     rates = {n: t.rate for n, t in timings.items()}
     print(f"  balanced / natural {rates[BALANCED] / rates[NATURAL]:.2f}x (target >= 1.2x); "
           f"balanced / plain 2 threads {rates[BALANCED] / rates[plain.name]:.2f}x "
           "(target >= 1.0x)")
-
-
-def _print_rates(rows: list[seed.Row], timings: dict[str, seed.Timing]) -> None:
-    for row in rows:
-        timing = timings[row.name]
-        low, high = timing.spread
-        ratio = (f"  {timing.rate / timings[row.baseline].rate:.2f}x {row.baseline}"
-                 if row.baseline in timings else "")
-        print(f"  {row.name:<44} {timing.rate:9.1f} /s  ({low:.1f}..{high:.1f}){ratio}")
 
 
 def bert(args: argparse.Namespace) -> None:
@@ -155,7 +146,7 @@ def bert(args: argparse.Namespace) -> None:
             model, opts, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4))
         rows.append(WrapperRow(name, wrapper, kwargs=batch,
                                baseline=rows[0].name if rows else None))
-    _print_rates(rows, timed(rows, args.rounds, micro * G * D))
+    seed.print_rows(rows, timed(rows, args.rounds, micro * G * D), "samples/s")
 
 
 def balancing_cost(args: argparse.Namespace, cores: int) -> None:

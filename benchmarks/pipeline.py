@@ -589,9 +589,9 @@ def targets(cores: int) -> list[Target]:
     ]
 
 
-def print_table(work: Work, rows: list[Row], timings: dict[str, Timing], cores: int) -> None:
+def print_rows(rows: list[Row], timings: dict[str, Timing], unit: str) -> None:
+    """Each row's median rate, its slowest..fastest call and its ratio to its baseline."""
     width = max(len(row.name) for row in rows) + 2
-    unit = "samples/s" if isinstance(work, BertWork) else "images/s"
     print(f"{'case':<{width}}{unit:>10}  {'slowest..fastest':>17}  ratio of medians")
     for row in rows:
         timing = timings[row.name]
@@ -599,6 +599,10 @@ def print_table(work: Work, rows: list[Row], timings: dict[str, Timing], cores: 
         ratio = (f"{timing.rate / timings[row.baseline].rate:.2f}x {row.baseline}"
                  if row.baseline in timings else "")
         print(f"{row.name:<{width}}{timing.rate:>10,.1f}  {low:>8,.1f}..{high:<8,.1f} {ratio}")
+
+
+def print_table(work: Work, rows: list[Row], timings: dict[str, Timing], cores: int) -> None:
+    print_rows(rows, timings, "samples/s" if isinstance(work, BertWork) else "images/s")
     print("\ntargets:")
     for target in targets(cores):
         if target.numerator not in timings or target.denominator not in timings:

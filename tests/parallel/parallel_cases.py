@@ -189,6 +189,35 @@ def assert_same_result(got: Any, want: Any, *, what: str) -> None:
                      msg=lambda m, index=index: f"{what}[{index}]: {m}")
 
 
+TIED_VOCAB, TIED_WIDTH = 12, 8
+
+
+class TiedHead(nn.Module):
+    """GPT-2's shape: the head reuses the embedding's weight. The embedding (before the first
+    block) runs on ipu 0, the head on `head_ipu`; with `mid_ipu`, a layer between them begins
+    a block on that ipu (else it runs with the embedding)."""
+
+    def __init__(self, *, head_ipu: int, mid_ipu: int | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(TIED_VOCAB, TIED_WIDTH)
+        self.mid = nn.Linear(TIED_WIDTH, TIED_WIDTH)
+        if mid_ipu is not None:
+            self.mid = poptorch.BeginBlock(self.mid, ipu_id=mid_ipu)
+        self.head = poptorch.BeginBlock(nn.Linear(TIED_WIDTH, TIED_VOCAB, bias=False),
+                                        ipu_id=head_ipu)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor):
+        out = self.head(torch.tanh(self.mid(self.embed(tokens))))
+        return out, F.cross_entropy(out, labels)
+
+
+def tied_tokens(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, TIED_VOCAB, (n,), generator=g),
+            torch.randint(0, TIED_VOCAB, (n,), generator=g))
+
+
 def train_and_compare(request: pytest.FixtureRequest, model: nn.Module, opts: Any, *, D: int,
                       G: int, R: int = 1, calls: int = 2, make_optimizer: MakeOptimizer,
                       make_data: Callable[[int, int], Batch], batch: int = 2) -> Any:

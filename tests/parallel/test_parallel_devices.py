@@ -132,32 +132,13 @@ def test_blocks_on_ipus_0_1_0_run_interleaved_on_two_workers(request, layout):
     assert stages_per_worker(infer) == [(0, 2), (1,)]
 
 
-class TiedHead(nn.Module):
-    """GPT-2's shape: the head reuses the embedding's weight; the embedding (before the first
-    block) and the head run on ipu 0, a layer on ipu 1 between them."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(12, 8)
-        self.mid = poptorch.BeginBlock(nn.Linear(8, 8), ipu_id=1)
-        self.head = poptorch.BeginBlock(nn.Linear(8, 12, bias=False), ipu_id=0)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens, labels):
-        out = self.head(torch.tanh(self.mid(self.embed(tokens))))
-        return out, F.cross_entropy(out, labels)
-
-
-def tokens(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 12, (n,), generator=g), torch.randint(0, 12, (n,), generator=g)
-
-
 def test_a_weight_tied_between_two_stages_of_one_device_trains_once(request):
     # The worker of device 0 holds one copy: both stages' gradients sum into it, one update.
     D, G = 2, 5
     torch.manual_seed(0)
-    wrapper = train_and_compare(request, TiedHead(), options(D, G), D=D, G=G, make_data=tokens)
+    model = cases.TiedHead(mid_ipu=1, head_ipu=0)
+    wrapper = train_and_compare(request, model, options(D, G), D=D, G=G,
+                                make_data=cases.tied_tokens)
     assert stages_per_worker(wrapper) == [(0, 2), (1,)]
     assert wrapper.model.head.weight is wrapper.model.embed.weight
 

@@ -6,19 +6,19 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.testing import assert_close
 
 import pipetorch as poptorch
 from parallel_cases import (assert_same_result, assert_same_state, cleaned, local_wrapper,
-                            one_thread_everywhere, plain_call, train_and_compare)
+                            one_thread_everywhere, plain_call, train_and_compare, TIED_VOCAB,
+                            TIED_WIDTH, TiedHead, tied_tokens)
 from pipetorch.partition import blocks
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.estimate import estimate_memory
 from pipetorch.runtime.local import Batching
 
 B = 2  # samples per micro-batch
-VOCAB, WIDTH = 12, 8
+VOCAB, WIDTH = TIED_VOCAB, TIED_WIDTH
+tokens = tied_tokens
 
 
 @pytest.fixture(autouse=True)
@@ -26,28 +26,10 @@ def _one_thread(request, monkeypatch):
     one_thread_everywhere(request, monkeypatch)
 
 
-class TiedAcross(nn.Module):
+def tied_across(*, middle: bool = False) -> nn.Module:
     """The embedding (before the first block) on ipu 0, the head reading its weight on the last
     ipu; with `middle`, a layer on ipu 1 between them that holds no tied weight."""
-
-    def __init__(self, *, middle: bool = False):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.mid = nn.Linear(WIDTH, WIDTH)
-        if middle:
-            self.mid = poptorch.BeginBlock(self.mid, ipu_id=1)
-        self.head = poptorch.BeginBlock(nn.Linear(WIDTH, VOCAB, bias=False),
-                                        ipu_id=2 if middle else 1)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens, labels):
-        out = self.head(torch.tanh(self.mid(self.embed(tokens))))
-        return out, F.cross_entropy(out, labels)
-
-
-def tokens(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (n,), generator=g), torch.randint(0, VOCAB, (n,), generator=g)
+    return TiedHead(mid_ipu=1, head_ipu=2) if middle else TiedHead(head_ipu=1)
 
 
 def options(D, G, R=1, *, sharded=False):
@@ -92,7 +74,7 @@ def test_a_weight_tied_across_two_devices_trains_like_plain_pytorch(request, sha
                                                                     make_optimizer):
     D, G = 2, 3  # pipelined over 2 stages: G >= 3
     torch.manual_seed(0)
-    wrapper = train_and_compare(request, TiedAcross(), options(D, G, sharded=sharded), D=D, G=G,
+    wrapper = train_and_compare(request, tied_across(), options(D, G, sharded=sharded), D=D, G=G,
                                 make_optimizer=make_optimizer, make_data=tokens, batch=B)
     assert [p.stages for p in wrapper._compiled.engine.placements] == [(0,), (1,)]
     assert_still_tied(wrapper)
@@ -108,7 +90,7 @@ def test_global_norm_clipping_counts_a_tied_weight_once(request):
     # clipping norm, summed over the devices, must count the embedding once, not per copy.
     D, G = 2, 5  # pipelined over 3 stages: G >= 5
     torch.manual_seed(0)
-    wrapper = train_and_compare(request, TiedAcross(middle=True), options(D, G), D=D, G=G,
+    wrapper = train_and_compare(request, tied_across(middle=True), options(D, G), D=D, G=G,
                                 make_optimizer=clipped_adamw, make_data=tokens, batch=B)
     assert_still_tied(wrapper)
     spans = tied_spans(wrapper)
@@ -119,7 +101,7 @@ def test_global_norm_clipping_counts_a_tied_weight_once(request):
 def test_two_replicas_sum_the_tied_weight_over_devices_and_replicas(request):
     D, G, R = 1, 3, 2
     torch.manual_seed(0)
-    wrapper = train_and_compare(request, TiedAcross(), options(D, G, R), D=D, G=G, R=R,
+    wrapper = train_and_compare(request, tied_across(), options(D, G, R), D=D, G=G, R=R,
                                 make_optimizer=sgd, make_data=tokens, batch=B)
     assert len(wrapper._compiled.engine.worker_pids) == 2 * R
     assert_still_tied(wrapper)
@@ -134,7 +116,7 @@ def test_weights_copied_to_the_devices_reach_every_copy(request):
     # user's one Parameter, which stays tied.
     D, G = 1, 2
     torch.manual_seed(0)
-    model = TiedAcross()
+    model = tied_across()
     plain = copy.deepcopy(model)
     plain_optimizer = sgd(plain)
     wrapper = cleaned(request, poptorch.trainingModel(model, options(D, G, sharded=True),
@@ -157,7 +139,7 @@ def test_in_one_process_the_stages_share_the_one_weight_and_train_it_once(monkey
     # PIPETORCH_EXECUTION=local runs the user's model itself: one Parameter, one update.
     D, G = 2, 3
     torch.manual_seed(0)
-    model = TiedAcross()
+    model = tied_across()
     plain = copy.deepcopy(model)
     plain_optimizer = adam(plain)
     first = tokens(D * G * B, 0)
@@ -178,7 +160,7 @@ def test_in_one_process_the_stages_share_the_one_weight_and_train_it_once(monkey
 
 def test_the_memory_estimate_counts_the_tied_weight_on_each_device():
     torch.manual_seed(0)
-    model = TiedAcross()
+    model = tied_across()
     (head,) = [user_id for user_id, _ in blocks.begin_blocks(model).values()]
     estimate = estimate_memory(
         model, (tokens(B, 0), {}), [StageSpec(0, 0, ()), StageSpec(1, 1, (head,))],
