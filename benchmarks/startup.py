@@ -6,8 +6,10 @@
 The 2-device seed CNN (benchmarks/pipeline.py's seed 000 network, blocks B1+B2 | B3+B4,
 D=1, G=10): each repeat runs a fresh interpreter that builds a first wrapper, calls it once,
 destroys it, then does the same with a second wrapper, timing each from trainingModel(...) to
-the first call's return. Settings alternate (pool, pool started at import, fresh, pool, ...) so a change in the
-machine's load hits both alike; the table gives the median and the range of each.
+the first call's return. Settings alternate (pool, pool started at import, fresh, pool with
+the executable cache, pool, ...) so a change in the machine's load hits all alike; the table
+gives the median and the range of each. The cached setting reads POPTORCH_CACHE_DIR from a
+temporary directory that one untimed run filled first, so every timed run is a cache hit.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,12 +54,18 @@ def one_run() -> None:
     print(json.dumps({"import": imported, "first": seconds[0], "second": seconds[1]}))
 
 
-def run(pool: str) -> dict[str, float]:
-    env = dict(os.environ, PIPETORCH_WORKER_POOL=pool, PIPETORCH_DEVICE="cpu")
+def run(setting: str, cache: str) -> dict[str, float]:
+    """One fresh interpreter's seconds under `setting` (a PIPETORCH_WORKER_POOL value or
+    "cached": the pool with POPTORCH_CACHE_DIR=`cache`)."""
+    env = dict(os.environ, PIPETORCH_DEVICE="cpu")
+    env.pop("POPTORCH_CACHE_DIR", None)
+    env["PIPETORCH_WORKER_POOL"] = "1" if setting == "cached" else setting
+    if setting == "cached":
+        env["POPTORCH_CACHE_DIR"] = cache
     out = subprocess.run([sys.executable, __file__, "--one"], env=env, capture_output=True,
                          text=True, timeout=600)
     if out.returncode:
-        raise SystemExit(f"the run with PIPETORCH_WORKER_POOL={pool} failed:\n{out.stderr}")
+        raise SystemExit(f"the run with setting {setting!r} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -69,15 +78,20 @@ def main() -> None:
     if args.one:
         return one_run()
     repeats = 2 if args.quick else args.repeats
-    results: dict[str, list[dict[str, float]]] = {"1": [], "early": [], "0": []}
-    for _ in range(repeats):
-        for pool in results:  # interleaved: 1, early, 0, 1, early, 0, ...
-            results[pool].append(run(pool))
+    results: dict[str, list[dict[str, float]]] = {"1": [], "early": [], "0": [], "cached": []}
+    with tempfile.TemporaryDirectory(prefix="pipetorch-startup-cache-") as cache:
+        run("cached", cache)  # untimed: fills the cache
+        if not os.listdir(cache):
+            raise SystemExit(f"the executable cache in {cache} is empty after a first run")
+        for _ in range(repeats):
+            for setting in results:  # interleaved: 1, early, 0, cached, 1, early, ...
+                results[setting].append(run(setting, cache))
     print(f"2-device seed CNN, trainingModel(...) to the first result, {repeats} repeats "
           "(median [min-max] s)")
     print(f"{'workers':<28} {'import':>18} {'first wrapper':>18} {'second wrapper':>18}")
     for pool, name in (("1", "pool, zygote at 1st wrapper"),
-                       ("early", "pool, zygote at import"), ("0", "fresh processes")):
+                       ("early", "pool, zygote at import"), ("0", "fresh processes"),
+                       ("cached", "pool + executable cache")):
         cells = []
         for key in ("import", "first", "second"):
             values = [r[key] for r in results[pool]]

@@ -1,12 +1,13 @@
 """The executable cache: a model's captured forward saved, so the next run skips the capture.
 
 `enableExecutableCaching(dir)` or POPTORCH_CACHE_DIR name the folder. An entry is keyed by
-everything the capture depends on: the source of every module class in the model and of its
-hooks, parameter and buffer names, shapes and dtypes, the blocks' annotations, the call's
-input signature, the train/eval mode the options and the pipetorch, torch and Python versions. It holds
-the graph (not the weights: they are the model's at load time) in a file that starts with a
-header naming pipetorch, the key and the payload's SHA-256; nothing is unpickled before the
-three are checked. A stale or corrupt entry is captured again and rewritten, with a log line.
+everything the capture depends on: the file defining each module class in the model, the
+source of its hooks, parameter and buffer names, shapes and dtypes, the blocks' annotations,
+the call's input signature, the train/eval modes, the options and the pipetorch, torch and
+Python versions. It holds the graph (not the weights: they are the model's at load time) in a
+file that starts with a header naming pipetorch, the key and the payload's SHA-256; nothing is
+unpickled before the three are checked. A stale or corrupt entry is captured again and
+rewritten, with a log line.
 
     PIPETORCH-CAPTURE\\n
     {"format": 1, "key": "<sha256 of the key>", "sha256": "<of the payload>"}\\n
@@ -14,6 +15,7 @@ three are checked. A stale or corrupt entry is captured again and rewritten, wit
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -68,10 +70,22 @@ def capture_key(model: nn.Module, args: tuple, kwargs: dict, options: Any = None
 
 
 def _source(kind: type) -> str:
+    """The class's name and the SHA-256 of the file defining it: any edit to that file is a
+    new key. (inspect.getsource of a class parses its whole module, 30 ms for torch's.)"""
+    name = f"{kind.__module__}.{kind.__qualname__}"
     try:
-        return f"{kind.__module__}.{kind.__qualname__}\n{inspect.getsource(kind)}"
-    except (OSError, TypeError):  # defined where no source is kept (a REPL, exec)
-        return f"{kind.__module__}.{kind.__qualname__}"
+        path = inspect.getsourcefile(kind)
+    except TypeError:  # a built-in class
+        path = None
+    if path is None or not os.path.isfile(path):  # defined where no source is kept (exec)
+        return name
+    return f"{name}\n{_file_digest(path, os.stat(path).st_mtime_ns)}"
+
+
+@functools.lru_cache(maxsize=None)
+def _file_digest(path: str, mtime_ns: int) -> str:
+    with open(path, "rb") as file:
+        return hashlib.sha256(file.read()).hexdigest()
 
 
 def _hooks(name: str, module: nn.Module) -> list[str]:

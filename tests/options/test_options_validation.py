@@ -11,6 +11,13 @@ from pipetorch.errors import ConfigError
 from pipetorch.options import Options, TensorLocationSettings
 
 # (group, setter, args, error type, text the message must contain: setter, value, accepted)
+class Opaque:
+    """A value of no accepted type, with a repr that names the same test in every process."""
+
+    def __repr__(self) -> str:
+        return "Opaque()"
+
+
 BAD_CALLS = [
     ("", "deviceIterations", ("4",), TypeError,
      "deviceIterations: device_iterations must be an int >= 1; got '4' (str)"),
@@ -155,7 +162,7 @@ BAD_CALLS = [
      "halfFloatCasting: half_float_casting must be one of HalfFloatCastingBehavior."),
     ("Jit", "traceModel", (0,), TypeError, "traceModel: trace_model must be True or False; got 0"),
     ("_Popart", "set", (3, 1), TypeError, "_Popart.set: key must be a non-empty str; got 3"),
-    ("_Popart", "set", ("k", object()), TypeError,
+    ("_Popart", "set", ("k", Opaque()), TypeError,
      "_Popart.set: value must be a bool, int, float, str, list, set or dict"),
     ("_Popart", "setPatterns", ({"P": 1},), TypeError,
      "_Popart.setPatterns: patterns['P'] must be True or False; got 1"),

@@ -62,7 +62,7 @@ def process_compiled(schedule: str = "pipelined", *, gradient_accumulation: int 
         batching=Batching(device_iterations, gradient_accumulation, 1),
         staged=SimpleNamespace(modules=[model.a, model.b]), schedule=schedule,
         placements=[Placement((0,), 0, "cpu", 1), Placement((1,), 1, "cpu", 1)], last_trace=[],
-        input_device=torch.device("cpu"))
+        input_device=torch.device("cpu"), casting=None)
     stages = [StageSpec(0, 0, ("B1",)), StageSpec(1, 1, ("B2",))]
     return Compiled(engine, stages, None, 2, 1.25)
 
@@ -73,7 +73,7 @@ def local_compiled() -> Compiled:
     engine = SimpleNamespace(
         model=model, forward=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         batching=Batching(1, 1, 1), schedule="local", last_trace=[],
-        input_device=torch.device("cpu"))
+        input_device=torch.device("cpu"), casting=None)
     return Compiled(engine, [StageSpec(0, 0, ("B1", "B2"))], None, 1, 0.5)
 
 
