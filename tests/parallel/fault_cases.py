@@ -6,8 +6,9 @@ workers. Each scenario prints one JSON line {"host": pid, "pids": [...], "folder
 its workers run, then:
     exit       returns without destroy() (the interpreter's exit must stop the workers)
     linger     (an inferenceModel) sleeps until killed (the test SIGKILLs it)
-    interrupt  prints "calling", runs a call of several seconds that the test interrupts with
-               SIGINT, then prints {"interrupted": ..., "alive": [...]} and exits
+    interrupt  prints "calling", runs calls of several seconds each (for up to 60 s) that the
+               test interrupts with SIGINT, then prints {"interrupted": ..., "alive": [...]}
+               and exits
 """
 from __future__ import annotations
 
@@ -286,7 +287,10 @@ def _scenario(name: str) -> None:
     print("calling", flush=True)
     start = time.monotonic()
     try:
-        wrapper(x, y)
+        # Calls of several seconds each, until interrupted: on a loaded machine the signal may
+        # come after the first call has ended.
+        while time.monotonic() - start < 60.0:
+            wrapper(x, y)
         report = {"interrupted": False}
     except KeyboardInterrupt:
         report = {"interrupted": True}
