@@ -238,6 +238,8 @@ class AsynchronousDataAccessor:
 
     def _died(self) -> None:
         process = self._process
+        if process is not None and process.exitcode is None:
+            process.join(timeout=2.0)  # its pipe can close before its exit status is ready
         code = process.exitcode if process is not None else None
         how = f"exit code {code}"
         if code is not None and code < 0:

@@ -273,11 +273,24 @@ def _wrapper_for(name: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
     return wrapper, x, y
 
 
+def _terminal_ctrl_c() -> str:
+    """Give this program Ctrl-C as in a terminal: Python's KeyboardInterrupt handler, SIGINT
+    not blocked. A test runner may pass SIGINT on ignored or blocked (both survive exec);
+    returns what was inherited, for the test's messages."""
+    inherited = f"handler {signal.getsignal(signal.SIGINT)!r}, blocked " \
+                f"{signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])}"
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    return inherited
+
+
 def _scenario(name: str) -> None:
+    inherited = _terminal_ctrl_c()
     wrapper, x, y = _wrapper_for(name)
     engine = wrapper._compiled.engine
     pids = list(engine.worker_pids)
-    print(json.dumps({"host": os.getpid(), "pids": pids, "folder": engine._folder}), flush=True)
+    print(json.dumps({"host": os.getpid(), "pids": pids, "folder": engine._folder,
+                      "sigint": inherited}), flush=True)
     if name == "exit":
         return
     if name == "linger":
