@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import json
 import logging
+import marshal
 import os
 import pickle
 import platform
@@ -71,19 +72,35 @@ def capture_key(model: nn.Module, args: tuple, kwargs: dict, options: Any = None
 
 def _source(kind: type) -> str:
     """The class's name and the SHA-256 of the file defining it: any edit to that file is a
-    new key. (inspect.getsource of a class parses its whole module, 30 ms for torch's.)"""
+    new key. (inspect.getsource of a class parses its whole module, 30 ms for torch's.) A
+    class with no file (exec'd, or its module not in sys.modules) is keyed by its methods'
+    compiled code instead."""
     name = f"{kind.__module__}.{kind.__qualname__}"
     try:
         path = inspect.getsourcefile(kind)
-    except TypeError:  # a built-in class
+    except TypeError:  # a built-in class, or one whose module is not in sys.modules
         path = None
-    if path is None or not os.path.isfile(path):  # defined where no source is kept (exec)
-        return name
-    return f"{name}\n{_file_digest(path, os.stat(path).st_mtime_ns)}"
+    if path is None or not os.path.isfile(path):
+        return f"{name}\n{_code_digest(kind)}"
+    stat = os.stat(path)
+    return f"{name}\n{_file_digest(path, stat.st_mtime_ns, stat.st_size)}"
+
+
+def _code_digest(kind: type) -> str:
+    """SHA-256 of the code of the functions defined in the class body (the key carries the
+    Python version, which marshal's format depends on)."""
+    digest = hashlib.sha256()
+    for attribute, value in sorted(vars(kind).items()):
+        function = getattr(value, "__func__", value)  # staticmethod, classmethod
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            digest.update(attribute.encode() + marshal.dumps(code))
+    return digest.hexdigest()
 
 
 @functools.lru_cache(maxsize=None)
-def _file_digest(path: str, mtime_ns: int) -> str:
+def _file_digest(path: str, mtime_ns: int, size: int) -> str:
+    """SHA-256 of the file at `path`, read once per (modification time, size)."""
     with open(path, "rb") as file:
         return hashlib.sha256(file.read()).hexdigest()
 

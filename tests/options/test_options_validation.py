@@ -10,7 +10,6 @@ from pipetorch.enums import CommGroupType, OutputMode, ReductionType
 from pipetorch.errors import ConfigError
 from pipetorch.options import Options, TensorLocationSettings
 
-# (group, setter, args, error type, text the message must contain: setter, value, accepted)
 class Opaque:
     """A value of no accepted type, with a repr that names the same test in every process."""
 
@@ -18,6 +17,7 @@ class Opaque:
         return "Opaque()"
 
 
+# (group, setter, args, error type, text the message must contain: setter, value, accepted)
 BAD_CALLS = [
     ("", "deviceIterations", ("4",), TypeError,
      "deviceIterations: device_iterations must be an int >= 1; got '4' (str)"),

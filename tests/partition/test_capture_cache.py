@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
+import sys
 
 import pytest
 import torch
@@ -65,6 +67,57 @@ def test_what_the_capture_depends_on_changing_misses(tmp_path, change):
         options = poptorch.Options().deviceIterations(2)
     assert not capture(tmp_path, model, first, options).from_cache
     assert len(list(tmp_path.glob("capture-*"))) == 2
+
+
+EDITED = """
+import torch
+import pipetorch as poptorch
+
+
+class Edited(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        with poptorch.Block("B1", ipu_id=0):
+            x = torch.relu(self.a(x))
+        with poptorch.Block("B2", ipu_id=1):
+            return self.b(x){tail}
+"""
+
+
+def edited_model(path, tail: str, *, imported: bool, monkeypatch) -> torch.nn.Module:
+    """The class `Edited` of a module file written with `tail` after its output, loaded anew:
+    imported (its module in sys.modules, so its file is found) or only executed."""
+    path.write_text(EDITED.format(tail=tail))
+    spec = importlib.util.spec_from_file_location("edited_model", path)
+    module = importlib.util.module_from_spec(spec)
+    if imported:
+        monkeypatch.setitem(sys.modules, "edited_model", module)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    return module.Edited()
+
+
+@pytest.mark.parametrize("imported", [True, False], ids=["imported", "executed"])
+def test_editing_the_code_of_a_model_class_misses(tmp_path, monkeypatch, imported):
+    source, folder = tmp_path / "edited_model.py", tmp_path / "cache"
+    first = ((torch.randn(3, 4),), {})
+
+    def load(tail: str) -> torch.nn.Module:
+        return edited_model(source, tail, imported=imported, monkeypatch=monkeypatch)
+
+    assert not capture(folder, load(""), first).from_cache
+    assert capture(folder, load(""), first).from_cache  # the same code: a hit
+    model = load(" * 2")  # the same class name, weights and blocks; other code
+    edited = capture(folder, model, first)
+    assert not edited.from_cache
+    assert len(list(folder.glob("capture-*"))) == 2
+    with torch.no_grad():
+        (got,) = edited().module(*first[0])  # the captured graph returns its flat outputs
+        assert torch.equal(got, model(*first[0]))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped byte", "foreign file"])
