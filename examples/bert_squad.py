@@ -74,8 +74,10 @@ class PipelinedBertForQuestionAnswering(transformers.BertForQuestionAnswering):
                                  end_positions=end_positions)
         if start_positions is None:
             return output.start_logits, output.end_logits
-        loss = poptorch.identity_loss(output.loss, reduction="none")
-        return output.start_logits, output.end_logits, loss
+        # The tutorial's order: the loss first. pipetorch, like PopTorch, trains on the final
+        # loss operation's result wherever forward returns it.
+        return (poptorch.identity_loss(output.loss, reduction="none"), output.start_logits,
+                output.end_logits)
 
 
 def generated_squad(items: int, length: int, vocab: int, *, seed: int) -> TensorDataset:
@@ -199,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for epoch in range(1, args.epochs + 1):
         start, losses, sequences = time.perf_counter(), [], 0
         for ids, mask, types, starts, ends in loader:
-            _, _, loss = training_model(ids, mask, types, starts, ends)
+            loss, _, _ = training_model(ids, mask, types, starts, ends)
             for _ in range(args.device_iterations):
                 schedule.step()
             training_model.setOptimizer(optimizer)  # the new learning rate

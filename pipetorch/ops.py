@@ -16,6 +16,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from pipetorch.losses import LossGraph
+
 
 __all__ = [
     "identity_loss", "recomputationCheckpoint", "ipu_print_tensor", "set_available_memory",
@@ -69,7 +71,8 @@ def running_on_device() -> Iterator[None]:
 
 
 class _LossCallCounter(TorchFunctionMode):
-    """Counts calls of torch.nn.functional losses under the key "loss"."""
+    """Counts calls of torch.nn.functional losses under the key "loss" and follows, in the
+    counter's `losses` graph, which tensors each loss depends on."""
 
     def __init__(self, counts: collections.Counter) -> None:
         super().__init__()
@@ -77,9 +80,13 @@ class _LossCallCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in _LOSS_FUNCTIONS and not _RECOMPUTING.get():
+        if _RECOMPUTING.get():
+            return out
+        graph = self._counts.losses
+        graph.propagate((args, kwargs), out)
+        if func in _LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
             self._counts["loss"] += 1
-            self._counts.loss_tensors.append(out)
+            graph.add(out, func.__name__)
         return out
 
 
@@ -88,12 +95,13 @@ def record_calls() -> Iterator[collections.Counter]:
     """Count, while active, calls of identity_loss, recomputationCheckpoint and torch losses.
 
     Yields a Counter keyed "identity_loss", "recomputationCheckpoint" and "loss" (any
-    torch.nn.functional loss, which nn.*Loss modules call); its `loss_tensors` list holds the
-    tensors those losses returned (to find which outputs are losses). Counting is per
-    thread/context: run the forward to inspect in the thread that entered this manager.
+    torch.nn.functional loss, which nn.*Loss modules call); its `losses` (a
+    `losses.LossGraph`) holds the tensors those losses returned and which of them later
+    losses read (to find PopTorch's final loss). Counting is per thread/context: run the
+    forward to inspect in the thread that entered this manager.
     """
     counts: collections.Counter = collections.Counter()
-    counts.loss_tensors = []  # type: ignore[attr-defined]
+    counts.losses = LossGraph()  # type: ignore[attr-defined]
     token = _RECORDER.set(counts)
     try:
         with _LossCallCounter(counts):
@@ -117,7 +125,7 @@ def _record(op_name: str, loss: torch.Tensor | None = None) -> None:
     if counts is not None and not _RECOMPUTING.get():
         counts[op_name] += 1
         if loss is not None:
-            counts.loss_tensors.append(loss)
+            counts.losses.add(loss, op_name)
 
 
 def _fx_leaf(fn: _Fn) -> _Fn:

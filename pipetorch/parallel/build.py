@@ -32,7 +32,7 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
                    process: tuple[int, int] = (0, 1), seed: int | None = None,
                    capture: Callable[[], Traced] | None = None,
                    compile_backend: str | None = None,
-                   loss_leaves: tuple[int, ...] = ()) -> ProcessEngine:
+                   loss_index: int | None = None) -> ProcessEngine:
     """Split `model` (the host copy, on the CPU) into `stages` and start one worker per logical
     device and replica, running the stages on that device. `process` is (this process's id,
     the number of host processes);
@@ -41,14 +41,14 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     `first` is one micro-batch, used to learn the shapes of the values crossing stages;
     `capture` gives the compilation's capture of forward (captured here when None);
     `compile_backend` runs every stage through torch.compile with that backend;
-    `loss_leaves` locates several losses among forward's tensor outputs.
+    `loss_index` is the loss's position among forward's tensor outputs (training).
     """
     pool.prestart()  # the workers' zygote imports torch while this process splits the model
     args, kwargs = first
     staged = split_stages(model, args, kwargs, stages,
                           traced=capture() if capture is not None else None)
     removeBlocks(model)  # the stages are cut: BeginBlock's hooks have done their work
-    routes = routes_of(staged, training=training, loss_leaves=loss_leaves)
+    routes = routes_of(staged, loss_index=loss_index if training else None)
     with preserved(model):
         specs = value_specs(staged, args, kwargs, training=training)
     if training:  # recomputationCheckpoint segments, or the whole stage with `recomputation`

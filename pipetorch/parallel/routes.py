@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pipetorch.partition.split import OutputTree, Source, StagedModel, map_leaves
+from pipetorch.partition.split import Source, StagedModel, map_leaves
 
 __all__: list[str] = []
 
@@ -58,7 +58,6 @@ class Route:
     send: tuple[Source, ...]          # bundle to stage index+1
     host_outputs: tuple[Source, ...]  # outputs of this stage that forward returns
     loss: Source | None               # the loss, when this stage computes it
-    more_losses: tuple[Source, ...] = ()  # further losses it computes (they train on the sum)
 
     @property
     def is_first(self) -> bool:
@@ -69,17 +68,13 @@ class Route:
         return self.index == self.stages - 1
 
 
-def routes_of(staged: StagedModel, *, training: bool,
-              loss_leaves: tuple[int, ...] = ()) -> list[Route]:
-    """One Route per stage of `staged`; `training` decides whether the loss is located.
-
-    `loss_leaves` (positions among forward's tensor outputs, see `capture.loss_leaves`)
-    names several losses; each stage back-propagates the sum of those it computes."""
+def routes_of(staged: StagedModel, *, loss_index: int | None = None) -> list[Route]:
+    """One Route per stage of `staged`; in training `loss_index` is the loss's position among
+    forward's tensor outputs (`losses.final_loss_index`), None in inference."""
     count = len(staged.modules)
     leaves: list[Source] = []
     map_leaves(staged.output, Source, leaves.append)
-    loss = _loss_source(staged.output) if training and len(loss_leaves) < 2 else None
-    losses = [leaves[i] for i in loss_leaves] if training and len(loss_leaves) > 1 else []
+    loss = leaves[loss_index] if loss_index is not None else None
     produced = [(j, k) for j, io in enumerate(staged.io) for k in range(len(io.outputs))]
     routes = []
     for s in range(count):
@@ -94,27 +89,8 @@ def routes_of(staged: StagedModel, *, training: bool,
             receive=crossing(s) if s > 0 else (),
             send=crossing(s + 1) if s < count - 1 else (),
             host_outputs=tuple(dict.fromkeys(x for x in leaves if x.kind == "stage" and x[1] == s)),
-            **_stage_losses(s, [loss] if loss is not None else losses)))
+            loss=loss if loss is not None and loss.kind == "stage" and loss[1] == s else None))
     return routes
-
-
-def _stage_losses(stage: int, losses: list[Source]) -> dict[str, Any]:
-    """Route's `loss` and `more_losses`: the losses computed on `stage`."""
-    own = [x for x in losses if x.kind == "stage" and x[1] == stage]
-    return {"loss": own[0] if own else None, "more_losses": tuple(own[1:])}
-
-
-def _loss_source(output: Any) -> Source | None:
-    """The loss is forward's output, the last element of its tuple, or its "loss" entry (as
-    `find_loss` reads it)."""
-    if isinstance(output, Source):  # forward returns the loss alone (Source is a tuple too)
-        return output
-    if isinstance(output, OutputTree):
-        return output.loss_leaf()
-    if isinstance(output, dict) and "loss" in output:
-        return output["loss"] if isinstance(output["loss"], Source) else None
-    loss = output[-1] if isinstance(output, (tuple, list)) and output else output
-    return loss if isinstance(loss, Source) else None
 
 
 def value_specs(staged: StagedModel, args: tuple, kwargs: dict, *,

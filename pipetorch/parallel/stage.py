@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from pipetorch import ops
 from pipetorch.errors import DeviceError
+from pipetorch.losses import for_backward
 from pipetorch.optim.scaling import loss_scale
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.tied import TiedGrads
@@ -263,9 +264,7 @@ class StageExecutor:
             values[source] = value
         loss = None
         if self._training and route.loss is not None:
-            # A non-scalar loss (identity_loss "none") back-propagates its sum; several sum.
-            parts = [values[s] for s in (route.loss, *route.more_losses)]
-            loss = sum(p.sum() if p.dim() else p for p in parts) * self._scale
+            loss = for_backward(values[route.loss], self._scale)
         if m in self._call.wanted:
             held.outputs[m] = [_for_host(values[s]) for s in route.host_outputs]
         if self._training:

@@ -118,21 +118,6 @@ class OutputTree:
     spec: pytree.TreeSpec
     leaves: tuple
 
-    def loss_leaf(self) -> Any:
-        """The leaf holding the loss: forward's output itself, the last item of a tuple or
-        list, or the "loss" entry of a dict / ModelOutput; None when there is none."""
-        spec, offset = self.spec, 0
-        children = _children(spec)
-        if spec.type in (tuple, list) or _is_namedtuple(spec.type):
-            if not children:
-                return None
-            offset, spec = spec.num_leaves - children[-1].num_leaves, children[-1]
-        elif isinstance(spec.context, (list, tuple)) and "loss" in spec.context:
-            index = list(spec.context).index("loss")
-            offset = sum(c.num_leaves for c in children[:index])
-            spec = children[index]
-        return self.leaves[offset] if spec.num_leaves == 1 and spec.is_leaf() else None
-
 
 def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
     method = getattr(spec, "children", None)  # torch >= 2.12; children_specs before
@@ -142,10 +127,6 @@ def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
 def _plain(spec: pytree.TreeSpec) -> bool:
     """Whether the structure is made of tuples, lists and dicts only (map_leaves rebuilds it)."""
     return spec.is_leaf() or (spec.type in (tuple, list, dict) and all(map(_plain, _children(spec))))
-
-
-def _is_namedtuple(kind: Any) -> bool:
-    return isinstance(kind, type) and issubclass(kind, tuple) and hasattr(kind, "_fields")
 
 
 def map_leaves(structure: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:

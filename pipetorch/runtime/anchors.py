@@ -23,7 +23,7 @@ import torch.nn as nn
 from pipetorch.enums import OutputMode
 from pipetorch.errors import ConfigError
 from pipetorch.optim.scaling import loss_scale
-from pipetorch.runtime.local import find_loss
+from pipetorch.losses import find_loss
 from pipetorch.runtime.outputs import OutputCollector, resolve_mode
 
 __all__: list[str] = []
@@ -48,8 +48,8 @@ class Anchors:
 
     def __init__(self, requested: dict[str, dict[str, Any]], model: nn.Module, *,
                  training: bool, in_process: bool, default_mode: OutputMode,
-                 default_period: int) -> None:
-        self.model, self.training = model, training
+                 default_period: int, loss_index: int | None = None) -> None:
+        self.model, self.training, self.loss_index = model, training, loss_index
         self.names = tensor_names(model, training=training, in_process=in_process)
         self._requested: dict[str, tuple[str, OutputMode, int]] = {}
         for short, spec in requested.items():
@@ -117,7 +117,8 @@ class Anchors:
             if not collector.wants(step):
                 continue
             if long == LOSS:
-                collector.add(step, replica, find_loss(output).detach())
+                assert self.loss_index is not None  # training models have one
+                collector.add(step, replica, find_loss(output, self.loss_index).detach())
             elif long in self._activations:
                 collector.add(step, replica, self._activations[long])
             else:

@@ -32,7 +32,6 @@ from pipetorch import ops
 from pipetorch.errors import ConfigError, Error
 from pipetorch.partition import blocks
 from pipetorch.partition.cache import read_checked, unpickle, write_checked
-from pipetorch.partition.split import OutputTree
 from pipetorch.partition.stage_module import StageModule, attribute
 from pipetorch.partition.trace import BLOCK_KEY, InputLayout, Traced
 from pipetorch.runtime.batching import Signature
@@ -101,7 +100,7 @@ def save(wrapper: Any, path: str | Path) -> None:
     compiled = wrapper._require_compiled("save()")
     wrapper._flush_host()
     traced: Traced = compiled.graph()
-    graph = _with_blocks_and_losses(traced, compiled.capture.loss_leaves if wrapper.training
+    graph = _with_blocks_and_losses(traced, compiled.capture.loss_index if wrapper.training
                                     else None)
     params = dict(wrapper.model.named_parameters())
     buffers = dict(wrapper.model.named_buffers())
@@ -142,9 +141,9 @@ def _file(path: str | Path) -> Path:
     return target
 
 
-def _with_blocks_and_losses(traced: Traced, loss_leaves: tuple[int, ...] | None) -> fx.Graph:
+def _with_blocks_and_losses(traced: Traced, loss_index: int | None) -> fx.Graph:
     """A copy of the graph that starts each block where its first node is, and (training)
-    passes the losses through identity_loss, so a probe of the loaded model finds them."""
+    passes the loss through identity_loss, so a probe of the loaded model finds it."""
     graph = fx.Graph()
     mapping: dict[fx.Node, fx.Node] = {}
     infos = {b.user_id: b for b in traced.blocks}
@@ -154,26 +153,19 @@ def _with_blocks_and_losses(traced: Traced, loss_leaves: tuple[int, ...] | None)
         if block is not None and block != current and node.op not in ("placeholder", "get_attr"):
             graph.call_function(begin_block, (block, infos[block].ipu_id))
             current = block
-        if node.op == "output" and loss_leaves is not None:
-            graph.output(_mark_losses(graph, node.args[0], mapping, loss_leaves,
-                                      traced.output_spec))
+        if node.op == "output" and loss_index is not None:
+            graph.output(_mark_loss(graph, node.args[0], mapping, loss_index))
             continue
         mapping[node] = graph.node_copy(node, lambda n: mapping[n])
     return graph
 
 
-def _mark_losses(graph: fx.Graph, outputs: Any, mapping: dict, loss_leaves: tuple[int, ...],
-                 spec: pytree.TreeSpec | None) -> Any:
-    """The output with each loss (as the executor finds them) passed through identity_loss."""
+def _mark_loss(graph: fx.Graph, outputs: Any, mapping: dict, loss_index: int) -> Any:
+    """The output with the loss (tensor output `loss_index`) passed through identity_loss."""
     leaves, flat_spec = pytree.tree_flatten(fx.node.map_arg(outputs, lambda n: mapping[n]))
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)]
-    if len(loss_leaves) > 1:
-        positions = [tensors[i] for i in loss_leaves]
-    else:  # the last output, or the "loss" entry of a dict / ModelOutput
-        found = OutputTree(spec, tuple(leaves)).loss_leaf() if spec is not None else None
-        positions = [next((i for i, leaf in enumerate(leaves) if leaf is found), tensors[-1])]
-    for index in positions:
-        leaves[index] = graph.call_function(ops.identity_loss, (leaves[index], "none"))
+    position = tensors[loss_index]
+    leaves[position] = graph.call_function(ops.identity_loss, (leaves[position], "none"))
     return pytree.tree_unflatten(leaves, flat_spec)
 
 

@@ -8,10 +8,10 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 from pipetorch import ops
 from pipetorch.errors import CompileError
+from pipetorch.losses import final_loss_index
 from pipetorch.partition import blocks
 from pipetorch.partition.blocks import BlockInfo, BlockRecorder
 from pipetorch.runtime.casting import Casting, within
@@ -29,7 +29,7 @@ class Capture:
     uses_recomputation: bool
     mutated_buffers: list[str]
     output: Any
-    loss_leaves: tuple[int, ...] = ()  # positions of the losses among a tuple's tensor leaves
+    loss_index: int | None = None  # training: the final loss's position among output's tensors
 
 
 class _BlockGuard(TorchFunctionMode):
@@ -93,12 +93,4 @@ def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
             output = model(*args, **kwargs)
     return Capture(rec.ordered(), rec.ops_before_blocks, calls["loss"] + calls["identity_loss"],
                    calls["recomputationCheckpoint"] > 0, mutated, output,
-                   _loss_leaves(output, calls.loss_tensors))
-
-
-def _loss_leaves(output: Any, losses: list[torch.Tensor]) -> tuple[int, ...]:
-    """Positions, among a tuple/list output's tensor leaves, of tensors a loss returned."""
-    if not isinstance(output, (tuple, list)):
-        return ()
-    leaves = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
-    return tuple(i for i, leaf in enumerate(leaves) if any(leaf is loss for loss in losses))
+                   final_loss_index(output, calls.losses) if training else None)

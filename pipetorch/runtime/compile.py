@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from pipetorch.errors import CompileError, ConfigError
+from pipetorch.errors import ConfigError
 from pipetorch.partition import plan
 from pipetorch.profiling import estimate, memory
 from pipetorch.partition.split import CaptureOnce
@@ -20,7 +20,7 @@ from pipetorch.runtime import casting, weights
 from pipetorch.runtime.batching import split_micro_batches, to_device
 from pipetorch.runtime.capture import Capture, probe
 from pipetorch.runtime.compiled import CompiledStage, compile_backend
-from pipetorch.runtime.local import Batching, LocalEngine, ReplicaBuffers, find_loss
+from pipetorch.runtime.local import Batching, LocalEngine, ReplicaBuffers
 from pipetorch.runtime.optimizer import device_optimizer
 
 __all__: list[str] = []
@@ -84,13 +84,6 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
             with casting.within(cast):
                 strategy = _auto_balance(model, first_args, first_kwargs, options)
         capture = probe(model, first_args, first_kwargs, training=training, casting=cast)
-        if training:
-            if capture.loss_calls == 0:
-                raise CompileError(
-                    "Couldn't find a loss in graph! A trainingModel's forward must compute its "
-                    "loss (a torch loss function or poptorch.identity_loss) and return it, alone "
-                    "or as the last element of a tuple")
-            find_loss(capture.output, capture.loss_leaves)
         bar.update()
         stages = strategy.resolve(capture.blocks, preamble=capture.ops_before_blocks)
         plan.check_batching(stages, pipelined=strategy.pipelined, training=training,
@@ -125,7 +118,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                 model, first, stages, batching=batching, optimizer=device_opt,
                 pipelined=strategy.pipelined, training=training, recomputation=recompute,
                 process=process, seed=options.random_seed, capture=graph,
-                compile_backend=backend, loss_leaves=capture.loss_leaves)
+                compile_backend=backend, loss_index=capture.loss_index)
         else:
             forward: Any = model
             if training and (capture.uses_recomputation or recompute):
@@ -135,7 +128,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
             if backend is not None:
                 forward = CompiledStage(forward, backend)
             engine = LocalEngine(model, forward, optimizer=device_opt, batching=batching,
-                                 replica_buffers=replica_buffers, loss_leaves=capture.loss_leaves,
+                                 replica_buffers=replica_buffers, loss_index=capture.loss_index,
                                  casting=cast)
         bar.update()
     finally:

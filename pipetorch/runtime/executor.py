@@ -197,7 +197,8 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             self._anchors = Anchors(
                 o.anchored_tensors, engine.model, training=self._training,
                 in_process=isinstance(engine, LocalEngine), default_mode=o.output_mode,
-                default_period=o.output_return_period)
+                default_period=o.output_return_period,
+                loss_index=self._compiled.capture.loss_index)
         except ConfigError:
             self.destroy()  # a bad anchor name: stop the workers; fix the options, wrap again
             raise

@@ -1,7 +1,6 @@
 """The reference engine: every stage and replica of a host call run in this process, in turn."""
 from __future__ import annotations
 
-from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -13,7 +12,7 @@ from torch.utils import _pytree as pytree
 from pipetorch import ops
 from pipetorch.runtime import devices
 from pipetorch.enums import ReductionType
-from pipetorch.errors import CompileError
+from pipetorch.losses import find_loss, for_backward
 from pipetorch.optim.scaling import loss_scale
 from pipetorch.runtime.casting import Casting, within
 from pipetorch.runtime.outputs import OutputCollector
@@ -38,28 +37,6 @@ class Batching:
     def steps(self) -> int:
         """Micro-batches per replica: D*G."""
         return self.device_iterations * self.gradient_accumulation
-
-
-def find_loss(output: Any, loss_leaves: tuple[int, ...] = ()) -> torch.Tensor:
-    """The loss is the output itself, the last element of a tuple/list, or the "loss" entry
-    of a dict (HuggingFace's ModelOutput is one). With `loss_leaves` (the flat output
-    positions of several losses, see `capture.loss_leaves`) it is their sum, each reduced by
-    sum as PopTorch back-propagates ones through a loss it does not reduce."""
-    if len(loss_leaves) > 1:
-        leaves = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
-        return torch.stack([leaves[i].sum().float() for i in loss_leaves]).sum()
-    if isinstance(output, Mapping) and "loss" in output:
-        loss = output["loss"]
-    else:
-        loss = output[-1] if isinstance(output, (tuple, list)) and output else output
-    if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
-        raise CompileError(
-            f"Couldn't find a loss in graph! forward returned {type(output).__name__}; a training "
-            "model's forward must return the loss, alone, as the last element of a tuple or as "
-            "the 'loss' entry of a dict (a torch loss, or poptorch.identity_loss(x, "
-            "reduction='sum'|'mean'|'none'))"
-        )
-    return loss
 
 
 def reduction_multiplier(batching: Batching) -> float:
@@ -106,11 +83,11 @@ class LocalEngine:
     def __init__(self, model: nn.Module, forward: Callable[..., Any], *,
                  optimizer: torch.optim.Optimizer | None, batching: Batching,
                  replica_buffers: ReplicaBuffers | None = None,
-                 loss_leaves: tuple[int, ...] = (), casting: Casting | None = None) -> None:
+                 loss_index: int | None = None, casting: Casting | None = None) -> None:
         self.model, self.forward, self.optimizer = model, forward, optimizer
         # Around backward too: a recomputed forward must cast as the first one did.
         self.casting = casting
-        self.loss_leaves = loss_leaves
+        self.loss_index = loss_index
         self.batching = batching
         self._replica_buffers = replica_buffers
         self.schedule = "local"  # every stage in this process, one after another
@@ -180,9 +157,8 @@ class LocalEngine:
                         micro_batches, range(first, first + b.gradient_accumulation)):
                     with self._replica(r):
                         output = self.forward(*args, **kwargs)
-                        loss = find_loss(output, self.loss_leaves)
-                        # A non-scalar loss (identity_loss "none") back-propagates its sum.
-                        (loss.sum() if loss.dim() else loss).mul(scale).backward()
+                        assert self.loss_index is not None  # found by the probe
+                        for_backward(find_loss(output, self.loss_index), scale).backward()
                     collector.add(step, r, _detach(output))
                 self.optimizer.step()
 

@@ -13,11 +13,13 @@ from pipetorch.partition import blocks
 
 
 class ManyLosses(nn.Module):
-    """Returns losses at non-final positions: (loss, output, loss, loss)."""
+    """Partial losses of every kind, combined into one final identity_loss returned first;
+    with `combine=False` it returns them as four independent losses."""
 
-    def __init__(self) -> None:
+    def __init__(self, combine: bool = True) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 3)
+        self.combine = combine
 
     def forward(self, x, labels, target):
         out = self.fc(x)
@@ -25,7 +27,10 @@ class ManyLosses(nn.Module):
         squared = poptorch.identity_loss((out - target) ** 2, reduction="none")
         absolute = poptorch.identity_loss((out - target).abs(), reduction="mean")
         total = poptorch.identity_loss(out.sum(), reduction="sum")
-        return ce, out, squared, (absolute, total)
+        if not self.combine:
+            return ce, out, squared, (absolute, total)
+        final = poptorch.identity_loss(ce + squared.sum() + absolute + total, reduction="none")
+        return final, out, squared, (absolute, total)
 
 
 def _train_once(model, *inputs):
@@ -33,23 +38,33 @@ def _train_once(model, *inputs):
     return poptorch.trainingModel(model, optimizer=opt)(*inputs)
 
 
-def test_several_losses_in_a_tuple_train_on_their_sum():
+def test_partial_losses_train_on_the_final_one_returned_first():
     torch.manual_seed(0)
     model = ManyLosses()
     plain = copy.deepcopy(model)
     x, labels, target = torch.randn(5, 4), torch.tensor([0, 2, 1, 1, 0]), torch.randn(5, 3)
-    ce, out, squared, (absolute, total) = _train_once(model, x, labels, target)
-
     opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    p_ce, p_out, p_sq, (p_abs, p_total) = plain(x, labels, target)
-    (p_ce + p_sq.sum() + p_abs + p_total).backward()
-    opt.step()
-    for got, want in [(ce, p_ce), (out, p_out), (squared, p_sq), (absolute, p_abs),
-                      (total, p_total)]:
-        assert_close(got, want.detach())
+    wrapped = poptorch.trainingModel(model, optimizer=poptorch.optim.SGD(model.parameters(),
+                                                                         lr=0.1))
+    for _ in range(3):  # the later calls run on trained weights
+        final, out, squared, (absolute, total) = wrapped(x, labels, target)
+        opt.zero_grad()
+        p_final, p_out, p_sq, (p_abs, p_total) = plain(x, labels, target)
+        p_final.backward()
+        opt.step()
+        for got, want in [(final, p_final), (out, p_out), (squared, p_sq), (absolute, p_abs),
+                          (total, p_total)]:
+            assert_close(got, want.detach())
     assert squared.shape == (5, 3)  # reduction="none" is returned unreduced
     assert_close(model.fc.weight, plain.fc.weight)
     assert_close(model.fc.bias, plain.fc.bias)
+
+
+def test_independent_losses_get_poptorchs_error():
+    x, labels, target = torch.randn(5, 4), torch.tensor([0, 2, 1, 1, 0]), torch.randn(5, 3)
+    with pytest.raises(poptorch.Error, match=r"(?s)Multiple independent losses found in graph"
+                       r".*4 losses.*F\.cross_entropy #1 \(returned as output\[0\]\)"):
+        _train_once(ManyLosses(combine=False), x, labels, target)
 
 
 class IntLabelLoss(nn.Module):
@@ -163,7 +178,8 @@ class ShardedLoop(nn.Module):
             x = poptorch.for_loop(2, lambda h: torch.tanh(self.fc(h)), [x])[0]
             small = poptorch.identity_loss(x.pow(2), reduction="mean")  # a loss on ipu 0
         y = self.begin_head(x)
-        return small, y, F.mse_loss(y, target)  # two losses, one on each device
+        # a partial loss from each device, combined into the final one on ipu 1
+        return small, y, poptorch.identity_loss(small + F.mse_loss(y, target), reduction="sum")
 
 
 @pytest.mark.slow
@@ -190,8 +206,8 @@ def test_for_loop_and_cond_on_two_ipus_train_like_torch(strategy):
     opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     for rows in (slice(0, 2), slice(2, 4)):
         opt.zero_grad()
-        small, _, p_loss = plain(x[rows], target[rows])
-        (small + p_loss).backward()
+        _, _, p_loss = plain(x[rows], target[rows])
+        p_loss.backward()
         opt.step()
     for name, param in plain.named_parameters():
         assert_close(model.get_parameter(name), param, msg=name)

@@ -46,3 +46,11 @@ def expected_outputs(results, mode: str, *, steps: int, R: int, period: int = 1)
             rows.append((0, r, sum(o for _, _, o, _ in mine), sum(l for _, _, _, l in mine)))
         return pick(rows)
     raise ValueError(mode)
+
+
+def last_output(staged):
+    """The position of a split model's last tensor output (where these tests put the loss)."""
+    from pipetorch.partition.split import Source, map_leaves
+    leaves = []
+    map_leaves(staged.output, Source, leaves.append)
+    return len(leaves) - 1

@@ -26,6 +26,7 @@ class HFCase:
     model: nn.Module
     devices: int
     make_inputs: Callable[[int, int], Inputs]
+    loss_at: int = -1  # where a tuple output holds the loss (the BERT tutorial returns it first)
 
 
 def bert_config(layers: int = 4) -> Any:
@@ -65,7 +66,7 @@ def bert_tutorial(devices: int) -> HFCase:
     model = example.PipelinedBertForQuestionAnswering(bert_config())
     layers = {2: [2, 2], 4: [1, 1, 1, 1]}[devices]
     model.parallelize(layers, recompute_checkpoint_every_layer=True)
-    return HFCase(f"bert-tutorial-{devices}", model, devices, qa_inputs)
+    return HFCase(f"bert-tutorial-{devices}", model, devices, qa_inputs, loss_at=0)
 
 
 def gpt2(devices: int, *, tied: bool = False) -> HFCase:
@@ -148,14 +149,14 @@ def slice_inputs(inputs: Inputs, start: int, stop: int) -> Inputs:
     return {k: v[start:stop] for k, v in inputs.items()}
 
 
-def loss_of(output: Any) -> torch.Tensor:
+def loss_of(output: Any, at: int = -1) -> torch.Tensor:
     if isinstance(output, dict) or hasattr(output, "keys"):
         return output["loss"]
-    return output[-1] if isinstance(output, (tuple, list)) else output
+    return output[at] if isinstance(output, (tuple, list)) else output
 
 
 def plain_call(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Inputs, *, D: int,
-               G: int, B: int) -> Any:
+               G: int, B: int, loss_at: int = -1) -> Any:
     """One host call by hand: D steps of G micro-batches; every micro-batch's output joined
     as OutputMode.All returns it (losses stacked, batched outputs concatenated)."""
     outputs = []
@@ -164,7 +165,7 @@ def plain_call(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Input
         for g in range(G):
             start = (d * G + g) * B
             output = model(**slice_inputs(inputs, start, start + B))
-            (loss_of(output) / G).backward()
+            (loss_of(output, loss_at) / G).backward()
             outputs.append(pytree.tree_map(lambda t: t.detach(), output))
         optimizer.step()
     return join(outputs)

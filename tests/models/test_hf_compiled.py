@@ -23,7 +23,7 @@ def test_compiled_bert_stages_train_like_plain_pytorch(request, monkeypatch):
     plain_optimizer = sgd(plain)
     for call in range(2):
         inputs = case.make_inputs(D * G * B, call)
-        want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B)
+        want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B, loss_at=case.loss_at)
         assert_same_output(wrapper(**inputs), want, what=f"compiled bert call {call}")
     # what each worker was sent (a stage pickles with its backend and compiles in the worker)
     modules = wrapper._compiled.engine.staged.modules

@@ -67,7 +67,7 @@ def test_training_matches_plain_pytorch(request, name, devices, sharded, auto_in
     plain_optimizer = sgd(plain)
     for call, inputs in enumerate(batches):
         got = wrapper(**inputs)
-        want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B)
+        want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B, loss_at=case.loss_at)
         assert_same_output(got, want, what=f"{name} call {call}")
     # one worker per device, running every stage on it (the tutorial: several per device)
     assert len(wrapper._compiled.engine.worker_pids) == devices
@@ -105,7 +105,7 @@ def test_gpt2_tied_embeddings_across_two_devices_train_like_plain_pytorch(reques
     plain_optimizer = sgd(plain)
     for call in range(CALLS):
         inputs = case.make_inputs(D * G * B, call)
-        want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B)
+        want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B, loss_at=case.loss_at)
         assert_same_output(wrapper(**inputs), want, what=f"gpt2 tied across devices call {call}")
     assert [p.stages for p in wrapper._compiled.engine.placements] == [(0,), (1,)]
     wrapper.copyWeightsToHost()
@@ -125,7 +125,7 @@ def test_gpt2_tied_embeddings_with_the_head_back_on_device_0_train_like_plain_py
     plain_optimizer = sgd(plain)
     for call in range(CALLS):
         inputs = case.make_inputs(D * G * B, call)
-        want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B)
+        want = plain_call(plain, plain_optimizer, inputs, D=D, G=G, B=B, loss_at=case.loss_at)
         assert_same_output(wrapper(**inputs), want, what=f"gpt2 tied call {call}")
     assert [p.stages for p in wrapper._compiled.engine.placements] == [(0, 2), (1,)]
     assert wrapper.model.lm_head.weight is wrapper.model.transformer.wte.weight

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import pipetorch as poptorch
 from helpers.models import TinyMLP
+from helpers.reference import last_output
 from pipetorch.parallel.routes import Constant, Route, TensorSpec, routes_of, value_specs
 from pipetorch.partition.split import Source, split_stages
 from pipetorch.partition.strategies import StageSpec
@@ -66,7 +67,7 @@ def skip_training_fx():
 def test_skip_connection_is_relayed_through_the_middle_stage(skip_training):
     staged, _ = skip_training
     h, g, out, loss = stage(0, 0), stage(1, 0), stage(2, 0), stage(2, 1)
-    assert routes_of(staged, training=True) == [
+    assert routes_of(staged, loss_index=last_output(staged)) == [
         # torch.export captures the first call's shapes: `rows` is the number 5 inside
         # stage 1's graph, so only h crosses from stage 0
         Route(index=0, stages=3, host_inputs=(0,), receive=(), send=(h,),
@@ -82,7 +83,7 @@ def test_skip_connection_is_relayed_through_the_middle_stage(skip_training):
 
 def test_routes_of_a_training_graph_for_inference_locate_no_loss(skip_training):
     staged, _ = skip_training
-    routes = routes_of(staged, training=False)
+    routes = routes_of(staged)
     assert [r.loss for r in routes] == [None, None, None]
     assert routes[2].host_outputs == (stage(2, 0), stage(2, 1))
     assert [(r.is_first, r.is_last) for r in routes] == [(True, False), (False, False),
@@ -93,7 +94,7 @@ def test_inference_graph_without_labels_reads_one_host_input():
     x, _ = skip_data()
     model = SkipNet().eval()
     staged = split_stages(model, (x,), {}, stages("A", "B", "C"))
-    routes = routes_of(staged, training=False)
+    routes = routes_of(staged)
     assert [r.host_inputs for r in routes] == [(0,), (), ()]
     assert routes[2].host_outputs == (stage(2, 0),) and routes[2].loss is None
     assert routes[1].send == (stage(0, 0), stage(1, 0))
@@ -104,7 +105,7 @@ def test_inference_graph_without_labels_reads_one_host_input():
 def test_fx_capture_sends_a_size_as_a_value(skip_training_fx):
     staged, _ = skip_training_fx
     h, rows = stage(0, 0), stage(0, 1)
-    routes = routes_of(staged, training=True)
+    routes = routes_of(staged, loss_index=last_output(staged))
     assert routes[0].send == (h, rows) and routes[1].receive == (h, rows)
 
 
@@ -149,7 +150,7 @@ def test_mixed_values_specs_and_host_outputs_per_stage():
     tokens, x = torch.randint(0, 10, (5, 2)), torch.randn(5, 4)
     labels = torch.tensor([0, 1, 2, 0, 1])
     staged = split_stages(MixedNet(), (tokens, x, labels), {}, stages("A", "B"))
-    first, last = routes_of(staged, training=True)
+    first, last = routes_of(staged, loss_index=last_output(staged))
     assert first.host_inputs == (0, 1) and last.host_inputs == (2,)
     assert first.send == last.receive == (stage(0, 0), stage(0, 1), stage(0, 2))
     assert first.host_outputs == (stage(0, 3),) and first.loss is None
@@ -184,7 +185,7 @@ def test_loss_is_located_on_the_stage_computing_it():
     torch.manual_seed(0)
     x, y = torch.randn(2, 3), torch.tensor([0, 1])
     staged = split_stages(LossInTheMiddle(), (x, y), {}, stages("A", "B", "C"))
-    routes = routes_of(staged, training=True)
+    routes = routes_of(staged, loss_index=last_output(staged))
     (loss,) = [s for s in routes[1].host_outputs if staged.output[-1] == s]
     assert [r.loss for r in routes] == [None, loss, None]
     assert routes[2].host_outputs == (staged.output[0],)
@@ -196,7 +197,7 @@ def test_a_single_stage_sends_and_receives_nothing():
     torch.manual_seed(0)
     x, y = torch.randn(4, 6), torch.tensor([0, 1, 2, 0])
     staged = split_stages(TinyMLP(), (x, y), {}, [StageSpec(0, 0, ())])
-    (route,) = routes_of(staged, training=True)
+    (route,) = routes_of(staged, loss_index=last_output(staged))
     assert route == Route(index=0, stages=1, host_inputs=(0, 1), receive=(), send=(),
                           host_outputs=(stage(0, 0), stage(0, 1)), loss=stage(0, 1))
     assert route.is_first and route.is_last
@@ -219,7 +220,7 @@ def test_loss_only_output_and_an_output_returned_twice():
             return {"a": s, "b": [s]}, s
 
     staged = split_stages(Twice(), (torch.ones(1, 2),), {}, stages("A", "B"))
-    routes = routes_of(staged, training=True)
+    routes = routes_of(staged, loss_index=last_output(staged))
     assert routes[1].host_outputs == (stage(1, 0),)  # listed once however often forward returns it
     assert routes[1].loss == stage(1, 0) and routes[0].host_outputs == ()
 
@@ -239,6 +240,6 @@ def test_forward_returning_only_the_loss_locates_it():
     x, y = torch.randn(2, 4), torch.tensor([0, 2])
     staged = split_stages(LossOnly(), (x, y), {}, stages("A", "B"))
     assert staged.output == stage(1, 0)  # a bare Source, itself a tuple ("stage", 1, 0)
-    routes = routes_of(staged, training=True)
+    routes = routes_of(staged, loss_index=last_output(staged))
     assert routes[1].host_outputs == (stage(1, 0),)
     assert [r.loss for r in routes] == [None, stage(1, 0)]

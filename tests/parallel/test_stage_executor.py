@@ -22,6 +22,7 @@ import pipetorch as poptorch
 from helpers.models import TinyMLP
 from helpers.reference import plain_train_call
 from pipetorch.errors import DeviceError
+from helpers.reference import last_output
 from pipetorch.parallel.routes import routes_of, value_specs
 from pipetorch.parallel.stage import Call, DeviceStage, StageExecutor, inplace_inputs
 from pipetorch.parallel.transport import PeerLink, Tag
@@ -91,7 +92,7 @@ def gloo(tmp_path_factory):
 
 def one_stage(model, sample, optimizer_of=None, traced=None):
     staged = split_stages(model, sample, {}, [StageSpec(0, 0, ())], traced=traced)
-    (route,) = routes_of(staged, training=model.training)
+    (route,) = routes_of(staged, loss_index=last_output(staged) if model.training else None)
     specs = value_specs(staged, sample, {}, training=model.training)
     module = staged.modules[0]
     optimizer = optimizer_of(module.parameters()) if optimizer_of else None
@@ -247,7 +248,7 @@ def run_stages(staged, sample, call, *, training, schedule, optimizer_of=None, o
     `owners[s]` is stage s's device (default: a device per stage); a device runs its list of
     the merged schedule over its stages, with one optimiser over all of their parameters.
     """
-    routes = routes_of(staged, training=training)
+    routes = routes_of(staged, loss_index=last_output(staged) if training else None)
     specs = value_specs(staged, sample, {}, training=training)
     boxes, lock = {}, threading.Lock()
     owners = tuple(range(len(routes))) if owners is None else owners
@@ -501,7 +502,7 @@ def test_stage_sending_nothing_to_the_next_one(training):
     model = TwoHeads().train(training)
     x = torch.randn(6, 4)
     staged = split_stages(model, (x[:2],), {}, [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",))])
-    assert routes_of(staged, training=training)[0].send == ()
+    assert routes_of(staged, loss_index=last_output(staged) if training else None)[0].send == ()
     with torch.no_grad():  # before the run: in training, `second` is the loss and b steps
         expected = [(model.a(x[2 * m:2 * m + 2]), model.b(x[2 * m:2 * m + 2])) for m in range(3)]
     call = Call({0: stacked(x, 3)}, 1, 3, frozenset(range(3)), 1.0)
