@@ -1,10 +1,11 @@
 """The one executor: runs a device's action list (any schedule) over its stages, in its worker."""
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.fx as fx
@@ -144,14 +145,18 @@ class StageExecutor:
     like the stages); the link reaches the other devices by that number. A transfer between
     two held stages is a hand-over in memory: the receiver gets the sender's tensors, detached.
     `tied` holds the device's copies of weights tied with other devices (TIED_REDUCE).
+    `micro_context(m)`, when given, is entered around micro-batch m's forward and backward
+    (one device running its replicas in turn swaps each replica's buffers in).
     """
 
     def __init__(self, stages: Sequence[DeviceStage], specs: dict[Source, Spec], *,
                  link: PeerLink, device: torch.device, optimizer: torch.optim.Optimizer | None,
                  owners: Sequence[int] | None = None, replica: int = 0,
-                 tied: TiedGrads | None = None) -> None:
+                 tied: TiedGrads | None = None,
+                 micro_context: Callable[[int], ContextManager[Any]] | None = None) -> None:
         assert stages, "a device holds at least one stage"
         self.specs, self.link, self.replica = specs, link, replica
+        self._context = micro_context or (lambda m: contextlib.nullcontext())
         self.device, self.optimizer, self.tied = device, optimizer, tied
         self.owners = tuple(owners) if owners is not None else tuple(
             range(stages[0].route.stages))
@@ -252,7 +257,8 @@ class StageExecutor:
                     rewritten.add(held.inputs[i])
                 args[i] = args[i].clone()
                 values[held.inputs[i]] = args[i]  # later stages read it as this stage left it
-        outputs = held.module(*args)
+        with self._context(m):
+            outputs = held.module(*args)
         for k, value in enumerate(outputs):
             source = Source.stage(route.index, k)
             spec = self.specs.get(source)
@@ -290,7 +296,8 @@ class StageExecutor:
             tensors.append(forward.loss)
             seeds.append(None)
         if tensors:
-            torch.autograd.backward(tensors, seeds)
+            with self._context(m):  # a recomputed forward runs again in here
+                torch.autograd.backward(tensors, seeds)
         out_sources, _ = held.grad_out
         if out_sources:
             held.grads_out[m] = [_grad_or_zeros(forward.received[s]) for s in out_sources]

@@ -250,7 +250,7 @@ def staged_footprints(staged: Any, args: tuple, kwargs: dict, *,
     produced: dict[Any, Any] = {}
     result = []
     for j, (module, io, route) in enumerate(zip(staged.modules, staged.io,
-                                                routes_of(staged, training=training))):
+                                                routes_of(staged))):
         values = [inputs[s[1]] if s.kind == "input" else produced[s] for s in io.inputs]
         relayed = [produced[s] for s in route.receive if s not in io.inputs]
         footprint, outputs = measure_forward(lambda *v, m=module: m(*v), values,

@@ -20,7 +20,7 @@ from pipetorch.runtime import casting, weights
 from pipetorch.runtime.batching import split_micro_batches, to_device
 from pipetorch.runtime.capture import Capture, probe
 from pipetorch.runtime.compiled import CompiledStage, compile_backend
-from pipetorch.runtime.local import Batching, LocalEngine, ReplicaBuffers
+from pipetorch.runtime.local import Batching, FlatStage, LocalEngine, ReplicaBuffers
 from pipetorch.runtime.optimizer import device_optimizer
 
 __all__: list[str] = []
@@ -127,7 +127,8 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                 forward = stage_module(model, checkpoint=recompute)
             if backend is not None:
                 forward = CompiledStage(forward, backend)
-            engine = LocalEngine(model, forward, optimizer=device_opt, batching=batching,
+            engine = LocalEngine(model, FlatStage(forward, micro[0], capture.output),
+                                 optimizer=device_opt, batching=batching,
                                  replica_buffers=replica_buffers, loss_index=capture.loss_index,
                                  casting=cast)
         bar.update()

@@ -1,4 +1,6 @@
-"""The reference engine: every stage and replica of a host call run in this process, in turn."""
+"""One device in this process: the whole model as one stage, run by the stage executor that
+every worker runs (`parallel.stage`), so a host call's semantics (loss, scaling, reduction,
+optimiser step, outputs) exist once."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -9,13 +11,14 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from pipetorch import ops
-from pipetorch.runtime import devices
 from pipetorch.enums import ReductionType
-from pipetorch.losses import find_loss, for_backward
-from pipetorch.optim.scaling import loss_scale
+from pipetorch.parallel.routes import Route
+from pipetorch.parallel.stage import Call, DeviceStage, StageExecutor
+from pipetorch.partition.split import Source
+from pipetorch.runtime import devices
 from pipetorch.runtime.casting import Casting, within
 from pipetorch.runtime.outputs import OutputCollector
+from pipetorch.schedule import plans
 
 __all__: list[str] = []
 
@@ -47,11 +50,6 @@ def reduction_multiplier(batching: Batching) -> float:
     return 1.0
 
 
-def _detach(output: Any) -> Any:
-    return pytree.tree_map(
-        lambda x: x.detach().to("cpu") if isinstance(x, torch.Tensor) else x, output)
-
-
 class ReplicaBuffers:
     """Each replica's own copy of the buffers forward changes (broadcastBuffers(False))."""
 
@@ -78,22 +76,30 @@ class ReplicaBuffers:
 
 
 class LocalEngine:
-    """Runs host calls on one torch device: D optimiser steps of G x R micro-batches each."""
+    """Runs host calls on one torch device: D optimiser steps of G x R micro-batches each
+    (R > 1 only with PIPETORCH_EXECUTION=local: the replicas' gradients sum in place)."""
 
-    def __init__(self, model: nn.Module, forward: Callable[..., Any], *,
+    def __init__(self, model: nn.Module, stage: "FlatStage", *,
                  optimizer: torch.optim.Optimizer | None, batching: Batching,
                  replica_buffers: ReplicaBuffers | None = None,
                  loss_index: int | None = None, casting: Casting | None = None) -> None:
-        self.model, self.forward, self.optimizer = model, forward, optimizer
+        self.model, self.optimizer = model, optimizer
+        self._stage = stage  # forward (maybe recomputed or compiled) over flat tensors
+        self._executors: dict[bool, StageExecutor] = {}
         # Around backward too: a recomputed forward must cast as the first one did.
         self.casting = casting
         self.loss_index = loss_index
         self.batching = batching
         self._replica_buffers = replica_buffers
         self.schedule = "local"  # every stage in this process, one after another
-        self.last_trace: list = []  # no per-action spans in this engine
+        self.last_trace: list = []  # the executor's spans are not reported for one device
         self.input_device = next((t.device for t in [*model.parameters(), *model.buffers()]),
                                  torch.device("cpu"))
+
+    @property
+    def forward(self) -> Callable[..., Any]:
+        """Forward as this engine runs it (recomputed, compiled), on the model's arguments."""
+        return self._stage.inner
 
     # The device copy lives in this process: there is nothing to fetch, send or stop.
     def pull(self) -> None:
@@ -125,48 +131,121 @@ class LocalEngine:
     def acquire(self) -> None:
         """Nothing to restart."""
 
-    @contextmanager
-    def _replica(self, replica: int) -> Iterator[None]:
-        if self._replica_buffers is None:
-            yield
-        else:
-            with self._replica_buffers.of(replica):
-                yield
-
-    def _walk(self, micro_batches: list[tuple[tuple, dict]], steps: range
-              ) -> Iterator[tuple[int, int, tuple, dict]]:
-        """(step, replica, args, kwargs) of the given steps, in [step][replica] order."""
-        replicas = self.batching.replication_factor
-        for step in steps:
-            for r in range(replicas):
-                args, kwargs = micro_batches[step * replicas + r]
-                yield step, r, args, kwargs
-
     def train(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
         """D optimiser steps, each over G x R micro-batches laid out [D][G][R]."""
         b = self.batching
         assert self.optimizer is not None and len(micro_batches) == b.micro_batches
-        self.model.train()
-        with ops.running_on_device(), within(self.casting):
-            for d in range(b.device_iterations):
-                # Read at every step: automatic loss scaling changes the scale between steps.
-                scale = reduction_multiplier(b) * loss_scale(self.optimizer)
-                self.optimizer.zero_grad(set_to_none=True)
-                first = d * b.gradient_accumulation
-                for step, r, args, kwargs in self._walk(
-                        micro_batches, range(first, first + b.gradient_accumulation)):
-                    with self._replica(r):
-                        output = self.forward(*args, **kwargs)
-                        assert self.loss_index is not None  # found by the probe
-                        for_backward(find_loss(output, self.loss_index), scale).backward()
-                    collector.add(step, r, _detach(output))
-                self.optimizer.step()
+        self._run(micro_batches, collector, training=True, iterations=b.device_iterations,
+                  per_iteration=b.gradient_accumulation * b.replication_factor,
+                  scale=reduction_multiplier(b))
 
-    @torch.no_grad()
     def infer(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
         """Forward of every micro-batch, in [D][R] order (G is 1 for inference)."""
-        self.model.eval()
-        with ops.running_on_device(), within(self.casting):
-            for step, r, args, kwargs in self._walk(micro_batches, range(self.batching.steps)):
-                with self._replica(r):
-                    collector.add(step, r, _detach(self.forward(*args, **kwargs)))
+        self._run(micro_batches, collector, training=False, iterations=1,
+                  per_iteration=len(micro_batches), scale=1.0)
+
+    def _run(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector, *,
+             training: bool, iterations: int, per_iteration: int, scale: float) -> None:
+        """Run the one-device plan (`schedule.plans.sharded` over one stage) with the stage
+        executor every multi-device worker runs, in this process."""
+        replicas = self.batching.replication_factor
+        flat = [self._stage.flatten(args, kwargs) for args, kwargs in micro_batches]
+        wanted = frozenset(m for m in range(len(flat)) if collector.wants(m // replicas))
+        inputs = {i: [f[i] for f in flat] for i in range(len(flat[0]))}
+        executor = self._executor(training)
+        with within(self.casting):
+            executor.run(plans.sharded(1, per_iteration, training=training)[0],
+                         Call(inputs, iterations, per_iteration, wanted, scale),  # type: ignore[arg-type]
+                         training=training)
+        outputs = executor.outputs[0]
+        for m in sorted(wanted):
+            collector.add(m // replicas, m % replicas, self._stage.rebuild(outputs[m]))
+
+    def _executor(self, training: bool) -> StageExecutor:
+        """The executor of this engine's one stage (the loss located only in training)."""
+        if training not in self._executors:
+            count = self._stage.outputs
+            route = Route(index=0, stages=1, host_inputs=tuple(range(self._stage.inputs)),
+                          receive=(), send=(),
+                          host_outputs=tuple(Source.stage(0, k) for k in range(count)),
+                          loss=Source.stage(0, self.loss_index) if training else None)
+            stage = DeviceStage(self._stage, route,
+                                tuple(Source.input(i) for i in range(self._stage.inputs)))
+            self._executors[training] = StageExecutor(
+                [stage], {}, link=InProcessLink(), device=self.input_device,
+                optimizer=self.optimizer if training else None,
+                micro_context=self._replica_context())
+        return self._executors[training]
+
+    def _replica_context(self) -> Callable[[int], Any] | None:
+        """Replica r's buffers swapped in around micro-batch m's forward and backward (m's
+        replica is m mod R: the micro-batches are laid out [D][G][R])."""
+        buffers, replicas = self._replica_buffers, self.batching.replication_factor
+        if buffers is None:
+            return None
+        return lambda m: buffers.of(m % replicas)
+
+
+class FlatStage(nn.Module):
+    """Forward as a stage: a micro-batch's tensors in (pytree order), the output's tensors out.
+
+    Whatever is not a tensor (None, Python numbers, the containers) is the first call's and
+    is put back around the tensors: the wrapper recompiles when the inputs' structure changes.
+    """
+
+    def __init__(self, forward: Callable[..., Any], example: tuple[tuple, dict],
+                 output: Any) -> None:
+        super().__init__()
+        self.inner = forward
+        leaves, self._spec = pytree.tree_flatten(example)
+        self._slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self._constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        self._set_output(output)
+
+    @property
+    def inputs(self) -> int:
+        return len(self._slots)
+
+    @property
+    def outputs(self) -> int:
+        return len(self._out_slots)
+
+    def flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensors of one micro-batch's arguments, in the stage's input order."""
+        leaves = pytree.tree_leaves((args, kwargs))
+        return [leaves[i] for i in self._slots]
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+        """Forward's output structure around one micro-batch's output tensors."""
+        leaves = list(self._out_constants)
+        for slot, tensor in zip(self._out_slots, tensors):
+            leaves[slot] = tensor
+        return pytree.tree_unflatten(leaves, self._out_spec)
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = list(self._constants)
+        for slot, tensor in zip(self._slots, tensors):
+            leaves[slot] = tensor
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        output = self.inner(*args, **kwargs)
+        self._set_output(output)
+        return tuple(x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor))
+
+    def _set_output(self, output: Any) -> None:
+        leaves, self._out_spec = pytree.tree_flatten(output)
+        self._out_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self._out_constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
+class InProcessLink:
+    """The link of a one-device plan: no peers; gradients of in-process replicas already sum
+    into the same parameters, so there is nothing to all-reduce."""
+
+    kind = "local"
+    bytes_sent = bytes_received = 0
+
+    def all_reduce(self, tensors: Any, **_: Any) -> None:
+        """The replicas of this process share their parameters' gradients."""
+
+    def flush(self) -> None:
+        """Nothing is in flight."""
