@@ -18,7 +18,7 @@ import transformers
 import pipetorch as poptorch
 from pipetorch.partition.blocks import removeBlocks
 from pipetorch.partition.split import capture, split_stages
-from pipetorch.runtime.capture import probe
+from pipetorch.partition.probe import probe
 
 
 def bert(layers: int, hidden: int, devices: int, sequence: int) -> torch.nn.Module:

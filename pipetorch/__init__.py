@@ -22,7 +22,7 @@ _LAZY = {
     "BeginBlock": "pipetorch.partition.blocks",
     "BlockFunction": "pipetorch.partition.blocks",
     "removeBlocks": "pipetorch.partition.blocks",
-    "balance": "pipetorch.partition.auto",
+    "balance": "pipetorch.profiling.balancing",
     "Stage": "pipetorch.partition.strategies",
     "Phase": "pipetorch.partition.strategies",
     "PipelinedExecution": "pipetorch.partition.strategies",

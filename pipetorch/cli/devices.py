@@ -192,7 +192,7 @@ def _int(value: Any) -> int:
 def _default(placement: Any) -> dict[str, Any]:
     """Where stage workers would go now (`placement.physical`, which `place` follows)."""
     from pipetorch.errors import ConfigError
-    from pipetorch.runtime.devices import default_device
+    from pipetorch.parallel.devices import default_device
 
     result: dict[str, Any] = {"device": None, "devices": [], "cores": None,
                               "threads_per_worker": None, "error": None}

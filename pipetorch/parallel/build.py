@@ -16,10 +16,10 @@ from pipetorch.partition.blocks import removeBlocks
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.partition.trace import Traced
-from pipetorch.runtime.capture import preserved
-from pipetorch.runtime.compiled import CompiledStage
-from pipetorch.runtime.recompute import stage_module
-from pipetorch.runtime.local import Batching
+from pipetorch.partition.probe import preserved
+from pipetorch.parallel.compiled import CompiledStage
+from pipetorch.parallel.recompute import stage_module
+from pipetorch.parallel.local import Batching
 
 __all__: list[str] = []
 

@@ -44,8 +44,8 @@ from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
 from pipetorch.parallel.tied import ties_of
 from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
-from pipetorch.runtime.local import Batching, reduction_multiplier
-from pipetorch.runtime.outputs import OutputCollector
+from pipetorch.parallel.local import Batching, reduction_multiplier
+from pipetorch.parallel.outputs import OutputCollector
 
 __all__: list[str] = []
 

@@ -20,7 +20,7 @@ import torch
 
 from pipetorch.errors import ConfigError
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.runtime.devices import default_device
+from pipetorch.parallel.devices import default_device
 
 __all__: list[str] = []
 

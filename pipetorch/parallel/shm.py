@@ -23,7 +23,7 @@ import struct
 import time
 from collections import deque
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -322,3 +322,10 @@ class ShmLink(PeerLink):
             channel.close()
         self._in.clear()
         self._out.clear()
+
+
+def new_link(kind: str, *, prefix: str, rank: int, **kwargs: Any) -> PeerLink:
+    """The link of `kind` (from `link_kind`); `kwargs` go to PeerLink."""
+    if kind == "shm":
+        return ShmLink(prefix=prefix, rank=rank, **kwargs)
+    return PeerLink(**kwargs)

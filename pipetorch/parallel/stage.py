@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import contextlib
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 
 from pipetorch import ops
@@ -18,7 +16,8 @@ from pipetorch.optim.scaling import loss_scale
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.tied import TiedGrads
 from pipetorch.parallel.transport import BundleLayout, ChannelSpec, PeerLink, Tag, channel
-from pipetorch.runtime.recompute import original_module
+from pipetorch.parallel.recompute import original_module
+from pipetorch.partition.inplace import inplace_inputs
 from pipetorch.partition.split import Source
 from pipetorch.schedule.actions import Action, Kind
 
@@ -77,32 +76,6 @@ def _bundle(sources: tuple[Source, ...], specs: dict[Source, Spec], *,
     chosen = tuple(s for s in sources if isinstance(specs[s], TensorSpec)
                    and (not grads or specs[s].requires_grad))
     return chosen, BundleLayout(tuple(specs[s] for s in chosen))  # type: ignore[misc]
-
-
-def inplace_inputs(module: nn.Module) -> set[int]:
-    """Positions of the stage's inputs that an op modifies in place (ReLU(inplace=True), add_)."""
-    if not isinstance(module, fx.GraphModule):
-        return set()
-    mutated = set()
-    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-    for index, node in enumerate(placeholders):
-        for user in node.users:
-            if user.args and user.args[0] is node and _is_inplace(module, user):
-                mutated.add(index)
-    return mutated
-
-
-def _is_inplace(module: fx.GraphModule, node: fx.Node) -> bool:
-    if node.kwargs.get("inplace"):
-        return True
-    if isinstance(node.target, torch._ops.OpOverload):  # an aten op from a torch.export capture
-        return any(a.alias_info is not None and a.alias_info.is_write
-                   for a in node.target._schema.arguments)
-    if node.op == "call_module":
-        return bool(getattr(module.get_submodule(str(node.target)), "inplace", False))
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return isinstance(name, str) and name.endswith("_") and not name.startswith("__") or \
-        node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv)
 
 
 @dataclass(frozen=True)

@@ -208,15 +208,6 @@ def link_kind(devices: Sequence[torch.device], *, one_host: bool) -> str:
     return "shm" if wanted == "shm" and reachable else "gloo"
 
 
-def new_link(kind: str, *, prefix: str, rank: int, **kwargs: Any) -> PeerLink:
-    """The link of `kind` (from `link_kind`); `kwargs` go to PeerLink."""
-    if kind == "shm":
-        from pipetorch.parallel.shm import ShmLink
-
-        return ShmLink(prefix=prefix, rank=rank, **kwargs)
-    return PeerLink(**kwargs)
-
-
 def backend_for(devices: Sequence[torch.device]) -> tuple[str, bool]:
     """(torch.distributed backend, whether bundles go through host memory) for these devices.
 

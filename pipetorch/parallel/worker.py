@@ -29,9 +29,10 @@ from pipetorch.parallel import shm
 from pipetorch.parallel.routes import Constant, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, StageExecutor
 from pipetorch.parallel.tied import Tie, TiedGrads, new_groups
-from pipetorch.parallel.transport import backend_for, link_kind, new_link
+from pipetorch.parallel.shm import new_link
+from pipetorch.parallel.transport import backend_for, link_kind
 from pipetorch.partition.split import Source
-from pipetorch.runtime import devices as device_kinds
+from pipetorch.parallel import devices as device_kinds
 from pipetorch.schedule import devices, plans
 from pipetorch.schedule.actions import Action, Kind
 

@@ -97,7 +97,7 @@ def export_blocks(model: nn.Module, args: tuple, kwargs: dict, *,
     The result's graph takes the call's tensor arguments, in forward's signature order, and
     returns the flat leaves of forward's output; `Traced.output_spec` rebuilds the structure
     (tuples, dicts, dataclasses such as HuggingFace's ModelOutput). Parameters and buffers
-    are the model's own objects under their names in the model. `casting` (runtime.casting)
+    are the model's own objects under their names in the model. `casting` (partition.casting)
     is the mode forward runs under: the casts it makes are nodes of the graph.
     """
     layout = input_layout(model, args, kwargs)

@@ -152,7 +152,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *,
     """`model(*args, **kwargs)` as one graph stamped with blocks: torch.export, else torch.fx.
 
     torch.fx symbolic tracing serves only where export cannot run (an old torch); when export
-    fails the error names the user's line and the construct. `casting` (runtime.casting) is
+    fails the error names the user's line and the construct. `casting` (partition.casting) is
     the mode forward runs under; the casts it makes become nodes of the graph. torch.fx traces
     proxies, whose dtypes are unknown, so on that path ops mixing float16 and float32 are
     left to PyTorch's rules.

@@ -112,7 +112,7 @@ class MemoryEstimate:
     stages: tuple[StageMemory, ...]
     setting: Setting
     pipelined: bool
-    batching: Any  # runtime.local.Batching
+    batching: Any  # parallel.local.Batching
     micro_batch_size: int | None
     method: str = METHOD
 
@@ -157,7 +157,7 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
     (split.CaptureOnce) gives the compilation's capture of forward, shared with the split.
     """
     from pipetorch import ops
-    from pipetorch.runtime.capture import preserved
+    from pipetorch.partition.probe import preserved
 
     if training and optimizer is not None:
         _check_optimizer(model, optimizer)

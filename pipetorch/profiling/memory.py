@@ -211,8 +211,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def footprints(compiled: Any, sample: tuple[tuple, dict]) -> list[Footprint]:
     """Each lane's Footprint for one training micro-batch (see the module doc)."""
     from pipetorch import ops
-    from pipetorch.runtime.capture import preserved
-    from pipetorch.runtime.casting import within
+    from pipetorch.partition.probe import preserved
+    from pipetorch.partition.casting import within
 
     engine = compiled.engine
     args, kwargs = sample

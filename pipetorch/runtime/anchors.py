@@ -24,7 +24,7 @@ from pipetorch.enums import OutputMode
 from pipetorch.errors import ConfigError
 from pipetorch.optim.scaling import loss_scale
 from pipetorch.losses import find_loss
-from pipetorch.runtime.outputs import OutputCollector, resolve_mode
+from pipetorch.parallel.outputs import OutputCollector, resolve_mode
 
 __all__: list[str] = []
 

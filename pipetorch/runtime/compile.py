@@ -16,11 +16,12 @@ from pipetorch.partition import plan
 from pipetorch.profiling import estimate, memory
 from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.runtime import casting, weights
+from pipetorch.partition import casting
+from pipetorch.runtime import weights
 from pipetorch.runtime.batching import split_micro_batches, to_device
-from pipetorch.runtime.capture import Capture, probe
-from pipetorch.runtime.compiled import CompiledStage, compile_backend
-from pipetorch.runtime.local import Batching, FlatStage, LocalEngine, ReplicaBuffers
+from pipetorch.partition.probe import Capture, probe
+from pipetorch.parallel.compiled import CompiledStage, compile_backend
+from pipetorch.parallel.local import Batching, FlatStage, LocalEngine, ReplicaBuffers
 from pipetorch.runtime.optimizer import device_optimizer
 
 __all__: list[str] = []
@@ -122,7 +123,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
         else:
             forward: Any = model
             if training and (capture.uses_recomputation or recompute):
-                from pipetorch.runtime.recompute import stage_module
+                from pipetorch.parallel.recompute import stage_module
 
                 forward = stage_module(model, checkpoint=recompute)
             if backend is not None:
@@ -144,7 +145,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
 def _auto_balance(model: nn.Module, args: tuple, kwargs: dict, options: Any) -> Any:
     """opts.autoBalance: place the model's stages by measured cost before capturing it; the
     strategy to run with (the options' own, or its kind over the balanced Block scopes)."""
-    from pipetorch.partition.auto import balanced_strategy
+    from pipetorch.profiling.balancing import balanced_strategy
 
     budget = options.memory_budget
     return balanced_strategy(model, args, kwargs, devices=options.auto_balance_devices,

@@ -26,12 +26,12 @@ from pipetorch.runtime.checks import (
     buffer_ids, check_buffers, device_mismatch_explained, held, resolve_mean_strategy,
 )
 from pipetorch.runtime.compile import Compiled, compile_model
-from pipetorch.runtime.devices import default_device
-from pipetorch.runtime.local import LocalEngine
+from pipetorch.parallel.devices import default_device
+from pipetorch.parallel.local import LocalEngine
 from pipetorch.runtime.optimizer import (
     copy_hyperparameters, copy_state_to_device, copy_state_to_host, default_optimizer,
 )
-from pipetorch.runtime.outputs import OutputCollector, resolve_mode
+from pipetorch.parallel.outputs import OutputCollector, resolve_mode
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel"]
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import pipetorch as poptorch
-from pipetorch.runtime.casting import HalfFloatCasting
+from pipetorch.partition.casting import HalfFloatCasting
 
 Behaviour = poptorch.HalfFloatCastingBehavior
 

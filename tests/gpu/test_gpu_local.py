@@ -18,8 +18,8 @@ from pipetorch.parallel.routes import TensorSpec
 from pipetorch.parallel.transport import BundleLayout, backend_for
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.estimate import device_budget
-from pipetorch.runtime.capture import preserved
-from pipetorch.runtime.devices import default_device
+from pipetorch.partition.probe import preserved
+from pipetorch.parallel.devices import default_device
 
 pytestmark = CUDA
 

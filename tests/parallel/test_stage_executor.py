@@ -24,7 +24,8 @@ from helpers.reference import plain_train_call
 from pipetorch.errors import DeviceError
 from helpers.reference import last_output
 from pipetorch.parallel.routes import routes_of, value_specs
-from pipetorch.parallel.stage import Call, DeviceStage, StageExecutor, inplace_inputs
+from pipetorch.parallel.stage import Call, DeviceStage, StageExecutor
+from pipetorch.partition.inplace import inplace_inputs
 from pipetorch.parallel.transport import PeerLink, Tag
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec

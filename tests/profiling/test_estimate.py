@@ -8,7 +8,7 @@ from helpers.models import ReluStages
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.estimate import check_budget, device_budget, estimate_memory, fmt
-from pipetorch.runtime.local import Batching
+from pipetorch.parallel.local import Batching
 
 M = 2  # samples per micro-batch
 STAGES = [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",))]
@@ -78,7 +78,7 @@ def test_recomputation_prices_what_checkpointed_stages_keep():
 
     from pipetorch.partition.split import split_stages
     from pipetorch.profiling.memory import staged_footprints
-    from pipetorch.runtime.recompute import stage_module
+    from pipetorch.parallel.recompute import stage_module
 
     model, x = ReluStages(), torch.randn(M, 6)
     staged = split_stages(model, (x,), {}, STAGES)

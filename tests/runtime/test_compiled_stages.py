@@ -13,8 +13,8 @@ from helpers.models import MnistNetwork, WithLoss, mnist_data
 from pipetorch.errors import ConfigError
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.runtime.compiled import CompiledStage, compile_backend
-from pipetorch.runtime.recompute import original_module
+from pipetorch.parallel.compiled import CompiledStage, compile_backend
+from pipetorch.parallel.recompute import original_module
 
 STAGES = [StageSpec(0, 0, ("B1", "B2")), StageSpec(1, 1, ("B3", "B4"))]
 

@@ -12,10 +12,10 @@ from torch import nn
 import pipetorch as poptorch
 from pipetorch.errors import CompileError
 from pipetorch.options.groups import _PopartOptions, _TrainingOptions
-from pipetorch.parallel.stage import inplace_inputs
+from pipetorch.partition.inplace import inplace_inputs
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.runtime.recompute import original_module, saved_activation_bytes, stage_module
+from pipetorch.parallel.recompute import original_module, saved_activation_bytes, stage_module
 
 WIDTH, BATCH = 8, 4
 STAGES = [StageSpec(0, 0, ("B1",)), StageSpec(1, 1, ("B2",))]

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.errors import ConfigError
-from pipetorch.runtime.recompute import _SharedView
+from pipetorch.parallel.recompute import _SharedView
 
 __all__: list[str] = []
 

@@ -15,9 +15,9 @@ from pipetorch.enums import ReductionType
 from pipetorch.parallel.routes import Route
 from pipetorch.parallel.stage import Call, DeviceStage, StageExecutor
 from pipetorch.partition.split import Source
-from pipetorch.runtime import devices
-from pipetorch.runtime.casting import Casting, within
-from pipetorch.runtime.outputs import OutputCollector
+from pipetorch.parallel import devices
+from pipetorch.partition.casting import Casting, within
+from pipetorch.parallel.outputs import OutputCollector
 from pipetorch.schedule import plans
 
 __all__: list[str] = []

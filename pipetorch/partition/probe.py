@@ -14,7 +14,7 @@ from pipetorch.errors import CompileError
 from pipetorch.losses import final_loss_index
 from pipetorch.partition import blocks
 from pipetorch.partition.blocks import BlockInfo, BlockRecorder
-from pipetorch.runtime.casting import Casting, within
+from pipetorch.partition.casting import Casting, within
 
 __all__: list[str] = []
 
@@ -84,7 +84,7 @@ def preserved(model: nn.Module) -> Iterator[list[str]]:
 
 def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
           casting: Casting | None = None) -> Capture:
-    """Run forward once without gradients (under `casting`, see runtime.casting), leaving the
+    """Run forward once without gradients (under `casting`, see partition.casting), leaving the
     model's buffers and the RNG untouched."""
     model.train(training)
     with preserved(model) as mutated:

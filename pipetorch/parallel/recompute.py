@@ -18,8 +18,9 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from pipetorch import ops
 from pipetorch.errors import CompileError
 from pipetorch.partition.trace import FX_RULES, user_line
-from pipetorch.runtime.capture import preserved
-from pipetorch.runtime.casting import HalfFloatCasting
+from pipetorch.partition.inplace import inplace_inputs
+from pipetorch.partition.probe import preserved
+from pipetorch.partition.casting import HalfFloatCasting
 
 __all__: list[str] = []
 
@@ -194,10 +195,7 @@ class _CheckpointedSegment(nn.Module):
 
 
 def _inplace_inputs(module: nn.Module) -> tuple[int, ...]:
-    # The stage executor's own reading (imported here: the executor reads stages through
-    # original_module, and the parallel layer is not needed to recompute in one process).
-    from pipetorch.parallel.stage import inplace_inputs
-
+    # The stage executor's own reading of which inputs the module changes in place.
     return tuple(sorted(inplace_inputs(module)))
 
 
@@ -246,7 +244,7 @@ def _replay_contexts(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
 
 
 def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
-    # Called as the forward starts: the rerun casts as this forward does (runtime.casting).
+    # Called as the forward starts: the rerun casts as this forward does (partition.casting).
     casting = [m for m in torch.overrides._get_current_function_mode_stack()
                if isinstance(m, HalfFloatCasting)]
     return contextlib.nullcontext(), _recomputation(list(module.buffers()), casting)
