@@ -116,7 +116,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if not (hasattr(options, "device_iterations") and hasattr(options, "_freeze")):
             raise TypeError(f"options must be a pipetorch.Options, got "
                             f"{type(options).__name__}.")
-        options._freeze()
+        options._freeze(by="poptorch.DataLoader")
         # No __del__ here: an iteration may outlive a temporary DataLoader, so the accessor
         # stops its process when it is itself collected (or at exit).
         self._accessor: AsynchronousDataAccessor | None = None

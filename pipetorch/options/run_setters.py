@@ -191,21 +191,29 @@ class RunSetters(OptionGroup):
         return self
 
     def enableExecutableCaching(self, path: str | os.PathLike | None) -> Options:
-        """Cache prepared executables in directory `path`; None turns caching off."""
-        self._set(executable_cache_dir=check.path(
-            "enableExecutableCaching", "path", path, optional=True))
+        """Cache prepared executables in directory `path`; None turns caching off.
+
+        The directory is created when first needed: `path` must be a writable directory or
+        a path that can be created as one (checked here, not at the first call)."""
+        self._set(executable_cache_dir=check.output_directory(
+            "enableExecutableCaching", "path", path, holds="the executable cache"))
         return self
 
     def enableProfiling(self, profile_dir: str | os.PathLike | None = None) -> Options:
         """Write profiling reports to `profile_dir` (default "./").
 
-        A directory requested by POPLAR_ENGINE_OPTIONS takes precedence, as in PopTorch.
+        A directory requested by POPLAR_ENGINE_OPTIONS takes precedence, as in PopTorch. The
+        directory must be writable or creatable (checked here: the reports are written at the
+        end of the run, too late to tell).
         """
-        directory = check.path("enableProfiling", "profile_dir", profile_dir, optional=True)
+        directory = check.output_directory("enableProfiling", "profile_dir",
+                                           DEFAULT_REPORT_DIR if profile_dir is None
+                                           else profile_dir,
+                                           holds="the profiling reports")
         if self._env_profiling_dir:
             logger.warning("Profiling directory set by %s (%s) overrides enableProfiling(%r)",
                            ENGINE_OPTIONS_VAR, self._env_profiling_dir, directory)
-        self._set(profiling_dir=directory or DEFAULT_REPORT_DIR)
+        self._set(profiling_dir=directory)
         return self
 
     def logDir(self, log_dir: str | os.PathLike) -> Options:

@@ -76,7 +76,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         options = Options() if options is None else options
         if not isinstance(options, Options):
             raise TypeError(f"options must be a pipetorch.Options, got {type(options).__name__}")
-        options._freeze()
+        options._freeze(by=f"poptorch.{'trainingModel' if training else 'inferenceModel'}")
         own = options.clone()
         mode = resolve_mode(own.output_mode, training=training)
         own.outputMode(mode, **({"output_return_period": own.output_return_period}
