@@ -8,8 +8,9 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from pipetorch.enums import MeanReductionStrategy
-from pipetorch.errors import DeviceMismatchError, Error, ModelChangedError
+from pipetorch.enums import MeanReductionStrategy, OutputMode
+from pipetorch.errors import ConfigError, DeviceMismatchError, Error, ModelChangedError
+from pipetorch.runtime.anchors import GRADIENT, LOSS_SCALE, UPDATED
 
 __all__: list[str] = []
 
@@ -73,3 +74,32 @@ def resolve_mean_strategy(optimizer: torch.optim.Optimizer, *options: Any) -> No
                 else MeanReductionStrategy.Post)
     for o in options:  # frozen by now: this is the compile-time decision, not a user edit
         o.Training._values["mean_accumulation_and_replication_reduction_strategy"] = strategy
+
+
+def check_return_periods(options: Any) -> None:
+    """EveryN's period must divide the D x G iterations of a call, or the last ones are
+    never returned (checked at wrap time, for outputMode and every anchorTensor)."""
+    d, g = options.device_iterations, options.Training.gradient_accumulation
+    steps = d * g
+    factors = f"deviceIterations ({d})" + (f" x gradientAccumulation ({g})" if g > 1 else "")
+    periods = []
+    if options.output_mode == OutputMode.EveryN:
+        periods.append((options.output_return_period, "outputMode(OutputMode.EveryN, "
+                        f"output_return_period={options.output_return_period})"))
+    for name, spec in options.anchored_tensors.items():
+        # (a per-call anchor, gradients or weights, is refused with EveryN by anchors.py)
+        per_call = spec["long_name"] == LOSS_SCALE or spec["long_name"].startswith(
+            (GRADIENT, UPDATED))
+        if spec["output_mode"] == OutputMode.EveryN and not per_call:
+            periods.append((spec["output_return_period"], f"anchorTensor({name!r}, "
+                            f"{spec['long_name']!r}, OutputMode.EveryN, "
+                            f"output_return_period={spec['output_return_period']})"))
+    for period, setter in periods:
+        if steps % period:
+            divisors = [n for n in range(1, steps + 1) if steps % n == 0]
+            raise ConfigError(
+                f"{setter}: the period must divide the {steps} iteration(s) of each host call "
+                f"({factors}); with {period} a call returns {steps // period} of them and the "
+                f"last {steps % period} never. Use a period in {divisors}, or make "
+                f"{'deviceIterations' if g == 1 else 'deviceIterations x gradientAccumulation'} "
+                f"a multiple of {period}")

@@ -23,7 +23,8 @@ from pipetorch.runtime.batching import (
     Signature, cast_float_inputs, half_dtype, split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
-    buffer_ids, check_buffers, device_mismatch_explained, held, resolve_mean_strategy,
+    buffer_ids, check_buffers, check_return_periods, device_mismatch_explained, held,
+    resolve_mean_strategy,
 )
 from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.runtime.devices import default_device
@@ -87,6 +88,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 "You must set poptorch.Options().Training.gradientAccumulation to 1 or use the "
                 f"default value (it is {own.Training.gradient_accumulation}) when running a "
                 "poptorch.inferenceModel(); gradient accumulation only applies to training")
+        check_return_periods(own)
         if training:
             other = _training_wrappers.get(model)
             if other is not None and other() is not None:
