@@ -1,9 +1,14 @@
 """What PopTorch checks or decides around a wrapped model's call: buffers unchanged since
-compilation, tensors on the model's device, and the mean-reduction strategy it picks."""
+compilation, tensors on the model's device, output periods, the mean-reduction strategy it
+picks, and torch's common failures of a forward told in terms of the user's inputs."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import os
+import re
+import sysconfig
+import traceback
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -103,3 +108,131 @@ def check_return_periods(options: Any) -> None:
                 f"last {steps % period} never. Use a period in {divisors}, or make "
                 f"{'deviceIterations' if g == 1 else 'deviceIterations x gradientAccumulation'} "
                 f"a multiple of {period}")
+
+
+# -- torch's common failures of forward, in the user's terms ---------------------------------
+# (kind, phrases of torch's message): the first kind whose phrase the message holds.
+_KINDS = (
+    ("not_tensor", ("must be Tensor, not", "expected Tensor as element")),
+    ("dtype", ("must have the same dtype", "expected scalar type", "Input type (",
+               "expected both vectors to have same dtype", "found dtype", "have the same dtype")),
+    ("target", ("Target ", "n_classes", "cur_target")),
+    ("shape", ("shapes cannot be multiplied", "size mismatch", "must match the size",
+               "channels, but got", "The size of tensor", "Expected input batch_size",
+               "but got input of size", "normalized_shape")),
+)
+_LIBRARY = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib))
+_PIPETORCH = os.path.dirname(os.path.dirname(__file__)) + os.sep
+_SITE = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)\n'
+                    r"(?P<code>    .*)?$", re.MULTILINE)
+
+HINTS = {
+    "dtype": "Convert the input to the model's dtype before the call or in the dataset",
+    "target": ("Class labels (targets) must be in [0, C) for a model with C outputs: check the "
+               "dataset's labels against the model's output size"),
+    "shape": ("A layer was built for other sizes than the data has: check the inputs' sizes "
+              "after dim 0 against the model's layers"),
+    "not_tensor": "Pass tensors: torch.tensor(values), or torch.stack(a list of tensors)",
+}
+
+
+def error_kind(message: str) -> str | None:
+    """Which common failure torch's `message` reports: not_tensor, dtype, target, shape."""
+    return next((kind for kind, phrases in _KINDS if any(p in message for p in phrases)), None)
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith("<") or filename.startswith(_PIPETORCH):
+        return False
+    if filename.startswith(_SITE):  # installed model code (transformers) is the user's
+        return not filename.startswith(os.path.dirname(torch.__file__))
+    return not filename.startswith(_LIBRARY)
+
+
+def user_line(frames: Sequence[tuple[str, int, str, str | None]]) -> str | None:
+    """"model.py:12 in forward: return self.fc(x)" for the innermost (file, line, function,
+    code) frame of the user's code."""
+    for filename, line, name, code in reversed(frames):
+        if _is_user_file(filename):
+            return f"{filename}:{line} in {name}" + (f": {code.strip()}" if code else "")
+    return None
+
+
+def user_line_of(error: BaseException) -> str | None:
+    """The innermost line of the user's code in `error`'s traceback."""
+    return user_line([(f.filename, f.lineno or 0, f.name, f.line)
+                      for f in traceback.extract_tb(error.__traceback__)])
+
+
+def user_line_in(text: str) -> str | None:
+    """The innermost line of the user's code in a formatted traceback (a worker's)."""
+    return user_line([(m["file"], int(m["line"]), m["name"], m["code"])
+                      for m in _FRAME.finditer(text)])
+
+
+def _same_kind(error: BaseException, message: str) -> BaseException:
+    """`message` as the builtin class of `error` (scripts catching RuntimeError still do)."""
+    for cls in (IndexError, TypeError, ValueError, RuntimeError):
+        if isinstance(error, cls):
+            return cls(message)
+    return RuntimeError(message)
+
+
+def _described(names: Sequence[Any], leaves: Sequence[Any]) -> str:
+    return ", ".join(f"{n.label} {list(x.shape)} {x.dtype}" for n, x in zip(names, leaves)
+                     if isinstance(x, torch.Tensor))
+
+
+def explain_forward_error(error: BaseException, names: Sequence[Any], call: Sequence[Any],
+                          micro: Sequence[Any], model_dtype: torch.dtype | None) -> str | None:
+    """torch's message of a failed forward (on the first micro-batch, on the host) retold:
+    which input (name, shape, dtype, values), the user's line, and the fix; None if torch's
+    message is not one of the common kinds."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    kind = error_kind(str(error))
+    if kind is None:
+        return None
+    line = user_line_of(error)
+    where = f" at {line}" if line else ""
+    said = f"torch: {text}{where}"
+    if kind == "not_tensor":
+        bad = [(n, x) for n, x in zip(names, call) if isinstance(x, (int, float)) and n.inner]
+        if bad:
+            name = bad[0][0]
+            return (f"{name.argument} is a list or tuple of Python numbers where the model needs "
+                    f"a tensor ({said}). Pass torch.tensor({name.argument_expr}) instead")
+        return f"The model received a value that is not a tensor ({said}). {HINTS[kind]}"
+    if kind == "dtype":
+        odd = [(n, x) for n, x in zip(names, micro) if isinstance(x, torch.Tensor)
+               and model_dtype is not None and x.dtype != model_dtype]
+        if odd and model_dtype is not None:
+            from pipetorch.runtime.batching import conversion
+            shown = ", ".join(f"{n.label} is {x.dtype}" for n, x in odd)
+            return (f"{shown}, but the model's weights are {model_dtype} ({said}). "
+                    f"{HINTS[kind]}, e.g. {odd[0][0].expr}{conversion(model_dtype)}")
+        return f"An input's dtype does not suit the model ({said}). {HINTS[kind]}"
+    if kind == "target":
+        integers = [(n, x) for n, x in zip(names, call) if isinstance(x, torch.Tensor)
+                    and not x.is_floating_point() and x.numel()]
+        ranges = "; ".join(f"{n.label} holds {int(x.min())}..{int(x.max())}" for n, x in integers)
+        return (f"A label is out of range for the loss ({said})"
+                f"{'; ' + ranges if ranges else ''}. {HINTS[kind]}")
+    return (f"The model's forward failed on the first micro-batch, whose inputs are "
+            f"{_described(names, micro)} ({said}). {HINTS[kind]}")
+
+
+@contextlib.contextmanager
+def forward_errors_explained(names: Sequence[Any], call: Sequence[Any], micro: Any,
+                             model_dtype: torch.dtype | None) -> Iterator[None]:
+    """Retell torch's common failures of the host's run of forward (compiling probes it on
+    the first micro-batch) with the inputs' names; `micro()` gives that micro-batch's leaves."""
+    try:
+        yield
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:
+        if isinstance(error, Error):
+            raise
+        message = explain_forward_error(error, names, call, micro(), model_dtype)
+        if message is None:
+            raise
+        raise _same_kind(error, message) from error

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import os
 import sys
@@ -20,11 +21,12 @@ from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, weights, wrapping
 from pipetorch.runtime.anchors import Anchors
 from pipetorch.runtime.batching import (
-    Signature, cast_float_inputs, half_dtype, split_micro_batches, to_device,
+    Signature, cast_float_inputs, check_batch, forward_parameters, half_dtype, input_names,
+    split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
-    buffer_ids, check_buffers, check_return_periods, device_mismatch_explained, held,
-    resolve_mean_strategy,
+    buffer_ids, check_buffers, check_return_periods, device_mismatch_explained,
+    forward_errors_explained, held, resolve_mean_strategy,
 )
 from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.runtime.devices import default_device
@@ -104,6 +106,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             resolve_mean_strategy(optimizer, options, own)
         log_level.limit_repeats(own.max_repeat_logs)
         self._user_model, self._options, self._training = model, own, training
+        self._params = forward_parameters(model)
         self._user_optimizer = optimizer
         self._device = default_device()
         self._compiled: Compiled | None = None
@@ -123,16 +126,16 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         if not self._attached:
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
         args, kwargs = self._cast_inputs(args, kwargs)
-        signature = Signature.of(args, kwargs)
-        with device_mismatch_explained(self._device):
-            compiled = self._compiled or self._compile(args, kwargs, signature)
-        check_buffers(self._user_model, self._buffer_ids)
+        signature = Signature.of(args, kwargs, self._params)
         problem = self._signature.mismatch(signature) if self._signature else None
         if problem:
             raise ValueError(
                 f"This model was compiled for other inputs: {problem}. A wrapped model runs one "
-                "input signature; build a new trainingModel/inferenceModel for the new inputs, "
-                "or call destroy() first")
+                "input signature: call it with the arguments, shapes and dtypes of its first "
+                "call; for new inputs build a new trainingModel/inferenceModel, or call "
+                "destroy() first")
+        compiled = self._compiled or self._compile(args, kwargs, signature)
+        check_buffers(self._user_model, self._buffer_ids)
         if not self._training:
             self._refresh_from_host()
         o = self._options
@@ -182,17 +185,53 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Prepare the model for these inputs without running it."""
         args, kwargs = self._cast_inputs(args, kwargs)
-        self._compile(args, kwargs, Signature.of(args, kwargs))
+        self._compile(args, kwargs, Signature.of(args, kwargs, self._params))
+
+    def _check_inputs(self, args: tuple, kwargs: dict) -> tuple:
+        """Refuse, before anything runs, a first call forward cannot take or whose tensors
+        cannot be cut into micro-batches; the inputs' names for later messages."""
+        try:
+            bound = inspect.signature(self._user_model.forward)
+        except (TypeError, ValueError):  # no Python signature: forward itself will say
+            bound = None
+        if bound is not None:
+            try:
+                bound.bind(*args, **kwargs)
+            except TypeError as error:
+                raise TypeError(
+                    f"{type(self._user_model).__name__}.forward{bound} cannot take this call: "
+                    f"{error}. Call the wrapped model with the arguments of the model's "
+                    "forward") from None
+        names = input_names(args, kwargs, self._params)
+        o = self._options
+        check_batch(args, kwargs, device_iterations=o.device_iterations,
+                    gradient_accumulation=o.Training.gradient_accumulation,
+                    replication_factor=o.replication_factor, names=names)
+        return names
+
+    def _first_micro_batch(self, args: tuple, kwargs: dict) -> list[Any]:
+        o = self._options
+        return pytree.tree_leaves(split_micro_batches(
+            args, kwargs, device_iterations=o.device_iterations,
+            gradient_accumulation=o.Training.gradient_accumulation,
+            replication_factor=o.replication_factor)[0])
 
     def _compile(self, args: tuple, kwargs: dict, signature: Signature) -> Compiled:
         if self._compiled is not None:
             raise ValueError("The model is already compiled: call destroy() to compile again")
+        names = self._check_inputs(args, kwargs)
+        dtypes = {p.dtype for p in held(self._user_model, "_parameters").values()
+                  if p.is_floating_point()}
         extensions.run_pre_compile_hooks()
         if self._training:
             self._link_optimizer(self._user_optimizer)
-        self._compiled = compile_model(
-            self._user_model, args, kwargs, options=self._options, training=self._training,
-            optimizer=self._user_optimizer, device=self._device)
+        with device_mismatch_explained(self._device), forward_errors_explained(
+                names, pytree.tree_leaves((args, kwargs)),
+                lambda: self._first_micro_batch(args, kwargs),
+                dtypes.pop() if len(dtypes) == 1 else None):
+            self._compiled = compile_model(
+                self._user_model, args, kwargs, options=self._options, training=self._training,
+                optimizer=self._user_optimizer, device=self._device)
         self._signature = signature
         o, engine = self._options, self._compiled.engine
         try:
