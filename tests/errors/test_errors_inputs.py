@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pipetorch as poptorch
-from error_cases import Regressor, TwoStageClassifier, descendants, no_worker_started
+from error_cases import TwoStageClassifier, descendants, no_worker_started
 from helpers.models import TinyMLP
 
 ERROR_CASES = "tests/errors/error_cases.py"
@@ -17,7 +17,7 @@ SIGNATURE_FIX = ("A wrapped model runs one input signature: call it with the arg
                  "trainingModel/inferenceModel, or call destroy() first")
 
 
-def quiet(**kwargs):
+def quiet():
     return poptorch.Options().showCompilationProgressBar(False)
 
 
