@@ -110,6 +110,40 @@ def check_return_periods(options: Any) -> None:
                 f"a multiple of {period}")
 
 
+
+def check_trainable(model: nn.Module) -> None:
+    """A training model needs a parameter to train (else its backward has nothing to reach)."""
+    params = held(model, "_parameters")
+    if any(p.requires_grad for p in params.values()):
+        return
+    name = type(model).__name__
+    if not params:
+        problem = f"{name} has no parameters"
+    else:
+        problem = (f"none of {name}'s {len(params)} parameters requires a gradient (e.g. "
+                   f"{next(iter(params))!r} has requires_grad=False)")
+    raise ConfigError(
+        f"trainingModel: {problem}, so training would have nothing to update. Make the "
+        "weights to train trainable (param.requires_grad_(True)) before wrapping, or run the "
+        "model with poptorch.inferenceModel")
+
+
+def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module, *,
+                           where: str) -> None:
+    """Every parameter the optimiser updates must be one of the model's (not a copy's)."""
+    own = {id(p) for p in held(model, "_parameters").values()}
+    for number, group in enumerate(optimizer.param_groups):
+        strangers = [p for p in group["params"] if id(p) not in own]
+        if strangers:
+            shapes = [list(p.shape) for p in strangers[:3]]
+            raise ConfigError(
+                f"{where}: the optimizer's param group {number} holds {len(strangers)} of "
+                f"{len(group['params'])} tensors (shapes {shapes}{', ...' if len(strangers) > 3 else ''}) "
+                f"that are not parameters of the wrapped {type(model).__name__}: it was built "
+                "for another model, or for a copy (copy.deepcopy makes new parameters). Build "
+                f"it from this model: {type(optimizer).__name__}(model.parameters(), ...) with "
+                "the model you wrap")
+
 # -- torch's common failures of forward, in the user's terms ---------------------------------
 # (kind, phrases of torch's message): the first kind whose phrase the message holds.
 _KINDS = (

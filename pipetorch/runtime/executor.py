@@ -25,8 +25,8 @@ from pipetorch.runtime.batching import (
     split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
-    buffer_ids, check_buffers, check_return_periods, device_mismatch_explained,
-    forward_errors_explained, held, resolve_mean_strategy,
+    buffer_ids, check_buffers, check_optimizer_params, check_return_periods, check_trainable,
+    device_mismatch_explained, forward_errors_explained, held, resolve_mean_strategy,
 )
 from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.runtime.devices import default_device
@@ -92,6 +92,9 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 "poptorch.inferenceModel(); gradient accumulation only applies to training")
         check_return_periods(own)
         if training:
+            check_trainable(model)
+            if optimizer is not None:
+                check_optimizer_params(optimizer, model, where="trainingModel")
             other = _training_wrappers.get(model)
             if other is not None and other() is not None:
                 raise ConfigError(
@@ -348,6 +351,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         `variable_attrs` marks constant must keep their compiled values."""
         if not self._training:
             raise ConfigError("setOptimizer is for trainingModel wrappers; this is an inferenceModel")
+        check_optimizer_params(optimizer, self._user_model, where="setOptimizer")
         if self._compiled is not None and self._compiled.engine.optimizer is not None:
             assert self._optimizer_record is not None
             attributes.check_replacement(self._optimizer_record, optimizer)
