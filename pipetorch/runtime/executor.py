@@ -1,6 +1,7 @@
 """`trainingModel` / `inferenceModel`: the wrapper that runs a model on its devices."""
 from __future__ import annotations
 
+import copyreg
 import datetime
 import inspect
 import logging
@@ -488,9 +489,23 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     def __class__(self) -> type:  # isinstance(wrapped, type(model)) holds, as in PopTorch
         return wrapping.wrapper_class(PoplarExecutor, type(self.__dict__["_user_model"]))
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # torch.save(wrapper) / pickle: the user's model with the device's latest weights (a
+        # wrapper holds devices and processes, which cannot be saved); poptorch.load reads
+        # executables written by compileAndExport / save.
+        reduced = self._user_model.__reduce_ex__(protocol)
+        if reduced[0] is copyreg.__newobj__:  # pickle would check the class against ours
+            return (_new_model, *reduced[1:])
+        return reduced
+
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
         return f"{kind}({module_repr(self._user_model)})"
+
+
+def _new_model(cls: type, *args: Any) -> nn.Module:
+    """Unpickling helper of a saved wrapper: an empty instance of the user model's class."""
+    return cls.__new__(cls, *args)
 
 
 def _write_report(profiler: Any) -> None:
