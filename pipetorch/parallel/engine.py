@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import re
 import shutil
 import socket
 import subprocess
@@ -391,14 +392,44 @@ class ProcessEngine:
                 where += f" of micro-batch {micro} ({self._locate(micro)})"
         replica = f" of replica {failure.replica}" if self.replicas > 1 else ""
         return (f"Stage {failure.stage}{replica} on {failure.device} (pid {failure.pid}) failed "
-                f"{where}: "
-                f"{failure.error}\n\nWorker traceback:\n{failure.traceback}")
+                f"{where}: {failure.error}{_explained(failure, self.staged)}"
+                f"\n\nWorker traceback:\n{failure.traceback}")
 
     def _locate(self, micro: int) -> str:
         b = self.batching
         step, replica = divmod(micro, b.replication_factor)
         iteration, accumulation = divmod(step, b.gradient_accumulation)
         return f"device iteration {iteration}, accumulation step {accumulation}, replica {replica}"
+
+
+def _explained(failure: wire.Failure, staged: StagedModel) -> str:
+    """The user's line of the failing operation and, for torch's common failures (dtype,
+    shape, target out of range), what to check; "" when neither is known."""
+    from pipetorch.runtime.checks import HINTS, error_kind, user_line_in
+
+    source = _model_source(failure, staged)
+    line = user_line_in(source) if source else user_line_in(failure.traceback)
+    kind = error_kind(failure.error)
+    hint = HINTS.get(kind) if kind is not None else None
+    if hint is not None and failure.micro_batch is not None:
+        hint += " (the failing samples are in the micro-batch named above)"
+    return (f"\n  at {line}" if line else "") + (f"\n  {hint}" if hint else "")
+
+
+# A line of a stage's generated forward, as a traceback shows it: `name = torch.ops...`.
+_GENERATED = re.compile(r'File "<eval_with_key>[^"]*", line \d+, in \w+\n\s+(\w+) = ')
+
+
+def _model_source(failure: wire.Failure, staged: StagedModel) -> str | None:
+    """Where in the user's model the failing operation was traced from: a worker's
+    traceback shows only the stage's generated code, whose line names the graph node; the
+    host's copy of the graph keeps that node's stack trace (the model's source lines)."""
+    names = _GENERATED.findall(failure.traceback)
+    if not names or not 0 <= failure.stage < len(staged.modules):
+        return None
+    graph = getattr(staged.modules[failure.stage], "graph", None)
+    node = next((n for n in graph.nodes if n.name == names[-1]), None) if graph else None
+    return node.meta.get("stack_trace") if node is not None else None
 
 
 def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE,
