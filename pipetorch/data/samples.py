@@ -122,7 +122,10 @@ def explain(samples: list[Any], indices: list[int] | None) -> Exception | None:
                 f"{name(k)} is {layout} but {name(ref)} is {usual}: every sample must have "
                 "the same structure (same number of items, same keys) to be batched. Return "
                 "one structure from __getitem__")
-    flat = [pytree.tree_flatten_with_path(sample)[0] for sample in samples]
+    try:
+        flat = [pytree.tree_flatten_with_path(sample)[0] for sample in samples]
+    except ValueError:  # a custom node type without keys: torch's own message stands
+        return None
     shapes = [tuple(str(_shape(leaf)) for _, leaf in leaves) for leaves in flat]
     usual_shapes = max(shapes, key=shapes.count)
     ref = shapes.index(usual_shapes)

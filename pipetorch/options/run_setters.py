@@ -47,6 +47,7 @@ class RunSetters(OptionGroup):
         "input_group_type": CommGroupType.Consecutive,
         "max_repeat_logs": 4,
         "updatable_named_buffers": [],
+        "check_non_finite": False,  # pipetorch extension: checkNonFinite()
     }
     _env_profiling_dir: str | None = None
 
@@ -80,6 +81,8 @@ class RunSetters(OptionGroup):
         "max_repeat_logs", "How often one repeated log message is printed before it is muted.")
     updatable_named_buffers = readback(
         "updatable_named_buffers", "Buffers copyNamedBuffersToDevice() sends to the device.")
+    check_non_finite = readback(
+        "check_non_finite", "Whether calls check inputs, outputs and weights for NaN/Inf.")
 
     @property
     def execution_strategy(self) -> Any:
@@ -283,4 +286,18 @@ class RunSetters(OptionGroup):
             raise check.type_error("updatableNamedBuffers", "buffers", buffers,
                                    "a list of buffer names (str)")
         self._set(updatable_named_buffers=list(buffers))
+        return self
+
+    def checkNonFinite(self, enabled: bool = True) -> Options:
+        """pipetorch extension: check every call for NaN and Inf (off by default; it costs a
+        scan of the inputs and outputs, every micro-batch's outputs are brought back, and a
+        training call copies the weights to the host to check them).
+
+        Non-finite inputs are refused before anything runs, naming the argument and sample; a
+        call whose loss or outputs are non-finite raises `pipetorch.errors.NonFiniteError`
+        naming the first such micro-batch (after the call: its optimiser steps ran); weights
+        that became non-finite are warned about once per wrapper. The nearest PopTorch option,
+        Precision.enableFloatingPointExceptions, stays a no-op here.
+        """
+        self._set(check_non_finite=check.boolean("checkNonFinite", "enabled", enabled))
         return self

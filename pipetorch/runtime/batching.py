@@ -49,10 +49,28 @@ def forward_parameters(model: Any) -> tuple[str, ...]:
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
+def keyed_leaves(tree: Any) -> list[tuple[tuple, Any]]:
+    """`tree`'s leaves with their key paths; a node type registered without keys (an
+    ICustomArgParser type) keys its leaves by their position in it."""
+    try:
+        return pytree.tree_flatten_with_path(tree)[0]
+    except ValueError:
+        pass
+    children = (tree.items() if isinstance(tree, dict)
+                else enumerate(tree) if isinstance(tree, (list, tuple)) else None)
+    if children is None:  # a leaf, or the custom node itself
+        leaves = pytree.tree_leaves(tree)
+        if len(leaves) == 1 and leaves[0] is tree:
+            return [((), tree)]
+        return [((pytree.SequenceKey(i),), leaf) for i, leaf in enumerate(leaves)]
+    key = pytree.MappingKey if isinstance(tree, dict) else pytree.SequenceKey
+    return [((key(k), *path), leaf) for k, child in children for path, leaf in keyed_leaves(child)]
+
+
 def input_names(args: tuple, kwargs: dict, params: tuple[str, ...] = ()) -> tuple[InputName, ...]:
     """The name of every leaf of a call's inputs, in pytree order."""
     names = []
-    for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]:
+    for path, _ in keyed_leaves((args, kwargs)):
         where, key, inner = path[0], path[1], pytree.keystr(path[2:])
         if getattr(where, "idx", 0) == 0:
             index = key.idx  # type: ignore[union-attr]

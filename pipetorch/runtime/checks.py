@@ -12,9 +12,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from pipetorch.enums import MeanReductionStrategy, OutputMode
-from pipetorch.errors import ConfigError, DeviceMismatchError, Error, ModelChangedError
+from pipetorch.errors import (
+    ConfigError, DeviceMismatchError, Error, ModelChangedError, NonFiniteError,
+)
 from pipetorch.runtime.anchors import GRADIENT, LOSS_SCALE, UPDATED
 
 __all__: list[str] = []
@@ -158,8 +161,8 @@ _KINDS = (
 _LIBRARY = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib))
 _PIPETORCH = os.path.dirname(os.path.dirname(__file__)) + os.sep
 _SITE = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
-_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)\n'
-                    r"(?P<code>    .*)?$", re.MULTILINE)
+_FRAME = re.compile(r'^[ \t]*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$'
+                    r'(?:\n(?![ \t]*File ")(?P<code>[ \t]+\S.*))?', re.MULTILINE)
 
 HINTS = {
     "dtype": "Convert the input to the model's dtype before the call or in the dataset",
@@ -270,3 +273,93 @@ def forward_errors_explained(names: Sequence[Any], call: Sequence[Any], micro: A
         if message is None:
             raise
         raise _same_kind(error, message) from error
+
+
+# -- Options.checkNonFinite -------------------------------------------------------------------
+def _non_finite(x: torch.Tensor) -> str | None:
+    """"nan", "inf" or "nan and inf" when floating tensor `x` holds such values, else None."""
+    if not x.is_floating_point() or bool(torch.isfinite(x).all()):
+        return None
+    kinds = [k for k, found in (("nan", torch.isnan(x).any()), ("inf", torch.isinf(x).any()))
+             if bool(found)]
+    return " and ".join(kinds)
+
+
+def check_finite_inputs(names: Sequence[Any], leaves: Sequence[Any], *, micro_batches: int
+                        ) -> None:
+    """Refuse, before anything runs, a call whose tensor inputs hold NaN or Inf."""
+    for name, x in zip(names, leaves):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            continue
+        found = _non_finite(x)
+        if found:
+            bad = (~torch.isfinite(x)).reshape(x.shape[0], -1).any(dim=1)
+            sample = int(bad.nonzero()[0])
+            raise NonFiniteError(
+                f"checkNonFinite: {name.label} holds {found} (first at sample {sample}, "
+                f"micro-batch {sample // max(1, x.shape[0] // micro_batches)} of this call): "
+                "the data is broken "
+                "before the model sees it. Clean or filter it in the dataset (e.g. "
+                "torch.nan_to_num), or find what produced it")
+
+
+class NonFiniteWatch:
+    """A collector that sees every micro-batch's outputs and remembers the first whose
+    tensors hold NaN or Inf; the call's own collector gets what it asked for."""
+
+    def __init__(self, inner: Any, *, gradient_accumulation: int, replicas: int,
+                 training: bool) -> None:
+        self._inner, self._g, self._replicas, self._training = (
+            inner, gradient_accumulation, replicas, training)
+        self.first: tuple[int, int, str, str] | None = None  # step, replica, where, kind
+        self.count = 0
+
+    def wants(self, step: int) -> bool:
+        return True
+
+    def add(self, step: int, replica: int, output: Any) -> None:
+        from pipetorch.runtime.batching import keyed_leaves
+
+        for path, leaf in keyed_leaves(output):
+            found = _non_finite(leaf) if isinstance(leaf, torch.Tensor) else None
+            if found:
+                self.count += 1
+                where = f"output{pytree.keystr(path)}" if path else "the output"
+                if self._training and leaf.dim() == 0:
+                    where += " (the loss)"
+                if self.first is None or (step, replica) < self.first[:2]:
+                    self.first = (step, replica, where, found)
+                break
+        if self._inner.wants(step):
+            self._inner.add(step, replica, output)
+
+    def result(self) -> Any:
+        return self._inner.result()
+
+    def check(self) -> None:
+        """Raise NonFiniteError naming the first non-finite micro-batch of the call."""
+        if self.first is None:
+            return
+        step, replica, where, found = self.first
+        iteration, accumulation = divmod(step, self._g)
+        micro = step * self._replicas + replica
+        after = (" This call's optimiser steps ran: the model holds the weights after them."
+                 if self._training else "")
+        raise NonFiniteError(
+            f"checkNonFinite: {where} of micro-batch {micro} (device iteration {iteration}, "
+            f"accumulation step {accumulation}, replica {replica}) is {found}; it is the first "
+            f"of {self.count} non-finite micro-batch(es) in this call.{after} Look for what "
+            "overflows at that micro-batch: lower the learning rate, clip gradients "
+            "(max_grad_norm), use loss scaling for float16, or check that micro-batch's data")
+
+
+def warn_non_finite_weights(model: nn.Module, logger: Any, *, calls: int) -> bool:
+    """Warn (and return True) when `model`'s parameters hold NaN or Inf."""
+    bad = [name for name, p in model.named_parameters() if _non_finite(p.detach())]
+    if bad:
+        logger.warning(
+            "checkNonFinite: after call %d the weights %s%s hold NaN or Inf: every later output "
+            "will be non-finite. Reload a checkpoint or the weights before the failing call, "
+            "lower the learning rate or clip gradients (this warning is given once per "
+            "wrapper)", calls, bad[:4], " ..." if len(bad) > 4 else "")
+    return bool(bad)

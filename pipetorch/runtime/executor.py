@@ -26,8 +26,9 @@ from pipetorch.runtime.batching import (
     split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
-    buffer_ids, check_buffers, check_optimizer_params, check_return_periods, check_trainable,
-    device_mismatch_explained, forward_errors_explained, held, resolve_mean_strategy,
+    NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs, check_optimizer_params,
+    check_return_periods, check_trainable, device_mismatch_explained, forward_errors_explained,
+    held, resolve_mean_strategy, warn_non_finite_weights,
 )
 from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.runtime.devices import default_device
@@ -124,6 +125,8 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         self._profile_writer: weakref.finalize | None = None
         self._optimizer_record: attributes.Compiled | None = None
         self._times: counters.CallTimes | None = None
+        self._calls = 0  # calls checked by checkNonFinite
+        self._warned_weights = False
 
     # -- calls ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -138,11 +141,16 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 "input signature: call it with the arguments, shapes and dtypes of its first "
                 "call; for new inputs build a new trainingModel/inferenceModel, or call "
                 "destroy() first")
+        o = self._options
+        if o.check_non_finite:
+            check_finite_inputs(input_names(args, kwargs, self._params),
+                                pytree.tree_leaves((args, kwargs)), micro_batches=(
+                                    o.device_iterations * o.Training.gradient_accumulation
+                                    * o.replication_factor))
         compiled = self._compiled or self._compile(args, kwargs, signature)
         check_buffers(self._user_model, self._buffer_ids)
         if not self._training:
             self._refresh_from_host()
-        o = self._options
         times = counters.CallTimes()
         micro = compiled.synthetic or [to_device(mb, compiled.engine.input_device) for mb in split_micro_batches(
             args, kwargs, device_iterations=o.device_iterations,
@@ -153,6 +161,11 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         assert self._anchors is not None
         collector = self._anchors.tee(collector, steps=compiled.engine.batching.steps,
                                       replicas=o.replication_factor)
+        watch = None
+        if o.check_non_finite:
+            collector = watch = NonFiniteWatch(
+                collector, gradient_accumulation=o.Training.gradient_accumulation,
+                replicas=o.replication_factor, training=self._training)
         times.stamp("input_complete")
         start = time.monotonic_ns()
         with device_mismatch_explained(self._device):
@@ -166,9 +179,20 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         result = collector.result()
         times.stamp("output_complete")
         self._times = times
+        if watch is not None:
+            self._check_non_finite(compiled, watch)
         if self._training:
             return pytree.tree_map(_mark_training_output, result)
         return result
+
+    def _check_non_finite(self, compiled: Compiled, watch: NonFiniteWatch) -> None:
+        """checkNonFinite after a call: weights (warned once per wrapper), then outputs."""
+        self._calls += 1
+        if self._training and not self._warned_weights:
+            compiled.engine.pull()  # the device's weights into the engine's host copy
+            self._warned_weights = warn_non_finite_weights(compiled.engine.model, logger,
+                                                           calls=self._calls)
+        watch.check()
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """PopTorch casts float32 inputs of a half model to its dtype."""
