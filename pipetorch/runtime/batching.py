@@ -124,20 +124,15 @@ class Signature:
         missing = [n for n in old_pos + old_kw if n not in new_pos + new_kw]
         extra = [n for n in new_pos + new_kw if n not in old_pos + old_kw]
         if missing or extra:
-            def shown(pos: list[str], kw: list[str]) -> str:
-                return f"({', '.join(pos + [f'{k}=...' for k in kw])})"
-            told = ([f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"]
-                    if missing else []) + ([f"{', '.join(extra)} {'is' if len(extra) == 1 else 'are'} new"]
-                                           if extra else [])
-            return (f"the first call passed {shown(old_pos, old_kw)} and this one passes "
-                    f"{shown(new_pos, new_kw)}: {' and '.join(told)}")
-        names = input_names_for(self)
-        for n, (a, b) in enumerate(zip(_top_specs(self.spec), _top_specs(other.spec))):
+            told = [f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} {what}"
+                    for names, what in ((missing, "missing"), (extra, "new")) if names]
+            return (f"the first call passed {_call_shape(old_pos, old_kw)} and this one passes "
+                    f"{_call_shape(new_pos, new_kw)}: {' and '.join(told)}")
+        for label, a, b in zip(old_pos + old_kw, _top_specs(self.spec), _top_specs(other.spec)):
             if a != b:
-                label = (old_pos + old_kw)[n]
                 return (f"argument {label} changed its nesting from {_layout(a)} on the first "
                         f"call to {_layout(b)}")
-        return f"the inputs' nesting changed ({len(names)} leaves before, {len(other.leaves)} now)"
+        return "the inputs' nesting changed"
 
     def mismatch(self, other: "Signature") -> str | None:
         """A sentence naming the first difference from `other`, or None when they agree."""
@@ -173,10 +168,18 @@ def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
     return list(children()) if callable(children) else list(spec.children_specs)
 
 
+def _call_shape(positional: list[str], keywords: list[str]) -> str:
+    """How a call passed its arguments: "(x, labels=...)"."""
+    return f"({', '.join(positional + [f'{k}=...' for k in keywords])})"
+
+
 def input_names_for(signature: Signature) -> tuple[InputName, ...]:
     """The names of `signature`'s leaves (rebuilt from placeholders of its structure)."""
-    args, kwargs = pytree.tree_unflatten([0] * len(signature.leaves), signature.spec)
-    return input_names(args, kwargs, signature.params)
+    try:
+        args, kwargs = pytree.tree_unflatten([0] * len(signature.leaves), signature.spec)
+        return input_names(args, kwargs, signature.params)
+    except Exception:  # a custom input type that cannot hold placeholders: number the leaves
+        return tuple(InputName(f"input {i}", f"inputs[{i}]") for i in range(len(signature.leaves)))
 
 
 _CONVERSIONS = {torch.float32: ".float()", torch.float16: ".half()", torch.float64: ".double()",

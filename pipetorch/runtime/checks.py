@@ -147,16 +147,18 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module, *
                 f"it from this model: {type(optimizer).__name__}(model.parameters(), ...) with "
                 "the model you wrap")
 
+
 # -- torch's common failures of forward, in the user's terms ---------------------------------
-# (kind, phrases of torch's message): the first kind whose phrase the message holds.
+# (kind, pattern of torch's message): the first kind whose pattern the message holds.
 _KINDS = (
-    ("not_tensor", ("must be Tensor, not", "expected Tensor as element")),
-    ("dtype", ("must have the same dtype", "expected scalar type", "Input type (",
-               "expected both vectors to have same dtype", "found dtype", "have the same dtype")),
-    ("target", ("Target ", "n_classes", "cur_target")),
-    ("shape", ("shapes cannot be multiplied", "size mismatch", "must match the size",
-               "channels, but got", "The size of tensor", "Expected input batch_size",
-               "but got input of size", "normalized_shape")),
+    ("not_tensor", re.compile(r"must be Tensor, not|expected Tensor as element")),
+    ("dtype", re.compile(r"must have the same dtype|expected scalar type|Input type \(|"
+                         r"expected both vectors to have same dtype|found dtype|"
+                         r"have the same dtype")),
+    ("target", re.compile(r"Target -?\d+ is out of bounds|n_classes|cur_target")),
+    ("shape", re.compile(r"shapes cannot be multiplied|size mismatch|must match the size|"
+                         r"channels, but got|The size of tensor|Expected input batch_size|"
+                         r"but got input of size|normalized_shape|Target size")),
 )
 _LIBRARY = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib))
 _PIPETORCH = os.path.dirname(os.path.dirname(__file__)) + os.sep
@@ -176,7 +178,7 @@ HINTS = {
 
 def error_kind(message: str) -> str | None:
     """Which common failure torch's `message` reports: not_tensor, dtype, target, shape."""
-    return next((kind for kind, phrases in _KINDS if any(p in message for p in phrases)), None)
+    return next((kind for kind, pattern in _KINDS if pattern.search(message)), None)
 
 
 def _is_user_file(filename: str) -> bool:

@@ -159,3 +159,18 @@ def test_a_later_call_unlike_the_first_reaches_no_worker():
     assert descendants() == before  # the workers are those of the first call, unharmed
     torch.testing.assert_close(wrapper(x, y), first)
     wrapper.destroy()
+
+
+@pytest.mark.parametrize("message, kind", [
+    ("Target 7 is out of bounds.", "target"),
+    ("Assertion `cur_target >= 0 && cur_target < n_classes` failed", "target"),
+    ("Target size (torch.Size([4])) must be the same as input size", "shape"),
+    ("mat1 and mat2 shapes cannot be multiplied (2x5 and 4x1)", "shape"),
+    ("mat1 and mat2 must have the same dtype, but got Long and Float", "dtype"),
+    ("linear(): argument 'input' (position 1) must be Tensor, not list", "not_tensor"),
+    ("index 5 is out of bounds for dimension 0 with size 3", None),  # not a label: left as is
+])
+def test_torchs_common_messages_are_recognised(message, kind):
+    from pipetorch.runtime.checks import error_kind
+
+    assert error_kind(message) == kind
