@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
            "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",
-           "UnrecoverableError", "ModelChangedError", "DeviceMismatchError",
+           "UnrecoverableError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
            "createPoptorchError"]
 
 
@@ -60,6 +60,10 @@ class ModelChangedError(Error, RuntimeError):
 
 class DeviceMismatchError(Error, RuntimeError):
     """The model mixed a tensor on one device with the device it runs on."""
+
+
+class NonFiniteError(Error, FloatingPointError):
+    """NaN or Inf in a call's inputs, loss or outputs, found by Options.checkNonFinite()."""
 
 
 class LoaderError(Error, RuntimeError):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset, default_collate, get_worker_info
 
+from pipetorch.data import samples
 from pipetorch.data.structure import batch_rows, num_bytes, tensors_in
 
 __all__: list[str] = []
@@ -33,15 +34,27 @@ class Prebatched:
 
 
 class BatchCollate:
-    """collate_fn that leaves pre-fetched batches alone and collates per-sample lists."""
+    """collate_fn that leaves pre-fetched batches alone and collates per-sample lists.
+
+    When torch's default collation fails, the sample that made it fail (None, another
+    structure or shape) is named by its dataset index.
+    """
 
     def __init__(self, collate_fn: Callable[[Any], Any] | None = None) -> None:
         self.collate_fn = collate_fn or default_collate
+        self._explains = collate_fn is None  # a user's collate_fn may accept ragged samples
 
     def __call__(self, data: Any) -> Any:
         if isinstance(data, Prebatched):
             return data.batch
-        return self.collate_fn(data)
+        indices = samples.take_fetching()
+        try:
+            return self.collate_fn(data)
+        except Exception as error:  # collate's own words: torch's, by the sample's kind
+            better = samples.explain(data, indices) if self._explains else None
+            if better is None:
+                raise
+            raise better from error
 
 
 def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

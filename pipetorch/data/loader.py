@@ -17,10 +17,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data._utils.collate import default_convert
 
 from pipetorch.data.accessor import AsynchronousDataAccessor
+from pipetorch.data import samples
 from pipetorch.data.fetch import BatchCollate, LoaderStats, TensorBatches
 from pipetorch.data.sampling import (
     CombinedBatchSampler, DistributedShareSampler, combined_batch_size, rebatched_length,
@@ -80,6 +81,16 @@ def _check_batch_sampler(batch_sampler: Any, batch_size: Any, shuffle: bool, sam
                          "indices to sample.")
 
 
+def _factors(options: Any, micro: int) -> str:
+    """How a host call's batch is made: "batch_size 4 x deviceIterations 8"."""
+    parts = [("batch_size", micro), ("deviceIterations", options.device_iterations),
+             ("gradientAccumulation", options.Training.gradient_accumulation),
+             ("replicas", combined_batch_size(options, 1) // (
+                 options.device_iterations * options.Training.gradient_accumulation))]
+    return " x ".join(f"{name} {value}" for name, value in parts if value != 1 or name ==
+                      "batch_size")
+
+
 def _check_rebatching(mode: DataLoaderMode, rebatch: bool, worker_size: Any,
                       combined: int | None) -> None:
     if mode == DataLoaderMode.AsyncRebatched and combined is None:
@@ -116,7 +127,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if not (hasattr(options, "device_iterations") and hasattr(options, "_freeze")):
             raise TypeError(f"options must be a pipetorch.Options, got "
                             f"{type(options).__name__}.")
-        options._freeze()
+        options._freeze(by="poptorch.DataLoader")
         # No __del__ here: an iteration may outlive a temporary DataLoader, so the accessor
         # stops its process when it is itself collected (or at exit).
         self._accessor: AsynchronousDataAccessor | None = None
@@ -128,6 +139,7 @@ class DataLoader(torch.utils.data.DataLoader):
         user_collate = kwargs.pop("collate_fn", None)
         pin_memory = kwargs.pop("pin_memory", torch.cuda.is_available())
         iterable = isinstance(dataset, IterableDataset)
+        samples.check_dataset(dataset)
         _check_batch_sampler(user_batch_sampler, batch_size, shuffle, user_sampler, iterable,
                              processes=options.Distributed.num_processes
                              if auto_distributed_partitioning else 1)
@@ -151,6 +163,9 @@ class DataLoader(torch.utils.data.DataLoader):
 
         base_sampler = self._base_sampler(dataset, iterable, shuffle, drop_last, user_sampler,
                                           auto_distributed_partitioning, num_workers, kwargs)
+        if not iterable and drop_last and combined is not None and user_batch_sampler is None:
+            samples.check_enough(len(dataset) if self._share is None else len(self._share),
+                                 combined, _factors(options, micro))
         worker_batch = (rebatched_worker_size or combined) if rebatch else combined
         fetch_dataset = TensorBatches.wrap(dataset, collate_fn=user_collate)
         collate: Any = BatchCollate(user_collate)
@@ -184,7 +199,8 @@ class DataLoader(torch.utils.data.DataLoader):
                                                           drop_last=drop_last)}
         if worker_batch is None:
             return {"sampler": base_sampler, "batch_size": None}
-        return {"batch_sampler": BatchSampler(base_sampler, worker_batch, torch_drop_last)}
+        return {"batch_sampler": samples.IndexBatchSampler(base_sampler, worker_batch,
+                                                          torch_drop_last)}
 
     def _base_sampler(self, dataset: Any, iterable: bool, shuffle: bool, drop_last: bool,
                       user_sampler: Any, auto_partition: bool, num_workers: int,

@@ -4,14 +4,45 @@ from __future__ import annotations
 import copy
 import difflib
 import enum
+import functools
 import inspect
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
 FROZEN_MESSAGE = "Can't modify frozen Options"
 # Public methods that read rather than set: not offered as setters in messages or files.
 _NOT_SETTERS = frozenset({"toDict", "clone", "defaultOutputMode"})
+
+
+def _call_text(group: OptionGroup, name: str, args: tuple, kwargs: dict) -> str:
+    """How the refused call reads in the user's script: `Training.gradientAccumulation(4)`."""
+    prefix = group._LABEL.removeprefix("Options").lstrip(".")
+    shown = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{prefix + '.' if prefix else ''}{name}({', '.join(shown)})"
+
+
+def frozen_error(group: OptionGroup, call: str) -> AttributeError:
+    """PopTorch's "Can't modify frozen Options", then which call, what froze them, the fix."""
+    by = group._frozen_by or "a wrapper (trainingModel / inferenceModel) or a DataLoader"
+    return AttributeError(
+        f"{FROZEN_MESSAGE}: {call} came after these options were given to {by}, which keeps "
+        "the values it was built with. Set every option before wrapping the model or building "
+        "the DataLoader, or change a copy: `opts = opts.clone()`, call the setter on it and "
+        "wrap (or build the DataLoader) again with the copy")
+
+
+def _guarded(name: str, setter: Callable[..., Any]) -> Callable[..., Any]:
+    """`setter`, refusing with the call's own text when its options are frozen."""
+
+    @functools.wraps(setter)
+    def guarded(self: OptionGroup, *args: Any, **kwargs: Any) -> Any:
+        if self._is_frozen:
+            raise frozen_error(self, _call_text(self, name, args, kwargs))
+        return setter(self, *args, **kwargs)
+
+    guarded._frozen_guard = True  # type: ignore[attr-defined]
+    return guarded
 
 
 def readback(name: str, doc: str) -> property:
@@ -50,6 +81,15 @@ class OptionGroup:
     _LABEL: ClassVar[str] = "Options"
     _DEFAULTS: ClassVar[dict[str, Any]] = {}
     _SUBGROUPS: ClassVar[tuple[str, ...]] = ()
+    _frozen_by = ""  # what froze the options ("poptorch.trainingModel"), named when refusing
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Every public method is a setter: refused, naming itself, once the options are frozen.
+        for name, value in list(vars(cls).items()):
+            if (not name.startswith("_") and name not in _NOT_SETTERS
+                    and inspect.isfunction(value) and not getattr(value, "_frozen_guard", False)):
+                setattr(cls, name, _guarded(name, value))
 
     def __init__(self) -> None:
         self._values: dict[str, Any] = copy.deepcopy(self._DEFAULTS)
@@ -60,14 +100,16 @@ class OptionGroup:
         self._values.update(values)
 
     def _check_not_frozen(self) -> None:
-        if self._is_frozen:
-            raise AttributeError(FROZEN_MESSAGE)
+        if self._is_frozen:  # setters are guarded first; this backs up internal writers
+            raise frozen_error(self, f"changing {self._LABEL}")
 
-    def _freeze(self) -> None:
-        """Refuse every later setter call, here and in the nested groups."""
+    def _freeze(self, *, by: str = "") -> None:
+        """Refuse every later setter call, here and in the nested groups; `by` names what
+        froze them (e.g. "poptorch.trainingModel") for the refusal's message."""
         self._is_frozen = True
+        self._frozen_by = self._frozen_by or by
         for group in self._groups().values():
-            group._freeze()
+            group._freeze(by=by)
 
     def _groups(self) -> dict[str, OptionGroup]:
         return {name: getattr(self, name) for name in self._SUBGROUPS}
@@ -129,6 +171,7 @@ class OptionGroup:
         for key, value in self.__dict__.items():
             object.__setattr__(new, key, copy.deepcopy(value, memo))
         object.__setattr__(new, "_is_frozen", False)  # copies are always editable
+        object.__setattr__(new, "_frozen_by", "")
         return new
 
     def __repr__(self) -> str:

@@ -79,6 +79,40 @@ def path(setter: str, arg: str, value: Any, *, optional: bool = False) -> str | 
     return value
 
 
+def directory_problem(value: str) -> str | None:
+    """Why `value` cannot hold files pipetorch writes (a cache, reports), or None if it can:
+    a writable directory, or a path whose nearest existing ancestor is a writable directory
+    (it is created when first needed)."""
+    target = os.path.abspath(value)
+    if os.path.lexists(target):
+        if not os.path.exists(target):
+            return "is a broken symbolic link"
+        if not os.path.isdir(target):
+            return "is a file, not a directory"
+        if not os.access(target, os.W_OK | os.X_OK):
+            return "is a directory this process may not write to"
+        return None
+    parent = os.path.dirname(target)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)  # "/" always exists: the loop ends
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent!r} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: this process may not write to {parent!r}"
+    return None
+
+
+def output_directory(setter: str, arg: str, value: Any, *, holds: str) -> str | None:
+    """`value` as a path (or None) to a directory that can be created and written; `holds`
+    says what goes there, for the message ("the executable cache")."""
+    directory = path(setter, arg, value, optional=True)
+    problem = None if directory is None else directory_problem(directory)
+    if problem:
+        raise ValueError(f"{setter}: {arg} {directory!r} {problem}. Pass a directory for "
+                         f"{holds} (it is created if missing) that this process can write to")
+    return directory
+
+
 def strings(setter: str, arg: str, value: Any) -> list[str]:
     """`value` as a list of str (from a list, tuple or set of str)."""
     accepted = "a list of str"

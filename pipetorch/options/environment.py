@@ -9,6 +9,7 @@ import torch
 
 from pipetorch import enums
 from pipetorch.errors import ConfigError
+from pipetorch.options._validate import directory_problem
 
 __all__ = [
     "CACHE_DIR_VAR", "DEFAULT_OPTIONS_VAR", "ENGINE_OPTIONS_VAR", "cache_dir", "profiling_dir",
@@ -25,8 +26,15 @@ DEFAULT_REPORT_DIR = "./"
 
 
 def cache_dir() -> str | None:
-    """POPTORCH_CACHE_DIR if set and non-empty: the executable cache directory."""
-    return os.environ.get(CACHE_DIR_VAR) or None
+    """POPTORCH_CACHE_DIR if set and non-empty: the executable cache directory (a writable
+    directory, or a path where one can be created)."""
+    directory = os.environ.get(CACHE_DIR_VAR) or None
+    problem = directory and directory_problem(directory)
+    if problem:
+        raise ConfigError(f"Environment variable {CACHE_DIR_VAR}={directory!r} {problem}: set "
+                          "it to a directory for the executable cache (created if missing) "
+                          f"that this process can write to, or unset it")
+    return directory
 
 
 def _json_object(var: str, example: str) -> dict[str, Any] | None:
@@ -57,6 +65,12 @@ def profiling_dir() -> str | None:
     if not isinstance(directory, str) or not directory:
         raise ConfigError(f'{ENGINE_OPTIONS_VAR}: "autoReport.directory" must be a non-empty '
                           f"string; got {directory!r}")
+    problem = directory_problem(directory)
+    if problem:
+        raise ConfigError(
+            f'Environment variable {ENGINE_OPTIONS_VAR}: "autoReport.directory" {directory!r} '
+            f"{problem}: name a directory for the profiling reports (created if missing) that "
+            'this process can write to, or drop "autoReport.all"')
     return directory
 
 

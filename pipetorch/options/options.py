@@ -96,9 +96,9 @@ class Options(RunSetters, IpuSetters):
         """An unfrozen deep copy of these options."""
         return copy.deepcopy(self)
 
-    def _freeze(self) -> None:
+    def _freeze(self, *, by: str = "") -> None:
         self.input_group_count  # noqa: B018  # raises if replicas and input groups disagree
-        super()._freeze()
+        super()._freeze(by=by)
 
     def _export(self) -> dict[str, Any]:
         out = dict(self._values)

@@ -47,6 +47,7 @@ class RunSetters(OptionGroup):
         "input_group_type": CommGroupType.Consecutive,
         "max_repeat_logs": 4,
         "updatable_named_buffers": [],
+        "check_non_finite": False,  # pipetorch extension: checkNonFinite()
     }
     _env_profiling_dir: str | None = None
 
@@ -80,6 +81,8 @@ class RunSetters(OptionGroup):
         "max_repeat_logs", "How often one repeated log message is printed before it is muted.")
     updatable_named_buffers = readback(
         "updatable_named_buffers", "Buffers copyNamedBuffersToDevice() sends to the device.")
+    check_non_finite = readback(
+        "check_non_finite", "Whether calls check inputs, outputs and weights for NaN/Inf.")
 
     @property
     def execution_strategy(self) -> Any:
@@ -191,21 +194,29 @@ class RunSetters(OptionGroup):
         return self
 
     def enableExecutableCaching(self, path: str | os.PathLike | None) -> Options:
-        """Cache prepared executables in directory `path`; None turns caching off."""
-        self._set(executable_cache_dir=check.path(
-            "enableExecutableCaching", "path", path, optional=True))
+        """Cache prepared executables in directory `path`; None turns caching off.
+
+        The directory is created when first needed: `path` must be a writable directory or
+        a path that can be created as one (checked here, not at the first call)."""
+        self._set(executable_cache_dir=check.output_directory(
+            "enableExecutableCaching", "path", path, holds="the executable cache"))
         return self
 
     def enableProfiling(self, profile_dir: str | os.PathLike | None = None) -> Options:
         """Write profiling reports to `profile_dir` (default "./").
 
-        A directory requested by POPLAR_ENGINE_OPTIONS takes precedence, as in PopTorch.
+        A directory requested by POPLAR_ENGINE_OPTIONS takes precedence, as in PopTorch. The
+        directory must be writable or creatable (checked here: the reports are written at the
+        end of the run, too late to tell).
         """
-        directory = check.path("enableProfiling", "profile_dir", profile_dir, optional=True)
+        directory = check.output_directory("enableProfiling", "profile_dir",
+                                           DEFAULT_REPORT_DIR if profile_dir is None
+                                           else profile_dir,
+                                           holds="the profiling reports")
         if self._env_profiling_dir:
             logger.warning("Profiling directory set by %s (%s) overrides enableProfiling(%r)",
                            ENGINE_OPTIONS_VAR, self._env_profiling_dir, directory)
-        self._set(profiling_dir=directory or DEFAULT_REPORT_DIR)
+        self._set(profiling_dir=directory)
         return self
 
     def logDir(self, log_dir: str | os.PathLike) -> Options:
@@ -275,4 +286,18 @@ class RunSetters(OptionGroup):
             raise check.type_error("updatableNamedBuffers", "buffers", buffers,
                                    "a list of buffer names (str)")
         self._set(updatable_named_buffers=list(buffers))
+        return self
+
+    def checkNonFinite(self, enabled: bool = True) -> Options:
+        """pipetorch extension: check every call for NaN and Inf (off by default; it costs a
+        scan of the inputs and outputs, every micro-batch's outputs are brought back, and a
+        training call copies the weights to the host to check them).
+
+        Non-finite inputs are refused before anything runs, naming the argument and sample; a
+        call whose loss or outputs are non-finite raises `pipetorch.errors.NonFiniteError`
+        naming the first such micro-batch (after the call: its optimiser steps ran); weights
+        that became non-finite are warned about once per wrapper. The nearest PopTorch option,
+        Precision.enableFloatingPointExceptions, stays a no-op here.
+        """
+        self._set(check_non_finite=check.boolean("checkNonFinite", "enabled", enabled))
         return self

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import re
 import shutil
 import socket
 import subprocess
@@ -95,6 +96,7 @@ class ProcessEngine:
                             for s in range(len(self.routes)))
         self.ties = ties_of(model, staged, self.owners)  # weights held on several devices
         self._lost: str | None = None
+        self._interrupted = False  # Ctrl-C stopped the workers; the next use starts new ones
         self._folder = tempfile.mkdtemp(prefix="pipetorch-")
         self.peers: list[wire.Peer] = []
         self._segments: list[str] = []  # each launch's shared-memory name prefix
@@ -150,8 +152,17 @@ class ProcessEngine:
 
     def acquire(self) -> None:
         """attachToDevice: start the workers again from the host copy."""
+        self._revive()
         if not self.peers:
             self._launch()
+
+    def _revive(self) -> None:
+        """After Ctrl-C stopped a call, new workers from the host copy (which holds the state
+        after the last completed call: the interrupted call is discarded)."""
+        if self._interrupted:
+            self._lost, self._interrupted = None, False
+            self._launch()
+            logger.info("Restarted the stage workers after an interrupted call")
 
     def _start(self, placement: places.Placement) -> wire.Peer:
         """A worker forked from the pool's warm zygote, or a fresh process with the pool off."""
@@ -200,6 +211,20 @@ class ProcessEngine:
     def _run(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector, *,
              training: bool, iterations: int, per_iteration: int, scale: float) -> None:
         """Send replica r the micro-batches r, r + R, r + 2R, ... and collect what comes back."""
+        self._revive()
+        try:
+            replies, arrivals, flat, wanted = self._exchange(
+                micro_batches, collector, training=training, iterations=iterations,
+                per_iteration=per_iteration, scale=scale)
+        except KeyboardInterrupt:
+            self._interrupt()
+            raise
+        self._collect(replies, arrivals, flat, wanted, collector)
+
+    def _exchange(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector, *,
+                  training: bool, iterations: int, per_iteration: int, scale: float
+                  ) -> tuple[list[Any], list[wire.Transfer], list, frozenset[int]]:
+        """Send every worker its inputs and wait for all replies."""
         replicas = self.replicas
         flat = [self.staged.flatten_inputs(*args, **kwargs) for args, kwargs in micro_batches]
         steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
@@ -221,6 +246,12 @@ class ProcessEngine:
                                transfers=arrivals)
         if training:
             self._commits = commit
+        return replies, arrivals, flat, wanted
+
+    def _collect(self, replies: list[Any], arrivals: list[wire.Transfer], flat: list,
+                 wanted: frozenset[int], collector: OutputCollector) -> None:
+        """Unpack the workers' replies, keep their traces, hand the outputs to `collector`."""
+        replicas = self.replicas
         outputs: dict[tuple[int, int], dict[int, list[Any]]] = {}  # (replica, stage) -> m -> ...
         traces: list[Trace] = []
         for n, (placement, (skeleton, device_traces, packed), arrival) in enumerate(
@@ -254,6 +285,8 @@ class ProcessEngine:
     # -- weights ----------------------------------------------------------------------------
     def pull(self) -> None:
         """Copy every stage's weights and optimiser state into the host copy."""
+        if self._interrupted:
+            return  # the host copy holds the state after the last completed call
         if self._lost:
             logger.warning("The stage workers are gone (%s): the host copy keeps the weights of "
                            "the last completed call", self._lost)
@@ -273,6 +306,7 @@ class ProcessEngine:
 
     def pull_gradients(self) -> None:
         """Copy the gradients of the last optimiser step into the host copy's `.grad`."""
+        self._revive()
         for peer in self._first_replica:
             self._send(peer, ("grads", None))
         replies = self._gather("getAnchoredTensor", self._first_replica)
@@ -298,6 +332,7 @@ class ProcessEngine:
     def push(self, *, optimizer_state: bool = False) -> None:
         """Send the host copy's weights (and with `optimizer_state` the host optimiser's
         state) to every stage of every replica."""
+        self._revive()
         self._check_alive()
         commit = self._commits + 1
         for peer in self.peers:
@@ -316,6 +351,7 @@ class ProcessEngine:
 
     def rng_state(self, states: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
         """Every worker's random generators (one list per worker), set first when given."""
+        self._revive()
         self._check_alive()
         if states is not None and len(states) != len(self.peers):
             raise ValueError(f"This model runs on {len(self.peers)} worker(s); rng_state got "
@@ -326,6 +362,7 @@ class ProcessEngine:
 
     def set_hyperparameters(self) -> None:
         """Send the host optimiser's hyper-parameters (after setOptimizer) to every stage."""
+        self._revive()
         self._check_alive()
         assert self.optimizer is not None
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -370,9 +407,27 @@ class ProcessEngine:
             message = self._describe(exc.failure) if exc.failure else str(exc)
             self._fail(message.splitlines()[0])
             raise wire.WorkerFailed(message, exc.failure) from None
-        except BaseException:  # KeyboardInterrupt: stop the workers before giving up
+        except KeyboardInterrupt:
+            self._interrupt()
+            raise
+        except BaseException:  # SystemExit: stop the workers before giving up
             self._fail("interrupted")
             raise
+
+    def _interrupt(self) -> None:
+        """Ctrl-C during a call: stop the workers now and discard the call. With one host
+        process the next use starts new workers from the last completed call's state; with
+        several, the others' workers wait for this one's, so it cannot restart alone."""
+        if self._lost is not None:
+            return
+        if self.num_processes > 1:
+            self._fail(f"interrupted by Ctrl-C; with {self.num_processes} host processes this "
+                       "one cannot restart its workers alone, as the other processes' workers "
+                       "exchange gradients with them")
+            return
+        self._restore_last_call()  # before the workers and their files go
+        self._lost, self._interrupted = "interrupted by Ctrl-C", True
+        _shutdown(self.peers, self._folder, grace=0.0, remove=False, segments=self._segments)
 
     def _fail(self, reason: str) -> None:
         if self._lost is None:
@@ -391,14 +446,44 @@ class ProcessEngine:
                 where += f" of micro-batch {micro} ({self._locate(micro)})"
         replica = f" of replica {failure.replica}" if self.replicas > 1 else ""
         return (f"Stage {failure.stage}{replica} on {failure.device} (pid {failure.pid}) failed "
-                f"{where}: "
-                f"{failure.error}\n\nWorker traceback:\n{failure.traceback}")
+                f"{where}: {failure.error}{_explained(failure, self.staged)}"
+                f"\n\nWorker traceback:\n{failure.traceback}")
 
     def _locate(self, micro: int) -> str:
         b = self.batching
         step, replica = divmod(micro, b.replication_factor)
         iteration, accumulation = divmod(step, b.gradient_accumulation)
         return f"device iteration {iteration}, accumulation step {accumulation}, replica {replica}"
+
+
+def _explained(failure: wire.Failure, staged: StagedModel) -> str:
+    """The user's line of the failing operation and, for torch's common failures (dtype,
+    shape, target out of range), what to check; "" when neither is known."""
+    from pipetorch.runtime.checks import HINTS, error_kind, user_line_in
+
+    source = _model_source(failure, staged)
+    line = user_line_in(source) if source else user_line_in(failure.traceback)
+    kind = error_kind(failure.error)
+    hint = HINTS.get(kind) if kind is not None else None
+    if hint is not None and failure.micro_batch is not None:
+        hint += " (the failing samples are in the micro-batch named above)"
+    return (f"\n  at {line}" if line else "") + (f"\n  {hint}" if hint else "")
+
+
+# A line of a stage's generated forward, as a traceback shows it: `name = torch.ops...`.
+_GENERATED = re.compile(r'File "<eval_with_key>[^"]*", line \d+, in \w+\n\s+(\w+) = ')
+
+
+def _model_source(failure: wire.Failure, staged: StagedModel) -> str | None:
+    """Where in the user's model the failing operation was traced from: a worker's
+    traceback shows only the stage's generated code, whose line names the graph node; the
+    host's copy of the graph keeps that node's stack trace (the model's source lines)."""
+    names = _GENERATED.findall(failure.traceback)
+    if not names or not 0 <= failure.stage < len(staged.modules):
+        return None
+    graph = getattr(staged.modules[failure.stage], "graph", None)
+    node = next((n for n in graph.nodes if n.name == names[-1]), None) if graph else None
+    return node.meta.get("stack_trace") if node is not None else None
 
 
 def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE,

@@ -222,11 +222,41 @@ def saved_inputs(path: str | Path) -> tuple[tuple, dict]:
     return pytree.tree_unflatten(leaves, signature.spec)
 
 
+_WRITTEN_BY = "write one with wrapper.compileAndExport(path, *inputs) or wrapper.save(path)"
+
+
+def _what_it_is(head: bytes) -> str:
+    """What a file that is not an executable looks like, from its first bytes."""
+    if not head:
+        return "an empty file"
+    if head.startswith(b"PK\x03\x04"):
+        return "a torch.save file (a zip archive): load it with torch.load(path)"
+    if head.startswith(b"\x80"):
+        return "a pickle (torch.save's legacy format or pickle.dump): load it with torch.load(path)"
+    return f"a file starting with {head[:16]!r}"
+
+
 def _read(path: str | Path) -> dict[str, Any]:
+    target = Path(path)
+    if target.is_dir() and (target / "model.poptorch").is_file():
+        target = target / "model.poptorch"  # where save(folder) wrote it
+    if not target.is_file():
+        raise ExecutableError(
+            f"poptorch.load: there is no file {str(path)!r} (expected a pipetorch executable; "
+            f"{_WRITTEN_BY})")
+    with open(target, "rb") as file:
+        head = file.read(len(MAGIC))
+    if head != MAGIC:
+        raise ExecutableError(
+            f"poptorch.load: {str(path)!r} is not a pipetorch executable (those start with "
+            f"{MAGIC.strip().decode()!r}); it is {_what_it_is(head)}. To make an executable, "
+            f"{_WRITTEN_BY.split('; ')[0]}")
     try:
-        header, data = read_checked(Path(path), MAGIC, "a pipetorch executable")
+        header, data = read_checked(target, MAGIC, "a pipetorch executable")
     except (OSError, ValueError) as error:
-        raise ExecutableError(f"Cannot load the executable {path}: {error}") from error
+        raise ExecutableError(
+            f"poptorch.load: the executable {str(path)!r} is truncated or damaged ({error}): "
+            f"{_WRITTEN_BY} again") from error
     here = _versions()
     saved = {k: header.get(k) for k in here}
     if saved != here:

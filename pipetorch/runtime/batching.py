@@ -1,6 +1,7 @@
 """Host-call inputs: their signature, and their split into [D][G][R] micro-batches."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -20,35 +21,175 @@ class LeafSpec:
 
 
 @dataclass(frozen=True)
+class InputName:
+    """How the user refers to one input leaf and to the argument holding it: in prose
+    (`label` "argument 1 (labels)[0]", `argument` "argument 1 (labels)") and in code
+    (`expr` "labels[0]", `argument_expr` "labels")."""
+
+    argument: str
+    argument_expr: str
+    inner: str = ""  # the leaf's place inside the argument: "", "[0]", "['x']"
+
+    @property
+    def label(self) -> str:
+        return self.argument + self.inner
+
+    @property
+    def expr(self) -> str:
+        return self.argument_expr + self.inner
+
+
+def forward_parameters(model: Any) -> tuple[str, ...]:
+    """The names of `model.forward`'s positional parameters ((x, labels) for most models)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C forward: names unknown
+        return ()
+    return tuple(p.name for p in params
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def keyed_leaves(tree: Any) -> list[tuple[tuple, Any]]:
+    """`tree`'s leaves with their key paths; a node type registered without keys (an
+    ICustomArgParser type) keys its leaves by their position in it."""
+    try:
+        return pytree.tree_flatten_with_path(tree)[0]
+    except ValueError:
+        pass
+    children = (tree.items() if isinstance(tree, dict)
+                else enumerate(tree) if isinstance(tree, (list, tuple)) else None)
+    if children is None:  # a leaf, or the custom node itself
+        leaves = pytree.tree_leaves(tree)
+        if len(leaves) == 1 and leaves[0] is tree:
+            return [((), tree)]
+        return [((pytree.SequenceKey(i),), leaf) for i, leaf in enumerate(leaves)]
+    key = pytree.MappingKey if isinstance(tree, dict) else pytree.SequenceKey
+    return [((key(k), *path), leaf) for k, child in children for path, leaf in keyed_leaves(child)]
+
+
+def input_names(args: tuple, kwargs: dict, params: tuple[str, ...] = ()) -> tuple[InputName, ...]:
+    """The name of every leaf of a call's inputs, in pytree order."""
+    names = []
+    for path, _ in keyed_leaves((args, kwargs)):
+        where, key, inner = path[0], path[1], pytree.keystr(path[2:])
+        if getattr(where, "idx", 0) == 0:
+            index = key.idx  # type: ignore[union-attr]
+            param = params[index] if index < len(params) else None
+            names.append(InputName(f"argument {index}" + (f" ({param})" if param else ""),
+                                   param or f"args[{index}]", inner))
+        else:
+            names.append(InputName(f"argument {key.key}", key.key, inner))  # type: ignore
+    return tuple(names)
+
+
+def _layout(spec: pytree.TreeSpec) -> str:
+    """A nesting in words: "a tensor or value", "a tuple of 2", "a dict with keys ['x']"."""
+    if spec.is_leaf():
+        return "a tensor or value"
+    kind = getattr(spec.type, "__name__", str(spec.type))
+    if spec.type is dict:
+        return f"a dict with keys {list(spec.context)}"
+    return f"a {kind} of {spec.num_children}"
+
+
+@dataclass(frozen=True)
 class Signature:
     """The structure, shapes and dtypes of one host call's arguments."""
 
     spec: pytree.TreeSpec
     leaves: tuple[LeafSpec, ...]
+    params: tuple[str, ...] = ()  # forward's positional parameter names, for messages
 
     @staticmethod
-    def of(args: tuple, kwargs: dict) -> "Signature":
+    def of(args: tuple, kwargs: dict, params: tuple[str, ...] = ()) -> "Signature":
         flat, spec = pytree.tree_flatten((args, kwargs))
         return Signature(spec, tuple(
             LeafSpec(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else LeafSpec(None, None, x)
-            for x in flat))
+            for x in flat), params)
+
+    def _arguments(self) -> tuple[list[str], list[str]]:
+        """The positional arguments' names and the keywords, as the call passed them."""
+        positional, keywords = _children(self.spec)
+        names = [self.params[i] if i < len(self.params) else f"args[{i}]"
+                 for i in range(positional.num_children)]
+        return names, list(keywords.context)
+
+    def _structure_change(self, other: "Signature") -> str:
+        (old_pos, old_kw), (new_pos, new_kw) = self._arguments(), other._arguments()
+        moved = [n for n in new_kw if n in old_pos] + [n for n in old_kw if n in new_pos]
+        if moved:
+            return (f"{moved[0]} was passed {'by position' if moved[0] in old_pos else 'by keyword'}"
+                    f" on the first call and {'by keyword' if moved[0] in new_kw else 'by position'}"
+                    " now; pass it the same way on every call")
+        missing = [n for n in old_pos + old_kw if n not in new_pos + new_kw]
+        extra = [n for n in new_pos + new_kw if n not in old_pos + old_kw]
+        if missing or extra:
+            told = [f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} {what}"
+                    for names, what in ((missing, "missing"), (extra, "new")) if names]
+            return (f"the first call passed {_call_shape(old_pos, old_kw)} and this one passes "
+                    f"{_call_shape(new_pos, new_kw)}: {' and '.join(told)}")
+        for label, a, b in zip(old_pos + old_kw, _top_specs(self.spec), _top_specs(other.spec)):
+            if a != b:
+                return (f"argument {label} changed its nesting from {_layout(a)} on the first "
+                        f"call to {_layout(b)}")
+        return "the inputs' nesting changed"
 
     def mismatch(self, other: "Signature") -> str | None:
         """A sentence naming the first difference from `other`, or None when they agree."""
         if self.spec != other.spec:
-            return (f"the inputs' structure changed (compiled with {self.spec}, called with "
-                    f"{other.spec}): the number of arguments, keywords or nesting differ")
-        for i, (old, new) in enumerate(zip(self.leaves, other.leaves)):
+            return self._structure_change(other)
+        names = input_names_for(self)
+        for name, old, new in zip(names, self.leaves, other.leaves):
+            label = name.label
             if old.shape is None and new.shape is None:
                 if not _same_constant(old.constant, new.constant):
-                    return f"input {i} changed value from {old.constant!r} to {new.constant!r}"
+                    return f"{label} changed value from {old.constant!r} to {new.constant!r}"
             elif old.shape is None or new.shape is None:
-                return f"input {i} changed between a tensor and {old.constant if new.shape else new.constant!r}"
+                was = "a tensor" if old.shape is not None else repr(old.constant)
+                now = "a tensor" if new.shape is not None else repr(new.constant)
+                return f"{label} changed from {was} to {now}"
             elif old.shape != new.shape:
-                return f"input {i} changed shape from {list(old.shape)} to {list(new.shape)}"
+                return f"{label} changed shape from {list(old.shape)} to {list(new.shape)}"
             elif old.dtype != new.dtype:
-                return f"input {i} changed dtype from {old.dtype} to {new.dtype}"
+                return (f"{label} changed dtype from {old.dtype} to {new.dtype}; convert it "
+                        f"back with {name.expr}{conversion(old.dtype)}")
         return None
+
+
+def _top_specs(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    """The spec of each positional argument, then of each keyword argument."""
+    positional, keywords = _children(spec)
+    return [*_children(positional), *_children(keywords)]
+
+
+def _children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    """`spec`'s child specs (`children()` on newer torch, `children_specs` before)."""
+    children = getattr(spec, "children", None)
+    return list(children()) if callable(children) else list(spec.children_specs)
+
+
+def _call_shape(positional: list[str], keywords: list[str]) -> str:
+    """How a call passed its arguments: "(x, labels=...)"."""
+    return f"({', '.join(positional + [f'{k}=...' for k in keywords])})"
+
+
+def input_names_for(signature: Signature) -> tuple[InputName, ...]:
+    """The names of `signature`'s leaves (rebuilt from placeholders of its structure)."""
+    try:
+        args, kwargs = pytree.tree_unflatten([0] * len(signature.leaves), signature.spec)
+        return input_names(args, kwargs, signature.params)
+    except Exception:  # a custom input type that cannot hold placeholders: number the leaves
+        return tuple(InputName(f"input {i}", f"inputs[{i}]") for i in range(len(signature.leaves)))
+
+
+_CONVERSIONS = {torch.float32: ".float()", torch.float16: ".half()", torch.float64: ".double()",
+                torch.bfloat16: ".bfloat16()", torch.int64: ".long()", torch.int32: ".int()",
+                torch.bool: ".bool()", torch.uint8: ".byte()"}
+
+
+def conversion(dtype: torch.dtype) -> str:
+    """The tensor method converting to `dtype`: ".float()", or ".to(torch.int16)"."""
+    return _CONVERSIONS.get(dtype, f".to({dtype})")
 
 
 def _same_constant(a: Any, b: Any) -> bool:
@@ -58,27 +199,64 @@ def _same_constant(a: Any, b: Any) -> bool:
         return a is b
 
 
+def _factors(device_iterations: int, gradient_accumulation: int, replication_factor: int) -> str:
+    count = device_iterations * gradient_accumulation * replication_factor
+    return (f"deviceIterations ({device_iterations}) x gradientAccumulation "
+            f"({gradient_accumulation}) x replicationFactor ({replication_factor}) = {count}")
+
+
+def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_accumulation: int,
+                replication_factor: int, names: tuple[InputName, ...] | None = None) -> None:
+    """Refuse, naming the input, a call whose tensors cannot be cut into D*G*R micro-batches:
+    no tensor at all, a 0-dim tensor, an empty one, or dim 0 not a multiple of D*G*R."""
+    count = device_iterations * gradient_accumulation * replication_factor
+    flat = pytree.tree_leaves((args, kwargs))
+    if names is None:
+        names = tuple(InputName(f"Input {i}", f"inputs[{i}]") for i in range(len(flat)))
+    if not any(isinstance(x, torch.Tensor) for x in flat):
+        data = next((n for n, x in zip(names, flat) if _is_number(x) and n.inner), None)
+        if data is not None:
+            raise TypeError(
+                f"The model was called without any tensor: {data.argument} holds Python "
+                f"numbers (a list or tuple), not a tensor. Pass torch.tensor({data.argument_expr}) "
+                "(or torch.stack of a list of tensors): dim 0 holds the samples of the host call")
+        raise ValueError("The model was called without any tensor input: pass at least one tensor")
+    for name, x in zip(names, flat):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if x.dim() == 0:
+            raise ValueError(
+                f"{name.label} is a 0-dim tensor ({x.item()!r}), but every tensor input needs "
+                f"dim 0 = {count}*B samples ({_factors(device_iterations, gradient_accumulation, replication_factor)}). "
+                f"Give it a batch dimension, e.g. {name.expr}.expand({count})")
+        if x.shape[0] == 0:
+            raise ValueError(
+                f"{name.label} is empty (shape {list(x.shape)}): each host call takes {count} "
+                f"micro-batches of B >= 1 samples ({_factors(device_iterations, gradient_accumulation, replication_factor)}), "
+                f"so dim 0 must be {count}*B. An empty batch usually comes from slicing past the "
+                "end of the data or from an empty dataset")
+        if x.shape[0] % count:
+            raise ValueError(
+                f"{name.label} has shape {list(x.shape)}, but dim 0 must be a multiple of "
+                f"{_factors(device_iterations, gradient_accumulation, replication_factor)}: "
+                f"each host call takes {count} micro-batches of size B, i.e. dim 0 = {count}*B. "
+                "Use a poptorch.DataLoader to build batches of the right size")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def split_micro_batches(args: tuple, kwargs: dict, *, device_iterations: int,
                         gradient_accumulation: int, replication_factor: int
                         ) -> list[tuple[tuple, dict]]:
     """Cut every tensor input along dim 0 into D*G*R micro-batches, in [D][G][R] order."""
+    check_batch(args, kwargs, device_iterations=device_iterations,
+                gradient_accumulation=gradient_accumulation, replication_factor=replication_factor)
     count = device_iterations * gradient_accumulation * replication_factor
     flat, spec = pytree.tree_flatten((args, kwargs))
-    tensors = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-    if not tensors:
-        raise ValueError("The model was called without any tensor input: pass at least one tensor")
-    pieces: dict[int, tuple[torch.Tensor, ...]] = {}
-    for i in tensors:
-        x = flat[i]
-        if x.dim() == 0 or x.shape[0] == 0 or x.shape[0] % count:
-            raise ValueError(
-                f"Input {i} has shape {list(x.shape)}, but dim 0 must be a multiple of "
-                f"deviceIterations ({device_iterations}) x gradientAccumulation "
-                f"({gradient_accumulation}) x replicationFactor ({replication_factor}) = {count}: "
-                f"each host call takes {count} micro-batches of size B, i.e. dim 0 = {count}*B. "
-                "Use a poptorch.DataLoader to build batches of the right size"
-            )
-        pieces[i] = x.split(x.shape[0] // count)
+    pieces = {i: x.split(x.shape[0] // count) for i, x in enumerate(flat)
+              if isinstance(x, torch.Tensor)}
     result = []
     for m in range(count):
         leaves = [pieces[i][m] if i in pieces else x for i, x in enumerate(flat)]

@@ -1,15 +1,24 @@
 """What PopTorch checks or decides around a wrapped model's call: buffers unchanged since
-compilation, tensors on the model's device, and the mean-reduction strategy it picks."""
+compilation, tensors on the model's device, output periods, the mean-reduction strategy it
+picks, and torch's common failures of a forward told in terms of the user's inputs."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import os
+import re
+import sysconfig
+import traceback
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
-from pipetorch.enums import MeanReductionStrategy
-from pipetorch.errors import DeviceMismatchError, Error, ModelChangedError
+from pipetorch.enums import MeanReductionStrategy, OutputMode
+from pipetorch.errors import (
+    ConfigError, DeviceMismatchError, Error, ModelChangedError, NonFiniteError,
+)
+from pipetorch.runtime.anchors import GRADIENT, LOSS_SCALE, UPDATED
 
 __all__: list[str] = []
 
@@ -73,3 +82,286 @@ def resolve_mean_strategy(optimizer: torch.optim.Optimizer, *options: Any) -> No
                 else MeanReductionStrategy.Post)
     for o in options:  # frozen by now: this is the compile-time decision, not a user edit
         o.Training._values["mean_accumulation_and_replication_reduction_strategy"] = strategy
+
+
+def check_return_periods(options: Any) -> None:
+    """EveryN's period must divide the D x G iterations of a call, or the last ones are
+    never returned (checked at wrap time, for outputMode and every anchorTensor)."""
+    d, g = options.device_iterations, options.Training.gradient_accumulation
+    steps = d * g
+    factors = f"deviceIterations ({d})" + (f" x gradientAccumulation ({g})" if g > 1 else "")
+    periods = []
+    if options.output_mode == OutputMode.EveryN:
+        periods.append((options.output_return_period, "outputMode(OutputMode.EveryN, "
+                        f"output_return_period={options.output_return_period})"))
+    for name, spec in options.anchored_tensors.items():
+        # (a per-call anchor, gradients or weights, is refused with EveryN by anchors.py)
+        per_call = spec["long_name"] == LOSS_SCALE or spec["long_name"].startswith(
+            (GRADIENT, UPDATED))
+        if spec["output_mode"] == OutputMode.EveryN and not per_call:
+            periods.append((spec["output_return_period"], f"anchorTensor({name!r}, "
+                            f"{spec['long_name']!r}, OutputMode.EveryN, "
+                            f"output_return_period={spec['output_return_period']})"))
+    for period, setter in periods:
+        if steps % period:
+            divisors = [n for n in range(1, steps + 1) if steps % n == 0]
+            raise ConfigError(
+                f"{setter}: the period must divide the {steps} iteration(s) of each host call "
+                f"({factors}); with {period} a call returns {steps // period} of them and the "
+                f"last {steps % period} never. Use a period in {divisors}, or make "
+                f"{'deviceIterations' if g == 1 else 'deviceIterations x gradientAccumulation'} "
+                f"a multiple of {period}")
+
+
+
+def check_trainable(model: nn.Module) -> None:
+    """A training model needs a parameter to train (else its backward has nothing to reach)."""
+    params = held(model, "_parameters")
+    if any(p.requires_grad for p in params.values()):
+        return
+    name = type(model).__name__
+    if not params:
+        problem = f"{name} has no parameters"
+    else:
+        problem = (f"none of {name}'s {len(params)} parameters requires a gradient (e.g. "
+                   f"{next(iter(params))!r} has requires_grad=False)")
+    raise ConfigError(
+        f"trainingModel: {problem}, so training would have nothing to update. Make the "
+        "weights to train trainable (param.requires_grad_(True)) before wrapping, or run the "
+        "model with poptorch.inferenceModel")
+
+
+def check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module, *,
+                           where: str) -> None:
+    """Every parameter the optimiser updates must be one of the model's (not a copy's)."""
+    own = {id(p) for p in held(model, "_parameters").values()}
+    for number, group in enumerate(optimizer.param_groups):
+        strangers = [p for p in group["params"] if id(p) not in own]
+        if strangers:
+            shapes = [list(p.shape) for p in strangers[:3]]
+            raise ConfigError(
+                f"{where}: the optimizer's param group {number} holds {len(strangers)} of "
+                f"{len(group['params'])} tensors (shapes {shapes}{', ...' if len(strangers) > 3 else ''}) "
+                f"that are not parameters of the wrapped {type(model).__name__}: it was built "
+                "for another model, or for a copy (copy.deepcopy makes new parameters). Build "
+                f"it from this model: {type(optimizer).__name__}(model.parameters(), ...) with "
+                "the model you wrap")
+
+
+# -- torch's common failures of forward, in the user's terms ---------------------------------
+# (kind, pattern of torch's message): the first kind whose pattern the message holds.
+_KINDS = (
+    ("not_tensor", re.compile(r"must be Tensor, not|expected Tensor as element")),
+    ("dtype", re.compile(r"must have the same dtype|expected scalar type|Input type \(|"
+                         r"expected both vectors to have same dtype|found dtype|"
+                         r"have the same dtype")),
+    ("target", re.compile(r"Target -?\d+ is out of bounds|n_classes|cur_target")),
+    ("shape", re.compile(r"shapes cannot be multiplied|size mismatch|must match the size|"
+                         r"channels, but got|The size of tensor|Expected input batch_size|"
+                         r"but got input of size|normalized_shape|Target size")),
+)
+_LIBRARY = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib))
+_PIPETORCH = os.path.dirname(os.path.dirname(__file__)) + os.sep
+_SITE = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
+_FRAME = re.compile(r'^[ \t]*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$'
+                    r'(?:\n(?![ \t]*File ")(?P<code>[ \t]+\S.*))?', re.MULTILINE)
+
+HINTS = {
+    "dtype": "Convert the input to the model's dtype before the call or in the dataset",
+    "target": ("Class labels (targets) must be in [0, C) for a model with C outputs: check the "
+               "dataset's labels against the model's output size"),
+    "shape": ("A layer was built for other sizes than the data has: check the inputs' sizes "
+              "after dim 0 against the model's layers"),
+    "not_tensor": "Pass tensors: torch.tensor(values), or torch.stack(a list of tensors)",
+}
+
+
+def error_kind(message: str) -> str | None:
+    """Which common failure torch's `message` reports: not_tensor, dtype, target, shape."""
+    return next((kind for kind, pattern in _KINDS if pattern.search(message)), None)
+
+
+def _is_user_file(filename: str) -> bool:
+    if filename.startswith("<") or filename.startswith(_PIPETORCH):
+        return False
+    if filename.startswith(_SITE):  # installed model code (transformers) is the user's
+        return not filename.startswith(os.path.dirname(torch.__file__))
+    return not filename.startswith(_LIBRARY)
+
+
+def user_line(frames: Sequence[tuple[str, int, str, str | None]]) -> str | None:
+    """"model.py:12 in forward: return self.fc(x)" for the innermost (file, line, function,
+    code) frame of the user's code."""
+    for filename, line, name, code in reversed(frames):
+        if _is_user_file(filename):
+            return f"{filename}:{line} in {name}" + (f": {code.strip()}" if code else "")
+    return None
+
+
+def user_line_of(error: BaseException) -> str | None:
+    """The innermost line of the user's code in `error`'s traceback."""
+    return user_line([(f.filename, f.lineno or 0, f.name, f.line)
+                      for f in traceback.extract_tb(error.__traceback__)])
+
+
+def user_line_in(text: str) -> str | None:
+    """The innermost line of the user's code in a formatted traceback (a worker's)."""
+    return user_line([(m["file"], int(m["line"]), m["name"], m["code"])
+                      for m in _FRAME.finditer(text)])
+
+
+def _same_kind(error: BaseException, message: str) -> BaseException:
+    """`message` as the builtin class of `error` (scripts catching RuntimeError still do)."""
+    for cls in (IndexError, TypeError, ValueError, RuntimeError):
+        if isinstance(error, cls):
+            return cls(message)
+    return RuntimeError(message)
+
+
+def _described(names: Sequence[Any], leaves: Sequence[Any]) -> str:
+    return ", ".join(f"{n.label} {list(x.shape)} {x.dtype}" for n, x in zip(names, leaves)
+                     if isinstance(x, torch.Tensor))
+
+
+def explain_forward_error(error: BaseException, names: Sequence[Any], call: Sequence[Any],
+                          micro: Sequence[Any], model_dtype: torch.dtype | None) -> str | None:
+    """torch's message of a failed forward (on the first micro-batch, on the host) retold:
+    which input (name, shape, dtype, values), the user's line, and the fix; None if torch's
+    message is not one of the common kinds."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    kind = error_kind(str(error))
+    if kind is None:
+        return None
+    line = user_line_of(error)
+    where = f" at {line}" if line else ""
+    said = f"torch: {text}{where}"
+    if kind == "not_tensor":
+        bad = [(n, x) for n, x in zip(names, call) if isinstance(x, (int, float)) and n.inner]
+        if bad:
+            name = bad[0][0]
+            return (f"{name.argument} is a list or tuple of Python numbers where the model needs "
+                    f"a tensor ({said}). Pass torch.tensor({name.argument_expr}) instead")
+        return f"The model received a value that is not a tensor ({said}). {HINTS[kind]}"
+    if kind == "dtype":
+        odd = [(n, x) for n, x in zip(names, micro) if isinstance(x, torch.Tensor)
+               and model_dtype is not None and x.dtype != model_dtype]
+        if odd and model_dtype is not None:
+            from pipetorch.runtime.batching import conversion
+            shown = ", ".join(f"{n.label} is {x.dtype}" for n, x in odd)
+            return (f"{shown}, but the model's weights are {model_dtype} ({said}). "
+                    f"{HINTS[kind]}, e.g. {odd[0][0].expr}{conversion(model_dtype)}")
+        return f"An input's dtype does not suit the model ({said}). {HINTS[kind]}"
+    if kind == "target":
+        integers = [(n, x) for n, x in zip(names, call) if isinstance(x, torch.Tensor)
+                    and not x.is_floating_point() and x.numel()]
+        ranges = "; ".join(f"{n.label} holds {int(x.min())}..{int(x.max())}" for n, x in integers)
+        return (f"A label is out of range for the loss ({said})"
+                f"{'; ' + ranges if ranges else ''}. {HINTS[kind]}")
+    return (f"The model's forward failed on the first micro-batch, whose inputs are "
+            f"{_described(names, micro)} ({said}). {HINTS[kind]}")
+
+
+@contextlib.contextmanager
+def forward_errors_explained(names: Sequence[Any], call: Sequence[Any], micro: Any,
+                             model_dtype: torch.dtype | None) -> Iterator[None]:
+    """Retell torch's common failures of the host's run of forward (compiling probes it on
+    the first micro-batch) with the inputs' names; `micro()` gives that micro-batch's leaves."""
+    try:
+        yield
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:
+        if isinstance(error, Error):
+            raise
+        message = explain_forward_error(error, names, call, micro(), model_dtype)
+        if message is None:
+            raise
+        raise _same_kind(error, message) from error
+
+
+# -- Options.checkNonFinite -------------------------------------------------------------------
+def _non_finite(x: torch.Tensor) -> str | None:
+    """"nan", "inf" or "nan and inf" when floating tensor `x` holds such values, else None."""
+    if not x.is_floating_point() or bool(torch.isfinite(x).all()):
+        return None
+    kinds = [k for k, found in (("nan", torch.isnan(x).any()), ("inf", torch.isinf(x).any()))
+             if bool(found)]
+    return " and ".join(kinds)
+
+
+def check_finite_inputs(names: Sequence[Any], leaves: Sequence[Any], *, micro_batches: int
+                        ) -> None:
+    """Refuse, before anything runs, a call whose tensor inputs hold NaN or Inf."""
+    for name, x in zip(names, leaves):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            continue
+        found = _non_finite(x)
+        if found:
+            bad = (~torch.isfinite(x)).reshape(x.shape[0], -1).any(dim=1)
+            sample = int(bad.nonzero()[0])
+            raise NonFiniteError(
+                f"checkNonFinite: {name.label} holds {found} (first at sample {sample}, "
+                f"micro-batch {sample // max(1, x.shape[0] // micro_batches)} of this call): "
+                "the data is broken "
+                "before the model sees it. Clean or filter it in the dataset (e.g. "
+                "torch.nan_to_num), or find what produced it")
+
+
+class NonFiniteWatch:
+    """A collector that sees every micro-batch's outputs and remembers the first whose
+    tensors hold NaN or Inf; the call's own collector gets what it asked for."""
+
+    def __init__(self, inner: Any, *, gradient_accumulation: int, replicas: int,
+                 training: bool) -> None:
+        self._inner, self._g, self._replicas, self._training = (
+            inner, gradient_accumulation, replicas, training)
+        self.first: tuple[int, int, str, str] | None = None  # step, replica, where, kind
+        self.count = 0
+
+    def wants(self, step: int) -> bool:
+        return True
+
+    def add(self, step: int, replica: int, output: Any) -> None:
+        from pipetorch.runtime.batching import keyed_leaves
+
+        for path, leaf in keyed_leaves(output):
+            found = _non_finite(leaf) if isinstance(leaf, torch.Tensor) else None
+            if found:
+                self.count += 1
+                where = f"output{pytree.keystr(path)}" if path else "the output"
+                if self._training and leaf.dim() == 0:
+                    where += " (the loss)"
+                if self.first is None or (step, replica) < self.first[:2]:
+                    self.first = (step, replica, where, found)
+                break
+        if self._inner.wants(step):
+            self._inner.add(step, replica, output)
+
+    def result(self) -> Any:
+        return self._inner.result()
+
+    def check(self) -> None:
+        """Raise NonFiniteError naming the first non-finite micro-batch of the call."""
+        if self.first is None:
+            return
+        step, replica, where, found = self.first
+        iteration, accumulation = divmod(step, self._g)
+        micro = step * self._replicas + replica
+        after = (" This call's optimiser steps ran: the model holds the weights after them."
+                 if self._training else "")
+        raise NonFiniteError(
+            f"checkNonFinite: {where} of micro-batch {micro} (device iteration {iteration}, "
+            f"accumulation step {accumulation}, replica {replica}) is {found}; it is the first "
+            f"of {self.count} non-finite micro-batch(es) in this call.{after} Look for what "
+            "overflows at that micro-batch: lower the learning rate, clip gradients "
+            "(max_grad_norm), use loss scaling for float16, or check that micro-batch's data")
+
+
+def warn_non_finite_weights(model: nn.Module, logger: Any, *, calls: int) -> bool:
+    """Warn (and return True) when `model`'s parameters hold NaN or Inf."""
+    bad = [name for name, p in model.named_parameters() if _non_finite(p.detach())]
+    if bad:
+        logger.warning(
+            "checkNonFinite: after call %d the weights %s%s hold NaN or Inf: every later output "
+            "will be non-finite. Reload a checkpoint or the weights before the failing call, "
+            "lower the learning rate or clip gradients (this warning is given once per "
+            "wrapper)", calls, bad[:4], " ..." if len(bad) > 4 else "")
+    return bool(bad)

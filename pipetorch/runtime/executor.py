@@ -1,7 +1,9 @@
 """`trainingModel` / `inferenceModel`: the wrapper that runs a model on its devices."""
 from __future__ import annotations
 
+import copyreg
 import datetime
+import inspect
 import logging
 import os
 import sys
@@ -20,10 +22,13 @@ from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, weights, wrapping
 from pipetorch.runtime.anchors import Anchors
 from pipetorch.runtime.batching import (
-    Signature, cast_float_inputs, half_dtype, split_micro_batches, to_device,
+    Signature, cast_float_inputs, check_batch, forward_parameters, half_dtype, input_names,
+    split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
-    buffer_ids, check_buffers, device_mismatch_explained, held, resolve_mean_strategy,
+    NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs, check_optimizer_params,
+    check_return_periods, check_trainable, device_mismatch_explained, forward_errors_explained,
+    held, resolve_mean_strategy, warn_non_finite_weights,
 )
 from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.parallel.devices import default_device
@@ -76,7 +81,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         options = Options() if options is None else options
         if not isinstance(options, Options):
             raise TypeError(f"options must be a pipetorch.Options, got {type(options).__name__}")
-        options._freeze()
+        options._freeze(by=f"poptorch.{'trainingModel' if training else 'inferenceModel'}")
         own = options.clone()
         mode = resolve_mode(own.output_mode, training=training)
         own.outputMode(mode, **({"output_return_period": own.output_return_period}
@@ -87,7 +92,11 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 "You must set poptorch.Options().Training.gradientAccumulation to 1 or use the "
                 f"default value (it is {own.Training.gradient_accumulation}) when running a "
                 "poptorch.inferenceModel(); gradient accumulation only applies to training")
+        check_return_periods(own)
         if training:
+            check_trainable(model)
+            if optimizer is not None:
+                check_optimizer_params(optimizer, model, where="trainingModel")
             other = _training_wrappers.get(model)
             if other is not None and other() is not None:
                 raise ConfigError(
@@ -102,6 +111,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             resolve_mean_strategy(optimizer, options, own)
         log_level.limit_repeats(own.max_repeat_logs)
         self._user_model, self._options, self._training = model, own, training
+        self._params = forward_parameters(model)
         self._user_optimizer = optimizer
         self._device = default_device()
         self._compiled: Compiled | None = None
@@ -115,25 +125,32 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         self._profile_writer: weakref.finalize | None = None
         self._optimizer_record: attributes.Compiled | None = None
         self._times: counters.CallTimes | None = None
+        self._calls = 0  # calls checked by checkNonFinite
+        self._warned_weights = False
 
     # -- calls ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._attached:
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
         args, kwargs = self._cast_inputs(args, kwargs)
-        signature = Signature.of(args, kwargs)
-        with device_mismatch_explained(self._device):
-            compiled = self._compiled or self._compile(args, kwargs, signature)
-        check_buffers(self._user_model, self._buffer_ids)
+        signature = Signature.of(args, kwargs, self._params)
         problem = self._signature.mismatch(signature) if self._signature else None
         if problem:
             raise ValueError(
                 f"This model was compiled for other inputs: {problem}. A wrapped model runs one "
-                "input signature; build a new trainingModel/inferenceModel for the new inputs, "
-                "or call destroy() first")
+                "input signature: call it with the arguments, shapes and dtypes of its first "
+                "call; for new inputs build a new trainingModel/inferenceModel, or call "
+                "destroy() first")
+        o = self._options
+        if o.check_non_finite:
+            check_finite_inputs(input_names(args, kwargs, self._params),
+                                pytree.tree_leaves((args, kwargs)), micro_batches=(
+                                    o.device_iterations * o.Training.gradient_accumulation
+                                    * o.replication_factor))
+        compiled = self._compiled or self._compile(args, kwargs, signature)
+        check_buffers(self._user_model, self._buffer_ids)
         if not self._training:
             self._refresh_from_host()
-        o = self._options
         times = counters.CallTimes()
         micro = compiled.synthetic or [to_device(mb, compiled.engine.input_device) for mb in split_micro_batches(
             args, kwargs, device_iterations=o.device_iterations,
@@ -144,6 +161,11 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         assert self._anchors is not None
         collector = self._anchors.tee(collector, steps=compiled.engine.batching.steps,
                                       replicas=o.replication_factor)
+        watch = None
+        if o.check_non_finite:
+            collector = watch = NonFiniteWatch(
+                collector, gradient_accumulation=o.Training.gradient_accumulation,
+                replicas=o.replication_factor, training=self._training)
         times.stamp("input_complete")
         start = time.monotonic_ns()
         with device_mismatch_explained(self._device):
@@ -157,9 +179,20 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         result = collector.result()
         times.stamp("output_complete")
         self._times = times
+        if watch is not None:
+            self._check_non_finite(compiled, watch)
         if self._training:
             return pytree.tree_map(_mark_training_output, result)
         return result
+
+    def _check_non_finite(self, compiled: Compiled, watch: NonFiniteWatch) -> None:
+        """checkNonFinite after a call: weights (warned once per wrapper), then outputs."""
+        self._calls += 1
+        if self._training and not self._warned_weights:
+            compiled.engine.pull()  # the device's weights into the engine's host copy
+            self._warned_weights = warn_non_finite_weights(compiled.engine.model, logger,
+                                                           calls=self._calls)
+        watch.check()
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """PopTorch casts float32 inputs of a half model to its dtype."""
@@ -180,17 +213,53 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Prepare the model for these inputs without running it."""
         args, kwargs = self._cast_inputs(args, kwargs)
-        self._compile(args, kwargs, Signature.of(args, kwargs))
+        self._compile(args, kwargs, Signature.of(args, kwargs, self._params))
+
+    def _check_inputs(self, args: tuple, kwargs: dict) -> tuple:
+        """Refuse, before anything runs, a first call forward cannot take or whose tensors
+        cannot be cut into micro-batches; the inputs' names for later messages."""
+        try:
+            bound = inspect.signature(self._user_model.forward)
+        except (TypeError, ValueError):  # no Python signature: forward itself will say
+            bound = None
+        if bound is not None:
+            try:
+                bound.bind(*args, **kwargs)
+            except TypeError as error:
+                raise TypeError(
+                    f"{type(self._user_model).__name__}.forward{bound} cannot take this call: "
+                    f"{error}. Call the wrapped model with the arguments of the model's "
+                    "forward") from None
+        names = input_names(args, kwargs, self._params)
+        o = self._options
+        check_batch(args, kwargs, device_iterations=o.device_iterations,
+                    gradient_accumulation=o.Training.gradient_accumulation,
+                    replication_factor=o.replication_factor, names=names)
+        return names
+
+    def _first_micro_batch(self, args: tuple, kwargs: dict) -> list[Any]:
+        o = self._options
+        return pytree.tree_leaves(split_micro_batches(
+            args, kwargs, device_iterations=o.device_iterations,
+            gradient_accumulation=o.Training.gradient_accumulation,
+            replication_factor=o.replication_factor)[0])
 
     def _compile(self, args: tuple, kwargs: dict, signature: Signature) -> Compiled:
         if self._compiled is not None:
             raise ValueError("The model is already compiled: call destroy() to compile again")
+        names = self._check_inputs(args, kwargs)
+        dtypes = {p.dtype for p in held(self._user_model, "_parameters").values()
+                  if p.is_floating_point()}
         extensions.run_pre_compile_hooks()
         if self._training:
             self._link_optimizer(self._user_optimizer)
-        self._compiled = compile_model(
-            self._user_model, args, kwargs, options=self._options, training=self._training,
-            optimizer=self._user_optimizer, device=self._device)
+        with device_mismatch_explained(self._device), forward_errors_explained(
+                names, pytree.tree_leaves((args, kwargs)),
+                lambda: self._first_micro_batch(args, kwargs),
+                dtypes.pop() if len(dtypes) == 1 else None):
+            self._compiled = compile_model(
+                self._user_model, args, kwargs, options=self._options, training=self._training,
+                optimizer=self._user_optimizer, device=self._device)
         self._signature = signature
         o, engine = self._options, self._compiled.engine
         try:
@@ -308,6 +377,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         `variable_attrs` marks constant must keep their compiled values."""
         if not self._training:
             raise ConfigError("setOptimizer is for trainingModel wrappers; this is an inferenceModel")
+        check_optimizer_params(optimizer, self._user_model, where="setOptimizer")
         if self._compiled is not None and self._compiled.engine.optimizer is not None:
             assert self._optimizer_record is not None
             attributes.check_replacement(self._optimizer_record, optimizer)
@@ -444,9 +514,23 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     def __class__(self) -> type:  # isinstance(wrapped, type(model)) holds, as in PopTorch
         return wrapping.wrapper_class(PoplarExecutor, type(self.__dict__["_user_model"]))
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # torch.save(wrapper) / pickle: the user's model with the device's latest weights (a
+        # wrapper holds devices and processes, which cannot be saved); poptorch.load reads
+        # executables written by compileAndExport / save.
+        reduced = self._user_model.__reduce_ex__(protocol)
+        if reduced[0] is copyreg.__newobj__:  # pickle would check the class against ours
+            return (_new_model, *reduced[1:])
+        return reduced
+
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"
         return f"{kind}({module_repr(self._user_model)})"
+
+
+def _new_model(cls: type, *args: Any) -> nn.Module:
+    """Unpickling helper of a saved wrapper: an empty instance of the user model's class."""
+    return cls.__new__(cls, *args)
 
 
 def _write_report(profiler: Any) -> None:

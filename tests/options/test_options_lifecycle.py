@@ -27,30 +27,37 @@ def configured() -> Options:
     return opts
 
 
-@pytest.mark.parametrize("call", [
-    lambda o: o.deviceIterations(2),
-    lambda o: o.outputMode(OutputMode.Sum),
-    lambda o: o.randomSeed(1),
-    lambda o: o.setExecutionStrategy(ShardedExecution()),
-    lambda o: o.setAvailableMemoryProportion({"IPU0": 0.2}),
-    lambda o: o.anchorTensor("a", "b"),
-    lambda o: o.disableModuleNamescope(),
-    lambda o: o.Training.gradientAccumulation(2),
-    lambda o: o.Distributed.configureProcessId(0, 2),
-    lambda o: o.Distributed.disable(),
-    lambda o: o.TensorLocations.setWeightLocation(TensorLocationSettings()),
-    lambda o: o.Precision.enableStochasticRounding(True),
-    lambda o: o.Jit.traceModel(False),
-    lambda o: o._Popart.set("k", 1),
-    lambda o: o.loadFromFile("does-not-matter.txt"),
+@pytest.mark.parametrize("call, shown", [
+    (lambda o: o.deviceIterations(2), "deviceIterations(2)"),
+    (lambda o: o.outputMode(OutputMode.Sum), "outputMode(<OutputMode.Sum: 3>)"),
+    (lambda o: o.randomSeed(1), "randomSeed(1)"),
+    (lambda o: o.setExecutionStrategy(ShardedExecution()), "setExecutionStrategy("),
+    (lambda o: o.setAvailableMemoryProportion({"IPU0": 0.2}),
+     "setAvailableMemoryProportion({'IPU0': 0.2})"),
+    (lambda o: o.anchorTensor("a", "b"), "anchorTensor('a', 'b')"),
+    (lambda o: o.disableModuleNamescope(), "disableModuleNamescope()"),
+    (lambda o: o.Training.gradientAccumulation(2), "Training.gradientAccumulation(2)"),
+    (lambda o: o.Distributed.configureProcessId(0, 2), "Distributed.configureProcessId(0, 2)"),
+    (lambda o: o.Distributed.disable(), "Distributed.disable()"),
+    (lambda o: o.TensorLocations.setWeightLocation(TensorLocationSettings()),
+     "TensorLocations.setWeightLocation("),
+    (lambda o: o.Precision.enableStochasticRounding(True),
+     "Precision.enableStochasticRounding(True)"),
+    (lambda o: o.Jit.traceModel(False), "Jit.traceModel(False)"),
+    (lambda o: o._Popart.set("k", 1), "_Popart.set('k', 1)"),
+    (lambda o: o.loadFromFile("does-not-matter.txt"), "loadFromFile('does-not-matter.txt')"),
 ], ids=lambda c: "")
-def test_frozen_options_refuse_every_setter(call):
+def test_frozen_options_refuse_every_setter(call, shown):
     opts = configured()
-    opts._freeze()
+    opts._freeze(by="poptorch.trainingModel")
     assert opts._is_frozen and opts.Training._is_frozen and opts._Popart._is_frozen
     before = opts.toDict()
-    with pytest.raises(AttributeError, match=f"^{FROZEN}$"):
+    # PopTorch's words first (scripts match them), then the call, what froze them, the fix.
+    with pytest.raises(AttributeError, match=f"^{FROZEN}: ") as info:
         call(opts)
+    assert f": {shown}" in str(info.value)
+    assert "given to poptorch.trainingModel" in str(info.value)
+    assert "opts = opts.clone()" in str(info.value)
     assert opts.toDict() == before
 
 

@@ -78,11 +78,13 @@ def test_rerun_with_other_inputs_names_the_mismatch():
     wrapped = poptorch.trainingModel(TinyMLP(), quiet())
     x, y = data(4)
     wrapped(x, y)
-    with pytest.raises(ValueError, match=r"input 0 changed shape from \[4, 6\] to \[8, 6\].*destroy\(\)"):
+    with pytest.raises(ValueError, match=r"argument 0 \(x\) changed shape from \[4, 6\] to "
+                                         r"\[8, 6\].*destroy\(\)"):
         wrapped(*data(8))
     with pytest.raises(ValueError, match="changed dtype from torch.float32 to torch.float64"):
         wrapped(x.double(), y)
-    with pytest.raises(ValueError, match="structure changed"):
+    with pytest.raises(ValueError, match="labels was passed by position on the first call and "
+                                         "by keyword now"):
         wrapped(x, labels=y)
     wrapped.destroy()
     wrapped(*data(8))  # a destroyed wrapper compiles again for the new inputs
