@@ -43,7 +43,7 @@ _LAZY = {
     "DataLoader": "pipetorch.data",
     "AsynchronousDataAccessor": "pipetorch.data",
     # -- issue 17 groups 3-5 (optimisers, executor, losses): saved executables ------------
-    "load": "pipetorch.runtime.artefact",
+    "load": "pipetorch.runtime.executor",
     # -------------------------------------------------------------------------------------
 }
 # --- issue 17, groups 1/2/6 (wt-compat): logging, extension points, printing, extra ops ---

@@ -47,6 +47,7 @@ from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
 from pipetorch.parallel.local import Batching, reduction_multiplier
 from pipetorch.parallel.outputs import OutputCollector
+from pipetorch.tracebacks import HINTS, error_kind, user_line_in
 
 __all__: list[str] = []
 
@@ -459,8 +460,6 @@ class ProcessEngine:
 def _explained(failure: wire.Failure, staged: StagedModel) -> str:
     """The user's line of the failing operation and, for torch's common failures (dtype,
     shape, target out of range), what to check; "" when neither is known."""
-    from pipetorch.runtime.checks import HINTS, error_kind, user_line_in
-
     source = _model_source(failure, staged)
     line = user_line_in(source) if source else user_line_in(failure.traceback)
     kind = error_kind(failure.error)

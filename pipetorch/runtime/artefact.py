@@ -36,7 +36,7 @@ from pipetorch.partition.stage_module import StageModule, attribute
 from pipetorch.partition.trace import BLOCK_KEY, InputLayout, Traced
 from pipetorch.runtime.batching import Signature
 
-__all__ = ["load", "ExecutableError"]
+__all__ = ["ExecutableError"]
 
 logger = logging.getLogger(__name__)
 
@@ -190,11 +190,10 @@ def _optimizer_record(wrapper: Any) -> dict[str, Any]:
             "variable_attrs": optimizer.__dict__.get("variable_attrs")}
 
 
-def load(path: str | Path, edit_opts_fn: Any = None) -> Any:
-    """A wrapper (trainingModel or inferenceModel) for the executable saved at `path`;
-    `edit_opts_fn(options)` may change its (unfrozen copy of the) options first."""
-    from pipetorch.runtime.executor import PoplarExecutor
-
+def read_executable(path: str | Path, edit_opts_fn: Any = None) -> dict[str, Any]:
+    """What a wrapper for the executable saved at `path` is built from (`executor.load`):
+    model, options, training, optimizer; `edit_opts_fn(options)` may change its (unfrozen
+    copy of the) options first."""
     payload = _read(path)
     model = _model_class(payload["layout"])(payload["graph"], payload["layout"],
                                             payload["output_spec"])
@@ -205,7 +204,8 @@ def load(path: str | Path, edit_opts_fn: Any = None) -> Any:
     if edit_opts_fn is not None:
         options = options.clone()
         edit_opts_fn(options)
-    return PoplarExecutor(model, options, training=payload["training"], optimizer=optimizer)
+    return {"model": model, "options": options, "training": payload["training"],
+            "optimizer": optimizer}
 
 
 def saved_weights(path: str | Path) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from pipetorch.runtime.optimizer import (
 )
 from pipetorch.parallel.outputs import OutputCollector, resolve_mode
 
-__all__ = ["PoplarExecutor", "trainingModel", "inferenceModel"]
+__all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -550,3 +551,9 @@ def trainingModel(model: nn.Module, options: Any = None,
 def inferenceModel(model: nn.Module, options: Any = None) -> PoplarExecutor:
     """Wrap `model` for inference (eval mode, no gradients)."""
     return PoplarExecutor(model, options, training=False)
+
+
+def load(path: str | Path, edit_opts_fn: Any = None) -> PoplarExecutor:
+    """A wrapper (trainingModel or inferenceModel) for the executable saved at `path`;
+    `edit_opts_fn(options)` may change its (unfrozen copy of the) options first."""
+    return PoplarExecutor(**artefact.read_executable(path, edit_opts_fn))

@@ -171,6 +171,6 @@ def test_a_later_call_unlike_the_first_reaches_no_worker():
     ("index 5 is out of bounds for dimension 0 with size 3", None),  # not a label: left as is
 ])
 def test_torchs_common_messages_are_recognised(message, kind):
-    from pipetorch.runtime.checks import error_kind
+    from pipetorch.tracebacks import error_kind
 
     assert error_kind(message) == kind

@@ -1,0 +1,133 @@
+"""The package's import graph: no cycles between modules, and every import points down the
+layers (the user's wrapper -> compile -> engine -> foundations), lazy imports included."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pipetorch
+
+ROOT = Path(pipetorch.__file__).parent
+
+# Lowest first. A module may import its own layer and the layers below it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "enums", "log_level", "printing", "losses", "tracebacks", "tensor_ops",
+     "extensions", "ops"),                  # foundations, beside the flow
+    ("schedule",),                          # schedules as pure data
+    ("optim",),                             # PopTorch's optimisers
+    ("partition",),                         # compile: blocks, probe, capture, split, cache
+    ("parallel",),                          # engine: executor, local and worker engines, links
+    ("profiling",),                         # reads spans and plans; measured balancing
+    ("options", "data"),                    # PopTorch's Options and DataLoader
+    ("runtime",),                           # the wrapper: trainingModel, weights, anchors
+    ("cli", "__main__", ""),                # the command line and the top-level names
+)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The pipetorch modules `path` imports, at any depth, except under `if TYPE_CHECKING:`."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking_only(node):
+            return
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "pipetorch":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in known)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in known}
+
+
+def graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports. `import pipetorch` itself (for `__version__`, or the
+    lazy table of public names that a config file's `poptorch.X` names resolve through) is
+    left out: Python runs the package's `__init__` before any of its modules anyway."""
+    known = modules()
+    return {name: imports_of(path, set(known)) - {name, "pipetorch"}
+            for name, path in known.items()}
+
+
+def layer_of(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    for index, names in enumerate(LAYERS):
+        if top in names:
+            return index
+    raise AssertionError(f"{module} belongs to no layer: add its package to LAYERS")
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_every_module_has_a_layer():
+    for name in modules():
+        layer_of(name)
+
+
+def test_no_import_points_up_a_layer():
+    upward = sorted(f"{a} -> {b}" for a, targets in graph().items() for b in targets
+                    if layer_of(b) > layer_of(a))
+    assert upward == [], "imports pointing up the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_cycles():
+    assert cycles(graph()) == []
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert layer_of("pipetorch.parallel.stage") > layer_of("pipetorch.partition.split")
+    assert layer_of("pipetorch.runtime.executor") > layer_of("pipetorch.parallel.engine")
