@@ -54,3 +54,13 @@ def last_output(staged):
     leaves = []
     map_leaves(staged.output, Source, leaves.append)
     return len(leaves) - 1
+
+
+def join(outputs):
+    """Micro-batch outputs as OutputMode.All returns them: each leaf's scalars stacked,
+    its tensors concatenated along the batch."""
+    from torch.utils import _pytree as pytree
+    leaves = [pytree.tree_flatten(o)[0] for o in outputs]
+    spec = pytree.tree_flatten(outputs[0])[1]
+    joined = [torch.stack(col) if col[0].dim() == 0 else torch.cat(col) for col in zip(*leaves)]
+    return pytree.tree_unflatten(joined, spec)

@@ -20,6 +20,7 @@ from torch.testing import assert_close
 from torch.utils import _pytree as pytree
 
 import pipetorch as poptorch
+from helpers.reference import join
 
 WIDTH, CLASSES, B = 8, 4, 2
 
@@ -226,14 +227,6 @@ def plain_call(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: tuple
         optimizer.step()
     buffers.swap_in(0)  # the host copy shows replica 0's buffers
     return join(outputs)
-
-
-def join(outputs: list[Any]) -> Any:
-    """Micro-batch outputs as OutputMode.All returns them: scalars stacked, tensors joined."""
-    leaves = [pytree.tree_flatten(o)[0] for o in outputs]
-    spec = pytree.tree_flatten(outputs[0])[1]
-    joined = [torch.stack(col) if col[0].dim() == 0 else torch.cat(col) for col in zip(*leaves)]
-    return pytree.tree_unflatten(joined, spec)
 
 
 def assert_same_output(got: Any, want: Any, *, what: str, **tolerance: float) -> None:

@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 import pipetorch as poptorch
+from helpers.reference import join
 from helpers.scripts import load_example
 
 transformers = __import__("pytest").importorskip("transformers")
@@ -169,13 +170,6 @@ def plain_call(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: Input
             outputs.append(pytree.tree_map(lambda t: t.detach(), output))
         optimizer.step()
     return join(outputs)
-
-
-def join(outputs: list[Any]) -> Any:
-    leaves = [pytree.tree_flatten(o)[0] for o in outputs]
-    spec = pytree.tree_flatten(outputs[0])[1]
-    joined = [torch.stack(col) if col[0].dim() == 0 else torch.cat(col) for col in zip(*leaves)]
-    return pytree.tree_unflatten(joined, spec)
 
 
 def twin(model: nn.Module) -> nn.Module:
