@@ -17,6 +17,11 @@ logger = logging.getLogger(__name__)
 
 #: Dtypes an optimiser state (or gradient accumulator) may be stored in.
 ACCUM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: PopTorch's dtype for every optimiser state and accumulator unless asked otherwise,
+#: whatever the parameters' dtype: a `.half()` model keeps float32 moments.
+DEFAULT_ACCUM_DTYPE = torch.float32
+#: Parameter dtypes whose update is computed in float32 and rounded back, as on an IPU.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 #: PopTorch's default LAMB `max_weight_norm`: the largest float16 value.
 FP16_MAX = 65500.0
 
@@ -29,10 +34,10 @@ _OPTION_RULES: dict[str, tuple[Any, str]] = {
     "use_combined_accum": (False, "flag"),
     "bias_correction": (True, "flag"),
     "use_tf_variant": (False, "flag"),
-    "accum_type": (None, "dtype"),
-    "velocity_accum_type": (None, "dtype"),
-    "first_order_momentum_accum_type": (None, "dtype"),
-    "second_order_momentum_accum_type": (None, "dtype"),
+    "accum_type": (DEFAULT_ACCUM_DTYPE, "dtype"),
+    "velocity_accum_type": (DEFAULT_ACCUM_DTYPE, "dtype"),
+    "first_order_momentum_accum_type": (DEFAULT_ACCUM_DTYPE, "dtype"),
+    "second_order_momentum_accum_type": (DEFAULT_ACCUM_DTYPE, "dtype"),
 }
 # Options that act on all parameters at once, so every param group must hold the same value.
 _GLOBAL_OPTIONS = ("loss_scaling", "max_grad_norm")
@@ -83,19 +88,23 @@ def check_betas(betas: Any) -> Any:
     return betas
 
 
-def _check_dtype(name: str, value: Any) -> torch.dtype | None:
-    if value is None or value in ACCUM_DTYPES:
+def _check_dtype(name: str, value: Any) -> torch.dtype:
+    if value in ACCUM_DTYPES:
         return value
-    choices = "torch.float32, torch.float16 or torch.bfloat16 (or None for the parameter's dtype)"
+    choices = "torch.float32, torch.float16 or torch.bfloat16 (or None for torch.float32)"
     if isinstance(value, torch.dtype):
         raise ValueError(f"{name} must be {choices}, got {value}; pass one of those")
     raise TypeError(f"{name} must be a torch.dtype: {choices}, got {value!r} "
                     f"({type(value).__name__})")
 
 
-def dtype_or(dtype: torch.dtype | None, fallback: torch.dtype) -> torch.dtype:
-    """An accumulation dtype option resolved: None means the parameter's own dtype."""
-    return fallback if dtype is None else dtype
+def storage_dtype(option: torch.dtype, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a state (or a gradient, for `accum_type`) is kept in for a parameter:
+    the option's, except that float32, PopTorch's full precision, keeps a float64
+    parameter's float64 (PopTorch has no float64; a float64 model stays torch's)."""
+    if option == torch.float32 and param_dtype == torch.float64:
+        return param_dtype
+    return option
 
 
 def normalize_option(name: str, value: Any) -> Any:
@@ -152,9 +161,12 @@ class PopTorchOptimizer:
 
     `step()` runs the update on "working" parameters: the parameters themselves when nothing
     is asked for (bitwise torch), copies of their gradients when loss scaling or clipping is on
-    (the user's `.grad` is never modified), or float32 stand-ins when the state is stored in
-    another dtype or scaled: the state is read into float32, updated by torch's own code, then
-    cast (and scaled) back, and the parameter receives the result in its own dtype.
+    (the user's `.grad` is never modified), or float32 stand-ins otherwise: for a float16 or
+    bfloat16 parameter (always), or a state stored in another dtype or scaled. The gradient is
+    rounded to `accum_type`, the state read into float32, both updated by torch's own code,
+    the state cast (and scaled) back, and the parameter receives the result rounded to its
+    own dtype. So a `.half()` model with the default (float32) state dtypes is updated as
+    PopTorch updates it: float32 math and moments, float16 weights, no float32 master copy.
     """
 
     #: state key -> option naming the dtype that state is stored in
@@ -199,12 +211,16 @@ class PopTorchOptimizer:
         super().add_param_group(param_group)  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch casts loaded float state to each parameter's dtype: cast it back to its
-        # accumulation dtype (lossless, it was saved in that dtype; already scaled).
         state_dict = dict(state_dict)
         ipu = state_dict.pop("ipu_state", None)
         state_dict.pop("ipu_param", None)
+        saved = _saved_tensors(self, state_dict)
         super().load_state_dict(state_dict)  # type: ignore[misc]
+        # torch casts loaded float state to each parameter's dtype, which would round a
+        # float16 model's float32 moments to float16 (small second moments to 0): put the
+        # saved tensors back; below they are cast to their accumulation dtype.
+        for param, key, value in saved:
+            self.state[param][key] = value.to(param.device, copy=True)
         if ipu is not None:
             ipu_state.write(self, ipu)  # type: ignore[arg-type]
         for group in self.param_groups:
@@ -219,9 +235,9 @@ class PopTorchOptimizer:
     def _formats(self, group: dict[str, Any],
                  param: torch.Tensor) -> tuple[torch.dtype, StateFormats]:
         """(dtype the gradient is rounded to, {state key: (storage dtype, scale)})."""
-        formats = {key: (dtype_or(group[option], param.dtype), 1.0)
+        formats = {key: (storage_dtype(group[option], param.dtype), 1.0)
                    for key, option in self._state_dtype_options.items()}
-        return dtype_or(group["accum_type"], param.dtype), formats
+        return storage_dtype(group["accum_type"], param.dtype), formats
 
     def _uses_own_update(self, group: dict[str, Any]) -> bool:
         """Whether this group is updated by `_own_update` instead of the torch parent's step."""
@@ -320,13 +336,14 @@ class PopTorchOptimizer:
         if grad is None:
             return _Swap(param, param, None)
         grad_dtype, formats = self._formats(group, param)
-        if grad_dtype == grad.dtype and all(dtype == param.dtype and scale == 1.0
-                                            for dtype, scale in formats.values()):
+        if (param.dtype not in LOW_PRECISION and grad_dtype == grad.dtype
+                and all(dtype == param.dtype and scale == 1.0
+                        for dtype, scale in formats.values())):
             if fresh_grad:
                 param.grad = grad.clone()
                 return _Swap(param, param, grad)
             return _Swap(param, param, None)
-        # float32 at least: float16 math is what the caller asked to avoid.
+        # float32 at least: a float16 update loses small steps and overflows eps=1e-8.
         work_dtype = torch.promote_types(param.dtype, torch.float32)
         work = torch.nn.Parameter(param.detach().to(work_dtype, copy=True))
         work.grad = grad.to(grad_dtype).to(work_dtype, copy=True)
@@ -345,6 +362,19 @@ class PopTorchOptimizer:
         if state:
             _, formats = self._formats(group, swap.param)
             self.state[swap.param] = _store_state(state, formats)
+
+
+def _saved_tensors(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+                   ) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
+    """(parameter, key, tensor) of every floating state tensor in a torch state dict, the
+    parameters matched by position as torch's `load_state_dict` matches them."""
+    saved_ids = [index for group in state_dict.get("param_groups", ()) for index in group["params"]]
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    by_index = dict(zip(saved_ids, params))
+    return [(by_index[index], key, value)
+            for index, values in state_dict.get("state", {}).items() if index in by_index
+            for key, value in values.items()
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()]
 
 
 def _load_state(state: dict[str, Any], formats: StateFormats,
