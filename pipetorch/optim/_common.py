@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipetorch.optim import attributes, ipu_state, scaling
+from pipetorch.optim import attributes, ipu_param, ipu_state, scaling
 
 __all__: list[str] = []
 
@@ -135,7 +135,8 @@ class Option:
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:
             return self
-        return obj.param_groups[0][self.name]
+        group = obj.param_groups[0]  # a subclass in PopTorch's style may not have set it
+        return group[self.name] if self.name in group else normalize_option(self.name, None)
 
     def __set__(self, obj: Any, value: Any) -> None:
         value = normalize_option(self.name, value)
@@ -157,7 +158,14 @@ StateFormats = dict[str, tuple[torch.dtype, float]]
 
 
 class PopTorchOptimizer:
-    """Mixin placed before a torch optimiser class in the bases.
+    """`poptorch.optim.Optimizer`: the base of PopTorch's optimisers, placed before a torch
+    optimiser class in the bases (`class AdamW(Optimizer, torch.optim.AdamW)`).
+
+    PopTorch's style works: `Optimizer.__init__(self)` (which does nothing), then the torch
+    class's `__init__`, then `self.loss_scaling = ...`; such a subclass gets loss scaling,
+    `max_grad_norm` and `accum_type` with their defaults, and the state dict's "ipu_state" and
+    "ipu_param". Arguments passed explicitly to a constructor (not None) are variable
+    attributes, as in PopTorch (`variable_attrs`), so they may change through setOptimizer.
 
     `step()` runs the update on "working" parameters: the parameters themselves when nothing
     is asked for (bitwise torch), copies of their gradients when loss scaling or clipping is on
@@ -181,6 +189,17 @@ class PopTorchOptimizer:
     defaults: dict[str, Any]
     state: dict[Any, dict[str, Any]]
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # PopTorch's subclasses call `Optimizer.__init__(self)` before the torch class's.
+        if args or kwargs:
+            super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_pipetorch_records", False):
+            cls.__init__ = attributes.recording_explicit_args(init)  # type: ignore[misc]
+
     def _install_options(self, **options: Any) -> None:
         """Put the extra arguments in `defaults` and fill them into groups that lack them."""
         assert set(options) == set(self._option_names), (set(options), self._option_names)
@@ -189,13 +208,18 @@ class PopTorchOptimizer:
             self.defaults[name] = value
             for group in self.param_groups:
                 group.setdefault(name, value)
-        self.variable_attrs = attributes.default_attributes(self)  # type: ignore[arg-type]
+        explicit = self.__dict__.pop(attributes.EXPLICIT_ARGS, set())
+        self.variable_attrs = attributes.default_attributes(  # type: ignore[arg-type]
+            self, explicit=explicit)  # type: ignore[arg-type]
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict plus "ipu_state": the state under PopTorch's names once a
-        trainingModel has compiled with this optimiser (None before), see `ipu_state`."""
+        """torch's state dict plus "ipu_state" and "ipu_param": the state and the
+        hyper-parameters under PopTorch's names once a trainingModel has compiled with this
+        optimiser (None before), see `ipu_state` and `ipu_param`."""
         ipu = ipu_state.read(self)  # type: ignore[arg-type]  # syncs from the device first
-        return {**super().state_dict(), "ipu_state": ipu}  # type: ignore[misc]
+        params = ipu_param.read(self)  # type: ignore[arg-type]
+        return {**super().state_dict(), "ipu_state": ipu,  # type: ignore[misc]
+                "ipu_param": params}
 
     def read_ipu_state(self) -> dict[str, torch.Tensor] | None:
         """The optimiser state on the device under PopTorch's names (None before compiling)."""
@@ -213,24 +237,27 @@ class PopTorchOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         ipu = state_dict.pop("ipu_state", None)
-        state_dict.pop("ipu_param", None)
+        params = state_dict.pop("ipu_param", None)
         saved = _saved_tensors(self, state_dict)
+        ipu_state.sync(self)  # type: ignore[arg-type]  # what is loaded must win over the device
         super().load_state_dict(state_dict)  # type: ignore[misc]
         # torch casts loaded float state to each parameter's dtype, which would round a
         # float16 model's float32 moments to float16 (small second moments to 0): put the
         # saved tensors back; below they are cast to their accumulation dtype.
         for param, key, value in saved:
             self.state[param][key] = value.to(param.device, copy=True)
-        if ipu is not None:
-            ipu_state.write(self, ipu)  # type: ignore[arg-type]
         for group in self.param_groups:
             for name in self._option_names:  # a plain torch optimiser's state lacks them
-                group[name] = normalize_option(name, group.get(name, self.defaults[name]))
+                group[name] = normalize_option(name, group.get(name, self.defaults.get(name)))
             for param in group["params"]:
                 if self.state.get(param):
                     _, formats = self._formats(group, param)
                     dtypes_only = {key: (dtype, 1.0) for key, (dtype, _) in formats.items()}
                     self.state[param] = _store_state(self.state[param], dtypes_only)
+        if ipu is not None:
+            ipu_state.write(self, ipu)  # type: ignore[arg-type]
+        if params is not None:
+            ipu_param.write(self, params)  # type: ignore[arg-type]
 
     def _formats(self, group: dict[str, Any],
                  param: torch.Tensor) -> tuple[torch.dtype, StateFormats]:
@@ -262,7 +289,7 @@ class PopTorchOptimizer:
                 loss = closure()
         for group in self.param_groups:
             for name in self._option_names:
-                group[name] = normalize_option(name, group[name])
+                group[name] = normalize_option(name, group.get(name, self.defaults.get(name)))
         self._global_option("loss_scaling")  # one value, even while a dynamic scale rules
         max_grad_norm = self._global_option("max_grad_norm")
         if scaling.is_automatic(self) and self._skip_on_overflow():
