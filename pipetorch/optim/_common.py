@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipetorch.optim import attributes, ipu_state, scaling
+from pipetorch.optim import attributes, ipu_param, ipu_state, scaling
 
 __all__: list[str] = []
 
@@ -17,6 +17,11 @@ logger = logging.getLogger(__name__)
 
 #: Dtypes an optimiser state (or gradient accumulator) may be stored in.
 ACCUM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: PopTorch's dtype for every optimiser state and accumulator unless asked otherwise,
+#: whatever the parameters' dtype: a `.half()` model keeps float32 moments.
+DEFAULT_ACCUM_DTYPE = torch.float32
+#: Parameter dtypes whose update is computed in float32 and rounded back, as on an IPU.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 #: PopTorch's default LAMB `max_weight_norm`: the largest float16 value.
 FP16_MAX = 65500.0
 
@@ -29,10 +34,10 @@ _OPTION_RULES: dict[str, tuple[Any, str]] = {
     "use_combined_accum": (False, "flag"),
     "bias_correction": (True, "flag"),
     "use_tf_variant": (False, "flag"),
-    "accum_type": (None, "dtype"),
-    "velocity_accum_type": (None, "dtype"),
-    "first_order_momentum_accum_type": (None, "dtype"),
-    "second_order_momentum_accum_type": (None, "dtype"),
+    "accum_type": (DEFAULT_ACCUM_DTYPE, "dtype"),
+    "velocity_accum_type": (DEFAULT_ACCUM_DTYPE, "dtype"),
+    "first_order_momentum_accum_type": (DEFAULT_ACCUM_DTYPE, "dtype"),
+    "second_order_momentum_accum_type": (DEFAULT_ACCUM_DTYPE, "dtype"),
 }
 # Options that act on all parameters at once, so every param group must hold the same value.
 _GLOBAL_OPTIONS = ("loss_scaling", "max_grad_norm")
@@ -83,19 +88,23 @@ def check_betas(betas: Any) -> Any:
     return betas
 
 
-def _check_dtype(name: str, value: Any) -> torch.dtype | None:
-    if value is None or value in ACCUM_DTYPES:
+def _check_dtype(name: str, value: Any) -> torch.dtype:
+    if value in ACCUM_DTYPES:
         return value
-    choices = "torch.float32, torch.float16 or torch.bfloat16 (or None for the parameter's dtype)"
+    choices = "torch.float32, torch.float16 or torch.bfloat16 (or None for torch.float32)"
     if isinstance(value, torch.dtype):
         raise ValueError(f"{name} must be {choices}, got {value}; pass one of those")
     raise TypeError(f"{name} must be a torch.dtype: {choices}, got {value!r} "
                     f"({type(value).__name__})")
 
 
-def dtype_or(dtype: torch.dtype | None, fallback: torch.dtype) -> torch.dtype:
-    """An accumulation dtype option resolved: None means the parameter's own dtype."""
-    return fallback if dtype is None else dtype
+def storage_dtype(option: torch.dtype, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a state (or a gradient, for `accum_type`) is kept in for a parameter:
+    the option's, except that float32, PopTorch's full precision, keeps a float64
+    parameter's float64 (PopTorch has no float64; a float64 model stays torch's)."""
+    if option == torch.float32 and param_dtype == torch.float64:
+        return param_dtype
+    return option
 
 
 def normalize_option(name: str, value: Any) -> Any:
@@ -126,7 +135,8 @@ class Option:
     def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:
             return self
-        return obj.param_groups[0][self.name]
+        group = obj.param_groups[0]  # a subclass in PopTorch's style may not have set it
+        return group[self.name] if self.name in group else normalize_option(self.name, None)
 
     def __set__(self, obj: Any, value: Any) -> None:
         value = normalize_option(self.name, value)
@@ -148,13 +158,23 @@ StateFormats = dict[str, tuple[torch.dtype, float]]
 
 
 class PopTorchOptimizer:
-    """Mixin placed before a torch optimiser class in the bases.
+    """`poptorch.optim.Optimizer`: the base of PopTorch's optimisers, placed before a torch
+    optimiser class in the bases (`class AdamW(Optimizer, torch.optim.AdamW)`).
+
+    PopTorch's style works: `Optimizer.__init__(self)` (which does nothing), then the torch
+    class's `__init__`, then `self.loss_scaling = ...`; such a subclass gets loss scaling,
+    `max_grad_norm` and `accum_type` with their defaults, and the state dict's "ipu_state" and
+    "ipu_param". Arguments passed explicitly to a constructor (not None) are variable
+    attributes, as in PopTorch (`variable_attrs`), so they may change through setOptimizer.
 
     `step()` runs the update on "working" parameters: the parameters themselves when nothing
     is asked for (bitwise torch), copies of their gradients when loss scaling or clipping is on
-    (the user's `.grad` is never modified), or float32 stand-ins when the state is stored in
-    another dtype or scaled: the state is read into float32, updated by torch's own code, then
-    cast (and scaled) back, and the parameter receives the result in its own dtype.
+    (the user's `.grad` is never modified), or float32 stand-ins otherwise: for a float16 or
+    bfloat16 parameter (always), or a state stored in another dtype or scaled. The gradient is
+    rounded to `accum_type`, the state read into float32, both updated by torch's own code,
+    the state cast (and scaled) back, and the parameter receives the result rounded to its
+    own dtype. So a `.half()` model with the default (float32) state dtypes is updated as
+    PopTorch updates it: float32 math and moments, float16 weights, no float32 master copy.
     """
 
     #: state key -> option naming the dtype that state is stored in
@@ -169,6 +189,17 @@ class PopTorchOptimizer:
     defaults: dict[str, Any]
     state: dict[Any, dict[str, Any]]
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # PopTorch's subclasses call `Optimizer.__init__(self)` before the torch class's.
+        if args or kwargs:
+            super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_pipetorch_records", False):
+            cls.__init__ = attributes.recording_explicit_args(init)  # type: ignore[misc]
+
     def _install_options(self, **options: Any) -> None:
         """Put the extra arguments in `defaults` and fill them into groups that lack them."""
         assert set(options) == set(self._option_names), (set(options), self._option_names)
@@ -177,13 +208,18 @@ class PopTorchOptimizer:
             self.defaults[name] = value
             for group in self.param_groups:
                 group.setdefault(name, value)
-        self.variable_attrs = attributes.default_attributes(self)  # type: ignore[arg-type]
+        explicit = self.__dict__.pop(attributes.EXPLICIT_ARGS, set())
+        self.variable_attrs = attributes.default_attributes(  # type: ignore[arg-type]
+            self, explicit=explicit)  # type: ignore[arg-type]
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict plus "ipu_state": the state under PopTorch's names once a
-        trainingModel has compiled with this optimiser (None before), see `ipu_state`."""
+        """torch's state dict plus "ipu_state" and "ipu_param": the state and the
+        hyper-parameters under PopTorch's names once a trainingModel has compiled with this
+        optimiser (None before), see `ipu_state` and `ipu_param`."""
         ipu = ipu_state.read(self)  # type: ignore[arg-type]  # syncs from the device first
-        return {**super().state_dict(), "ipu_state": ipu}  # type: ignore[misc]
+        params = ipu_param.read(self)  # type: ignore[arg-type]
+        return {**super().state_dict(), "ipu_state": ipu,  # type: ignore[misc]
+                "ipu_param": params}
 
     def read_ipu_state(self) -> dict[str, torch.Tensor] | None:
         """The optimiser state on the device under PopTorch's names (None before compiling)."""
@@ -199,29 +235,36 @@ class PopTorchOptimizer:
         super().add_param_group(param_group)  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch casts loaded float state to each parameter's dtype: cast it back to its
-        # accumulation dtype (lossless, it was saved in that dtype; already scaled).
         state_dict = dict(state_dict)
         ipu = state_dict.pop("ipu_state", None)
-        state_dict.pop("ipu_param", None)
+        params = state_dict.pop("ipu_param", None)
+        saved = _saved_tensors(self, state_dict)
+        ipu_state.sync(self)  # type: ignore[arg-type]  # what is loaded must win over the device
         super().load_state_dict(state_dict)  # type: ignore[misc]
-        if ipu is not None:
-            ipu_state.write(self, ipu)  # type: ignore[arg-type]
+        # torch casts loaded float state to each parameter's dtype, which would round a
+        # float16 model's float32 moments to float16 (small second moments to 0): put the
+        # saved tensors back; below they are cast to their accumulation dtype.
+        for param, key, value in saved:
+            self.state[param][key] = value.to(param.device, copy=True)
         for group in self.param_groups:
             for name in self._option_names:  # a plain torch optimiser's state lacks them
-                group[name] = normalize_option(name, group.get(name, self.defaults[name]))
+                group[name] = normalize_option(name, group.get(name, self.defaults.get(name)))
             for param in group["params"]:
                 if self.state.get(param):
                     _, formats = self._formats(group, param)
                     dtypes_only = {key: (dtype, 1.0) for key, (dtype, _) in formats.items()}
                     self.state[param] = _store_state(self.state[param], dtypes_only)
+        if ipu is not None:
+            ipu_state.write(self, ipu)  # type: ignore[arg-type]
+        if params is not None:
+            ipu_param.write(self, params)  # type: ignore[arg-type]
 
     def _formats(self, group: dict[str, Any],
                  param: torch.Tensor) -> tuple[torch.dtype, StateFormats]:
         """(dtype the gradient is rounded to, {state key: (storage dtype, scale)})."""
-        formats = {key: (dtype_or(group[option], param.dtype), 1.0)
+        formats = {key: (storage_dtype(group[option], param.dtype), 1.0)
                    for key, option in self._state_dtype_options.items()}
-        return dtype_or(group["accum_type"], param.dtype), formats
+        return storage_dtype(group["accum_type"], param.dtype), formats
 
     def _uses_own_update(self, group: dict[str, Any]) -> bool:
         """Whether this group is updated by `_own_update` instead of the torch parent's step."""
@@ -246,7 +289,7 @@ class PopTorchOptimizer:
                 loss = closure()
         for group in self.param_groups:
             for name in self._option_names:
-                group[name] = normalize_option(name, group[name])
+                group[name] = normalize_option(name, group.get(name, self.defaults.get(name)))
         self._global_option("loss_scaling")  # one value, even while a dynamic scale rules
         max_grad_norm = self._global_option("max_grad_norm")
         if scaling.is_automatic(self) and self._skip_on_overflow():
@@ -320,13 +363,14 @@ class PopTorchOptimizer:
         if grad is None:
             return _Swap(param, param, None)
         grad_dtype, formats = self._formats(group, param)
-        if grad_dtype == grad.dtype and all(dtype == param.dtype and scale == 1.0
-                                            for dtype, scale in formats.values()):
+        if (param.dtype not in LOW_PRECISION and grad_dtype == grad.dtype
+                and all(dtype == param.dtype and scale == 1.0
+                        for dtype, scale in formats.values())):
             if fresh_grad:
                 param.grad = grad.clone()
                 return _Swap(param, param, grad)
             return _Swap(param, param, None)
-        # float32 at least: float16 math is what the caller asked to avoid.
+        # float32 at least: a float16 update loses small steps and overflows eps=1e-8.
         work_dtype = torch.promote_types(param.dtype, torch.float32)
         work = torch.nn.Parameter(param.detach().to(work_dtype, copy=True))
         work.grad = grad.to(grad_dtype).to(work_dtype, copy=True)
@@ -345,6 +389,19 @@ class PopTorchOptimizer:
         if state:
             _, formats = self._formats(group, swap.param)
             self.state[swap.param] = _store_state(state, formats)
+
+
+def _saved_tensors(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+                   ) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
+    """(parameter, key, tensor) of every floating state tensor in a torch state dict, the
+    parameters matched by position as torch's `load_state_dict` matches them."""
+    saved_ids = [index for group in state_dict.get("param_groups", ()) for index in group["params"]]
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    by_index = dict(zip(saved_ids, params))
+    return [(by_index[index], key, value)
+            for index, values in state_dict.get("state", {}).items() if index in by_index
+            for key, value in values.items()
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()]
 
 
 def _load_state(state: dict[str, Any], formats: StateFormats,

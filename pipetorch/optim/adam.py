@@ -17,8 +17,10 @@ _DOC_EXTRAS = """
     - `max_grad_norm`: clip the global gradient norm (as `clip_grad_norm_`) before the update.
     - `accum_type`: dtype gradients are rounded to before the update (the accumulator's);
       `first_order_momentum_accum_type` / `second_order_momentum_accum_type`: dtypes of
-      `exp_avg` / `exp_avg_sq`. None means the parameter's dtype (then bitwise torch); other
-      dtypes are stored as asked while the math runs in float32.
+      `exp_avg` / `exp_avg_sq`. All default (None) to torch.float32 whatever the parameters'
+      dtype, as in PopTorch (a float32 model is then bitwise torch); other dtypes are stored
+      as asked while the math runs in float32. A float16 or bfloat16 parameter is always
+      updated in float32 and rounded back to its dtype.
     - `amsgrad=True` is an error, as in PopTorch.
 """
 

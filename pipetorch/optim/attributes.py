@@ -4,14 +4,17 @@ On an IPU a constant attribute is compiled into the program, so changing it late
 `setOptimizer` is an error; a variable one is a tensor the host may update. pipetorch keeps
 the rule so scripts behave as on PopTorch: by default `lr` is variable and every other
 hyper-parameter is constant while it holds PopTorch's default value (momentum 0,
-weight_decay 0 ...), variable otherwise. `markAsConstant` / `markAsVariable` change that
-before the model is compiled.
+weight_decay 0 ...), variable otherwise, or when it was passed to a pipetorch optimiser's
+constructor (as PopTorch: `SGD(params, lr=0.1, loss_scaling=1.0)` may change loss_scaling
+later). `markAsConstant` / `markAsVariable` change that before the model is compiled.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -39,8 +42,22 @@ class VariableAttributes:
     """`optimizer.variable_attrs`: `isConstant(name)`, `markAsConstant(name)`,
     `markAsVariable(name)` for the optimiser's numeric hyper-parameters."""
 
-    def __init__(self, variable: set[str], allowed: set[str]) -> None:
-        self._variable, self._allowed = set(variable), set(allowed)
+    def __init__(self, variable_attributes: Iterable[str],
+                 allowed_attributes: Iterable[str]) -> None:
+        self._variable, self._allowed = set(variable_attributes), set(allowed_attributes)
+
+    # PopTorch's own names for the two sets (scripts and PopTorch's tests reach for them).
+    @property
+    def _variable_attributes(self) -> set[str]:
+        return self._variable
+
+    @_variable_attributes.setter
+    def _variable_attributes(self, names: Iterable[str]) -> None:
+        self._variable = set(names)
+
+    @property
+    def _allowed_attributes(self) -> set[str]:
+        return self._allowed
 
     def _check(self, attr: str) -> None:
         if attr not in self._allowed:
@@ -63,8 +80,50 @@ class VariableAttributes:
         return f"VariableAttributes(variable={sorted(self._variable)})"
 
 
-def default_attributes(optimizer: torch.optim.Optimizer) -> VariableAttributes:
-    """PopTorch's default constness for `optimizer`'s current values."""
+#: Where a constructor call leaves the names of the arguments it passed.
+EXPLICIT_ARGS = "_pipetorch_explicit_args"
+
+
+def _passed(signature: inspect.Signature, args: tuple, kwargs: dict) -> set[str] | None:
+    """The arguments a constructor call names (None values do not count, as in PopTorch),
+    or None when positional values go to `*args` and only an inner constructor can tell."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return set()  # the constructor raises its own error for this call
+    names: set[str] = set()
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                return None
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            names |= {key for key, item in value.items() if item is not None}
+        elif value is not None:
+            names.add(name)
+    return names - {"self", "params"}
+
+
+def recording_explicit_args(init: Callable[..., None]) -> Callable[..., None]:
+    """`init`, noting which arguments the outermost constructor call passed."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if EXPLICIT_ARGS not in self.__dict__:
+            passed = _passed(signature, (self, *args), kwargs)
+            if passed is not None:
+                self.__dict__[EXPLICIT_ARGS] = passed
+        init(self, *args, **kwargs)
+
+    __init__._pipetorch_records = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def default_attributes(optimizer: torch.optim.Optimizer, *,
+                       explicit: Iterable[str] = ()) -> VariableAttributes:
+    """PopTorch's default constness for `optimizer`'s current values; `explicit` names the
+    arguments its constructor was given (variable whatever their value)."""
     from pipetorch.optim import scaling
 
     names = {name for group in optimizer.param_groups for name in group
@@ -78,8 +137,8 @@ def default_attributes(optimizer: torch.optim.Optimizer) -> VariableAttributes:
                                           for c in type(optimizer).__mro__):
             constant_value = _ADAMW_WEIGHT_DECAY
         values = [group.get(name, optimizer.defaults.get(name)) for group in optimizer.param_groups]
-        if constant_value is None or (constant_value != "always"
-                                      and any(_value(v) != constant_value for v in values)):
+        if constant_value is None or name in explicit or (
+                constant_value != "always" and any(_value(v) != constant_value for v in values)):
             variable.add(name)
     if scaling.is_automatic(optimizer):
         variable.add("loss_scaling")  # automatic loss scaling updates it

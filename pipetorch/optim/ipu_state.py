@@ -8,6 +8,8 @@ loss scale is `loss_scaling * lossScaleUpdateFactor`). After a trainingModel has
 `write_ipu_state(state)` (or `load_state_dict` of such a dict) sets it: at once on a compiled
 model, else when the model compiles. A state naming only some tensors (an incomplete state)
 sets those; the others keep their values, and a fresh parameter's missing moments start at 0.
+Once compiled, every parameter's state is there, as on the IPU: before the first step it
+reads as the zeros (and step 0) the first update starts from.
 """
 from __future__ import annotations
 
@@ -66,30 +68,58 @@ def _prefixes(optimizer: torch.optim.Optimizer) -> dict[str, str]:
 def link(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
          sync: Callable[[], None], push: Callable[[], None]) -> None:
     """Tie `optimizer` to its compiled model (the executor calls this), then apply any
-    state written before compiling."""
+    state and hyper-parameters written before, and send them to the device if it runs."""
+    from pipetorch.optim import ipu_param
+
     names = {id(p): n for n, p in model.named_parameters()}
-    optimizer.__dict__[_LINK] = Link(names, sync, push)
+    found = optimizer.__dict__[_LINK] = Link(names, sync, push)
     pending = optimizer.__dict__.pop(_PENDING, None)
     if pending is not None:
+        found.sync()  # on a running device, what the state leaves out keeps the device's
         _apply(optimizer, pending)
+    if ipu_param.apply_pending(optimizer) or pending is not None:
+        found.push()  # setOptimizer of an optimiser holding a checkpoint's state
 
 
 def unlink(optimizer: torch.optim.Optimizer) -> None:
     optimizer.__dict__.pop(_LINK, None)
 
 
+def linked_names(optimizer: torch.optim.Optimizer) -> dict[int, str] | None:
+    """Parameter id -> name in the compiled model, None before a trainingModel compiled."""
+    found: Link | None = optimizer.__dict__.get(_LINK)
+    return None if found is None else found.names
+
+
+def sync(optimizer: torch.optim.Optimizer) -> None:
+    """Bring the device's latest state and hyper-parameters to `optimizer` (if compiled)."""
+    found: Link | None = optimizer.__dict__.get(_LINK)
+    if found is not None:
+        found.sync()
+
+
+def push(optimizer: torch.optim.Optimizer) -> None:
+    """Make `optimizer`'s state and hyper-parameters the device's (if compiled)."""
+    found: Link | None = optimizer.__dict__.get(_LINK)
+    if found is not None:
+        found.push()
+
+
 def read(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
-    """The state under PopTorch's names, None before a trainingModel compiled with it."""
+    """The state under PopTorch's names. Before a trainingModel compiled with it: None, or
+    what was written (a loaded checkpoint's), as PopTorch returns it."""
     found: Link | None = optimizer.__dict__.get(_LINK)
     if found is None:
-        return None
+        pending = optimizer.__dict__.get(_PENDING)
+        return None if pending is None else dict(pending)
     found.sync()
     prefixes = _prefixes(optimizer)
     state: dict[str, torch.Tensor] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             name = found.names.get(id(param))
-            for key, value in optimizer.state.get(param, {}).items():
+            slot = optimizer.state.get(param) or _fresh(optimizer, group, param)
+            for key, value in slot.items():
                 if name is not None and isinstance(value, torch.Tensor):
                     state[f"{prefixes.get(key, key)}___{name}"] = value.detach().clone()
     if scaling.is_automatic(optimizer):
@@ -115,7 +145,7 @@ def write(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> N
 def _apply(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:
     found: Link = optimizer.__dict__[_LINK]
     prefixes = _prefixes(optimizer)
-    by_name = {found.names[id(p)]: p for g in optimizer.param_groups for p in g["params"]
+    by_name = {found.names[id(p)]: (p, g) for g in optimizer.param_groups for p in g["params"]
                if id(p) in found.names}
     unknown, missing = [], []
     for key, value in state.items():
@@ -127,12 +157,10 @@ def _apply(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> 
         if name not in by_name:
             unknown.append(key)
             continue
-        param = by_name[name]
+        param, group = by_name[name]
         slot = optimizer.state[param]
         if not slot:  # a fresh parameter: every moment starts at 0, as on the IPU
-            slot.update({k: torch.zeros((), dtype=torch.float32) if k == "step"
-                         else torch.zeros_like(param) for k in prefixes
-                         if _uses(optimizer, k)})
+            slot.update(_fresh(optimizer, group, param))
         slot[torch_key] = value.detach().clone().to(
             param.device if value.dim() else value.device)
     if unknown:
@@ -146,14 +174,32 @@ def _apply(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> 
                        len(missing), ", ".join(missing[:4]))
 
 
-def _uses(optimizer: torch.optim.Optimizer, key: str) -> bool:
-    """Whether a fresh state of `optimizer` holds `key` (momentum 0 keeps no velocity)."""
-    group = optimizer.param_groups[0]
+def _uses(group: dict, key: str) -> bool:
+    """Whether a fresh state in `group` holds `key` (momentum 0 keeps no velocity)."""
     if key == "momentum_buffer":
         return bool(group.get("momentum", 0))
     if key == "grad_avg":
         return bool(group.get("centered", False))
     return True
+
+
+def _fresh(optimizer: torch.optim.Optimizer, group: dict,
+           param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The state the first update of `param` starts from, in its accumulation dtypes: zeros
+    (TensorFlow's RMSprop starts its mean square at ones), step 0."""
+    formats_of = getattr(optimizer, "_formats", None)
+    formats = formats_of(group, param)[1] if formats_of is not None else {}
+    fresh = {}
+    for key in _prefixes(optimizer):
+        if not _uses(group, key):
+            continue
+        if key == "step":
+            fresh[key] = torch.zeros((), dtype=torch.float32)
+            continue
+        fill = 1.0 if key == "square_avg" and group.get("use_tf_variant") else 0.0
+        dtype = formats.get(key, (param.dtype, 1.0))[0]
+        fresh[key] = torch.full_like(param, fill, dtype=dtype, requires_grad=False)
+    return fresh
 
 
 def _set_factor(optimizer: torch.optim.Optimizer, factor: float) -> None:

@@ -26,7 +26,8 @@ class LAMB(PopTorchOptimizer, torch.optim.Optimizer):
     `max_weight_norm` (per group, default 65500 = float16's max; math.inf turns the clamp off)
     is PopTorch's scaling function phi. Also `loss_scaling`, `max_grad_norm` (extension),
     `accum_type`, `first_order_momentum_accum_type` (m), `second_order_momentum_accum_type` (v)
-    as in the other PopTorch optimisers; None dtypes mean the parameter's dtype.
+    as in the other PopTorch optimisers (default None: torch.float32, the update of a float16
+    or bfloat16 parameter computed in float32).
     """
 
     _state_dtype_options = {"exp_avg": "first_order_momentum_accum_type",

@@ -18,7 +18,8 @@ class RMSprop(PopTorchOptimizer, torch.optim.RMSprop):
     - `max_grad_norm` (extension: PopTorch's RMSprop lacks it): global-norm clipping.
     - `accum_type`: dtype gradients are rounded to before the update;
       `first_order_momentum_accum_type`: dtype of `momentum_buffer` and `grad_avg`;
-      `second_order_momentum_accum_type`: dtype of `square_avg`. None: the parameter's dtype.
+      `second_order_momentum_accum_type`: dtype of `square_avg`. All default (None) to
+      torch.float32, as in PopTorch; float16/bfloat16 parameters are updated in float32.
     - `use_tf_variant=True` (per group): TensorFlow's RMSprop. With g the gradient
       (+ weight_decay * p), a = alpha:
 

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import torch
 
 from pipetorch.optim._common import (
-    Option, PopTorchOptimizer, StateFormats, check_flag, check_number, dtype_or,
+    Option, PopTorchOptimizer, StateFormats, check_flag, check_number, storage_dtype,
 )
 
 __all__ = ["SGD"]
@@ -27,7 +27,9 @@ class SGD(PopTorchOptimizer, torch.optim.SGD):
     - `velocity_scaling` (per group): the stored velocity is `velocity_scaling` times the true
       one; only the combined variant uses it (PopTorch ignores it otherwise, with a warning).
     - `accum_type`: dtype gradients are rounded to before the update (the accumulator's);
-      `velocity_accum_type`: dtype of the momentum buffer. None means the parameter's dtype.
+      `velocity_accum_type`: dtype of the momentum buffer. Both default (None) to
+      torch.float32 whatever the parameters' dtype, as in PopTorch; a float16 or bfloat16
+      parameter is always updated in float32 and rounded back to its dtype.
     """
 
     _state_dtype_options = {"momentum_buffer": "velocity_accum_type"}
@@ -62,5 +64,5 @@ class SGD(PopTorchOptimizer, torch.optim.SGD):
                  param: torch.Tensor) -> tuple[torch.dtype, StateFormats]:
         if group["use_combined_accum"]:
             return param.dtype, {"momentum_buffer": (param.dtype, group["velocity_scaling"])}
-        dtype = dtype_or(group["velocity_accum_type"], param.dtype)
-        return dtype_or(group["accum_type"], param.dtype), {"momentum_buffer": (dtype, 1.0)}
+        dtype = storage_dtype(group["velocity_accum_type"], param.dtype)
+        return storage_dtype(group["accum_type"], param.dtype), {"momentum_buffer": (dtype, 1.0)}

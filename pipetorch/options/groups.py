@@ -12,6 +12,10 @@ from pipetorch.options._group import OptionGroup, readback
 __all__ = ["_TrainingOptions", "_PrecisionOptions", "_JitOptions", "_PopartOptions"]
 
 
+#: The PopART option PopTorch's Training.setAutomaticLossScaling sets.
+AUTO_LOSS_SCALING_KEY = "automaticLossScalingSettings.enabled"
+
+
 class _TrainingOptions(OptionGroup):
     """Options of training models: `opts.Training.gradientAccumulation(4)`."""
 
@@ -80,8 +84,15 @@ class _TrainingOptions(OptionGroup):
         return self
 
     def setAutomaticLossScaling(self, enabled: bool) -> _TrainingOptions:
-        """Adjust the optimiser's loss scaling automatically when gradients overflow."""
+        """Adjust the optimiser's loss scaling automatically when gradients overflow.
+
+        As in PopTorch, it reads back as the PopART option
+        `opts._Popart.options["automaticLossScalingSettings.enabled"]`, and setting that
+        option with `opts._Popart.set` calls this."""
         self._set(auto_loss_scaling=check.boolean("setAutomaticLossScaling", "enabled", enabled))
+        popart = getattr(self, "_popart", None)
+        if popart is not None:
+            popart._values["options"][AUTO_LOSS_SCALING_KEY] = enabled
         return self
 
     def setConvolutionDithering(self, enabled: bool) -> _TrainingOptions:
@@ -216,7 +227,9 @@ class _PopartOptions(OptionGroup):
 
     def __init__(self, *, training: _TrainingOptions | None = None) -> None:
         super().__init__()
-        self._training = training  # where "autoRecomputation" takes effect
+        self._training = training  # where "autoRecomputation" and ALS take effect
+        if training is not None:
+            training._popart = self
 
     def set(self, key: str, value: Any) -> _PopartOptions:
         """Set PopART session option `key` (any name) to `value` (no-op here).
@@ -232,6 +245,8 @@ class _PopartOptions(OptionGroup):
         self._check_not_frozen()
         if key == "autoRecomputation":
             self._set_recomputation(value)
+        if key == AUTO_LOSS_SCALING_KEY and self._training is not None:
+            self._training.setAutomaticLossScaling(value)
         self._values["options"][key] = value
         return self
 

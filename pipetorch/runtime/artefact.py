@@ -183,6 +183,7 @@ def _optimizer_record(wrapper: Any) -> dict[str, Any]:
     names = {id(p): n for n, p in wrapper.model.named_parameters()}
     state = optimizer.state_dict()
     state.pop("ipu_state", None)
+    state.pop("ipu_param", None)  # PopTorch-named copies of the groups and state above
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     return {"class": type(optimizer).__dict__.get("_pipetorch_base", type(optimizer)),

@@ -388,6 +388,10 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 assert self._sync is not None
                 self._sync.flush()  # the old optimiser's state is the device's until now
                 ipu_state.unlink(self._user_optimizer)  # type: ignore[arg-type]
+                # The new one reads the device's state, and a checkpoint's state it holds
+                # (load_state_dict before this call) is pushed from it.
+                self._user_optimizer = optimizer
+                self._sync.mark_stale(self._fetch)
                 self._link_optimizer(optimizer)
         self._user_optimizer = optimizer
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import logging
 from typing import Any
 
 import torch
@@ -12,6 +14,12 @@ from pipetorch.optim import offload, scaling
 from pipetorch.optim._common import PopTorchOptimizer
 
 __all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+#: The optimiser families PopTorch compiles for the IPU (torch's, or poptorch.optim's).
+POPTORCH_FAMILIES = ("SGD", "Adam", "AdamW", "RMSprop", "LAMB")
+_warned: set[str] = set()
 
 
 def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -29,6 +37,7 @@ def device_optimizer(optimizer: torch.optim.Optimizer, host: nn.Module,
     (a scale the optimiser already carries is kept), and the state offloaded to host memory
     when `TensorLocations.setOptimizerLocation(...useOnChipStorage(False))` asks for it.
     """
+    warn_code_poptorch_skips(optimizer)
     memo: dict[int, object] = {}
     for (name, h), (_, d) in zip(host.named_parameters(remove_duplicate=False),
                                  device.named_parameters(remove_duplicate=False)):
@@ -52,6 +61,52 @@ def device_optimizer(optimizer: torch.optim.Optimizer, host: nn.Module,
     if options is not None:
         _apply_options(clone, options)
     return clone
+
+
+def _ours(function: Any) -> bool:
+    module = getattr(inspect.unwrap(function), "__module__", "") or ""
+    return module.split(".")[0] in ("torch", "pipetorch")
+
+
+def warn_code_poptorch_skips(optimizer: torch.optim.Optimizer) -> None:
+    """Warn, once per message, about optimiser Python code PopTorch would not run.
+
+    PopTorch compiles SGD, Adam, AdamW, RMSprop or LAMB from the optimiser's type and
+    hyper-parameters: an override of `step()` or `zero_grad()` in a subclass, or a step hook,
+    never runs on an IPU, and another optimiser type is refused. pipetorch runs the Python
+    optimiser, so such code does run here, and the numbers can differ from PopTorch's.
+    """
+    cls = _base_class(optimizer)
+    family = next((c.__name__ for c in cls.__mro__
+                   if c.__name__ in POPTORCH_FAMILIES and _ours(c)), None)
+    messages = []
+    if family is None:
+        messages.append(
+            f"{cls.__qualname__} is not one of PopTorch's optimisers (SGD, Adam, AdamW, RMSprop, "
+            "LAMB, from torch.optim or poptorch.optim): PopTorch refuses it; pipetorch runs "
+            "its step() as written")
+    else:
+        for method in ("step", "zero_grad"):
+            function = getattr(cls, method)
+            if not _ours(function):
+                messages.append(
+                    f"{inspect.unwrap(function).__qualname__}() overrides {family}.{method}(): "
+                    f"PopTorch never runs an optimiser's Python {method}() (the IPU runs its own "
+                    f"{family} update, built from the type and hyper-parameters), so this code "
+                    f"would not run on an IPU; pipetorch runs it, and the numbers can differ "
+                    "from PopTorch's")
+    hooks = [hook for hooks in (optimizer._optimizer_step_pre_hooks,
+                                optimizer._optimizer_step_post_hooks)
+             for hook in hooks.values() if not _ours(hook)]
+    if hooks:
+        messages.append(
+            f"{cls.__qualname__} has {len(hooks)} step hook(s) (register_step_pre_hook / "
+            "register_step_post_hook) that PopTorch would not run; pipetorch runs them at "
+            "every optimiser step")
+    for message in messages:
+        if message not in _warned:
+            _warned.add(message)
+            logger.warning(message)
 
 
 def _apply_options(optimizer: torch.optim.Optimizer, options: Any) -> None:
@@ -107,6 +162,7 @@ def copy_state_to_device(host_opt: torch.optim.Optimizer, engine: Any) -> None:
     `write_ipu_state` on a compiled model."""
     state = host_opt.state_dict()
     state.pop("ipu_state", None)
+    state.pop("ipu_param", None)  # already in the groups it was read from
     engine.optimizer.load_state_dict(copy.deepcopy(state))
     scaling.load_scaling_state(engine.optimizer, scaling.scaling_state(host_opt))
     engine.push(optimizer_state=True)

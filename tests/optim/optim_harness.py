@@ -46,6 +46,29 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list, *,
     return losses
 
 
+def train_rounded(model: nn.Module, optimizer: torch.optim.Optimizer, shadow: nn.Module,
+                  data: list) -> list[torch.Tensor]:
+    """PopTorch's update of a float16/bfloat16 `model`, written out: `optimizer` steps the
+    float32 `shadow` (its state float32), which is set from the weights and gradients before
+    each step and rounded back into the weights after it. No float32 master copy survives
+    a step: the weights stay low precision. Returns the losses."""
+    losses = []
+    for x, y in data:
+        model.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            pairs = list(zip(model.parameters(), shadow.parameters()))
+            for param, twin in pairs:
+                twin.copy_(param)
+                twin.grad = param.grad.float()
+            optimizer.step()
+            for param, twin in pairs:
+                param.copy_(twin)
+        losses.append(loss.detach())
+    return losses
+
+
 class RefLAMB(torch.optim.Optimizer):
     """LAMB written straight from the paper / PopTorch's docs, one parameter at a time."""
 
@@ -140,6 +163,10 @@ class Case:
                          **self.extras, **extras)
         reference = self.reference(two_groups(twin, **self.second_group), **self.kwargs)
         return ours, twin, reference
+
+    def reference_on(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The reference optimiser, with this case's groups, over `model`'s parameters."""
+        return self.reference(two_groups(model, **self.second_group), **self.kwargs)
 
     def assert_equal(self, actual: Any, expected: Any, **tolerance: float) -> None:
         if self.exact and not tolerance:

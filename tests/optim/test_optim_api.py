@@ -67,10 +67,12 @@ def test_executor_rebuild_round_trip_continues_identically(cls, kwargs):
 
 
 def test_extras_are_attributes_kept_in_defaults_and_groups():
-    optimizer = poptorch.optim.SGD(make_model().parameters(), lr=0.1, velocity_scaling=None)
+    # PopTorch reads its accumulation types back as torch.float32 unless set (None too).
+    optimizer = poptorch.optim.SGD(make_model().parameters(), lr=0.1, velocity_scaling=None,
+                                   accum_type=None)
     assert (optimizer.loss_scaling, optimizer.max_grad_norm, optimizer.velocity_scaling,
             optimizer.use_combined_accum, optimizer.accum_type,
-            optimizer.velocity_accum_type) == (1.0, math.inf, 1.0, False, None, None)
+            optimizer.velocity_accum_type) == (1.0, math.inf, 1.0, False, F32, F32)
     optimizer.loss_scaling = 512
     assert optimizer.loss_scaling == 512.0 == optimizer.defaults["loss_scaling"]
     assert all(group["loss_scaling"] == 512.0 for group in optimizer.param_groups)

@@ -73,6 +73,23 @@ def test_low_precision_state_survives_a_state_dict_round_trip():
     torch.testing.assert_close(loaded, saved, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cls", [poptorch.optim.Adam, poptorch.optim.RMSprop])
+def test_float32_state_of_a_float16_model_survives_a_state_dict_round_trip(cls):
+    # torch's load_state_dict casts float state to the parameter's dtype: a float16 model's
+    # float32 moments came back rounded to float16.
+    model = make_model(torch.float16)
+    optimizer = cls(model.parameters(), lr=0.01, momentum=0.5) if cls is poptorch.optim.RMSprop \
+        else cls(model.parameters(), lr=0.01)
+    train(model, optimizer, batches(torch.float16, steps=2))
+    saved = {k: v.clone() for k, v in state_tensors(optimizer).items()}
+    assert {v.dtype for v in saved.values()} == {F32}
+    assert any((v.half().float() != v).any() for v in saved.values()), \
+        "some state must not fit float16 for the test to bite"
+    rebuilt = cls(model.parameters(), **optimizer.defaults)
+    rebuilt.load_state_dict(optimizer.state_dict())
+    torch.testing.assert_close(state_tensors(rebuilt), saved, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("velocity_scaling", [3.0, 1 / 7])
 def test_velocity_scaling_only_scales_the_stored_velocity(velocity_scaling):
     model = make_model()

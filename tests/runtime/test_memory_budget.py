@@ -40,7 +40,9 @@ def test_over_budget_is_refused_and_the_fp16_remedy_then_trains():
         train(model, budget, x, labels)
     error = caught.value
     assert "IPU 0" in str(error) and "optimiser state" in str(error)
-    best = error.remedies[0]
-    assert best.name.startswith("fp16") and best.fits and "model.half()" in best.code
+    # model.half() keeps Adam's moments float32 (PopTorch's default), so it saves less than
+    # moving that state to host memory, but it still fits.
+    fp16 = next(remedy for remedy in error.remedies if remedy.name.startswith("fp16"))
+    assert fp16.fits and "model.half()" in fp16.code
     _, loss = train(model.half(), budget, x.half(), labels)
     assert torch.isfinite(loss).all()

@@ -1,0 +1,180 @@
+"""The optimiser's hyper-parameters under PopTorch's names (`state_dict()["ipu_param"]`).
+
+Besides its state ("ipu_state"), PopTorch reads back the scalars its compiled optimiser
+uses, one per parameter, under PopART's names. After a trainingModel has compiled,
+`optimizer.state_dict()["ipu_param"]` holds them (None before, as "ipu_state"):
+
+- every optimiser: `lossScaling_FLOAT`, the static `loss_scaling`;
+- SGD without momentum (PopART's SGD0), per parameter p:
+  `scaledLearningRate0___specific___p` = lr * (1 - dampening) / loss_scaling and
+  `weightDecayScaleFactor0___specific___p` = 1 - lr * (1 - dampening) * weight_decay;
+- the others `<name>___specific___p`, name one of learningRate, weightDecay and, where the
+  optimiser has them, beta1, beta2, eps (Adam, AdamW, LAMB), maxWeightNorm (LAMB), alpha,
+  eps, momentum (RMSprop), momentum, dampening, velocityScaling (SGD with momentum).
+
+`load_state_dict` of a dict holding "ipu_param" sets the hyper-parameters from it (a
+checkpoint's learning rate, say): at once on a compiled model, else when it compiles (until
+then `state_dict()` returns what was loaded, as PopTorch does).
+Names left out keep their values. pipetorch keeps hyper-parameters per param group, so the
+values given to the parameters of one group must agree.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipetorch.optim import ipu_state
+
+__all__: list[str] = []
+
+LOSS_SCALING = "lossScaling_FLOAT"
+_SPECIFIC = "___specific___"
+_PENDING = "_pipetorch_pending_ipu_param"
+_SGD0 = ("scaledLearningRate0", "weightDecayScaleFactor0")
+# PopART name -> group key, per optimiser family (besides SGD without momentum).
+_NAMES = {
+    "SGD": {"learningRate": "lr", "weightDecay": "weight_decay", "momentum": "momentum",
+            "dampening": "dampening", "velocityScaling": "velocity_scaling"},
+    "Adam": {"learningRate": "lr", "weightDecay": "weight_decay", "beta1": "betas",
+             "beta2": "betas", "eps": "eps"},
+    "RMSprop": {"learningRate": "lr", "weightDecay": "weight_decay", "alpha": "alpha",
+                "eps": "eps", "momentum": "momentum"},
+}
+_NAMES["AdamW"] = _NAMES["Adam"]
+_NAMES["LAMB"] = {**_NAMES["Adam"], "maxWeightNorm": "max_weight_norm"}
+
+
+def _family(optimizer: torch.optim.Optimizer) -> str:
+    return next((cls.__name__ for cls in type(optimizer).__mro__ if cls.__name__ in _NAMES),
+                "")
+
+
+def _sgd0(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    return _family(optimizer) == "SGD" and not float(group.get("momentum", 0.0))
+
+
+def _group_values(optimizer: torch.optim.Optimizer, group: dict[str, Any],
+                  loss_scaling: float) -> dict[str, float]:
+    """PopART name -> value for the parameters of `group`."""
+    if _sgd0(optimizer, group):
+        lr = float(group["lr"]) * (1.0 - float(group.get("dampening", 0.0)))
+        return {"scaledLearningRate0": lr / loss_scaling,
+                "weightDecayScaleFactor0": 1.0 - lr * float(group.get("weight_decay", 0.0))}
+    values = {}
+    for name, key in _NAMES[_family(optimizer)].items():
+        if key == "betas":
+            values[name] = float(group["betas"][0 if name == "beta1" else 1])
+        elif key in group:
+            values[name] = float(group[key])
+    return values
+
+
+def read(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
+    """The hyper-parameters under PopTorch's names. Before a trainingModel compiled with it:
+    None, or what was written (a loaded checkpoint's), as PopTorch returns it."""
+    names = ipu_state.linked_names(optimizer)
+    if names is None or not _family(optimizer):
+        pending = optimizer.__dict__.get(_PENDING)
+        return None if pending is None else dict(pending)
+    ipu_state.sync(optimizer)
+    loss_scaling = float(optimizer.defaults.get("loss_scaling", 1.0))
+    params: dict[str, torch.Tensor] = {LOSS_SCALING: torch.tensor(loss_scaling)}
+    for group in optimizer.param_groups:
+        values = _group_values(optimizer, group, loss_scaling)
+        for param in group["params"]:
+            if id(param) in names:
+                for name, value in values.items():
+                    params[f"{name}{_SPECIFIC}{names[id(param)]}"] = torch.tensor(value)
+    return params
+
+
+def write(optimizer: torch.optim.Optimizer, params: dict[str, Any]) -> None:
+    """Set the hyper-parameters from PopTorch's names: now if compiled, else at compile."""
+    if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+        raise TypeError("ipu_param must be a dict of PopTorch names (such as "
+                        f"'learningRate___specific___fc.weight') to scalars, got "
+                        f"{type(params).__name__}")
+    if ipu_state.linked_names(optimizer) is None:
+        optimizer.__dict__[_PENDING] = {**optimizer.__dict__.get(_PENDING, {}), **params}
+        return
+    ipu_state.sync(optimizer)
+    _apply(optimizer, params)
+    ipu_state.push(optimizer)
+
+
+def apply_pending(optimizer: torch.optim.Optimizer) -> bool:
+    """When linked: the hyper-parameters written before (ipu_state.link calls this).
+    Returns whether there were any."""
+    pending = optimizer.__dict__.pop(_PENDING, None)
+    if pending:
+        _apply(optimizer, pending)
+    return bool(pending)
+
+
+def _apply(optimizer: torch.optim.Optimizer, params: dict[str, Any]) -> None:
+    names = ipu_state.linked_names(optimizer)
+    assert names is not None
+    group_of = {names[id(p)]: index for index, g in enumerate(optimizer.param_groups)
+                for p in g["params"] if id(p) in names}
+    loss_scaling = float(optimizer.defaults.get("loss_scaling", 1.0))
+    if LOSS_SCALING in params and not _same(loss_scaling, params[LOSS_SCALING]):
+        optimizer.loss_scaling = float(params[LOSS_SCALING])  # type: ignore[attr-defined]
+        loss_scaling = float(params[LOSS_SCALING])
+    per_group: dict[int, dict[str, float]] = {}
+    for key, value in params.items():
+        if key == LOSS_SCALING:
+            continue
+        name, _, param_name = key.partition(_SPECIFIC)
+        index = group_of.get(param_name)
+        group = optimizer.param_groups[index] if index is not None else None
+        known = (_SGD0 if group is not None and _sgd0(optimizer, group)
+                 else tuple(_NAMES.get(_family(optimizer), ())))
+        if index is None or name not in known:
+            raise ValueError(f"ipu_param names a value this optimiser does not hold: {key!r}; "
+                             f"it holds {sorted(known)} of parameters {sorted(group_of)[:6]} "
+                             f"(and {LOSS_SCALING!r})")
+        seen = per_group.setdefault(index, {})
+        if name in seen and seen[name] != float(value):
+            raise ValueError(
+                f"ipu_param gives the parameters of param group {index} different {name} "
+                f"values ({seen[name]:g} and {float(value):g}): pipetorch keeps one per "
+                "param group; put parameters that need their own value in their own group")
+        seen[name] = float(value)
+    for index, values in per_group.items():
+        group = optimizer.param_groups[index]
+        current = _group_values(optimizer, group, loss_scaling)
+        # The names hold float32 scalars: a value that reads back unchanged keeps the
+        # group's own (a checkpoint's lr 0.01 must not become 0.009999999776).
+        changed = {name: value for name, value in values.items()
+                   if name not in current or not _same(current[name], value)}
+        if changed:
+            _set_group(optimizer, group, changed)
+
+
+def _same(current: float, value: Any) -> bool:
+    """Whether `value` is `current` as a float32 scalar holds it."""
+    as_float32 = torch.tensor([float(current), float(value)], dtype=torch.float32)
+    return bool(as_float32[0] == as_float32[1])
+
+
+def _set_group(optimizer: torch.optim.Optimizer, group: dict[str, Any],
+               values: dict[str, float]) -> None:
+    if _sgd0(optimizer, group):
+        kept = 1.0 - float(group.get("dampening", 0.0))
+        if "scaledLearningRate0" in values and kept:
+            loss_scaling = float(optimizer.defaults.get("loss_scaling", 1.0))
+            group["lr"] = values["scaledLearningRate0"] * loss_scaling / kept
+        lr = float(group["lr"]) * kept
+        if "weightDecayScaleFactor0" in values and lr:
+            group["weight_decay"] = (1.0 - values["weightDecayScaleFactor0"]) / lr
+        return
+    table = _NAMES[_family(optimizer)]
+    for name, value in values.items():
+        key = table[name]
+        if key == "betas":
+            betas = list(group["betas"])
+            betas[0 if name == "beta1" else 1] = value
+            group["betas"] = tuple(betas)
+        else:
+            group[key] = value
