@@ -20,7 +20,7 @@ values given to the parameters of one group must agree.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -104,7 +104,7 @@ def write(optimizer: torch.optim.Optimizer, params: dict[str, Any]) -> None:
 
 
 def apply_pending(optimizer: torch.optim.Optimizer) -> bool:
-    """When linked: the hyper-parameters written before (ipu_state.link calls this).
+    """When linked: the hyper-parameters written before (`link` calls this).
     Returns whether there were any."""
     pending = optimizer.__dict__.pop(_PENDING, None)
     if pending:
@@ -178,3 +178,12 @@ def _set_group(optimizer: torch.optim.Optimizer, group: dict[str, Any],
             group["betas"] = tuple(betas)
         else:
             group[key] = value
+
+
+def link(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
+         sync: Callable[[], None], push: Callable[[], None]) -> None:
+    """Tie `optimizer` to its compiled model (the executor calls this), then apply the state
+    and hyper-parameters written before, and send them to the device if it runs."""
+    state_written = ipu_state.link(optimizer, model, sync=sync, push=push)
+    if apply_pending(optimizer) or state_written:
+        ipu_state.push(optimizer)  # setOptimizer of an optimiser holding a checkpoint's state

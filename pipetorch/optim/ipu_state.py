@@ -66,19 +66,16 @@ def _prefixes(optimizer: torch.optim.Optimizer) -> dict[str, str]:
 
 
 def link(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
-         sync: Callable[[], None], push: Callable[[], None]) -> None:
-    """Tie `optimizer` to its compiled model (the executor calls this), then apply any
-    state and hyper-parameters written before, and send them to the device if it runs."""
-    from pipetorch.optim import ipu_param
-
+         sync: Callable[[], None], push: Callable[[], None]) -> bool:
+    """Tie `optimizer` to its compiled model, then apply any state written before; whether
+    there was such state (to send to the device: `ipu_param.link` does)."""
     names = {id(p): n for n, p in model.named_parameters()}
     found = optimizer.__dict__[_LINK] = Link(names, sync, push)
     pending = optimizer.__dict__.pop(_PENDING, None)
     if pending is not None:
         found.sync()  # on a running device, what the state leaves out keeps the device's
         _apply(optimizer, pending)
-    if ipu_param.apply_pending(optimizer) or pending is not None:
-        found.push()  # setOptimizer of an optimiser holding a checkpoint's state
+    return pending is not None
 
 
 def unlink(optimizer: torch.optim.Optimizer) -> None:

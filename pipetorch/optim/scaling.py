@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 
+from pipetorch.optim.checks import check_number
+
 __all__ = ["enable_automatic_loss_scaling", "disable_automatic_loss_scaling",
            "is_automatic", "loss_scale", "scaling_state", "load_scaling_state",
            "skipped_steps", "DEFAULT_INITIAL_SCALE", "DEFAULT_GROWTH_INTERVAL",
@@ -59,6 +61,11 @@ def _check_growth_interval(growth_interval: Any) -> int:
     return growth_interval
 
 
+class LossScaled:
+    """Base of every pipetorch optimiser: its step() un-scales the gradients and, with
+    automatic loss scaling, skips a step whose gradients overflowed."""
+
+
 def enable_automatic_loss_scaling(optimizer: torch.optim.Optimizer, *,
                                   initial_scale: float | None = None,
                                   growth_interval: int | None = None) -> None:
@@ -67,9 +74,7 @@ def enable_automatic_loss_scaling(optimizer: torch.optim.Optimizer, *,
     Already on: the current scale and counters are kept; only the arguments given change.
     `initial_scale` defaults to the optimiser's `loss_scaling` if set, else 2**15.
     """
-    from pipetorch.optim._common import PopTorchOptimizer, check_number
-
-    if not isinstance(optimizer, PopTorchOptimizer):
+    if not isinstance(optimizer, LossScaled):
         raise TypeError(
             f"Automatic loss scaling needs a pipetorch optimiser (it un-scales the gradients "
             f"and skips overflowing steps in step()), got {type(optimizer).__module__}."

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from pipetorch import extensions, log_level
 from pipetorch.errors import ConfigError, DeviceError
-from pipetorch.optim import attributes, ipu_state
+from pipetorch.optim import attributes, ipu_param, ipu_state
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, weights, wrapping
 from pipetorch.runtime.anchors import Anchors
@@ -399,7 +399,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         """`optimizer.state_dict()["ipu_state"]` and write_ipu_state reach this model."""
         self._optimizer_record = attributes.record(
             optimizer, automatic_loss_scaling=self._options.Training.auto_loss_scaling)
-        ipu_state.link(optimizer, self._user_model, sync=self._flush_host,
+        ipu_param.link(optimizer, self._user_model, sync=self._flush_host,
                        push=self._push_optimizer_state)
 
     def _flush_host(self) -> None:
