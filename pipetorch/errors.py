@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
            "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",
-           "UnrecoverableError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
+           "UnrecoverableError", "InputMismatchError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
            "createPoptorchError"]
 
 
@@ -52,6 +52,13 @@ class CompileError(Error, RuntimeError):
 
 class DeviceError(RecoverableError):
     """A device (worker) failed or stopped answering while running the model."""
+
+
+class InputMismatchError(Error, ValueError):
+    """A call whose inputs differ from those the wrapper was compiled for (PopTorch raises a
+    `poptorch.Error` starting "Shape mismatch for x", "Data type mismatch for x", ...)."""
+
+    type = "poptorch_py_error"
 
 
 class ModelChangedError(Error, RuntimeError):

@@ -17,14 +17,14 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch import extensions, log_level
-from pipetorch.errors import ConfigError, DeviceError
+from pipetorch.errors import ConfigError, DeviceError, InputMismatchError
 from pipetorch.optim import attributes, ipu_state
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, weights, wrapping
 from pipetorch.runtime.anchors import Anchors
 from pipetorch.runtime.batching import (
     Signature, cast_float_inputs, check_batch, forward_parameters, half_dtype, input_names,
-    split_micro_batches, to_device,
+    plain_containers, split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
     NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs, check_optimizer_params,
@@ -137,7 +137,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         signature = Signature.of(args, kwargs, self._params)
         problem = self._signature.mismatch(signature) if self._signature else None
         if problem:
-            raise ValueError(
+            raise InputMismatchError(
                 f"This model was compiled for other inputs: {problem}. A wrapped model runs one "
                 "input signature: call it with the arguments, shapes and dtypes of its first "
                 "call; for new inputs build a new trainingModel/inferenceModel, or call "
@@ -196,7 +196,9 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         watch.check()
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """PopTorch casts float32 inputs of a half model to its dtype."""
+        """PopTorch casts float32 inputs of a half model to its dtype (and gives forward
+        plain dicts for dict subclasses)."""
+        args, kwargs = plain_containers((args, kwargs))
         dtype = half_dtype(held(self._user_model, "_parameters").values())
         return cast_float_inputs(args, kwargs, dtype)
 
