@@ -177,6 +177,7 @@ class _BeginBlockFunction(nn.Module):
                  given: str | None) -> None:
         super().__init__()
         self.func, self.ids, self.given = func, ids, given
+        functools.update_wrapper(self, func, updated=())  # its __name__, __doc__, __wrapped__
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if _state.recorder is not None:
