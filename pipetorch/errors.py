@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
            "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",
-           "UnrecoverableError", "InputMismatchError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
+           "UnrecoverableError", "InputMismatchError", "AlreadyWrappedError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
            "createPoptorchError"]
 
 
@@ -40,6 +40,11 @@ class UnrecoverableError(Error, RuntimeError):
 
 class ConfigError(Error, ValueError):
     """Options, strategies or blocks that cannot work together."""
+
+
+class AlreadyWrappedError(ConfigError, RuntimeError):
+    """A model wrapped by a live trainingModel wrapped for training again (PopTorch raises a
+    RuntimeError)."""
 
 
 class OptionAssertionError(ConfigError, AssertionError):
@@ -82,7 +87,7 @@ class OutOfMemoryError(ConfigError):
 
 
 def createPoptorchError(msg: str) -> Error:
-    """The `poptorch.Error` PopTorch raises for a failure on the Python side (not raised here)."""
+    """The `poptorch.Error` PopTorch raises for a failure on the Python side."""
     error = Error(f"'poptorch_py_error': {msg}")
     error.type = "poptorch_py_error"  # type: ignore[attr-defined]
     error.message = msg  # type: ignore[attr-defined]

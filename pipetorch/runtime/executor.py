@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch import extensions, log_level
-from pipetorch.errors import ConfigError, DeviceError, InputMismatchError
+from pipetorch.errors import AlreadyWrappedError, ConfigError, DeviceError, InputMismatchError
 from pipetorch.optim import attributes, ipu_state
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, weights, wrapping
@@ -100,10 +100,11 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 check_optimizer_params(optimizer, model, where="trainingModel")
             other = _training_wrappers.get(model)
             if other is not None and other() is not None:
-                raise ConfigError(
+                raise AlreadyWrappedError(
                     "Model has already been wrapped in 'poptorch.trainingModel'. Call "
-                    "model.destroy() on the model to re-use (this destroys its live "
-                    "trainingModel, whose device copy would otherwise train apart)")
+                    "model.destroy() on the model to unwrap before wrapping again (this "
+                    "destroys its live trainingModel, whose device copy would otherwise train "
+                    "apart)")
             _training_wrappers[model] = weakref.ref(self)
         wrapping.register(model, self)
         if training and optimizer is None:
