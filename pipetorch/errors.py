@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
            "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",
-           "UnrecoverableError", "InputMismatchError", "AlreadyWrappedError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
+           "UnrecoverableError", "InputMismatchError", "AlreadyWrappedError", "ConfigFileError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
            "createPoptorchError"]
 
 
@@ -40,6 +40,11 @@ class UnrecoverableError(Error, RuntimeError):
 
 class ConfigError(Error, ValueError):
     """Options, strategies or blocks that cannot work together."""
+
+
+class ConfigFileError(ConfigError):
+    """A line of an options file (Options.loadFromFile) that cannot be applied (PopTorch's
+    `poptorch.ConfigFileError`)."""
 
 
 class AlreadyWrappedError(ConfigError, RuntimeError):
