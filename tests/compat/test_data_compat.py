@@ -73,7 +73,8 @@ def test_a_dataset_that_raises_in_sync_mode_raises_its_own_error():
 def test_a_dataset_that_raises_in_async_mode_reports_its_type_message_and_line():
     loader = poptorch.DataLoader(poptorch.Options(), Raises(), batch_size=2,
                                  mode=poptorch.DataLoaderMode.Async)
-    with pytest.raises(poptorch.Error, match="ValueError: corrupt record 7") as info:
+    with pytest.raises(poptorch.Error, match="An error occurred in the data fetcher: .*"
+                                             "ValueError: corrupt record 7") as info:
         list(loader)
     assert isinstance(info.value, RuntimeError)
     assert 'raise ValueError(f"corrupt record {index}")' in str(info.value)  # loader traceback
