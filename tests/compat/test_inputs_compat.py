@@ -185,3 +185,50 @@ def test_a_changed_shape_or_dtype_is_poptorchs_error(change, phrase):
         wrapper(*change(x, labels))
     assert isinstance(info.value, ValueError)  # what pipetorch raised before: still caught
     assert "build a new trainingModel/inferenceModel, or call destroy()" in str(info.value)
+
+
+@pytest.mark.slow
+def test_none_inputs_train_split_over_two_devices_like_plain_pytorch():
+    # None for an optional positional input reaches stage workers in other processes
+    # (pipelined over 2 devices). A split model takes tensors as arguments of their own:
+    # a dict of tensors is refused there with that fix (a one-device model takes it).
+    class Split(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(6, 8)
+            self.fc2 = poptorch.BeginBlock(nn.Linear(8, 3), ipu_id=1)
+
+        def forward(self, x, mask=None, labels=None):
+            out = self.fc2(torch.relu(self.fc1(x)))
+            if mask is not None:
+                out = out * mask
+            return out, nn.functional.cross_entropy(out, labels)
+
+    G = 3
+    opts = poptorch.Options().deviceIterations(D).outputMode(poptorch.OutputMode.All)
+    opts.Training.gradientAccumulation(G)
+    torch.manual_seed(0)
+    model = Split()
+    plain = copy.deepcopy(model)
+    wrapper = poptorch.trainingModel(model, opts.showCompilationProgressBar(False),
+                                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    try:
+        for seed in range(2):
+            x, labels = data(D * G * B, seed=seed)
+            got = wrapper(x, None, labels=labels)[1]
+            want = []
+            for step in range(D):
+                optimizer.zero_grad()
+                for micro in range(G):
+                    rows = slice((step * G + micro) * B, (step * G + micro + 1) * B)
+                    loss = plain(x[rows], None, labels=labels[rows])[1]
+                    (loss / G).backward()
+                    want.append(loss.detach())
+                optimizer.step()
+            assert_close(got.as_subclass(torch.Tensor), torch.stack(want))
+        assert len(wrapper._compiled.engine.worker_pids) == 2
+    finally:
+        wrapper.destroy()
+    for (name, got), want in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert_close(got, want, msg=name)
