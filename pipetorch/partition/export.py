@@ -53,12 +53,12 @@ class _Bound(nn.Module):
         self._casting = casting or contextlib.nullcontext
         self._bound = layout.signature.bind(*args, **kwargs)
         self._bound.apply_defaults()
-        self._names = layout.tensors
+        self._layout = layout
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         bound = self._bound
         arguments = dict(bound.arguments)
-        arguments.update(zip(self._names, tensors))
+        arguments.update(self._layout.arguments(tensors))
         call = bound.signature.bind_partial()
         call.arguments.update(arguments)
         with self._casting():

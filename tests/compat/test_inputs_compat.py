@@ -188,18 +188,17 @@ def test_a_changed_shape_or_dtype_is_poptorchs_error(change, phrase):
 
 
 @pytest.mark.slow
-def test_none_inputs_train_split_over_two_devices_like_plain_pytorch():
-    # None for an optional positional input reaches stage workers in other processes
-    # (pipelined over 2 devices). A split model takes tensors as arguments of their own:
-    # a dict of tensors is refused there with that fix (a one-device model takes it).
+def test_a_dict_subclass_and_none_inputs_train_split_over_two_devices_like_plain_pytorch():
+    # The same input forms reach stage workers in other processes (pipelined over 2 devices):
+    # each tensor of the dict is an input of the captured graph.
     class Split(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.fc1 = nn.Linear(6, 8)
             self.fc2 = poptorch.BeginBlock(nn.Linear(8, 3), ipu_id=1)
 
-        def forward(self, x, mask=None, labels=None):
-            out = self.fc2(torch.relu(self.fc1(x)))
+        def forward(self, batch, mask=None, labels=None):
+            out = self.fc2(torch.relu(self.fc1(batch["x"])) + batch["shift"])
             if mask is not None:
                 out = out * mask
             return out, nn.functional.cross_entropy(out, labels)
@@ -216,13 +215,15 @@ def test_none_inputs_train_split_over_two_devices_like_plain_pytorch():
     try:
         for seed in range(2):
             x, labels = data(D * G * B, seed=seed)
-            got = wrapper(x, None, labels=labels)[1]
+            shift = torch.randn(D * G * B, 8, generator=torch.Generator().manual_seed(seed))
+            got = wrapper(Batch(x=x, shift=shift), None, labels=labels)[1]
             want = []
             for step in range(D):
                 optimizer.zero_grad()
                 for micro in range(G):
                     rows = slice((step * G + micro) * B, (step * G + micro + 1) * B)
-                    loss = plain(x[rows], None, labels=labels[rows])[1]
+                    loss = plain({"x": x[rows], "shift": shift[rows]}, None,
+                                 labels=labels[rows])[1]
                     (loss / G).backward()
                     want.append(loss.detach())
                 optimizer.step()
