@@ -57,6 +57,7 @@ _LAZY.update({
     "accessAttributes": "pipetorch.extensions",
     "module_repr": "pipetorch.printing",
     "createPoptorchError": "pipetorch.errors",
+    "ConfigFileError": "pipetorch.errors",
     "RecoverableError": "pipetorch.errors",
     "UnrecoverableError": "pipetorch.errors",
     "MatMulSerializationMode": "pipetorch.enums",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
            "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",
-           "UnrecoverableError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
+           "UnrecoverableError", "InputMismatchError", "AlreadyWrappedError", "ConfigFileError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
            "createPoptorchError"]
 
 
@@ -42,6 +42,16 @@ class ConfigError(Error, ValueError):
     """Options, strategies or blocks that cannot work together."""
 
 
+class ConfigFileError(ConfigError):
+    """A line of an options file (Options.loadFromFile) that cannot be applied (PopTorch's
+    `poptorch.ConfigFileError`)."""
+
+
+class AlreadyWrappedError(ConfigError, RuntimeError):
+    """A model wrapped by a live trainingModel wrapped for training again (PopTorch raises a
+    RuntimeError)."""
+
+
 class OptionAssertionError(ConfigError, AssertionError):
     """An option value PopTorch refuses with an assertion (caught as AssertionError there)."""
 
@@ -52,6 +62,13 @@ class CompileError(Error, RuntimeError):
 
 class DeviceError(RecoverableError):
     """A device (worker) failed or stopped answering while running the model."""
+
+
+class InputMismatchError(Error, ValueError):
+    """A call whose inputs differ from those the wrapper was compiled for (PopTorch raises a
+    `poptorch.Error` starting "Shape mismatch for x", "Data type mismatch for x", ...)."""
+
+    type = "poptorch_py_error"
 
 
 class ModelChangedError(Error, RuntimeError):
@@ -75,7 +92,7 @@ class OutOfMemoryError(ConfigError):
 
 
 def createPoptorchError(msg: str) -> Error:
-    """The `poptorch.Error` PopTorch raises for a failure on the Python side (not raised here)."""
+    """The `poptorch.Error` PopTorch raises for a failure on the Python side."""
     error = Error(f"'poptorch_py_error': {msg}")
     error.type = "poptorch_py_error"  # type: ignore[attr-defined]
     error.message = msg  # type: ignore[attr-defined]

@@ -246,13 +246,16 @@ class AsynchronousDataAccessor:
             how = f"killed by signal {signal.Signals(-code).name}"
         pid = process.pid if process is not None else "?"
         self._fail_with(LoaderError(
-            f"The data loader process (pid {pid}) died unexpectedly ({how}). Its dataset may "
+            f"An error occurred in the data fetcher: the data loader process (pid {pid}) died "
+            f"unexpectedly ({how}). Its dataset may "
             "have crashed the interpreter or been killed for memory; run with "
             "mode=DataLoaderMode.Sync to see the failure in this process."))
 
     def _fail(self, payload: tuple[Any, ...]) -> None:
         name, message, text, pickled = payload
-        error = LoaderError(f"The data loader process raised {name}: {message}\n\n"
+        # PopTorch's words first ("An error occurred in the data fetcher"), then what it was
+        error = LoaderError(f"An error occurred in the data fetcher: the data loader process "
+                            f"raised {name}: {message}\n\n"
                             f"Traceback in the loader process:\n{text}")
         original = None
         if pickled is not None:

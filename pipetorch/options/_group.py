@@ -165,6 +165,11 @@ class OptionGroup:
         raise self._unknown(f"Cannot assign {self._LABEL}.{name}: options are set by calling "
                             "setters, not by assignment", name, readbacks=False)
 
+    def __copy__(self) -> OptionGroup:
+        # A shallow copy would share the values with the original, so that setting one set
+        # both: `copy.copy(opts)` is a clone, as `copy.deepcopy` and `clone()` are.
+        return copy.deepcopy(self)
+
     def __deepcopy__(self, memo: dict) -> OptionGroup:
         new = type(self).__new__(type(self))
         memo[id(self)] = new

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 import pipetorch
-from pipetorch.errors import ConfigError
+from pipetorch.errors import ConfigError, ConfigFileError
 from pipetorch.options._group import OptionGroup
 
 __all__ = ["apply_setting", "load_file"]
@@ -112,15 +112,17 @@ def load_file(options: OptionGroup, filepath: str | Path) -> None:
             continue
         try:
             parsed.append((lineno, text, ast.parse(text, mode="eval").body))
-        except SyntaxError as err:
-            raise ConfigError(f"{filepath}, line {lineno}: {text!r} is not a valid option "
-                              f"line ({err.msg}); write it as e.g. deviceIterations(4)") from err
+        except SyntaxError as err:  # PopTorch's wording first, then the fix
+            raise ConfigFileError(
+                f"SyntaxError at line {lineno} of {Path(filepath).name}: {err.msg}\n> {text}\n"
+                f"({filepath}, line {lineno}: {text!r} is not a valid option line; write it "
+                "as e.g. deviceIterations(4))") from err
     walker = _Walker(options)
     for lineno, text, node in parsed:
         try:
             walker.line(node)
         except (_Refused, TypeError, ValueError) as err:
-            raise ConfigError(f"{filepath}, line {lineno}: {text!r}: {err}") from err
+            raise ConfigFileError(f"{filepath}, line {lineno}: {text!r}: {err}") from err
 
 
 def apply_setting(options: OptionGroup, dotted: str, args: list[Any], source: str) -> None:

@@ -157,23 +157,45 @@ class Block:
 class _BlockHook:
     """The forward pre-hook BeginBlock adds; prints as PopTorch prints it (see module_repr)."""
 
-    def __init__(self, user_id: str, ipu_id: int | None) -> None:
+    def __init__(self, user_id: str, ipu_id: int | None, *, given: str | None = None) -> None:
         self.user_id, self.ipu_id = user_id, ipu_id
+        self.given = given  # the user_id the user passed: None for an automatic one
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         if _state.recorder is not None:
             _state.recorder.begin(self.user_id, self.ipu_id, scoped=False)
 
     def __repr__(self) -> str:
-        return f"BeginBlock(user_id={self.user_id}, ipu_id={self.ipu_id})"
+        return f"BeginBlock(user_id={getattr(self, 'given', self.user_id)}, ipu_id={self.ipu_id})"
+
+
+class _BeginBlockFunction(nn.Module):
+    """What BeginBlock returns for a function (PopTorch returns a module too): calling it
+    starts the block, then calls the function. A module, so a model holding one pickles."""
+
+    def __init__(self, func: Callable[..., Any], ids: tuple[str, int | None],
+                 given: str | None) -> None:
+        super().__init__()
+        self.func, self.ids, self.given = func, ids, given
+        functools.update_wrapper(self, func, updated=())  # its __name__, __doc__, __wrapped__
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if _state.recorder is not None:
+            _state.recorder.begin(*self.ids, scoped=False)
+        return self.func(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        name = getattr(self.func, "__qualname__", repr(self.func))
+        return f"{name}, user_id={self.given}, ipu_id={self.ids[1]}"
 
 
 def BeginBlock(layer_to_call: M, user_id: str | None = None, ipu_id: int | None = None) -> M:
     """Start a block when `layer_to_call` runs; it lasts until the next block starts.
 
     Returns the same module, so `model.layer4 = BeginBlock(model.layer4, ipu_id=1)` works.
-    A plain function is accepted as PopTorch accepts it: the returned function starts the
-    block, then calls it.
+    A plain function is accepted as PopTorch accepts it: the returned module starts the
+    block, then calls it. The block id is `user_id`, or the next automatic one (printed as
+    `BeginBlock(user_id=None, ipu_id=1)`, as PopTorch prints it before compiling).
     """
     if not isinstance(layer_to_call, nn.Module):
         if not callable(layer_to_call):
@@ -181,7 +203,7 @@ def BeginBlock(layer_to_call: M, user_id: str | None = None, ipu_id: int | None 
                 f"BeginBlock expects an nn.Module or a function, got "
                 f"{type(layer_to_call).__name__} ({layer_to_call!r}); pass the layer to call")
         ids = _resolve_ids(user_id, ipu_id)
-        return _begin_block_function(layer_to_call, ids)  # type: ignore[return-value]
+        return _BeginBlockFunction(layer_to_call, ids, user_id)  # type: ignore[return-value]
     if hasattr(layer_to_call, _BEGIN_ATTR):
         uid, iid = getattr(layer_to_call, _BEGIN_ATTR)[0]
         raise ValueError(
@@ -189,21 +211,10 @@ def BeginBlock(layer_to_call: M, user_id: str | None = None, ipu_id: int | None 
             "a module can begin only one block: call removeBlocks(module) first to change it"
         )
     ids = _resolve_ids(user_id, ipu_id)
-    handle = layer_to_call.register_forward_pre_hook(_BlockHook(*ids))
+    handle = layer_to_call.register_forward_pre_hook(_BlockHook(*ids, given=user_id))
     # Keep the hook's id, not the handle: a deepcopy of the model must remove its own hook.
     object.__setattr__(layer_to_call, _BEGIN_ATTR, (ids, handle.id))
     return layer_to_call
-
-
-def _begin_block_function(func: Callable[..., Any],
-                          ids: tuple[str, int | None]) -> Callable[..., Any]:
-    @functools.wraps(func)
-    def begin_then_call(*args: Any, **kwargs: Any) -> Any:
-        if _state.recorder is not None:
-            _state.recorder.begin(*ids, scoped=False)
-        return func(*args, **kwargs)
-
-    return begin_then_call
 
 
 def BlockFunction(user_id: str | None = None, ipu_id: int | None = None) -> Callable[[F], F]:

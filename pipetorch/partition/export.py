@@ -8,8 +8,10 @@ metadata, which export copies onto every node it creates.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import re
+import sys
 import traceback
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -27,6 +29,8 @@ from pipetorch.partition.trace import (_LIBRARY_DIRS, BLOCK_KEY, InputLayout, Tr
                                        input_layout, user_line)
 
 __all__: list[str] = []
+
+logger = logging.getLogger(__name__)
 
 _CHECKPOINT_KEY = "pipetorch_checkpoint"  # custom meta of a recomputationCheckpoint marker
 # Reading an item or a size is not an op: outside any block it goes with the value it reads.
@@ -49,16 +53,46 @@ class _Bound(nn.Module):
         self._casting = casting or contextlib.nullcontext
         self._bound = layout.signature.bind(*args, **kwargs)
         self._bound.apply_defaults()
-        self._names = layout.tensors
+        self._layout = layout
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         bound = self._bound
         arguments = dict(bound.arguments)
-        arguments.update(zip(self._names, tensors))
+        arguments.update(self._layout.arguments(tensors))
         call = bound.signature.bind_partial()
         call.arguments.update(arguments)
         with self._casting():
-            return self.model(*call.args, **call.kwargs)
+            return without_caches(self.model, self.model(*call.args, **call.kwargs))
+
+
+def _is_cache(value: Any) -> bool:
+    """Whether `value` is a HuggingFace key/value cache (transformers' `Cache` classes)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return cache_utils is not None and isinstance(value, getattr(cache_utils, "Cache", ()))
+
+
+def without_caches(model: nn.Module, output: Any) -> Any:
+    """`output` without the key/value caches a HuggingFace model returns by default
+    (`use_cache=True`: `past_key_values` is a `DynamicCache`).
+
+    In training no later step reads a cache, so it is dropped (its entry becomes None, which a
+    ModelOutput leaves out). In inference a cache is what generation reads next, and its
+    tensors cannot be split across devices: CompileError saying to turn it off.
+    """
+    caches = [leaf for leaf in pytree.tree_leaves(output) if _is_cache(leaf)]
+    if not caches:
+        return output
+    name = type(model).__name__
+    kind = type(caches[0]).__name__
+    if not model.training:
+        raise CompileError(
+            f"{name}'s forward returns a {kind} (its key/value cache, `past_key_values`), "
+            "which cannot be split into stages: set `model.config.use_cache = False` (or pass "
+            "use_cache=False to forward), or run the model on one device without blocks "
+            "(poptorch.removeBlocks)")
+    logger.info("%s returns its key/value cache, %s (config.use_cache=True); training never "
+                "reads it, so the split model returns None in its place", name, kind)
+    return pytree.tree_map(lambda leaf: None if _is_cache(leaf) else leaf, output)
 
 
 @contextlib.contextmanager

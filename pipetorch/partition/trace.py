@@ -5,8 +5,8 @@ import inspect
 import operator
 import os
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -41,6 +41,9 @@ class InputLayout:
     signature: inspect.Signature
     tensors: tuple[str, ...]  # forward's parameter names of tensor arguments, signature order
     constants: dict[str, Any]  # parameter name -> the value the trace was specialised for
+    # parameter name -> the structure of an argument holding several tensors (a dict, list or
+    # tuple of them): each of its tensors is an input of the graph, in pytree order
+    nested: dict[str, Any] = field(default_factory=dict)
 
     def flatten(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The tensor arguments of a call, in forward's signature order (x, then labels)."""
@@ -54,14 +57,38 @@ class InputLayout:
                     f"traced with {name}={traced!r}, which is baked into them; split the model "
                     f"again for calls with this {name}"
                 )
-        tensors = [bound.arguments[name] for name in self.tensors]
-        for name, value in zip(self.tensors, tensors):
-            if not isinstance(value, torch.Tensor):
+        tensors: list[torch.Tensor] = []
+        for name in self.tensors:
+            value = bound.arguments[name]
+            spec = self.nested.get(name)
+            if spec is not None:
+                leaves, got = pytree.tree_flatten(value)
+                if got != spec or not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+                    raise ValueError(
+                        f"forward was called with {name}={_describe(value)} but its stages were "
+                        f"traced with {name} holding tensors as {spec}; pass the same structure "
+                        "or split the model again")
+                tensors.extend(leaves)
+            elif not isinstance(value, torch.Tensor):
                 raise ValueError(
                     f"forward was called with {name}={_describe(value)} but its stages were "
                     f"traced with a tensor {name}; pass a tensor or split the model again"
                 )
+            else:
+                tensors.append(value)
         return tensors
+
+    def arguments(self, tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """Forward's tensor arguments rebuilt from the list `flatten` makes."""
+        out: dict[str, Any] = {}
+        at = 0
+        for name in self.tensors:
+            spec = self.nested.get(name)
+            count = 1 if spec is None else spec.num_leaves
+            part = list(tensors[at:at + count])
+            out[name] = part[0] if spec is None else pytree.tree_unflatten(part, spec)
+            at += count
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,6 +185,11 @@ def trace_blocks(model: nn.Module, args: tuple, kwargs: dict) -> Traced:
     runs an op outside every block once blocks are in use.
     """
     layout = input_layout(model, args, kwargs)
+    if layout.nested:
+        raise CompileError(
+            f"Cannot split {type(model).__name__} with torch.fx: its arguments "
+            f"{sorted(layout.nested)} hold several tensors; pass each tensor as an argument "
+            "of its own, or use torch >= 2.5 (torch.export takes them)")
     begins = {id(model.get_submodule(name)): ids
               for name, ids in blocks.begin_blocks(model).items()}
     before = set(vars(model))
@@ -190,18 +222,23 @@ def input_layout(model: nn.Module, args: tuple, kwargs: dict) -> InputLayout:
     bound.apply_defaults()
     tensors: list[str] = []
     constants: dict[str, Any] = {}
+    nested: dict[str, Any] = {}
     for name, value in bound.arguments.items():
+        leaves, spec = pytree.tree_flatten(value)
         if isinstance(value, torch.Tensor):
             tensors.append(name)
-        elif all(isinstance(leaf, _CONSTANT_TYPES) for leaf in pytree.tree_leaves(value)):
+        elif all(isinstance(leaf, _CONSTANT_TYPES) for leaf in leaves):
             constants[name] = value
+        elif all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            tensors.append(name)  # a dict or list of tensors: each is a graph input
+            nested[name] = spec
         else:
             raise CompileError(
                 f"Cannot split {type(model).__name__}: its forward argument {name!r} is "
                 f"{type(value).__name__} {_describe(value)}; stages take tensors, None or Python "
                 "numbers/strings as arguments: pass each tensor as an argument of its own"
             )
-    return InputLayout(signature, tuple(tensors), constants)
+    return InputLayout(signature, tuple(tensors), constants, nested)
 
 
 def _drop_constant_inputs(graph: fx.Graph, layout: InputLayout) -> None:

@@ -175,7 +175,8 @@ def _portable(layout: InputLayout) -> InputLayout:
     params = [p.replace(annotation=empty,
                         default=p.default if p.name in layout.constants else empty)
               for p in layout.signature.parameters.values()]
-    return InputLayout(inspect.Signature(params), layout.tensors, dict(layout.constants))
+    return InputLayout(inspect.Signature(params), layout.tensors, dict(layout.constants),
+                       dict(layout.nested))
 
 
 def _optimizer_record(wrapper: Any) -> dict[str, Any]:

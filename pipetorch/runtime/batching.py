@@ -1,6 +1,7 @@
 """Host-call inputs: their signature, and their split into [D][G][R] micro-batches."""
 from __future__ import annotations
 
+import collections
 import inspect
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -143,16 +144,19 @@ class Signature:
             label = name.label
             if old.shape is None and new.shape is None:
                 if not _same_constant(old.constant, new.constant):
-                    return f"{label} changed value from {old.constant!r} to {new.constant!r}"
+                    return (f"Value mismatch for {name.expr}: {label} changed value from "
+                            f"{old.constant!r} to {new.constant!r}")
             elif old.shape is None or new.shape is None:
                 was = "a tensor" if old.shape is not None else repr(old.constant)
                 now = "a tensor" if new.shape is not None else repr(new.constant)
-                return f"{label} changed from {was} to {now}"
+                return f"Type mismatch for {name.expr}: {label} changed from {was} to {now}"
             elif old.shape != new.shape:
-                return f"{label} changed shape from {list(old.shape)} to {list(new.shape)}"
+                return (f"Shape mismatch for {name.expr}: {label} changed shape from "
+                        f"{list(old.shape)} to {list(new.shape)}")
             elif old.dtype != new.dtype:
-                return (f"{label} changed dtype from {old.dtype} to {new.dtype}; convert it "
-                        f"back with {name.expr}{conversion(old.dtype)}")
+                return (f"Data type mismatch for {name.expr}: {label} changed dtype from "
+                        f"{old.dtype} to {new.dtype}; convert it back with "
+                        f"{name.expr}{conversion(old.dtype)}")
         return None
 
 
@@ -208,7 +212,9 @@ def _factors(device_iterations: int, gradient_accumulation: int, replication_fac
 def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_accumulation: int,
                 replication_factor: int, names: tuple[InputName, ...] | None = None) -> None:
     """Refuse, naming the input, a call whose tensors cannot be cut into D*G*R micro-batches:
-    no tensor at all, a 0-dim tensor, an empty one, or dim 0 not a multiple of D*G*R."""
+    no tensor at all, an empty one, dim 0 not a multiple of D*G*R, or a 0-dim tensor where
+    D*G*R > 1 (as in PopTorch, a 0-dim tensor is a batch of one: a call of one micro-batch
+    passes it whole)."""
     count = device_iterations * gradient_accumulation * replication_factor
     flat = pytree.tree_leaves((args, kwargs))
     if names is None:
@@ -223,6 +229,8 @@ def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_a
         raise ValueError("The model was called without any tensor input: pass at least one tensor")
     for name, x in zip(names, flat):
         if not isinstance(x, torch.Tensor):
+            continue
+        if x.dim() == 0 and count == 1:
             continue
         if x.dim() == 0:
             raise ValueError(
@@ -256,12 +264,31 @@ def split_micro_batches(args: tuple, kwargs: dict, *, device_iterations: int,
     count = device_iterations * gradient_accumulation * replication_factor
     flat, spec = pytree.tree_flatten((args, kwargs))
     pieces = {i: x.split(x.shape[0] // count) for i, x in enumerate(flat)
-              if isinstance(x, torch.Tensor)}
+              if isinstance(x, torch.Tensor) and x.dim() > 0}  # 0-dim: only when count is 1
     result = []
     for m in range(count):
         leaves = [pieces[i][m] if i in pieces else x for i, x in enumerate(flat)]
         result.append(pytree.tree_unflatten(leaves, spec))
     return result
+
+
+def plain_containers(tree: Any) -> Any:
+    """`tree` with dict subclasses that torch's pytree does not know (a user's
+    `class Batch(OrderedDict)`) turned into OrderedDict or dict, as PopTorch hands forward
+    its inputs' dicts rebuilt; lists, tuples and registered types are walked, not changed."""
+    if isinstance(tree, dict):
+        items = {k: plain_containers(v) for k, v in tree.items()}
+        if type(tree) in pytree.SUPPORTED_NODES:
+            if all(items[k] is v for k, v in tree.items()):
+                return tree
+            rebuilt = tree.copy()
+            rebuilt.update(items)
+            return rebuilt
+        return collections.OrderedDict(items) if isinstance(tree, collections.OrderedDict) else items
+    if type(tree) in (list, tuple):
+        items = [plain_containers(v) for v in tree]
+        return tree if all(a is b for a, b in zip(items, tree)) else type(tree)(items)
+    return tree
 
 
 def to_device(tree: Any, device: torch.device) -> Any:

@@ -16,6 +16,8 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from pipetorch.errors import IpuOnlyError, createPoptorchError
+
 __all__: list[str] = []
 
 EVENTS = ("input", "input_complete", "output", "output_complete")
@@ -82,6 +84,21 @@ class PerfCounters:
             self._times, inputs=sum(leaf.shape is not None for leaf in self._signature.leaves),
             outputs=outputs,
             iterations=self._options.device_iterations * self._options.replication_factor)
+
+    def cycleCount(self) -> int:
+        """PopTorch's IPU cycle count of the last run; the checks come first, as PopTorch's:
+        opts.logCycleCount(True), then a model that ran. Then IpuOnlyError: there are no IPU
+        clock cycles on a CPU or GPU (getComputeLatency() times the run instead)."""
+        if not self._options.log_cycle_count:
+            raise createPoptorchError("Cycle count logging is disabled. Please set option "
+                                      "logCycleCount to True to enable.")
+        if self._compiled is None or self._times is None:
+            raise createPoptorchError("Please run the model at least once before obtaining "
+                                      "cycle count.")
+        raise IpuOnlyError(
+            "cycleCount() reads the IPU's hardware cycle counter, which a CPU or GPU does not "
+            "have: time the run with getComputeLatency() / getLatency() (seconds), or profile "
+            "it with opts.enableProfiling(dir)")
 
     def getLatency(self) -> tuple[float, float, float]:
         """(min, max, mean) seconds from the first input requested to the last output on

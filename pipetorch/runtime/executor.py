@@ -17,14 +17,14 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch import extensions, log_level
-from pipetorch.errors import ConfigError, DeviceError
+from pipetorch.errors import AlreadyWrappedError, ConfigError, DeviceError, InputMismatchError
 from pipetorch.optim import attributes, ipu_param, ipu_state
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, weights, wrapping
 from pipetorch.runtime.anchors import Anchors
 from pipetorch.runtime.batching import (
     Signature, cast_float_inputs, check_batch, forward_parameters, half_dtype, input_names,
-    split_micro_batches, to_device,
+    plain_containers, split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
     NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs, check_optimizer_params,
@@ -100,10 +100,11 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 check_optimizer_params(optimizer, model, where="trainingModel")
             other = _training_wrappers.get(model)
             if other is not None and other() is not None:
-                raise ConfigError(
+                raise AlreadyWrappedError(
                     "Model has already been wrapped in 'poptorch.trainingModel'. Call "
-                    "model.destroy() on the model to re-use (this destroys its live "
-                    "trainingModel, whose device copy would otherwise train apart)")
+                    "model.destroy() on the model to unwrap before wrapping again (this "
+                    "destroys its live trainingModel, whose device copy would otherwise train "
+                    "apart)")
             _training_wrappers[model] = weakref.ref(self)
         wrapping.register(model, self)
         if training and optimizer is None:
@@ -137,7 +138,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         signature = Signature.of(args, kwargs, self._params)
         problem = self._signature.mismatch(signature) if self._signature else None
         if problem:
-            raise ValueError(
+            raise InputMismatchError(
                 f"This model was compiled for other inputs: {problem}. A wrapped model runs one "
                 "input signature: call it with the arguments, shapes and dtypes of its first "
                 "call; for new inputs build a new trainingModel/inferenceModel, or call "
@@ -196,7 +197,9 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         watch.check()
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """PopTorch casts float32 inputs of a half model to its dtype."""
+        """PopTorch casts float32 inputs of a half model to its dtype (and gives forward
+        plain dicts for dict subclasses)."""
+        args, kwargs = plain_containers((args, kwargs))
         dtype = half_dtype(held(self._user_model, "_parameters").values())
         return cast_float_inputs(args, kwargs, dtype)
 
@@ -318,6 +321,11 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
 
     # -- weights ----------------------------------------------------------------------------
     def _fetch(self) -> None:
+        # PopTorch's lazy copy calls the wrapper's copyWeightsToHost, which scripts and tests
+        # replace to count copies (`deviceToHostCounter`).
+        self.copyWeightsToHost()
+
+    def _pull(self) -> None:
         assert self._compiled is not None
         engine = self._compiled.engine
         engine.pull()
@@ -337,8 +345,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     def copyWeightsToHost(self) -> None:
         """Copy the device's weights (and optimiser state) into the user's model now."""
         if self._compiled is not None and self._sync is not None:
-            self._sync.mark_stale(self._fetch)
-            self._sync.flush()
+            self._sync.run(self._pull)
 
     def copyWeightsToDevice(self) -> None:
         """Copy the user's model's weights to the device (host edits reach it only this way)."""

@@ -46,15 +46,21 @@ class HostSync:
             self._pending = None
 
     def flush(self) -> None:
-        """Copy the device's weights to the user model if they are newer."""
+        """Copy the device's weights to the user model if they are newer (the pending fetch
+        calls `run`)."""
         if self._pending is None or self._busy:
             return
         fetch, self._pending = _strong(self._pending), None
-        if fetch is None:  # its wrapper is gone
-            return
-        self._busy = True  # the fetch itself touches the model's attributes
-        try:
+        if fetch is not None:  # else its wrapper is gone
             fetch()
+
+    def run(self, copy: Callable[[], None]) -> None:
+        """Copy the device's weights into the user model with `copy` now; nothing is pending
+        after it."""
+        self._pending = None
+        self._busy = True  # the copy itself touches the model's attributes
+        try:
+            copy()
         finally:
             self._busy = False
         self.generation += 1

@@ -129,11 +129,14 @@ def test_dim_0_not_a_multiple_names_the_argument():
                                  "labels, args[2]): args[2] is new"),
     (lambda w, x, y: w(x, labels=y), "labels was passed by position on the first call and by "
                                      "keyword now; pass it the same way on every call"),
-    (lambda w, x, y: w(x.double(), y), "argument 0 (x) changed dtype from torch.float32 to "
+    (lambda w, x, y: w(x.double(), y), "Data type mismatch for x: argument 0 (x) changed "
+                                       "dtype from torch.float32 to "
                                        "torch.float64; convert it back with x.float()"),
-    (lambda w, x, y: w(x, y.int()), "argument 1 (labels) changed dtype from torch.int64 to "
+    (lambda w, x, y: w(x, y.int()), "Data type mismatch for labels: argument 1 (labels) "
+                                    "changed dtype from torch.int64 to "
                                     "torch.int32; convert it back with labels.long()"),
-    (lambda w, x, y: w(x[:2], y[:2]), "argument 0 (x) changed shape from [4, 6] to [2, 6]"),
+    (lambda w, x, y: w(x[:2], y[:2]), "Shape mismatch for x: argument 0 (x) changed shape "
+                                      "from [4, 6] to [2, 6]"),
     (lambda w, x, y: w((x,), y), "argument x changed its nesting from a tensor or value on "
                                  "the first call to a tuple of 1"),
 ])
