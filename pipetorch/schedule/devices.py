@@ -48,7 +48,7 @@ def stages_of(owners: Sequence[int], device: int) -> tuple[int, ...]:
 
 
 def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
-          backward: int = 1) -> DevicePlan:
+          backward: int = 1, weight: int = 1) -> DevicePlan:
     """The device plan running `plan` with stage s on device `owners[s]`.
 
     A free device runs the action of its stages that the per-stage timeline (`simulate`)
@@ -57,9 +57,9 @@ def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
     receive is next; the receiving device waits for it only if it has nothing else to do.
     """
     _check_owners(plan, owners)
-    started = {e.action: e.start for row in simulate(plan, forward=forward,
-                                                     backward=backward).events for e in row}
-    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward}
+    started = {e.action: e.start for row in simulate(
+        plan, forward=forward, backward=backward, weight=weight).events for e in row}
+    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.BACKWARD_WEIGHT: weight}
     lists = [[a for a in actions if not a.kind.is_whole_step] for actions in plan]
     devices = max(owners) + 1
     merged: DevicePlan = [[] for _ in range(devices)]
@@ -125,12 +125,13 @@ def project(device_plan: DevicePlan, owners: Sequence[int]) -> Plan:
 
 
 def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: int = 1,
-                     backward: int = 1, step: int = 0) -> Timeline:
+                     backward: int = 1, weight: int = 1, step: int = 0) -> Timeline:
     """Run every device's list in order on a simulated clock (rows of the Timeline are
     devices). A transfer between devices is a rendezvous, as in `simulate`; one within a
     device needs its send earlier in the list than its receive. Raises DeadlockError."""
     _check_device_plan(device_plan, owners)
-    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.STEP: step,
+    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.BACKWARD_WEIGHT: weight,
+             Kind.STEP: step,
              Kind.ALL_REDUCE: step, Kind.TIED_REDUCE: step}
     pos, clock = [0] * len(device_plan), [0] * len(device_plan)
     handed: set[Action] = set()  # local sends whose receive has not run yet
@@ -174,17 +175,19 @@ def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward:
 
 
 def check_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: int = 1,
-                  backward: int = 1) -> Report:
+                  backward: int = 1, weight: int = 1) -> Report:
     """Verify a device plan: no deadlock between devices, each stage's work done once in
     dependency order (`check` on the projection), at most one STEP per device and last.
     The Report's timeline has one row per device."""
-    timeline = simulate_devices(device_plan, owners, forward=forward, backward=backward)
+    timeline = simulate_devices(device_plan, owners, forward=forward, backward=backward,
+                                weight=weight)
     for d, actions in enumerate(device_plan):
         steps = [n for n, a in enumerate(actions) if a.kind is Kind.STEP]
         if steps and steps != [len(actions) - 1]:
             raise ScheduleError(f"Device {d} must run one STEP, last; it runs STEP at "
                                 f"actions {steps} of {len(actions)}")
-    report = check(project(device_plan, owners), forward=forward, backward=backward)
+    report = check(project(device_plan, owners), forward=forward, backward=backward,
+                   weight=weight)
     return Report(timeline, report.training, report.micro_batches, report.peak_stash)
 
 
