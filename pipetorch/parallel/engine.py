@@ -45,6 +45,7 @@ from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
 from pipetorch.parallel.tied import ties_of
 from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
+from pipetorch.schedule.devices import choose as choose_schedule
 from pipetorch.parallel.local import Batching, reduction_multiplier
 from pipetorch.parallel.outputs import OutputCollector
 from pipetorch.tracebacks import HINTS, error_kind, user_line_in
@@ -91,10 +92,14 @@ class ProcessEngine:
         self.last_trace: list[Trace] = []
         self.peak_memory: dict[int, int] = {}  # stage -> the CUDA allocator's peak (GPU only)
         self.timeout = wire.timeout_seconds()
-        self.specs, self.schedule, self.placements = specs, schedule, list(placements)
+        self.specs, self.placements = specs, list(placements)
         self.devices = len(self.placements) // self.replicas  # workers per replica
         self.owners = tuple(next(d for d, p in enumerate(self.placements) if s in p.stages)
                             for s in range(len(self.routes)))
+        if schedule == "auto":  # Training.pipelineSchedule("auto"): the simulator picks
+            schedule = choose_schedule(len(self.routes), batching.gradient_accumulation,
+                                       self.owners)
+        self.schedule = schedule
         self.ties = ties_of(model, staged, self.owners)  # weights held on several devices
         self._lost: str | None = None
         self._interrupted = False  # Ctrl-C stopped the workers; the next use starts new ones

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pipetorch.schedule import plans
 from pipetorch.schedule.actions import Action, Kind, Plan
 from pipetorch.schedule.checks import (DeadlockError, Event, Report, ScheduleError, Timeline,
                                        check, simulate)
@@ -104,6 +105,20 @@ def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
         first = stages_of(owners, d)[0]
         actions += [Action(kind, first) for kind in _whole_steps(plan[first])]
     return merged
+
+
+def choose(stages: int, micro_batches: int, owners: Sequence[int], *, forward: int = 1,
+           backward: int = 1, weight: int = 1) -> str:
+    """The training schedule ("pipelined" = 1F1B, or "zero_bubble") whose device plan the
+    simulator finishes first with these tick costs (1F1B's backward = `backward + weight`);
+    1F1B on a tie, as it holds fewer activations."""
+    def makespan(kind: str, split: bool) -> int:
+        costs = dict(forward=forward, backward=backward if split else backward + weight,
+                     weight=weight)
+        per_stage = plans.plan(kind, stages, micro_batches, training=True)
+        return check_devices(merge(per_stage, owners, **costs), owners, **costs).makespan
+    shorter = makespan("zero_bubble", True) < makespan("1f1b", False)
+    return "zero_bubble" if shorter else "pipelined"
 
 
 def _whole_steps(actions: list[Action]) -> list[Kind]:

@@ -159,6 +159,7 @@ class Mode:
     G: int
     R: int = 1
     processes: int = 1
+    schedule: str | None = None  # Training.pipelineSchedule, when not the default
 
     def options(self) -> poptorch.Options:
         opts = poptorch.Options().deviceIterations(D).replicationFactor(self.R)
@@ -168,6 +169,8 @@ class Mode:
             opts.broadcastBuffers(False)  # each replica keeps its own BatchNorm statistics
         if self.strategy is not None:
             opts.setExecutionStrategy(self.strategy(self))
+        if self.schedule is not None:
+            opts.Training.pipelineSchedule(self.schedule)
         return opts
 
 
@@ -178,6 +181,11 @@ MODES: dict[str, Mode] = {
     "sharded_2": Mode((0, 0, 1, 1), lambda m: poptorch.ShardedExecution(SAME), G=2, processes=2),
     "pipelined_2": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME), G=3,
                         processes=2),
+    # the same with each backward split: input gradients first, weight gradients deferred
+    "zero_bubble_2": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME), G=3,
+                          processes=2, schedule="zero_bubble"),
+    "auto_2": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME), G=3,
+                   processes=2, schedule="auto"),
     # AutoIncrement: four stages, two on each device (BERT tutorial's layout)
     "autoincrement_4_on_2": Mode((0, 0, 1, 1), lambda m: poptorch.ShardedExecution(AUTO), G=2,
                                  processes=2),

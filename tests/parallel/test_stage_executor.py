@@ -24,6 +24,8 @@ from helpers.reference import plain_train_call
 from pipetorch.errors import DeviceError
 from helpers.reference import last_output
 from pipetorch.parallel.routes import routes_of, value_specs
+import pipetorch.parallel.stage as stage_module
+from pipetorch.parallel.split_backward import backward_weight
 from pipetorch.parallel.stage import Call, DeviceStage, StageExecutor
 from pipetorch.partition.inplace import inplace_inputs
 from pipetorch.parallel.transport import PeerLink, Tag
@@ -304,8 +306,12 @@ def three_stages():
 
 
 @pytest.mark.parametrize("schedule", ["pipelined", "zero_bubble", "fill_drain", "sharded"])
-def test_three_stages_with_a_relayed_skip_connection_match_plain_pytorch(schedule):
+def test_three_stages_with_a_relayed_skip_connection_match_plain_pytorch(schedule, monkeypatch):
     D, G, B = 2, 4, 3
+    split = []  # per W: whether its B left the weights' gradients to it
+    monkeypatch.setattr(stage_module, "backward_weight",
+                        lambda deferred: (split.append(deferred is not None),
+                                          backward_weight(deferred)))
     torch.manual_seed(0)
     model = SkipNet()
     reference = copy.deepcopy(model)
@@ -336,6 +342,9 @@ def test_three_stages_with_a_relayed_skip_connection_match_plain_pytorch(schedul
         kinds = [s.kind for s in e.traces[0].spans]
         assert kinds.count("F") == kinds.count("B") == D * G and kinds.count("STEP") == D
         assert kinds.count("W") == (D * G if schedule == "zero_bubble" else 0)
+    # stages 1 and 2 split every backward; stage 0 has no input gradient to send first
+    assert sorted(split) == ([False] * D * G + [True] * 2 * D * G
+                             if schedule == "zero_bubble" else [])
 
 
 def _aligned(size):

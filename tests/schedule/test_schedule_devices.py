@@ -75,6 +75,15 @@ def test_zero_bubble_merged_onto_devices_is_no_longer_than_one_f_one_b(owners):
         assert zb.makespan < f1b.makespan
 
 
+def test_choose_takes_zero_bubble_where_the_simulator_finds_it_shorter():
+    # a device per stage: splitting the backward shortens the drain
+    assert devices.choose(2, 6, (0, 1)) == "zero_bubble"
+    assert devices.choose(4, 8, (0, 1, 2, 3), forward=2, backward=3, weight=1) == "zero_bubble"
+    # one device runs every stage back to back: no bubble to fill, so 1F1B (fewer graphs held)
+    assert devices.choose(3, 6, (0, 0, 0)) == "pipelined"
+    assert devices.choose(1, 4, (0,)) == "pipelined"
+
+
 def test_a_device_holding_two_stages_is_never_idle_with_ipus_0_1_0():
     G = 8
     report = check_devices(merge(one_f_one_b(3, G), (0, 1, 0)), (0, 1, 0))
