@@ -26,13 +26,23 @@ __all__: list[str] = []
 
 
 @dataclass
-class Deferred:
-    """What B leaves for W: the weights' gradient nodes and the grads seen at the
-    intermediates."""
+class Group:
+    """Weights whose subgraphs join the input path at the same nodes (intermediates)."""
 
-    params: dict[Node, torch.nn.Parameter]
+    params: dict[Node, torch.nn.Parameter]  # each weight's gradient accumulator
     intermediates: list[Node]
+
+
+@dataclass
+class Deferred:
+    """What B leaves for W: the groups of weights and the grads B saw at the intermediates."""
+
+    groups: list[Group]
     grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+
+    @property
+    def intermediates(self) -> list[Node]:
+        return [node for group in self.groups for node in group.intermediates]
 
 
 def backward_input(tensors: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor | None],
@@ -61,31 +71,38 @@ def backward_input(tensors: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor
 
 
 def backward_weight(deferred: Deferred | None) -> None:
-    """The weights' gradients from the intermediates' recorded grads, added to `.grad`; frees
-    the graph."""
-    if deferred is None or not deferred.grads:
+    """The weights' gradients from the intermediates' recorded grads, added to `.grad`.
+
+    One autograd call per group: a call starting at a Linear's intermediate would otherwise
+    run down the input path again to reach a lower layer's weight.
+    """
+    if deferred is None:
         return
-    edges, seeds = [], []
-    for node, grads in deferred.grads.items():
-        for n, grad in enumerate(grads):
+    for group in deferred.groups:
+        recorded = {node: deferred.grads[node] for node in group.intermediates
+                    if node in deferred.grads}
+        edges, seeds = [], []
+        for node, grads in recorded.items():
+            for n, grad in enumerate(grads):
+                if grad is not None:
+                    edges.append(GradientEdge(node, n))
+                    seeds.append(grad)
+        if not edges:
+            continue
+        # An intermediate below another of the group would get its grad twice (its recorded
+        # one, and again through the upper one): pin its incoming grad to what B recorded.
+        handles = [node.register_prehook(lambda _, saved=grads: saved)
+                   for node, grads in recorded.items()] if len(recorded) > 1 else []
+        try:
+            found = torch.autograd.grad(edges, [GradientEdge(p, 0) for p in group.params],
+                                        seeds, retain_graph=True, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for node, grad in zip(group.params, found):
             if grad is not None:
-                edges.append(GradientEdge(node, n))
-                seeds.append(grad)
-    params = list(deferred.params)
-    # An intermediate below another would get its grad twice (its recorded one, and again
-    # through the upper one): pin each intermediate's incoming grad to what B recorded.
-    handles = [node.register_prehook(lambda _, saved=grads: saved)
-               for node, grads in deferred.grads.items()] if len(deferred.grads) > 1 else []
-    try:
-        found = torch.autograd.grad(edges, [GradientEdge(p, 0) for p in params], seeds,
-                                    allow_unused=True) if edges else ()
-    finally:
-        for handle in handles:
-            handle.remove()
-    for node, grad in zip(params, found):
-        if grad is not None:
-            param = deferred.params[node]
-            param.grad = grad if param.grad is None else param.grad + grad
+                param = group.params[node]
+                param.grad = grad if param.grad is None else param.grad + grad
 
 
 def _recorder(deferred: Deferred, node: Node):  # type: ignore[no-untyped-def]
@@ -118,14 +135,21 @@ def _plan(roots: list[Node], leaves: list[torch.Tensor],
                     queue.append(child)
     on_input_path = _closure([_node(leaf) for leaf in leaves], users, stop=set())
     nodes = {_node(p): p for p in params if p.requires_grad}
-    nodes = {node: p for node, p in nodes.items() if node in seen}
-    intermediates: set[Node] = set()
-    for node in nodes:
+    groups: list[Group] = []  # weights sharing an intermediate share a group
+    for node, param in nodes.items():
+        if node not in seen:
+            continue  # not used by this micro-batch's forward
         met = _closure([node], users, stop=on_input_path) & on_input_path
         if not met:
             return None  # this weight's gradient never meets the input path
-        intermediates |= met
-    return Deferred(nodes, sorted(intermediates, key=id)) if nodes else None
+        joined = [g for g in groups if met & set(g.intermediates)]
+        group = Group({node: param}, list(met))
+        for other in joined:
+            groups.remove(other)
+            group.params.update(other.params)
+            group.intermediates += [n for n in other.intermediates if n not in met]
+        groups.append(group)
+    return Deferred(groups) if groups else None
 
 
 def _closure(starts: list[Node], users: dict[Node, list[Node]], *, stop: set[Node]) -> set[Node]:

@@ -73,3 +73,34 @@ def test_no_input_to_differentiate_runs_the_whole_backward_in_b():
     assert backward_input([model(x)], [torch.ones(5, 3)], [x], list(model.parameters())) is None
     assert all(p.grad is not None for p in model.parameters())
     backward_weight(None)  # W of such a micro-batch has nothing to do
+
+
+class Counted(torch.autograd.Function):
+    """Identity whose backward counts its runs."""
+
+    runs = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        Counted.runs += 1
+        return grad
+
+
+def test_w_does_not_run_the_input_path_again():
+    # W once ran one autograd call from every intermediate: starting at b's, it went down
+    # the input path through Counted again to reach a's weight, a whole second backward.
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 3)
+    leaf = torch.randn(5, 4, requires_grad=True)
+    out = b(torch.tanh(Counted.apply(a(leaf))))
+    Counted.runs = 0
+    deferred = backward_input([out], [torch.ones(5, 3)], [leaf],
+                              [*a.parameters(), *b.parameters()])
+    assert Counted.runs == 1
+    backward_weight(deferred)
+    assert Counted.runs == 1
+    assert all(p.grad is not None for p in [*a.parameters(), *b.parameters()])
