@@ -113,8 +113,10 @@ class _TrainingOptions(OptionGroup):
         stage's backward sends its input's gradient upstream first and computes its weights'
         gradients later, in what would be idle time (the trace shows those as W spans); a
         stage then holds up to S micro-batches' activations, 1F1B's first stage's most.
-        "auto" simulates both on the stages' devices (balanced stage times) and takes the
-        shorter, 1F1B on a tie. Inference and sharded execution are unaffected.
+        "auto" simulates both on the stages' devices and takes the shorter, 1F1B on a tie,
+        with balanced stages whose split backward costs 1.2x a whole one (measured on a CNN
+        on CPU), so it picks zero_bubble only where the bubble is large: many stages, few
+        micro-batches. Inference and sharded execution are unaffected.
         """
         name = check.text("pipelineSchedule", "schedule", schedule)
         if name not in _SCHEDULES:

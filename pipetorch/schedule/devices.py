@@ -108,13 +108,15 @@ def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
 
 
 def choose(stages: int, micro_batches: int, owners: Sequence[int], *, forward: int = 1,
-           backward: int = 1, weight: int = 1) -> str:
+           backward: int = 1, weight: int = 1, whole: int | None = None) -> str:
     """The training schedule ("pipelined" = 1F1B, or "zero_bubble") whose device plan the
-    simulator finishes first with these tick costs (1F1B's backward = `backward + weight`);
-    1F1B on a tie, as it holds fewer activations."""
+    simulator finishes first with these tick costs: a split backward's input part `backward`
+    and weight part `weight`, a whole one `whole` (default their sum; less where splitting
+    costs extra work). 1F1B on a tie, as it holds fewer activations."""
+    whole = backward + weight if whole is None else whole
+
     def makespan(kind: str, split: bool) -> int:
-        costs = dict(forward=forward, backward=backward if split else backward + weight,
-                     weight=weight)
+        costs = dict(forward=forward, backward=backward if split else whole, weight=weight)
         per_stage = plans.plan(kind, stages, micro_batches, training=True)
         return check_devices(merge(per_stage, owners, **costs), owners, **costs).makespan
     shorter = makespan("zero_bubble", True) < makespan("1f1b", False)

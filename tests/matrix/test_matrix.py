@@ -127,8 +127,8 @@ def test_adamw_groups_with_a_scheduler(request, variant, mode):
     run_cell(request, MatrixNet(variant), mode, optimizer="adamw")
 
 
-# Training.pipelineSchedule("zero_bubble"), and "auto" (which picks it for two devices): each
-# stage's backward split into its input's gradient and, later, its weights'.
+# Training.pipelineSchedule("zero_bubble"): each stage's backward split into its input's
+# gradient and, later, its weights'; and "auto", whichever it picks.
 @pytest.mark.parametrize("variant, mode", cells(["first", "dict"], ["zero_bubble_2"])
                          + cells(["last"], ["auto_2"]))
 def test_zero_bubble(request, variant, mode):

@@ -82,6 +82,10 @@ def test_choose_takes_zero_bubble_where_the_simulator_finds_it_shorter():
     # one device runs every stage back to back: no bubble to fill, so 1F1B (fewer graphs held)
     assert devices.choose(3, 6, (0, 0, 0)) == "pipelined"
     assert devices.choose(1, 4, (0,)) == "pipelined"
+    # splitting costs extra work (B + W = 10 ticks against 8): worth it only for a big bubble
+    costs = dict(forward=5, backward=5, weight=5, whole=8)
+    assert devices.choose(2, 10, (0, 1), **costs) == "pipelined"   # 143 against 160 ticks
+    assert devices.choose(4, 4, (0, 1, 2, 3), **costs) == "zero_bubble"  # 90 against 91
 
 
 def test_a_device_holding_two_stages_is_never_idle_with_ipus_0_1_0():
