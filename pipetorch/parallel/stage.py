@@ -95,6 +95,9 @@ class _Held:
     def __init__(self, stage: DeviceStage, specs: dict[Source, Spec], replica: int) -> None:
         self.module, self.route, self.inputs = stage.module, stage.route, stage.inputs
         self.clone_inputs = inplace_inputs(original_module(stage.module))
+        # A recomputed (checkpointed) or compiled stage runs its whole backward in B: a
+        # checkpoint would rerun the forward for W too, a compiled backward is one node.
+        self.splits = original_module(stage.module) is stage.module
         self.act_in = _bundle(stage.route.receive, specs)
         self.act_out = _bundle(stage.route.send, specs)
         self.grad_in = _bundle(stage.route.send, specs, grads=True)
@@ -275,15 +278,18 @@ class StageExecutor:
             tensors.append(forward.loss)
             seeds.append(None)
         out_sources, _ = held.grad_out
-        if (action.stage, action.micro_batch) in self._split:
+        split = (action.stage, action.micro_batch) in self._split
+        if split and held.splits and tensors:
             leaves = [forward.received[s] for s in out_sources]
             params = [p for p in held.module.parameters() if p.requires_grad]
             with self._context(m):
-                held.deferred[m] = backward_input(tensors, seeds, leaves, params) \
-                    if tensors else None
-        elif tensors:
-            with self._context(m):  # a recomputed forward runs again in here
-                torch.autograd.backward(tensors, seeds)
+                held.deferred[m] = backward_input(tensors, seeds, leaves, params)
+        else:
+            if split:
+                held.deferred[m] = None  # the whole backward runs here: W has nothing left
+            if tensors:
+                with self._context(m):  # a recomputed forward runs again in here
+                    torch.autograd.backward(tensors, seeds)
         if out_sources:
             held.grads_out[m] = [_grad_or_zeros(forward.received[s]) for s in out_sources]
 

@@ -160,6 +160,7 @@ class Mode:
     R: int = 1
     processes: int = 1
     schedule: str | None = None  # Training.pipelineSchedule, when not the default
+    recomputation: bool = False  # Training.setRecomputation
 
     def options(self) -> poptorch.Options:
         opts = poptorch.Options().deviceIterations(D).replicationFactor(self.R)
@@ -171,6 +172,8 @@ class Mode:
             opts.setExecutionStrategy(self.strategy(self))
         if self.schedule is not None:
             opts.Training.pipelineSchedule(self.schedule)
+        if self.recomputation:
+            opts.Training.setRecomputation(True)
         return opts
 
 
@@ -184,6 +187,9 @@ MODES: dict[str, Mode] = {
     # the same with each backward split: input gradients first, weight gradients deferred
     "zero_bubble_2": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME), G=3,
                           processes=2, schedule="zero_bubble"),
+    "zero_bubble_2_recomputed": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME),
+                                     G=3, processes=2, schedule="zero_bubble",
+                                     recomputation=True),
     "auto_2": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME), G=3,
                    processes=2, schedule="auto"),
     # AutoIncrement: four stages, two on each device (BERT tutorial's layout)
