@@ -116,7 +116,8 @@ class _TrainingOptions(OptionGroup):
         "auto" simulates both on the stages' devices and takes the shorter, 1F1B on a tie,
         with balanced stages whose split backward costs 1.2x a whole one (measured on a CNN
         on CPU), so it picks zero_bubble only where the bubble is large: many stages, few
-        micro-batches. Inference and sharded execution are unaffected.
+        micro-batches. Inference and sharded execution are unaffected, and a stage that
+        recomputes its activations or runs compiled keeps its backward whole.
         """
         name = check.text("pipelineSchedule", "schedule", schedule)
         if name not in _SCHEDULES:

@@ -16,8 +16,9 @@ from pipetorch.profiling.timing import COMPUTE, TRANSFER, CallRecord
 __all__: list[str] = []
 
 HOST_PID = 0
-CATEGORIES = {"F": "forward", "B": "backward", "W": "weight-gradient", "STEP": "step", "H2D": "host-to-device",
-              "D2H": "device-to-host", "AR": "all-reduce", "TR": "all-reduce"}
+CATEGORIES = {"F": "forward", "B": "backward", "W": "weight-gradient", "STEP": "step",
+              "H2D": "host-to-device", "D2H": "device-to-host", "AR": "all-reduce",
+              "TR": "all-reduce"}
 
 
 def category(kind: str) -> str:
