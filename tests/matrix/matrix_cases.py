@@ -190,6 +190,9 @@ MODES: dict[str, Mode] = {
     "zero_bubble_2_recomputed": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME),
                                      G=3, processes=2, schedule="zero_bubble",
                                      recomputation=True),
+    "zero_bubble_2_replicas_2": Mode((0, 0, 1, 1),
+                                     lambda m: poptorch.PipelinedExecution(SAME), G=3, R=2,
+                                     processes=2, schedule="zero_bubble"),
     "auto_2": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME), G=3,
                    processes=2, schedule="auto"),
     # AutoIncrement: four stages, two on each device (BERT tutorial's layout)

@@ -130,7 +130,8 @@ def test_adamw_groups_with_a_scheduler(request, variant, mode):
 # Training.pipelineSchedule("zero_bubble"): each stage's backward split into its input's
 # gradient and, later, its weights'; and "auto", whichever it picks.
 @pytest.mark.parametrize("variant, mode", cells(["first", "dict"], ["zero_bubble_2"])
-                         + cells(["last"], ["auto_2", "zero_bubble_2_recomputed"]))
+                         + cells(["last"], ["auto_2", "zero_bubble_2_recomputed",
+                                            "zero_bubble_2_replicas_2"]))
 def test_zero_bubble(request, variant, mode):
     torch.manual_seed(7)
     run_cell(request, MatrixNet(variant), mode)
