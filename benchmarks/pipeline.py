@@ -1,4 +1,4 @@
-"""Seed 000's pipeline and a BERT: samples/s of plain PyTorch, pipetorch, torch's 1F1B.
+"""Seed 000's pipeline and a BERT: samples/s of plain PyTorch, pipetorch, torch's schedules.
 
 The CNN rows train with micro-batches of 40, gradient accumulation G=10 (one optimiser step per
 400 images), D device iterations per host call and AdamW(lr=0.001), on synthetic images made
@@ -14,9 +14,12 @@ Rows: plain PyTorch (the same accumulation loop) with 1 thread and with all core
 pipetorch with every block on ipu 0 (the in-process engine) with the same thread counts and
 sharded over 2 devices; pipetorch pipelined over 2 devices (one worker per stage, cores // 2
 threads each) over shared memory and over gloo (PIPETORCH_TRANSPORT), for the CNNs once more
-with profiling on; and torch.distributed.pipelining's Schedule1F1B on the same split (2
-processes, gloo, 1 thread each); with --compiled, pipelined once more with every stage run
-through torch.compile (inductor).
+with profiling on, and once with Training.pipelineSchedule("zero_bubble") (ZB-H1: each backward
+split into the input's gradient, sent at once, and the weights', deferred); and
+torch.distributed.pipelining's Schedule1F1B and ScheduleInterleavedZeroBubble on the same split
+(2 processes, gloo, 1 thread each), for the CNNs also its ScheduleZBVZeroBubble over the four
+blocks as four stages in a V (blocks 1 and 4 on rank 0, 2 and 3 on rank 1); with --compiled,
+pipelined once more with every stage run through torch.compile (inductor).
 
 Every row is built first and kept (workers stay up), then timed in interleaved rounds: one
 warm-up call per row, then each round one host call of every row in turn (ABAB...), so a change
@@ -59,7 +62,12 @@ PIPELINED_GLOO = "pipetorch, pipelined over 2 devices, gloo transport"
 PROFILED = "pipetorch, pipelined over 2 devices, profiling on"
 COMPILED = "pipetorch, pipelined over 2 devices, compiled stages"
 SHARDED = "pipetorch, sharded over 2 devices"
+ZERO_BUBBLE = "pipetorch, pipelined over 2 devices, zero-bubble"
 TORCH_1F1B = "torch.distributed.pipelining Schedule1F1B"
+TORCH_ZB = "torch.distributed.pipelining ScheduleInterleavedZeroBubble"
+TORCH_ZBV = "torch.distributed.pipelining ScheduleZBVZeroBubble, 4 stages"
+TORCH_SCHEDULES = {TORCH_1F1B: "Schedule1F1B", TORCH_ZB: "ScheduleInterleavedZeroBubble",
+                   TORCH_ZBV: "ScheduleZBVZeroBubble"}
 
 
 # -- the model -------------------------------------------------------------------------------
@@ -280,6 +288,11 @@ class CnnWork:
         boundary = self.bench.boundary
         return nn.Sequential(*(blocks[:boundary] if rank == 0 else blocks[boundary:]))
 
+    def torch_v_stages(self, rank: int) -> list[tuple[int, nn.Module]]:
+        """ZBV's stages of `rank`: each block a stage, rank 0 holding the first and last."""
+        blocks = new_network(self.bench.widths).blocks()
+        return [(rank, blocks[rank]), (3 - rank, blocks[3 - rank])]
+
 
 @dataclass(frozen=True)
 class BertWork:
@@ -419,7 +432,7 @@ class PipetorchRow(Row):
 
     def __init__(self, work: Work, data: tuple, name: str, *, devices: str, threads: int,
                  baseline: str | None, transport: str = "shm", profile: str | None = None,
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, schedule: str | None = None) -> None:
         self.name, self.baseline, self.data, self.threads = name, baseline, data, threads
         model = work.model()
         opts = poptorch.Options().deviceIterations(work.device_iterations)
@@ -428,6 +441,8 @@ class PipetorchRow(Row):
         if compiled:  # torch.compile (inductor) in each worker, at the warm-up call
             opts.Jit.compileStages(True)
         opts.Training.gradientAccumulation(work.accumulation)
+        if schedule is not None:
+            opts.Training.pipelineSchedule(schedule)
         opts.showCompilationProgressBar(False).setExecutionStrategy(work.strategy(model, devices))
         self.training = poptorch.trainingModel(
             model, opts, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
@@ -454,31 +469,38 @@ class PipetorchRow(Row):
         self.training.destroy()  # writes a profile: outside the timed calls
 
 
-def _torch_pipeline_rank(rank: int, store: str, work: Work, data: tuple, conn: Any) -> None:
-    """One rank of the torch.distributed.pipelining row (a spawned process): runs a host call
-    each time the benchmark asks, and rank 0 answers with its seconds."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def _torch_pipeline_rank(rank: int, store: str, work: Work, data: tuple, conn: Any,
+                         name: str) -> None:
+    """One rank of a torch.distributed.pipelining row (a spawned process) running the schedule
+    class `name`: runs a host call each time the benchmark asks, and rank 0 answers with its
+    seconds."""
+    from torch.distributed import pipelining
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     try:
         inputs, labels = data
-        module = work.torch_stage(rank, inputs[:work.micro_batch])
-        stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+        if name == "ScheduleZBVZeroBubble":
+            held, count = work.torch_v_stages(rank), 4  # type: ignore[union-attr]
+        else:
+            held, count = [(rank, work.torch_stage(rank, inputs[:work.micro_batch]))], 2
+        stages = [pipelining.PipelineStage(m, i, count, torch.device("cpu")) for i, m in held]
         # scale_grads (the default) divides by the micro-batches: the mean over the step
-        schedule = Schedule1F1B(stage, n_microbatches=work.accumulation,
-                                loss_fn=nn.CrossEntropyLoss())
-        optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE)
+        kind = getattr(pipelining, name)
+        schedule = kind(stages[0] if name == "Schedule1F1B" else stages,
+                        n_microbatches=work.accumulation, loss_fn=nn.CrossEntropyLoss())
+        modules = nn.ModuleList(m for _, m in held)
+        optimizer = torch.optim.AdamW(modules.parameters(), lr=LEARNING_RATE)
         step = work.accumulation * work.micro_batch
+        first, last = any(i == 0 for i, _ in held), any(i == count - 1 for i, _ in held)
         while conn.recv():
             dist.barrier()
             start = time.perf_counter()
             for d in range(work.device_iterations):
                 optimizer.zero_grad(set_to_none=True)
-                if rank == 0:
-                    schedule.step(inputs[d * step:(d + 1) * step])
-                else:
-                    schedule.step(target=labels[d * step:(d + 1) * step])
+                part = slice(d * step, (d + 1) * step)
+                schedule.step(*((inputs[part],) if first else ()),
+                              **({"target": labels[part]} if last else {}))
                 optimizer.step()
             dist.barrier()
             conn.send(time.perf_counter() - start)
@@ -487,13 +509,12 @@ def _torch_pipeline_rank(rank: int, store: str, work: Work, data: tuple, conn: A
 
 
 class TorchPipeliningRow(Row):
-    """torch.distributed.pipelining's Schedule1F1B on the same split: 2 ranks, gloo, 1 thread
-    each, kept running between calls."""
+    """A torch.distributed.pipelining schedule (`name`, one of TORCH_SCHEDULES) on the same
+    split: 2 ranks, gloo, 1 thread each, kept running between calls."""
 
-    name = TORCH_1F1B
-
-    def __init__(self, work: Work, data: tuple, *, baseline: str, timeout: float = 900.0) -> None:
-        self.baseline, self.timeout = baseline, timeout
+    def __init__(self, work: Work, data: tuple, *, baseline: str, name: str = TORCH_1F1B,
+                 timeout: float = 900.0) -> None:
+        self.name, self.baseline, self.timeout = name, baseline, timeout
         context = mp.get_context("spawn")
         self.folder = tempfile.TemporaryDirectory(prefix="pipeline-bench-")
         store = os.path.join(self.folder.name, "store")
@@ -501,7 +522,8 @@ class TorchPipeliningRow(Row):
         for rank in (0, 1):
             ours, theirs = context.Pipe()
             process = context.Process(target=_torch_pipeline_rank,
-                                      args=(rank, store, work, data, theirs), daemon=True)
+                                      args=(rank, store, work, data, theirs,
+                                            TORCH_SCHEDULES[name]), daemon=True)
             process.start()
             self.conns.append(ours)
             self.ranks.append(process)
@@ -578,6 +600,10 @@ def targets(cores: int) -> list[Target]:
         Target(f"pipelined / {all_cores}", PIPELINED, all_cores, 1.0, 1.0),
         Target("pipelined / torch.distributed.pipelining 1F1B", PIPELINED, TORCH_1F1B, 1.0, 1.10),
         Target("pipelined over shm / over gloo", PIPELINED, PIPELINED_GLOO, 1.0, 1.0),
+        Target("zero-bubble / 1F1B (pipetorch)", ZERO_BUBBLE, PIPELINED, 1.0, 1.0),
+        Target("zero-bubble / torch ScheduleInterleavedZeroBubble", ZERO_BUBBLE, TORCH_ZB, 1.0,
+               1.10),
+        Target("zero-bubble / torch ScheduleZBVZeroBubble", ZERO_BUBBLE, TORCH_ZBV, 1.0, 1.10),
         Target("profiling on / off (pipelined, interleaved calls)", PROFILED, PIPELINED, 1.0,
                0.97),
         Target("efficiency: pipelined / (2 x plain PyTorch, 1 thread)", PIPELINED,
@@ -621,13 +647,14 @@ def print_trace(row: Row, seconds: float) -> None:
     wall = seconds * 1e3
     print(f"  {row.name}: last call {wall:.0f} ms on the host, {window:.0f} ms from the first to "
           f"the last worker span; host round trip (inputs out, outputs back) {wall - window:.0f} ms")
-    print(f"  {'stage':<7}{'forward':>9}{'backward':>10}{'step':>8}{'send':>8}"
+    print(f"  {'stage':<7}{'forward':>9}{'backward':>10}{'weights':>9}{'step':>8}{'send':>8}"
           f"{'recv+wait':>11}{'H2D+D2H':>9}{'untraced':>10}   per micro-batch: F / B ms, MB moved")
     for trace in row.traces:
         total: dict[str, float] = {}
         count: dict[str, int] = {}
         for span in trace.spans:
-            kind = span.kind if span.kind in ("F", "B", "STEP", "H2D", "D2H") else span.kind[0]
+            kind = span.kind if span.kind in ("F", "B", "W", "STEP", "H2D", "D2H") \
+                else span.kind[0]
             total[kind] = total.get(kind, 0.0) + (span.end - span.start) / 1e6
             count[kind] = count.get(kind, 0) + 1
         own = (trace.spans[-1].end - trace.spans[0].start) / 1e6
@@ -636,7 +663,7 @@ def print_trace(row: Row, seconds: float) -> None:
         per_f = total.get("F", 0.0) / max(count.get("F", 1), 1)
         per_b = total.get("B", 0.0) / max(count.get("B", 1), 1)
         print(f"  {trace.stage:<7}{total.get('F', 0):>9.0f}{total.get('B', 0):>10.0f}"
-              f"{total.get('STEP', 0):>8.0f}{total.get('S', 0):>8.0f}{total.get('R', 0):>11.0f}"
+              f"{total.get('W', 0):>9.0f}{total.get('STEP', 0):>8.0f}{total.get('S', 0):>8.0f}{total.get('R', 0):>11.0f}"
               f"{total.get('H2D', 0) + total.get('D2H', 0):>9.0f}{untraced:>10.0f}   "
               f"{per_f:.2f} / {per_b:.2f}, {moved:.1f} MB")
 
@@ -659,6 +686,8 @@ def build_rows(work: Work, data: tuple, *, cores: int, profile: str, full: bool,
                              baseline=plain_all))
     rows.append(PipetorchRow(work, data, PIPELINED_GLOO, devices="pipelined", threads=cores,
                              baseline=PIPELINED, transport="gloo"))
+    rows.append(PipetorchRow(work, data, ZERO_BUBBLE, devices="pipelined", threads=cores,
+                             baseline=PIPELINED, schedule="zero_bubble"))
     if compiled:
         rows.append(PipetorchRow(work, data, COMPILED, devices="pipelined", threads=cores,
                                  baseline=PIPELINED, compiled=True))
@@ -666,6 +695,9 @@ def build_rows(work: Work, data: tuple, *, cores: int, profile: str, full: bool,
         rows.append(PipetorchRow(work, data, PROFILED, devices="pipelined", threads=cores,
                                  baseline=PIPELINED, profile=profile))
     rows.append(TorchPipeliningRow(work, data, baseline=plain_all))
+    rows.append(TorchPipeliningRow(work, data, baseline=TORCH_1F1B, name=TORCH_ZB))
+    if isinstance(work, CnnWork):  # four blocks: four stages, two per rank in a V
+        rows.append(TorchPipeliningRow(work, data, baseline=TORCH_1F1B, name=TORCH_ZBV))
     return rows
 
 
@@ -708,7 +740,7 @@ def run(work: Work, *, rounds: int, cores: int, full: bool, compiled: bool) -> N
           "peer; untraced: gaps between spans):")
     for row in rows:
         if isinstance(row, PipetorchRow) and row.name in (SHARDED, PIPELINED, PIPELINED_GLOO,
-                                                           COMPILED):
+                                                           ZERO_BUBBLE, COMPILED):
             print_trace(row, timings[row.name].seconds[-1])
 
 

@@ -28,6 +28,7 @@ class _TrainingOptions(OptionGroup):
         "auto_loss_scaling": False,
         "convolution_dithering": False,
         "recomputation": False,
+        "pipeline_schedule": "1f1b",
     }
 
     gradient_accumulation = readback(
@@ -48,6 +49,9 @@ class _TrainingOptions(OptionGroup):
     auto_loss_scaling = readback("auto_loss_scaling", "Whether automatic loss scaling is on.")
     convolution_dithering = readback(
         "convolution_dithering", "Whether convolution dithering was requested (no-op here).")
+    pipeline_schedule = readback(
+        "pipeline_schedule", "The training schedule of pipelined execution: 1f1b, zero_bubble "
+        "or auto.")
     recomputation = readback(
         "recomputation", "Whether every stage's activations are recomputed in backward.")
 
@@ -112,6 +116,29 @@ class _TrainingOptions(OptionGroup):
         """
         self._set(recomputation=check.boolean("setRecomputation", "enabled", enabled))
         return self
+
+    def pipelineSchedule(self, schedule: str) -> _TrainingOptions:
+        """How PipelinedExecution trains: "1f1b" (default), "zero_bubble" or "auto".
+
+        A pipetorch extension (PopTorch's pipeline is fixed). "zero_bubble" is ZB-H1: each
+        stage's backward sends its input's gradient upstream first and computes its weights'
+        gradients later, in what would be idle time (the trace shows those as W spans); a
+        stage then holds up to S micro-batches' activations, 1F1B's first stage's most.
+        "auto" simulates both on the stages' devices and takes the shorter, 1F1B on a tie,
+        with balanced stages whose split backward costs 1.2x a whole one (measured on a CNN
+        on CPU), so it picks zero_bubble only where the bubble is large: many stages, few
+        micro-batches. Inference and sharded execution are unaffected, and a stage that
+        recomputes its activations or runs compiled keeps its backward whole.
+        """
+        name = check.text("pipelineSchedule", "schedule", schedule)
+        if name not in _SCHEDULES:
+            raise check.value_error("pipelineSchedule", "schedule", name,
+                                    "one of " + ", ".join(repr(s) for s in _SCHEDULES))
+        self._set(pipeline_schedule=name)
+        return self
+
+
+_SCHEDULES = ("1f1b", "zero_bubble", "auto")
 
 
 class _PrecisionOptions(OptionGroup):

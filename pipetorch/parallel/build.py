@@ -32,7 +32,8 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
                    process: tuple[int, int] = (0, 1), seed: int | None = None,
                    capture: Callable[[], Traced] | None = None,
                    compile_backend: str | None = None,
-                   loss_index: int | None = None) -> ProcessEngine:
+                   loss_index: int | None = None,
+                   pipeline_schedule: str = "1f1b") -> ProcessEngine:
     """Split `model` (the host copy, on the CPU) into `stages` and start one worker per logical
     device and replica, running the stages on that device. `process` is (this process's id,
     the number of host processes);
@@ -41,7 +42,8 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     `first` is one micro-batch, used to learn the shapes of the values crossing stages;
     `capture` gives the compilation's capture of forward (captured here when None);
     `compile_backend` runs every stage through torch.compile with that backend;
-    `loss_index` is the loss's position among forward's tensor outputs (training).
+    `loss_index` is the loss's position among forward's tensor outputs (training);
+    `pipeline_schedule` is Training.pipelineSchedule ("1f1b", "zero_bubble" or "auto").
     """
     pool.prestart()  # the workers' zygote imports torch while this process splits the model
     args, kwargs = first
@@ -58,6 +60,13 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
         staged = dataclasses.replace(
             staged, modules=[CompiledStage(m, compile_backend) for m in staged.modules])
     return ProcessEngine(model, staged, routes, specs, batching=batching, optimizer=optimizer,
-                         schedule="pipelined" if pipelined else "sharded",
+                         schedule=_schedule(pipelined, pipeline_schedule),
                          placements=place(stages, replicas=batching.replication_factor),
                          process=process, seed=seed)
+
+
+def _schedule(pipelined: bool, pipeline_schedule: str) -> str:
+    """The engine's plan kind: "sharded", or the pipelined one (1F1B is "pipelined")."""
+    if not pipelined:
+        return "sharded"
+    return "pipelined" if pipeline_schedule == "1f1b" else pipeline_schedule

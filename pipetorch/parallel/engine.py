@@ -45,6 +45,12 @@ from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
 from pipetorch.parallel.tied import ties_of
 from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
+from pipetorch.schedule.devices import choose as choose_schedule
+
+# Ticks per micro-batch for "auto": forward, input gradient and weight gradient alike, and a
+# whole backward 8 where the two parts take 10 (benchmarks/pipeline.py, seed CNN on CPU:
+# B + W ran about 1.2x 1F1B's backward, as a convolution's two gradients share work).
+_SPLIT_COSTS = dict(forward=5, backward=5, weight=5, whole=8)
 from pipetorch.parallel.local import Batching, reduction_multiplier
 from pipetorch.parallel.outputs import OutputCollector
 from pipetorch.tracebacks import HINTS, error_kind, user_line_in
@@ -91,10 +97,14 @@ class ProcessEngine:
         self.last_trace: list[Trace] = []
         self.peak_memory: dict[int, int] = {}  # stage -> the CUDA allocator's peak (GPU only)
         self.timeout = wire.timeout_seconds()
-        self.specs, self.schedule, self.placements = specs, schedule, list(placements)
+        self.specs, self.placements = specs, list(placements)
         self.devices = len(self.placements) // self.replicas  # workers per replica
         self.owners = tuple(next(d for d, p in enumerate(self.placements) if s in p.stages)
                             for s in range(len(self.routes)))
+        if schedule == "auto":  # Training.pipelineSchedule("auto"): the simulator picks
+            schedule = choose_schedule(len(self.routes), batching.gradient_accumulation,
+                                       self.owners, **_SPLIT_COSTS)
+        self.schedule = schedule
         self.ties = ties_of(model, staged, self.owners)  # weights held on several devices
         self._lost: str | None = None
         self._interrupted = False  # Ctrl-C stopped the workers; the next use starts new ones

@@ -17,6 +17,7 @@ from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.tied import TiedGrads
 from pipetorch.parallel.transport import BundleLayout, ChannelSpec, PeerLink, Tag, channel
 from pipetorch.parallel.recompute import original_module
+from pipetorch.parallel.split_backward import Deferred, backward_input, backward_weight
 from pipetorch.partition.inplace import inplace_inputs
 from pipetorch.partition.split import Source
 from pipetorch.schedule.actions import Action, Kind
@@ -94,6 +95,9 @@ class _Held:
     def __init__(self, stage: DeviceStage, specs: dict[Source, Spec], replica: int) -> None:
         self.module, self.route, self.inputs = stage.module, stage.route, stage.inputs
         self.clone_inputs = inplace_inputs(original_module(stage.module))
+        # A recomputed (checkpointed) or compiled stage runs its whole backward in B: a
+        # checkpoint would rerun the forward for W too, a compiled backward is one node.
+        self.splits = original_module(stage.module) is stage.module
         self.act_in = _bundle(stage.route.receive, specs)
         self.act_out = _bundle(stage.route.send, specs)
         self.grad_in = _bundle(stage.route.send, specs, grads=True)
@@ -106,6 +110,7 @@ class _Held:
         self.forwards: dict[int, _Forward] = {}
         self.grads: dict[int, list[torch.Tensor]] = {}
         self.grads_out: dict[int, list[torch.Tensor]] = {}
+        self.deferred: dict[int, Deferred | None] = {}  # micro-batch -> what its W computes
         self.outputs: dict[int, list[Any]] = {}
         self.trace = Trace(self.route.index, replica=self.replica)
 
@@ -137,6 +142,7 @@ class StageExecutor:
         self._handovers: dict[tuple[Tag, int, int], list[torch.Tensor]] = {}
         self._handlers: dict[Kind, Callable[[int, Action], None]] = {
             Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
+            Kind.BACKWARD_WEIGHT: self._backward_weight,
             Kind.RECV_ACT: self._recv_act, Kind.SEND_ACT: self._send_act,
             Kind.RECV_GRAD: self._recv_grad, Kind.SEND_GRAD: self._send_grad,
             Kind.SEND_DONE: self._send_done, Kind.RECV_DONE: self._recv_done,
@@ -188,6 +194,9 @@ class StageExecutor:
             held.trace.transport = getattr(self.link, "kind", "gloo")
             held.module.train(training)
         self._call, self._training, self._scale = call, training, call.scale
+        # the backwards a later W completes: those B computes the input's gradient only
+        self._split = {(a.stage, a.micro_batch) for a in actions
+                       if a.kind is Kind.BACKWARD_WEIGHT}
         with ops.running_on_device(), torch.set_grad_enabled(training):
             for iteration in range(call.iterations):
                 base = iteration * call.micro_batches
@@ -207,7 +216,7 @@ class StageExecutor:
                              time.monotonic_ns(), nbytes))
                 self.current = None
                 self.link.flush()
-        assert not any(h.forwards or h.received for h in self.held.values()) \
+        assert not any(h.forwards or h.received or h.deferred for h in self.held.values()) \
             and not self._handovers, "a schedule left work undone"
 
     # -- compute ----------------------------------------------------------------------------
@@ -268,12 +277,27 @@ class StageExecutor:
         if forward.loss is not None:
             tensors.append(forward.loss)
             seeds.append(None)
-        if tensors:
-            with self._context(m):  # a recomputed forward runs again in here
-                torch.autograd.backward(tensors, seeds)
         out_sources, _ = held.grad_out
+        split = (action.stage, action.micro_batch) in self._split
+        if split and held.splits and tensors:
+            leaves = [forward.received[s] for s in out_sources]
+            params = [p for p in held.module.parameters() if p.requires_grad]
+            with self._context(m):
+                held.deferred[m] = backward_input(tensors, seeds, leaves, params)
+        else:
+            if split:
+                held.deferred[m] = None  # the whole backward runs here: W has nothing left
+            if tensors:
+                with self._context(m):  # a recomputed forward runs again in here
+                    torch.autograd.backward(tensors, seeds)
         if out_sources:
             held.grads_out[m] = [_grad_or_zeros(forward.received[s]) for s in out_sources]
+
+    def _backward_weight(self, m: int, action: Action) -> None:
+        """The weights' gradients of micro-batch m, whose B computed only its input's."""
+        deferred = self.held[action.stage].deferred.pop(m)
+        with self._context(m):
+            backward_weight(deferred)
 
     def _all_reduce(self, m: int, action: Action) -> None:
         """Sum the gradients of every held stage over the replicas of this device (a weight

@@ -16,12 +16,14 @@ from pipetorch.profiling.timing import COMPUTE, TRANSFER, CallRecord
 __all__: list[str] = []
 
 HOST_PID = 0
-CATEGORIES = {"F": "forward", "B": "backward", "STEP": "step", "H2D": "host-to-device",
-              "D2H": "device-to-host", "AR": "all-reduce", "TR": "all-reduce"}
+CATEGORIES = {"F": "forward", "B": "backward", "W": "weight-gradient", "STEP": "step",
+              "H2D": "host-to-device", "D2H": "device-to-host", "AR": "all-reduce",
+              "TR": "all-reduce"}
 
 
 def category(kind: str) -> str:
-    """forward, backward, step, host-to-device, device-to-host, all-reduce, or transfer
+    """forward, backward, weight-gradient (the W a zero-bubble schedule defers), step,
+    host-to-device, device-to-host, all-reduce, or transfer
     (sends and receives between stages, and the waits inside them)."""
     if kind in CATEGORIES:
         return CATEGORIES[kind]

@@ -15,10 +15,14 @@ from pipetorch.profiling.chrome_trace import HOST_PID, device_lanes, spans_of_ca
 
 __all__: list[str] = []
 
-COLOURS = {"forward": "#2e9e44", "backward": "#d8413a", "transfer": "#8796a8",
+COLOURS = {"forward": "#2e9e44", "backward": "#d8413a", "weight-gradient": "#f08a84",
+           "transfer": "#8796a8",
            "host-to-device": "#3b7dd8", "device-to-host": "#1aa3a3", "all-reduce": "#e07b00",
            "step": "#7d4fb0", "host": "#c99a1d"}
 THIN = ("transfer", "host-to-device", "device-to-host", "all-reduce")  # drawn as thin bars
+# drawn full height and labelled with the micro-batch; W: a zero-bubble schedule's deferred
+# weight gradients
+COMPUTE = ("forward", "backward", "weight-gradient")
 MEMORY_PARTS = (("parameters", "parameters", "#4e79a7"), ("buffers", "buffers", "#a0cbe8"),
                 ("gradients", "gradients", "#f28e2b"),
                 ("optimiser_state", "optimiser state", "#e15759"),
@@ -165,7 +169,7 @@ def timeline_svg(trace: dict[str, Any]) -> str:
 def _span(event: dict[str, Any], y: float, t0: float, scale: float) -> str:
     cat, args = event["cat"], event["args"]
     x = LABEL_W + (event["ts"] - t0) * scale
-    width = max(event["dur"] * scale, 2.0 if cat in ("forward", "backward") else 0.8)
+    width = max(event["dur"] * scale, 2.0 if cat in COMPUTE else 0.8)
     top, tall = (y + ROW_H - 9, 5) if cat in THIN else (y + 4, ROW_H - 8)
     micro = args.get("micro_batch")
     title = (f"{event['name']} · {event['dur'] / 1000:.3f} ms"
@@ -173,7 +177,7 @@ def _span(event: dict[str, Any], y: float, t0: float, scale: float) -> str:
              + (f" · {args['items']} items" if "items" in args else ""))
     mb = f' data-mb="{micro}"' if micro is not None else ""
     text = ""
-    if cat in ("forward", "backward") and width >= 7 * len(str(micro)) + 4:
+    if cat in COMPUTE and width >= 7 * len(str(micro)) + 4:
         text = (f'<text x="{x + width / 2:.1f}" y="{top + tall / 2 + 4:.1f}" '
                 f'text-anchor="middle" fill="#fff" pointer-events="none">{micro}</text>')
     return (f'<rect class="span {cat}"{mb} x="{x:.2f}" y="{top:.1f}" width="{width:.2f}" '
@@ -247,7 +251,7 @@ def report_page(summary: dict[str, Any], memory: dict[str, Any], trace: dict[str
     timeline_note = "" if timing["spans"] else f"<p class=note>{escape(timing['note'])}</p>"
     calls = trace.get("otherData", {}).get("calls") or []
     which = f"host call {calls[-1]}" if calls and timing["spans"] else "the kept host calls"
-    legend = _legend([(c, COLOURS[c]) for c in ("forward", "backward", *THIN, "step", "host")])
+    legend = _legend([(c, COLOURS[c]) for c in (*COMPUTE, *THIN, "step", "host")])
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">

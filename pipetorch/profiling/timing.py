@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 __all__: list[str] = []
 
-COMPUTE = frozenset({"F", "B"})
+COMPUTE = frozenset({"F", "B", "W"})  # W: the weight-gradient part a zero-bubble B defers
 # Sends and receives between stages; the host's inputs arriving (H2D) and outputs leaving
 # (D2H); the all-reduce of gradients with the other replicas (AR), and of a tied weight's
 # gradients with the other devices holding it (TR).
@@ -133,17 +133,23 @@ def theoretical_bubble(schedule: str, stages: int, micro_batches: int, *,
                        training: bool) -> tuple[float, str] | None:
     """The bubble of `schedule` with balanced stages and free transfers, and its formula.
 
-    Simulates the same plan the workers run (backward costing twice a forward); None for the
-    local engine, whose stages run one after another in one process.
+    Simulates the same plan the workers run (backward costing twice a forward; split into
+    an input and a weight part of one forward each by zero_bubble); None for the local
+    engine, whose stages run one after another in one process.
     """
-    if schedule not in ("pipelined", "sharded") or stages < 1 or micro_batches < 1:
+    if schedule not in ("pipelined", "zero_bubble", "sharded") or stages < 1 \
+            or micro_batches < 1:
         return None
     from pipetorch.schedule.checks import simulate
     from pipetorch.schedule.plans import plan
 
+    split = schedule == "zero_bubble" and training
     fraction = simulate(plan(schedule, stages, micro_batches, training=training),
-                        forward=1, backward=2).bubble_fraction
-    if schedule == "pipelined":
+                        forward=1, backward=1 if split else 2, weight=1).bubble_fraction
+    if split:
+        formula = (f"(S-1)(f+b)/(G(f+b+w)+(S-1)(f+b)) = {2 * (stages - 1)}/"
+                   f"{3 * micro_batches + 2 * (stages - 1)}")
+    elif schedule in ("pipelined", "zero_bubble"):
         formula = f"(S-1)/(G+S-1) = {stages - 1}/{micro_batches + stages - 1}"
     else:
         formula = f"(S-1)/S = {stages - 1}/{stages}"

@@ -119,7 +119,8 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                 model, first, stages, batching=batching, optimizer=device_opt,
                 pipelined=strategy.pipelined, training=training, recomputation=recompute,
                 process=process, seed=options.random_seed, capture=graph,
-                compile_backend=backend, loss_index=capture.loss_index)
+                compile_backend=backend, loss_index=capture.loss_index,
+                pipeline_schedule=options.Training.pipeline_schedule)
         else:
             forward: Any = model
             if training and (capture.uses_recomputation or recompute):

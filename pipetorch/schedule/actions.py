@@ -12,6 +12,7 @@ class Kind(enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_WEIGHT = "W"  # the weight gradients of a micro-batch whose B sent only its input's
     SEND_ACT = "S>F"   # activations of a micro-batch, towards the next stage
     RECV_ACT = "R<F"   # activations from the previous stage
     SEND_GRAD = "S<B"  # gradients of a micro-batch, towards the previous stage
@@ -29,7 +30,7 @@ class Kind(enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.FORWARD, Kind.BACKWARD)
+        return self in (Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_WEIGHT)
 
     @property
     def is_transfer(self) -> bool:
@@ -53,7 +54,8 @@ _COUNTERPART = {
 class Action:
     """`kind` on `stage` for `micro_batch` (None for STEP); transfers name their `peer` stage.
 
-    `str()` is the short form used in tests and grids: "F3", "B3", "S>F3" (send micro-batch 3's
+    `str()` is the short form used in tests and grids: "F3", "B3", "W3" (the weight gradients
+    of micro-batch 3, in a plan whose B3 computes only the input's), "S>F3" (send micro-batch 3's
     activations to the next stage), "R<F3" (receive them from the previous stage), "S<B3" and
     "R>B3" for gradients, "S<D3"/"R>D3" for the done signal, "STEP". The arrow shows the side
     the peer is on, not its index.

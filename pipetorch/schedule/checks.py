@@ -70,16 +70,18 @@ class Report:
         return self.timeline.bubble_fraction
 
 
-def simulate(plan: Plan, *, forward: int = 1, backward: int = 1, step: int = 0,
-             transfer: int = 0) -> Timeline:
+def simulate(plan: Plan, *, forward: int = 1, backward: int = 1, weight: int = 1,
+             step: int = 0, transfer: int = 0) -> Timeline:
     """Run every stage's list in order; a send and its receive happen together (rendezvous).
 
-    Forwards, backwards, steps and transfers take the given number of ticks. Raises
-    DeadlockError naming the stuck stages and the action each waits on.
+    Forwards, backwards, weight-gradient parts (W, split off a backward), steps and transfers
+    take the given number of ticks. Raises DeadlockError naming the stuck stages and the
+    action each waits on.
     """
-    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.STEP: step}
-    for name, value in (("forward", forward), ("backward", backward), ("step", step),
-                        ("transfer", transfer)):
+    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.BACKWARD_WEIGHT: weight,
+             Kind.STEP: step}
+    for name, value in (("forward", forward), ("backward", backward), ("weight", weight),
+                        ("step", step), ("transfer", transfer)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} cost must be an int >= 0 ticks, got {value!r}")
     _check_shape(plan)
@@ -109,19 +111,21 @@ def simulate(plan: Plan, *, forward: int = 1, backward: int = 1, step: int = 0,
     return Timeline(tuple(tuple(row) for row in events))
 
 
-def check(plan: Plan, *, forward: int = 1, backward: int = 1) -> Report:
+def check(plan: Plan, *, forward: int = 1, backward: int = 1, weight: int = 1) -> Report:
     """Simulate `plan` and verify it does each micro-batch's work once, in dependency order.
 
     Checks: every stage runs one forward per micro-batch 0..G-1 and, when training (the plan
     has backwards or STEPs), one backward after it and a final STEP; each forward receives
     its input from the previous stage first and sends its output on afterwards (backwards the
-    other way round); the simulated timeline respects those dependencies; no deadlock.
+    other way round); the simulated timeline respects those dependencies; no deadlock. A
+    plan with any W (split backward) needs one W per micro-batch on every stage, after its B.
     """
-    timeline = simulate(plan, forward=forward, backward=backward)
+    timeline = simulate(plan, forward=forward, backward=backward, weight=weight)
     training = any(a.kind in (Kind.BACKWARD, Kind.STEP) for actions in plan for a in actions)
+    split = any(a.kind is Kind.BACKWARD_WEIGHT for actions in plan for a in actions)
     micro_batches = len({a.micro_batch for a in plan[0] if a.kind is Kind.FORWARD})
     for s, actions in enumerate(plan):
-        _check_stage(s, actions, len(plan), micro_batches, training)
+        _check_stage(s, actions, len(plan), micro_batches, training, split)
     _check_timeline(timeline, training)
     stash = tuple(_peak_stash(actions) if training else 0 for actions in plan)
     return Report(timeline, training, micro_batches, stash)
@@ -156,7 +160,8 @@ def _deadlock_message(plan: Plan, pos: list[int]) -> str:
             "stages must post their sends and receives in the same order.")
 
 
-def _expected(s: int, stages: int, micro_batches: int, training: bool) -> list[Action]:
+def _expected(s: int, stages: int, micro_batches: int, training: bool,
+              split: bool = False) -> list[Action]:
     """Stage s's work in dependency order per micro-batch (not the plan's interleaving).
 
     Written apart from plans.py on purpose: a checker sharing the planner's helpers would
@@ -175,12 +180,14 @@ def _expected(s: int, stages: int, micro_batches: int, training: bool) -> list[A
             expected.append(Action(Kind.BACKWARD, s, m))
         if training and s > 0:
             expected.append(Action(Kind.SEND_GRAD, s, m, s - 1))
+        if training and split:
+            expected.append(Action(Kind.BACKWARD_WEIGHT, s, m))
     return expected + ([Action(Kind.STEP, s)] if training else [])
 
 
 def _check_stage(s: int, actions: list[Action], stages: int, micro_batches: int,
-                 training: bool) -> None:
-    expected = _expected(s, stages, micro_batches, training)
+                 training: bool, split: bool = False) -> None:
+    expected = _expected(s, stages, micro_batches, training, split)
     # Done signals carry no data: they only hold a stage back, and the simulation matched them.
     actions = [a for a in actions if a.kind not in (Kind.SEND_DONE, Kind.RECV_DONE)]
     if Counter(actions) != Counter(expected):
@@ -195,6 +202,8 @@ def _check_stage(s: int, actions: list[Action], stages: int, micro_batches: int,
     for m in range(micro_batches):
         chain = [a for a in expected if a.micro_batch == m]
         for before, after in zip(chain, chain[1:]):
+            if after.kind is Kind.BACKWARD_WEIGHT:
+                before = Action(Kind.BACKWARD, s, m)  # W needs its B, not B's send
             if index[before] > index[after]:
                 raise ScheduleError(
                     f"Stage {s} runs {after} (action {index[after]}) before {before} "
@@ -217,12 +226,18 @@ def _check_timeline(timeline: Timeline, training: bool) -> None:
         if training and a.kind is Kind.BACKWARD:
             own_forward = ends[Action(Kind.FORWARD, a.stage, a.micro_batch)]
             assert own_forward.end <= e.start, (own_forward, e)
+        if a.kind is Kind.BACKWARD_WEIGHT:
+            own_input = ends[Action(Kind.BACKWARD, a.stage, a.micro_batch)]
+            assert own_input.end <= e.start, (own_input, e)
 
 
 def _peak_stash(actions: list[Action]) -> int:
-    """Micro-batches forwarded on this stage whose backward has not run yet, at most."""
+    """Micro-batches forwarded on this stage whose backward (its W, when split) has not run
+    yet, at most: their graphs are still held."""
+    split = any(a.kind is Kind.BACKWARD_WEIGHT for a in actions)
+    done = Kind.BACKWARD_WEIGHT if split else Kind.BACKWARD
     stashed = peak = 0
     for a in actions:
-        stashed += {Kind.FORWARD: 1, Kind.BACKWARD: -1}.get(a.kind, 0)
+        stashed += {Kind.FORWARD: 1, done: -1}.get(a.kind, 0)
         peak = max(peak, stashed)
     return peak

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pipetorch.schedule import plans
 from pipetorch.schedule.actions import Action, Kind, Plan
 from pipetorch.schedule.checks import (DeadlockError, Event, Report, ScheduleError, Timeline,
                                        check, simulate)
@@ -48,7 +49,7 @@ def stages_of(owners: Sequence[int], device: int) -> tuple[int, ...]:
 
 
 def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
-          backward: int = 1) -> DevicePlan:
+          backward: int = 1, weight: int = 1) -> DevicePlan:
     """The device plan running `plan` with stage s on device `owners[s]`.
 
     A free device runs the action of its stages that the per-stage timeline (`simulate`)
@@ -57,9 +58,9 @@ def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
     receive is next; the receiving device waits for it only if it has nothing else to do.
     """
     _check_owners(plan, owners)
-    started = {e.action: e.start for row in simulate(plan, forward=forward,
-                                                     backward=backward).events for e in row}
-    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward}
+    started = {e.action: e.start for row in simulate(
+        plan, forward=forward, backward=backward, weight=weight).events for e in row}
+    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.BACKWARD_WEIGHT: weight}
     lists = [[a for a in actions if not a.kind.is_whole_step] for actions in plan]
     devices = max(owners) + 1
     merged: DevicePlan = [[] for _ in range(devices)]
@@ -106,6 +107,22 @@ def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
     return merged
 
 
+def choose(stages: int, micro_batches: int, owners: Sequence[int], *, forward: int = 1,
+           backward: int = 1, weight: int = 1, whole: int | None = None) -> str:
+    """The training schedule ("pipelined" = 1F1B, or "zero_bubble") whose device plan the
+    simulator finishes first with these tick costs: a split backward's input part `backward`
+    and weight part `weight`, a whole one `whole` (default their sum; less where splitting
+    costs extra work). 1F1B on a tie, as it holds fewer activations."""
+    whole = backward + weight if whole is None else whole
+
+    def makespan(kind: str, split: bool) -> int:
+        costs = dict(forward=forward, backward=backward if split else whole, weight=weight)
+        per_stage = plans.plan(kind, stages, micro_batches, training=True)
+        return check_devices(merge(per_stage, owners, **costs), owners, **costs).makespan
+    shorter = makespan("zero_bubble", True) < makespan("1f1b", False)
+    return "zero_bubble" if shorter else "pipelined"
+
+
 def _whole_steps(actions: list[Action]) -> list[Kind]:
     return [a.kind for a in actions if a.kind.is_whole_step]
 
@@ -125,12 +142,13 @@ def project(device_plan: DevicePlan, owners: Sequence[int]) -> Plan:
 
 
 def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: int = 1,
-                     backward: int = 1, step: int = 0) -> Timeline:
+                     backward: int = 1, weight: int = 1, step: int = 0) -> Timeline:
     """Run every device's list in order on a simulated clock (rows of the Timeline are
     devices). A transfer between devices is a rendezvous, as in `simulate`; one within a
     device needs its send earlier in the list than its receive. Raises DeadlockError."""
     _check_device_plan(device_plan, owners)
-    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.STEP: step,
+    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.BACKWARD_WEIGHT: weight,
+             Kind.STEP: step,
              Kind.ALL_REDUCE: step, Kind.TIED_REDUCE: step}
     pos, clock = [0] * len(device_plan), [0] * len(device_plan)
     handed: set[Action] = set()  # local sends whose receive has not run yet
@@ -174,17 +192,19 @@ def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward:
 
 
 def check_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: int = 1,
-                  backward: int = 1) -> Report:
+                  backward: int = 1, weight: int = 1) -> Report:
     """Verify a device plan: no deadlock between devices, each stage's work done once in
     dependency order (`check` on the projection), at most one STEP per device and last.
     The Report's timeline has one row per device."""
-    timeline = simulate_devices(device_plan, owners, forward=forward, backward=backward)
+    timeline = simulate_devices(device_plan, owners, forward=forward, backward=backward,
+                                weight=weight)
     for d, actions in enumerate(device_plan):
         steps = [n for n, a in enumerate(actions) if a.kind is Kind.STEP]
         if steps and steps != [len(actions) - 1]:
             raise ScheduleError(f"Device {d} must run one STEP, last; it runs STEP at "
                                 f"actions {steps} of {len(actions)}")
-    report = check(project(device_plan, owners), forward=forward, backward=backward)
+    report = check(project(device_plan, owners), forward=forward, backward=backward,
+                   weight=weight)
     return Report(timeline, report.training, report.micro_batches, report.peak_stash)
 
 

@@ -160,6 +160,8 @@ class Mode:
     G: int
     R: int = 1
     processes: int = 1
+    schedule: str | None = None  # Training.pipelineSchedule, when not the default
+    recomputation: bool = False  # Training.setRecomputation
 
     def options(self) -> poptorch.Options:
         opts = poptorch.Options().deviceIterations(D).replicationFactor(self.R)
@@ -169,6 +171,10 @@ class Mode:
             opts.broadcastBuffers(False)  # each replica keeps its own BatchNorm statistics
         if self.strategy is not None:
             opts.setExecutionStrategy(self.strategy(self))
+        if self.schedule is not None:
+            opts.Training.pipelineSchedule(self.schedule)
+        if self.recomputation:
+            opts.Training.setRecomputation(True)
         return opts
 
 
@@ -179,6 +185,17 @@ MODES: dict[str, Mode] = {
     "sharded_2": Mode((0, 0, 1, 1), lambda m: poptorch.ShardedExecution(SAME), G=2, processes=2),
     "pipelined_2": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME), G=3,
                         processes=2),
+    # the same with each backward split: input gradients first, weight gradients deferred
+    "zero_bubble_2": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME), G=3,
+                          processes=2, schedule="zero_bubble"),
+    "zero_bubble_2_recomputed": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME),
+                                     G=3, processes=2, schedule="zero_bubble",
+                                     recomputation=True),
+    "zero_bubble_2_replicas_2": Mode((0, 0, 1, 1),
+                                     lambda m: poptorch.PipelinedExecution(SAME), G=3, R=2,
+                                     processes=2, schedule="zero_bubble"),
+    "auto_2": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME), G=3,
+                   processes=2, schedule="auto"),
     # AutoIncrement: four stages, two on each device (BERT tutorial's layout)
     "autoincrement_4_on_2": Mode((0, 0, 1, 1), lambda m: poptorch.ShardedExecution(AUTO), G=2,
                                  processes=2),

@@ -127,6 +127,25 @@ def test_adamw_groups_with_a_scheduler(request, variant, mode):
     run_cell(request, MatrixNet(variant), mode, optimizer="adamw")
 
 
+# Training.pipelineSchedule("zero_bubble"): each stage's backward split into its input's
+# gradient and, later, its weights'; and "auto", whichever it picks.
+@pytest.mark.parametrize("variant, mode", cells(["first", "dict"], ["zero_bubble_2"])
+                         + cells(["last"], ["auto_2", "zero_bubble_2_recomputed",
+                                            "zero_bubble_2_replicas_2"]))
+def test_zero_bubble(request, variant, mode):
+    torch.manual_seed(7)
+    run_cell(request, MatrixNet(variant), mode)
+
+
+@pytest.mark.parametrize("model", ["cnn", "batchnorm", "tied"])
+@pytest.mark.slow
+def test_zero_bubble_models(request, model):
+    torch.manual_seed(8)
+    net = {"cnn": lambda: ConvNet("first"), "batchnorm": lambda: MatrixNet("last", batchnorm=True),
+           "tied": lambda: MatrixNet("first", tied=True)}[model]()
+    run_cell(request, net, "zero_bubble_2")
+
+
 def test_the_loss_moves():
     """A cell where the loss did not fall would prove little: three calls of SGD lower it."""
     torch.manual_seed(0)

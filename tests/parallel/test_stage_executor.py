@@ -24,6 +24,8 @@ from helpers.reference import plain_train_call
 from pipetorch.errors import DeviceError
 from helpers.reference import last_output
 from pipetorch.parallel.routes import routes_of, value_specs
+import pipetorch.parallel.stage as stage_module
+from pipetorch.parallel.split_backward import backward_weight
 from pipetorch.parallel.stage import Call, DeviceStage, StageExecutor
 from pipetorch.partition.inplace import inplace_inputs
 from pipetorch.parallel.transport import PeerLink, Tag
@@ -303,9 +305,13 @@ def three_stages():
     return [StageSpec(i, i, (b,)) for i, b in enumerate("ABC")]
 
 
-@pytest.mark.parametrize("schedule", ["pipelined", "fill_drain", "sharded"])
-def test_three_stages_with_a_relayed_skip_connection_match_plain_pytorch(schedule):
+@pytest.mark.parametrize("schedule", ["pipelined", "zero_bubble", "fill_drain", "sharded"])
+def test_three_stages_with_a_relayed_skip_connection_match_plain_pytorch(schedule, monkeypatch):
     D, G, B = 2, 4, 3
+    split = []  # per W: whether its B left the weights' gradients to it
+    monkeypatch.setattr(stage_module, "backward_weight",
+                        lambda deferred: (split.append(deferred is not None),
+                                          backward_weight(deferred)))
     torch.manual_seed(0)
     model = SkipNet()
     reference = copy.deepcopy(model)
@@ -335,6 +341,10 @@ def test_three_stages_with_a_relayed_skip_connection_match_plain_pytorch(schedul
     for e in executors:
         kinds = [s.kind for s in e.traces[0].spans]
         assert kinds.count("F") == kinds.count("B") == D * G and kinds.count("STEP") == D
+        assert kinds.count("W") == (D * G if schedule == "zero_bubble" else 0)
+    # stages 1 and 2 split every backward; stage 0 has no input gradient to send first
+    assert sorted(split) == ([False] * D * G + [True] * 2 * D * G
+                             if schedule == "zero_bubble" else [])
 
 
 def _aligned(size):
@@ -363,7 +373,7 @@ SENT_BY_DEVICE = {(0, 1, 0): [3, 3], (0, 0, 1): [2, 2], (0, 0, 0): [0]}
 
 
 @pytest.mark.parametrize("owners", list(SENT_BY_DEVICE))
-@pytest.mark.parametrize("schedule", ["pipelined", "sharded"])
+@pytest.mark.parametrize("schedule", ["pipelined", "zero_bubble", "sharded"])
 def test_devices_holding_several_stages_match_plain_pytorch(owners, schedule):
     D, G, B = 2, 5, 3
     torch.manual_seed(0)
@@ -425,8 +435,9 @@ class InplaceOnReceived(nn.Module):
         return out, loss
 
 
+@pytest.mark.parametrize("schedule", ["pipelined", "zero_bubble"])
 @pytest.mark.parametrize("positional", [False, True])
-def test_inplace_op_on_a_received_activation_matches_plain_pytorch(positional):
+def test_inplace_op_on_a_received_activation_matches_plain_pytorch(positional, schedule):
     G, B = 2, 3
     torch.manual_seed(0)
     model = InplaceOnReceived(positional)
@@ -435,7 +446,7 @@ def test_inplace_op_on_a_received_activation_matches_plain_pytorch(positional):
     staged = split_stages(model, (x[:B], y[:B]), {},
                           [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",))])
     call = Call({0: stacked(x, G), 1: stacked(y, G)}, 1, G, frozenset(range(G)), 1 / G)
-    executors = run_stages(staged, (x[:B], y[:B]), call, training=True, schedule="pipelined",
+    executors = run_stages(staged, (x[:B], y[:B]), call, training=True, schedule=schedule,
                            optimizer_of=sgd)
     expected = plain_train_call(reference, sgd(reference.parameters()), x, y, D=1, G=G, R=1)
     for m, (_, _, out, loss) in enumerate(expected):

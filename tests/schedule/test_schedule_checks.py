@@ -3,13 +3,14 @@ import pytest
 
 from pipetorch.schedule.actions import Action, Kind
 from pipetorch.schedule.checks import DeadlockError, ScheduleError, check, simulate
-from pipetorch.schedule.plans import fill_drain, one_f_one_b, plan, sharded
+from pipetorch.schedule.plans import fill_drain, one_f_one_b, plan, sharded, zero_bubble
 
 SIZES = [(s, g) for s in (2, 4) for g in (s, 2 * s, 4 * s)]
 
 
 @pytest.mark.parametrize("stages,micro_batches", SIZES)
-@pytest.mark.parametrize("kind,training", [("1f1b", True), ("fill_drain", True),
+@pytest.mark.parametrize("kind,training", [("1f1b", True), ("zero_bubble", True),
+                                           ("fill_drain", True),
                                            ("fill_drain", False), ("sharded", True),
                                            ("sharded", False)])
 def test_every_schedule_is_deadlock_free_and_ordered(kind, training, stages, micro_batches):
@@ -26,6 +27,41 @@ def test_one_f_one_b_stash_bubble_and_length(stages, micro_batches, forward, bac
     assert report.makespan == (micro_batches + stages - 1) * (forward + backward)
     assert report.bubble_fraction == pytest.approx(
         (stages - 1) / (micro_batches + stages - 1))
+
+
+@pytest.mark.parametrize("stages,micro_batches", SIZES)
+@pytest.mark.parametrize("forward,backward,weight", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)])
+def test_zero_bubble_is_shorter_than_one_f_one_b(stages, micro_batches, forward, backward,
+                                                 weight):
+    # 1F1B runs each backward whole (backward + weight ticks); ZB-H1 splits it, and its bubble
+    # is (S-1)(f+b) instead of (S-1)(f+b+w), holding S graphs per stage, 1F1B's stage 0's.
+    zb = check(zero_bubble(stages, micro_batches), forward=forward, backward=backward,
+               weight=weight)
+    f1b = check(one_f_one_b(stages, micro_batches), forward=forward, backward=backward + weight)
+    work = forward + backward + weight
+    assert zb.makespan == micro_batches * work + (stages - 1) * (forward + backward)
+    assert f1b.makespan == (micro_batches + stages - 1) * work
+    assert zb.makespan < f1b.makespan and zb.bubble_fraction < f1b.bubble_fraction
+    assert zb.peak_stash == (stages,) * stages
+
+
+def test_zero_bubble_any_size_is_deadlock_free_and_never_longer():
+    for stages in range(1, 6):
+        for micro_batches in range(1, 11):
+            zb = check(zero_bubble(stages, micro_batches))
+            f1b = check(one_f_one_b(stages, micro_batches), backward=2)
+            assert zb.makespan <= f1b.makespan
+
+
+def test_a_split_backward_needs_every_w_after_its_b():
+    p = zero_bubble(2, 2)
+    w0 = Action(Kind.BACKWARD_WEIGHT, 1, 0)
+    with pytest.raises(ScheduleError, match=r"lacks \['W0'\]"):
+        check([p[0], [a for a in p[1] if a != w0]])
+    early = [a for a in p[1] if a != w0]
+    early.insert(0, w0)  # W0 before B0: nothing to compute yet
+    with pytest.raises(ScheduleError, match=r"Stage 1 runs W0 \(action 0\) before B0"):
+        check([p[0], early])
 
 
 @pytest.mark.parametrize("stages,micro_batches", SIZES)

@@ -9,7 +9,7 @@ from pipetorch.schedule.devices import (check_devices, merge, owners_of, project
 from pipetorch.schedule.grid import render
 from pipetorch.schedule.plans import fill_drain, one_f_one_b, plan
 
-KINDS = [("1f1b", True), ("fill_drain", True), ("fill_drain", False), ("sharded", True),
+KINDS = [("1f1b", True), ("zero_bubble", True), ("fill_drain", True), ("fill_drain", False), ("sharded", True),
          ("sharded", False)]
 # ipus 0,1,0 (AutoIncrement's interleaving), 6 blocks on 2 ipus, 0,1,0,1, all on one device
 LAYOUTS = [(0, 1, 0), (0, 0, 0, 1, 1, 1), (0, 1, 0, 1), (0, 0, 0), (0, 1, 1, 0)]
@@ -61,6 +61,31 @@ def test_every_merged_plan_is_deadlock_free_and_keeps_each_stages_order(kind, tr
     for d, actions in enumerate(device_plan):
         assert {a.stage for a in actions} == set(stages_of(owners, d))
         assert [a.kind for a in actions].count(Kind.STEP) == int(training)
+
+
+@pytest.mark.parametrize("owners", LAYOUTS)
+def test_zero_bubble_merged_onto_devices_is_no_longer_than_one_f_one_b(owners):
+    stages = len(owners)
+    zb = check_devices(merge(plan("zero_bubble", stages, 2 * stages, training=True), owners),
+                       owners)
+    f1b = check_devices(merge(one_f_one_b(stages, 2 * stages), owners, backward=2), owners,
+                        backward=2)
+    assert zb.makespan <= f1b.makespan
+    if len(set(owners)) == stages:  # a device per stage: strictly shorter
+        assert zb.makespan < f1b.makespan
+
+
+def test_choose_takes_zero_bubble_where_the_simulator_finds_it_shorter():
+    # a device per stage: splitting the backward shortens the drain
+    assert devices.choose(2, 6, (0, 1)) == "zero_bubble"
+    assert devices.choose(4, 8, (0, 1, 2, 3), forward=2, backward=3, weight=1) == "zero_bubble"
+    # one device runs every stage back to back: no bubble to fill, so 1F1B (fewer graphs held)
+    assert devices.choose(3, 6, (0, 0, 0)) == "pipelined"
+    assert devices.choose(1, 4, (0,)) == "pipelined"
+    # splitting costs extra work (B + W = 10 ticks against 8): worth it only for a big bubble
+    costs = dict(forward=5, backward=5, weight=5, whole=8)
+    assert devices.choose(2, 10, (0, 1), **costs) == "pipelined"   # 143 against 160 ticks
+    assert devices.choose(4, 4, (0, 1, 2, 3), **costs) == "zero_bubble"  # 90 against 91
 
 
 def test_a_device_holding_two_stages_is_never_idle_with_ipus_0_1_0():

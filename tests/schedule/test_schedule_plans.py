@@ -2,7 +2,9 @@
 import pytest
 
 from pipetorch.schedule.actions import Action, Kind
-from pipetorch.schedule.plans import fill_drain, one_f_one_b, plan, sharded
+import pipetorch.schedule.plans as plans
+from pipetorch.schedule.grid import render
+from pipetorch.schedule.plans import fill_drain, one_f_one_b, plan, sharded, zero_bubble
 
 
 def strs(actions):
@@ -18,6 +20,31 @@ def test_one_f_one_b_two_stages_three_micro_batches():
                           "R>B2", "B2", "STEP"]
     assert strs(p[1]) == ["R<F0", "F0", "B0", "S<B0", "R<F1", "F1", "B1", "S<B1",
                           "R<F2", "F2", "B2", "S<B2", "STEP"]
+
+
+def test_zero_bubble_two_stages_three_micro_batches():
+    # 1F1B's transfers in 1F1B's order; each B is followed by its W once stage i holds i
+    # newer Bs (stage 1 puts W0 after B1), the rest run before STEP.
+    p = plan("zero_bubble", 2, 3, training=True)
+    assert p == zero_bubble(2, 3)
+    assert strs(p[0]) == ["F0", "S>F0", "F1", "R>B0", "S>F1", "B0", "W0", "F2", "R>B1", "S>F2",
+                          "B1", "W1", "R>B2", "B2", "W2", "STEP"]
+    assert strs(p[1]) == ["R<F0", "F0", "B0", "S<B0", "R<F1", "F1", "B1", "W0", "S<B1",
+                          "R<F2", "F2", "B2", "W1", "S<B2", "W2", "STEP"]
+    assert strs(zero_bubble(1, 2)[0]) == ["F0", "B0", "W0", "F1", "B1", "W1", "STEP"]
+    assert [a for a in p[1] if a.kind is Kind.BACKWARD_WEIGHT][0] == Action(
+        Kind.BACKWARD_WEIGHT, 1, 0)
+
+
+def test_zero_bubble_inference_is_fill_drain():
+    assert plan("zero_bubble", 3, 4, training=False) == fill_drain(3, 4, training=False)
+
+
+def test_the_zero_bubble_grid_in_the_docstring_is_what_render_draws():
+    grid = render(zero_bubble(3, 6))
+    assert all(f"    {line}\n" in plans.zero_bubble.__doc__ for line in grid.splitlines())
+    assert grid.splitlines()[2] == ("stage 2 |  .  . F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 F4 B4 W2 F5 "
+                                    "B5 W3 W4 W5  .  .")
 
 
 def test_pipelined_inference_is_fill_drain_of_forwards():
@@ -68,7 +95,7 @@ def test_fewer_micro_batches_than_stages_shortens_the_warm_up():
 
 def test_plan_argument_errors():
     with pytest.raises(ValueError, match="Unknown schedule kind 'gpipe'; use one of "
-                                         "pipelined, 1f1b, fill_drain, sharded"):
+                                         "pipelined, 1f1b, zero_bubble, fill_drain, sharded"):
         plan("gpipe", 2, 2, training=True)
     with pytest.raises(ValueError, match="needs training=True; use 'fill_drain'"):
         plan("1f1b", 2, 2, training=False)
