@@ -58,7 +58,7 @@ def test_quick_run_prints_every_row_ratio_and_trace() -> None:
                        "pipetorch, pipelined over 2 devices, profiling on",
                        "torch.distributed.pipelining Schedule1F1B"])
     verdicts = re.findall(r"^\S.*\s\d+\.\d{3}  target >= \d\.\d\d  (?:NOT )?reached", out, re.M)
-    assert len(verdicts) == 7, out
+    assert len(verdicts) == 10, out  # 3 of them for the zero-bubble rows
     assert re.search(r"pipelined over 2 devices: last call \d+ ms on the host", out)
     assert len(re.findall(r"^  [01] +\d+ +\d+", out, re.M)) == 6  # 2 stages x 3 traced rows
 

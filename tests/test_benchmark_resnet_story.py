@@ -49,7 +49,9 @@ def test_quick_run_prints_the_refusal_the_fit_and_every_row() -> None:
     assert re.search(r"\| Out of memory: the estimated peak of IPU 1 is [\d.]+ [KM]iB, over its "
                      r"budget of [\d.]+ [KM]iB", out), out
     assert re.search(r"\| IPU 0 .*\n  \| IPU 1 .*OVER by", out), out
-    assert re.search(r"\| 1\. fp16 weights, activations and inputs: saves [\d.]+ [KM]iB; fits "
+    # a half model keeps float32 optimiser moments (PopTorch's default), so fp16 saves less
+    # than offloading that state and need not be ranked first
+    assert re.search(r"\| \d\. fp16 weights, activations and inputs: saves [\d.]+ [KM]iB; fits "
                      r"on its own", out), out
     assert re.search(r"16\.16 GA 3: compiled under the same budget \(estimated peak [\d.]+ "
                      r"[KM]iB <= [\d.]+ [KM]iB\) and ran", out), out
