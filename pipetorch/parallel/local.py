@@ -191,6 +191,7 @@ class FlatStage(nn.Module):
 
     Whatever is not a tensor (None, Python numbers, the containers) is the first call's and
     is put back around the tensors: the wrapper recompiles when the inputs' structure changes.
+    Forward's non-tensor outputs are the compile-time probe's, as a split model's are.
     """
 
     def __init__(self, forward: Callable[..., Any], example: tuple[tuple, dict],
@@ -200,7 +201,7 @@ class FlatStage(nn.Module):
         leaves, self._spec = pytree.tree_flatten(example)
         self._slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self._constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        self._set_output(output)
+        self._set_output(*pytree.tree_flatten(output))
 
     @property
     def inputs(self) -> int:
@@ -227,12 +228,13 @@ class FlatStage(nn.Module):
         for slot, tensor in zip(self._slots, tensors):
             leaves[slot] = tensor
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
-        output = self.inner(*args, **kwargs)
-        self._set_output(output)
-        return tuple(x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor))
+        out_leaves, spec = pytree.tree_flatten(self.inner(*args, **kwargs))
+        if spec != self._out_spec:  # the structure is the probe's; compared, not rebuilt
+            self._set_output(out_leaves, spec)
+        return tuple(out_leaves[i] for i in self._out_slots)
 
-    def _set_output(self, output: Any) -> None:
-        leaves, self._out_spec = pytree.tree_flatten(output)
+    def _set_output(self, leaves: list[Any], spec: pytree.TreeSpec) -> None:
+        self._out_spec = spec
         self._out_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self._out_constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
 

@@ -154,10 +154,12 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         if not self._training:
             self._refresh_from_host()
         times = counters.CallTimes()
-        micro = compiled.synthetic or [to_device(mb, compiled.engine.input_device) for mb in split_micro_batches(
+        if compiled.synthetic is None:  # one move of the whole call, then views of it
+            args, kwargs = to_device((args, kwargs), compiled.engine.input_device)
+        micro = compiled.synthetic or split_micro_batches(
             args, kwargs, device_iterations=o.device_iterations,
             gradient_accumulation=o.Training.gradient_accumulation,
-            replication_factor=o.replication_factor)]
+            replication_factor=o.replication_factor)
         collector = OutputCollector(o.output_mode, steps=compiled.engine.batching.steps,
                                     replicas=o.replication_factor, period=o.output_return_period)
         assert self._anchors is not None
