@@ -56,11 +56,14 @@ def test_quick_run_prints_every_row_ratio_and_trace() -> None:
                        "pipetorch, pipelined over 2 devices",
                        "pipetorch, pipelined over 2 devices, gloo transport",
                        "pipetorch, pipelined over 2 devices, profiling on",
-                       "torch.distributed.pipelining Schedule1F1B"])
+                       "pipetorch, pipelined over 2 devices, zero-bubble",
+                       "torch.distributed.pipelining Schedule1F1B",
+                       "torch.distributed.pipelining ScheduleInterleavedZeroBubble"])
     verdicts = re.findall(r"^\S.*\s\d+\.\d{3}  target >= \d\.\d\d  (?:NOT )?reached", out, re.M)
     assert len(verdicts) == 10, out  # 3 of them for the zero-bubble rows
     assert re.search(r"pipelined over 2 devices: last call \d+ ms on the host", out)
-    assert len(re.findall(r"^  [01] +\d+ +\d+", out, re.M)) == 6  # 2 stages x 3 traced rows
+    # 2 stages x 4 traced rows (sharded, pipelined, gloo, zero-bubble)
+    assert len(re.findall(r"^  [01] +\d+ +\d+", out, re.M)) == 8
 
 
 @pytest.mark.slow
