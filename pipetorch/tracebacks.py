@@ -54,13 +54,27 @@ def _is_user_file(filename: str) -> bool:
     return not filename.startswith(_LIBRARY)
 
 
-def user_line(frames: Sequence[tuple[str, int, str, str | None]]) -> str | None:
+Frame = tuple[str, int, str, "str | None"]  # file, line, function, code
+
+
+def user_frame(frames: Sequence[Frame]) -> Frame | None:
+    """The innermost (file, line, function, code) frame of the user's code, or None."""
+    return next((f for f in reversed(frames) if _is_user_file(f[0])), None)
+
+
+def frames_in(text: str) -> list[Frame]:
+    """The frames of a formatted traceback or stack trace (a worker's, a graph node's)."""
+    return [(m["file"], int(m["line"]), m["name"], m["code"]) for m in _FRAME.finditer(text)]
+
+
+def user_line(frames: Sequence[Frame]) -> str | None:
     """"model.py:12 in forward: return self.fc(x)" for the innermost (file, line, function,
     code) frame of the user's code."""
-    for filename, line, name, code in reversed(frames):
-        if _is_user_file(filename):
-            return f"{filename}:{line} in {name}" + (f": {code.strip()}" if code else "")
-    return None
+    frame = user_frame(frames)
+    if frame is None:
+        return None
+    filename, line, name, code = frame
+    return f"{filename}:{line} in {name}" + (f": {code.strip()}" if code else "")
 
 
 def user_line_of(error: BaseException) -> str | None:
@@ -71,5 +85,4 @@ def user_line_of(error: BaseException) -> str | None:
 
 def user_line_in(text: str) -> str | None:
     """The innermost line of the user's code in a formatted traceback (a worker's)."""
-    return user_line([(m["file"], int(m["line"]), m["name"], m["code"])
-                      for m in _FRAME.finditer(text)])
+    return user_line(frames_in(text))

@@ -21,12 +21,12 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from pipetorch import ops
+from pipetorch import ops, tracebacks
 from pipetorch.errors import CompileError, Error
 from pipetorch.partition import blocks
 from pipetorch.partition.stage_module import attribute
-from pipetorch.partition.trace import (_LIBRARY_DIRS, BLOCK_KEY, InputLayout, Traced,
-                                       input_layout, user_line)
+from pipetorch.partition.trace import (BLOCK_KEY, InputLayout, Traced, input_layout,
+                                       quoted_frame, user_line)
 
 __all__: list[str] = []
 
@@ -202,13 +202,8 @@ def _mark_blocks(graph: fx.Graph) -> None:
 
 def _user_frame(node: fx.Node) -> str:
     """' at file:line in function: `code`' of the user's line that made `node`, or ''."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)(?:\n +(\S.*))?', trace)
-    user = [f for f in frames if not f[0].startswith(_LIBRARY_DIRS)]
-    if not user:
-        return ""
-    file, line, function, code = user[-1]
-    return f" at {file}:{line} in {function}: `{code.strip()}`"
+    frames = tracebacks.frames_in(node.meta.get("stack_trace") or "")
+    return quoted_frame(tracebacks.user_frame(frames))
 
 
 def _op_name(node: fx.Node) -> str:

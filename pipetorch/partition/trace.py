@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import inspect
 import operator
-import os
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -14,7 +13,7 @@ import torch.nn as nn
 from torch.fx._symbolic_trace import _assert_is_none
 from torch.utils import _pytree as pytree
 
-import pipetorch
+from pipetorch import tracebacks
 from pipetorch.errors import CompileError, Error
 from pipetorch.partition import blocks
 from pipetorch.partition.blocks import BlockInfo, BlockRecorder
@@ -23,8 +22,6 @@ __all__: list[str] = []
 
 BLOCK_KEY = "pipetorch_block"  # node.meta key: the id of the block that created the node, or None
 
-# Frames from these folders are machinery; the first frame outside them is the user's line.
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, pipetorch))
 _CONSTANT_TYPES = (type(None), bool, int, float, str)
 # Reading a shape or an item of a tuple is not an op (the eager probe lets them pass too):
 # outside any block such a node goes with the value it reads.
@@ -165,12 +162,17 @@ def _op_name(node: fx.Node) -> str:
 
 
 def user_line(frames: list[traceback.FrameSummary]) -> str:
-    """' at file:line in function: `code`' for the innermost frame outside pipetorch and torch."""
-    user = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS)]
-    if not user:
+    """' at file:line in function: `code`' for the innermost frame of the user's code."""
+    return quoted_frame(tracebacks.user_frame(
+        [(f.filename, f.lineno or 0, f.name, f.line) for f in frames]))
+
+
+def quoted_frame(frame: tracebacks.Frame | None) -> str:
+    """' at file:line in function: `code`', or '' for no frame."""
+    if frame is None:
         return ""
-    frame = user[-1]
-    return f" at {frame.filename}:{frame.lineno} in {frame.name}: `{frame.line}`"
+    filename, line, name, code = frame
+    return f" at {filename}:{line} in {name}: `{(code or '').strip()}`"
 
 
 FX_RULES = ("torch.fx rules: no Python `if`/`while`/`for` on tensor values, no "
