@@ -13,6 +13,7 @@ the forward outputs it computes straight to the host.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ import torch
 from pipetorch.partition.split import Source, StagedModel, map_leaves
 
 __all__: list[str] = []
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,12 +98,32 @@ def routes_of(staged: StagedModel, *, loss_index: int | None = None) -> list[Rou
 
 def value_specs(staged: StagedModel, args: tuple, kwargs: dict, *,
                 training: bool) -> dict[Source, "TensorSpec | Constant"]:
-    """Run the stages once on one micro-batch and note every stage output's spec.
+    """Every stage output's spec, found by running the captured stages on fake tensors.
 
-    Gradients are enabled in training so `requires_grad` tells which values carry a gradient
-    back; the caller restores buffers and the RNG (see `capture.preserved`).
+    Fake tensors (torch's FakeTensorMode) carry shapes, dtypes and autograd's requires_grad
+    through each op without computing anything or changing a weight, a buffer or the RNG:
+    forward does not run. Gradients are enabled in training so `requires_grad` tells which
+    values carry a gradient back. A graph fake tensors cannot run (an op without a fake
+    kernel) is run once on the real micro-batch instead; the caller restores buffers and the
+    RNG (see `probe.preserved`).
     """
-    inputs = staged.flatten_inputs(*args, **kwargs)
+    from torch._subclasses.fake_tensor import FakeTensorMode  # imports sympy: only when splitting
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            return _specs(staged, args, kwargs, training=training, mode=mode)
+    except Exception as error:  # noqa: BLE001 - any failure: the real run gives the same specs
+        logger.info("Value specs: fake tensors could not run the stages (%s: %s); running "
+                    "them once on the first micro-batch", type(error).__name__, error)
+        return _specs(staged, args, kwargs, training=training, mode=None)
+
+
+def _specs(staged: StagedModel, args: tuple, kwargs: dict, *, training: bool,
+           mode: Any) -> dict[Source, "TensorSpec | Constant"]:
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if mode is None else mode.from_tensor(tensor)
+
+    inputs = [fake(t) for t in staged.flatten_inputs(*args, **kwargs)]
     produced: dict[Source, torch.Tensor] = {}
 
     def fetch(source: Source) -> Any:
@@ -109,7 +132,9 @@ def value_specs(staged: StagedModel, args: tuple, kwargs: dict, *,
     specs: dict[Source, TensorSpec | Constant] = {}
     with torch.set_grad_enabled(training):
         for j, (module, io) in enumerate(zip(staged.modules, staged.io)):
-            outputs = module(*(fetch(s) for s in io.inputs))
+            state = {name: fake(t) for name, t in [*module.named_parameters(),
+                                                   *module.named_buffers()]}
+            outputs = torch.func.functional_call(module, state, tuple(fetch(s) for s in io.inputs))
             for k, value in enumerate(outputs):
                 source = Source.stage(j, k)
                 produced[source] = value

@@ -4,17 +4,19 @@
 everything the capture depends on: the file defining each module class in the model, the
 source of its hooks, parameter and buffer names, shapes and dtypes, the blocks' annotations,
 the call's input signature, the train/eval modes, the options and the pipetorch, torch and
-Python versions. It holds the graph (not the weights: they are the model's at load time) in a
-file that starts with a header naming pipetorch, the key and the payload's SHA-256; nothing is
+Python versions. It holds the graph (not the weights: they are the model's at load time) and
+what the probe found (blocks, loss, changed buffers, output structure), so a hit compiles
+without running forward, in a file that starts with a header naming pipetorch, the key and the payload's SHA-256; nothing is
 unpickled before the three are checked. A stale or corrupt entry is captured again and
 rewritten, with a log line.
 
     PIPETORCH-CAPTURE\\n
-    {"format": 1, "key": "<sha256 of the key>", "sha256": "<of the payload>"}\\n
+    {"format": 2, "key": "<sha256 of the key>", "sha256": "<of the payload>"}\\n
     <pickled payload>
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -26,15 +28,18 @@ import pickle
 import platform
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 import pipetorch
 from pipetorch.partition.blocks import begin_blocks
+from pipetorch.partition.probe import Capture
 from pipetorch.partition.stage_module import attribute, build_graph, graph_nodes
 from pipetorch.partition.trace import BLOCK_KEY, Traced, input_layout
 
@@ -43,7 +48,7 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PIPETORCH-CAPTURE\n"
-FORMAT = 1
+FORMAT = 2  # 2: the probe's findings are stored too
 
 
 # Where files go and how compilation looks do not change what is captured.
@@ -132,54 +137,66 @@ def _signature(value: Any) -> Any:
     return repr(value)
 
 
-def cached_capture(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict,
-                   make: Callable[[], Traced], *, options: Any = None) -> tuple[Traced, bool]:
-    """(the capture, whether it came from the cache): read from `folder`, else `make()`d and
-    written there."""
+@dataclass(frozen=True)
+class Stored:
+    """A cache entry: the probe's findings (outputs as meta tensors) and the captured graph."""
+
+    probe: Capture
+    traced: Traced
+
+
+def lookup(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict, *,
+           options: Any = None) -> Stored | None:
+    """The entry for `model(*args, **kwargs)` in `folder`, None when there is none usable:
+    with it, compiling runs forward zero times."""
     key = capture_key(model, args, kwargs, options)
-    path = Path(folder) / f"capture-{key[:32]}.pt2cache"
-    traced = _load(path, key, model, args, kwargs)
-    if traced is not None:
-        logger.info("Executable cache: loaded the captured forward from %s", path)
-        return traced, True
-    traced = make()
-    _store(path, key, model, traced)
-    return traced, False
-
-
-def _load(path: Path, key: str, model: nn.Module, args: tuple, kwargs: dict) -> Traced | None:
+    path = _path(folder, key)
     if not path.exists():
         return None
     try:
         header, payload = read_checked(path, MAGIC, "a pipetorch capture")
         if header.get("format") != FORMAT or header.get("key") != key:
             raise ValueError("it was written for another model, input or version")
-        return _rebuild(unpickle(payload), model, args, kwargs)
+        stored = _rebuild(unpickle(payload), model, args, kwargs)
     except Exception as error:  # any unreadable entry is captured again, never used
         logger.warning("Executable cache: %s is unusable (%s); capturing again", path, error)
         return None
+    logger.info("Executable cache: loaded the captured forward from %s", path)
+    return stored
 
 
-def _store(path: Path, key: str, model: nn.Module, traced: Traced) -> None:
+def store(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict,
+          stored: Stored, *, options: Any = None) -> None:
+    """Save `stored` for `model(*args, **kwargs)` in `folder` (a log line when it cannot be)."""
+    key = capture_key(model, args, kwargs, options)
+    path, traced = _path(folder, key), stored.traced
     own = {id(t) for t in [*model.parameters(), *model.buffers()]}
     constants = {}
     for node in traced.module.graph.find_nodes(op="get_attr"):
         value = attribute(traced.module, str(node.target))
         if not (isinstance(value, torch.Tensor) and id(value) in own):
             constants[str(node.target)] = value  # made by forward, not one of the model's
+    as_meta = functools.partial(pytree.tree_map_only, torch.Tensor,
+                                lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
     try:
         payload = pickle.dumps({"nodes": graph_nodes(traced.module.graph),
                                 "constants": constants, "blocks": traced.blocks,
                                 "node_blocks": {n.name: n.meta.get(BLOCK_KEY)
                                                 for n in traced.module.graph.nodes},
                                 "output_spec": traced.output_spec,
-                                "class_name": type(traced.module).__name__})
+                                "class_name": type(traced.module).__name__,
+                                "probe": dataclasses.replace(
+                                    stored.probe, output=as_meta(stored.probe.output))})
     except Exception as error:
         logger.warning("Executable cache: the capture of %s cannot be saved (%s)",
                        type(model).__name__, error)
         return
     write_checked(path, MAGIC, {"format": FORMAT, "key": key}, payload)
     logger.info("Executable cache: saved the captured forward to %s", path)
+
+
+def _path(folder: str | os.PathLike, key: str) -> Path:
+    return Path(folder) / f"capture-{key[:32]}.pt2cache"
 
 
 def write_checked(path: Path, magic: bytes, header: dict[str, Any], payload: bytes) -> None:
@@ -212,7 +229,7 @@ def unpickle(payload: bytes) -> Any:
         return pickle.loads(payload)
 
 
-def _rebuild(payload: dict[str, Any], model: nn.Module, args: tuple, kwargs: dict) -> Traced:
+def _rebuild(payload: dict[str, Any], model: nn.Module, args: tuple, kwargs: dict) -> Stored:
     graph = build_graph(payload["nodes"])
     attrs: dict[str, Any] = dict(payload["constants"])
     for node in graph.find_nodes(op="get_attr"):
@@ -221,5 +238,6 @@ def _rebuild(payload: dict[str, Any], model: nn.Module, args: tuple, kwargs: dic
     module = fx.GraphModule(attrs, graph, class_name=payload["class_name"])
     for node, record in zip(module.graph.nodes, payload["nodes"]):
         node.meta[BLOCK_KEY] = payload["node_blocks"][record[1]]
-    return Traced(module, payload["blocks"], input_layout(model, args, kwargs),
-                  output_spec=payload["output_spec"])
+    return Stored(payload["probe"], Traced(module, payload["blocks"],
+                                           input_layout(model, args, kwargs),
+                                           output_spec=payload["output_spec"]))

@@ -1,7 +1,6 @@
 """One module per pipeline stage, cut from a single traced forward along its blocks."""
 from __future__ import annotations
 
-import functools
 import operator
 import time
 from dataclasses import dataclass
@@ -169,17 +168,18 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *,
 class CaptureOnce:
     """`capture(model, *first)` made on the first call and then reused: the memory estimate
     and the split of one compilation share one capture. With `cache_dir` (the executable
-    cache) a capture saved by an earlier run is loaded instead when nothing it depends on
-    changed."""
+    cache) the capture is saved with `probe`'s findings; `stored` is the graph an earlier
+    run saved there (`cache.lookup`), used instead of capturing."""
 
     def __init__(self, model: nn.Module, first: tuple[tuple, dict], *,
                  cache_dir: str | None = None, options: Any = None,
-                 casting: Callable[[], ContextManager[Any]] | None = None) -> None:
+                 casting: Callable[[], ContextManager[Any]] | None = None,
+                 probe: Any = None, stored: Traced | None = None) -> None:
         self.model, self.first, self.cache_dir, self.options = model, first, cache_dir, options
-        self.casting = casting
-        self._traced: Traced | None = None
+        self.casting, self.probe = casting, probe
+        self._traced = stored
         self.seconds = 0.0
-        self.from_cache = False
+        self.from_cache = stored is not None
 
     @property
     def done(self) -> bool:
@@ -189,14 +189,12 @@ class CaptureOnce:
     def __call__(self) -> Traced:
         if self._traced is None:
             start = time.perf_counter()
-            make = functools.partial(capture, self.model, *self.first, casting=self.casting)
-            if self.cache_dir:
-                from pipetorch.partition.cache import cached_capture
+            self._traced = capture(self.model, *self.first, casting=self.casting)
+            if self.cache_dir and self.probe is not None:
+                from pipetorch.partition.cache import Stored, store
 
-                self._traced, self.from_cache = cached_capture(
-                    self.cache_dir, self.model, *self.first, make, options=self.options)
-            else:
-                self._traced = make()
+                store(self.cache_dir, self.model, *self.first, Stored(self.probe, self._traced),
+                      options=self.options)
             self.seconds = time.perf_counter() - start
         return self._traced
 

@@ -84,7 +84,9 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
         if options.auto_balance_devices:
             with casting.within(cast):
                 strategy = _auto_balance(model, first_args, first_kwargs, options)
-        capture = probe(model, first_args, first_kwargs, training=training, casting=cast)
+        stored = _stored(model, first_args, first_kwargs, options, training=training)
+        capture = (stored.probe if stored is not None else
+                   probe(model, first_args, first_kwargs, training=training, casting=cast))
         bar.update()
         stages = strategy.resolve(capture.blocks, preamble=capture.ops_before_blocks)
         plan.check_batching(stages, pipelined=strategy.pipelined, training=training,
@@ -105,7 +107,8 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                       if training else None)
         # One capture for the estimate and the split, from the executable cache if enabled.
         graph = CaptureOnce(model, first, cache_dir=options.executable_cache_dir,
-                            options=options, casting=cast)
+                            options=options, casting=cast, probe=capture,
+                            stored=stored.traced if stored is not None else None)
         with casting.within(cast):
             _check_memory(model, first, stages, options, batching=batching,
                           optimizer=device_opt, pipelined=strategy.pipelined,
@@ -141,6 +144,18 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
     seconds = time.perf_counter() - start
     logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices, seconds)
     return Compiled(engine, stages, capture, devices, seconds, synthetic, graph)
+
+
+def _stored(model: nn.Module, args: tuple, kwargs: dict, options: Any, *,
+            training: bool) -> Any:
+    """The executable cache's entry for this call (cache.Stored), None without one: with it
+    nothing runs forward before the first step."""
+    if not options.executable_cache_dir:
+        return None
+    from pipetorch.partition import cache
+
+    model.train(training)  # the key holds the modes the capture was made in
+    return cache.lookup(options.executable_cache_dir, model, args, kwargs, options=options)
 
 
 def _auto_balance(model: nn.Module, args: tuple, kwargs: dict, options: Any) -> Any:

@@ -243,3 +243,40 @@ def test_forward_returning_only_the_loss_locates_it():
     routes = routes_of(staged, loss_index=last_output(staged))
     assert routes[1].host_outputs == (stage(1, 0),)
     assert [r.loss for r in routes] == [None, stage(1, 0)]
+
+
+class NormDropNet(nn.Module):
+    """BatchNorm's running statistics, dropout's RNG and a detached branch in stage A."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        with poptorch.Block("A"):
+            h = F.dropout(self.bn(self.a(x)), 0.5)
+            frozen = h.detach() * 2
+        with poptorch.Block("B"):
+            return poptorch.identity_loss(self.b(h + frozen).sum(), "sum")
+
+
+def test_value_specs_run_no_forward_and_equal_a_real_run():
+    from pipetorch.parallel import routes
+
+    torch.manual_seed(0)
+    model, x = NormDropNet().train(), torch.randn(5, 4)
+    staged = split_stages(model, (x,), {}, stages("A", "B"))
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    ran = []
+    staged.modules[0].register_forward_pre_hook(
+        lambda module, inputs: ran.append(isinstance(inputs[0], torch._subclasses.FakeTensor)))
+    specs = value_specs(staged, (x,), {}, training=True)
+    assert ran == [True]  # the stage ran once, on fake tensors
+    assert torch.equal(torch.random.get_rng_state(), rng)  # no dropout mask was drawn
+    for name, b in model.named_buffers():  # no running statistic moved
+        assert torch.equal(b, buffers[name]), name
+    assert specs[stage(0, 0)] == TensorSpec((5, 6), torch.float32, True)
+    assert specs[stage(0, 1)] == TensorSpec((5, 6), torch.float32, False)  # detached
+    real = routes._specs(staged, (x,), {}, training=True, mode=None)
+    assert specs == real

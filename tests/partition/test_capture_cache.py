@@ -12,6 +12,7 @@ import torch
 import pipetorch as poptorch
 from helpers.models import MnistNetwork, WithLoss, mnist_data
 from pipetorch.partition import cache
+from pipetorch.partition.probe import probe
 from pipetorch.partition.split import CaptureOnce, split_stages
 from pipetorch.partition.strategies import StageSpec
 
@@ -25,7 +26,14 @@ def model_and_batch(*, rows: int = 4, seed: int = 0):
 
 
 def capture(folder, model, first, options=None) -> CaptureOnce:
-    once = CaptureOnce(model, first, cache_dir=str(folder), options=options)
+    """What compiling does: the stored entry when there is one, else probe, capture, store
+    (in eval mode: these models need no loss)."""
+    stored = cache.lookup(folder, model, *first, options=options)
+    training = model.training  # probing for no loss (these models return none) sets eval
+    found = stored.probe if stored else probe(model, *first, training=False)
+    model.train(training)
+    once = CaptureOnce(model, first, cache_dir=str(folder), options=options, probe=found,
+                       stored=stored.traced if stored else None)
     once()
     return once
 
@@ -149,8 +157,10 @@ def test_the_key_names_the_versions_and_ignores_where_files_go(tmp_path):
 def test_a_second_wrapper_of_the_same_model_compiles_from_the_cache(tmp_path, request):
     model, (args, kwargs) = model_and_batch(rows=2 * 3 * 2)
     twin = copy.deepcopy(model)
-    results = []
+    results, forwards = [], []
     for net in (model, twin):
+        runs = []
+        net.register_forward_pre_hook(lambda *_: runs.append(1))
         opts = poptorch.Options().enableExecutableCaching(str(tmp_path))
         opts.Training.gradientAccumulation(3)
         opts.setExecutionStrategy(poptorch.PipelinedExecution(
@@ -159,7 +169,10 @@ def test_a_second_wrapper_of_the_same_model_compiles_from_the_cache(tmp_path, re
         wrapper = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), lr=0.1))
         request.addfinalizer(wrapper.destroy)
         results.append(wrapper(*args, **kwargs))
+        forwards.append(len(runs))  # in this process: compiling's; the steps run in workers
         graph = wrapper._compiled.graph
         assert graph.from_cache is (net is twin)
+    # A miss probes and captures; a hit runs forward zero times before its first step.
+    assert forwards == [2, 0]
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
