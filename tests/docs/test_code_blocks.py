@@ -1,8 +1,8 @@
 """Every ```python block of README.md and docs/*.md runs, page by page, on small sizes.
 
-The blocks of one page share one namespace and run in page order, so a page can define a
-model once and use it in later blocks: the test of the block at line N first runs (or has
-already run, in this process) the page's earlier blocks. A block preceded by the line
+The blocks of one page run in page order in one namespace (one test per page), so a page
+can define a model once and use it in later blocks; a failure's traceback names the page and
+the line of the block's opening fence (`docs/batching.md:42`). A block preceded by the line
 `<!-- skip: reason -->` is not run and is reported as skipped with that reason (it needs a
 GPU, several machines or a download). ```bash blocks are not run; the README's first two are
 the setup commands CI runs, checked below.
@@ -55,59 +55,41 @@ def _python_blocks() -> list[CodeBlock]:
 PYTHON_BLOCKS = _python_blocks()
 
 
-class _PageRun:
-    """One page's namespace and how many of its blocks have run in it (this process)."""
-
-    def __init__(self, page: Path) -> None:
-        self.page, self.done, self.namespace = page, 0, {"__name__": "__docs__"}
-
-    def close(self) -> None:
-        # Stop the worker processes of any wrapped model the page left running.
-        for value in list(self.namespace.values()):
-            destroy = getattr(value, "destroy", None)
-            if callable(destroy) and type(value).__name__ == "PoplarExecutor":
-                destroy()
-        self.namespace.clear()
-
-
-_current: list[_PageRun] = []
-
-
 def _run(block: CodeBlock, namespace: dict) -> None:
     # The file name in a traceback is the page and the fence's line.
     code = compile(block.code, f"{block.page.relative_to(ROOT)}:{block.line}", "exec")
     exec(code, namespace)  # noqa: S102 - documentation code, run as a reader would
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _close_pages():
-    yield
-    while _current:
-        _current.pop().close()
+def _destroy_wrappers(namespace: dict) -> None:
+    """Stop the worker processes of any wrapped model the page left running."""
+    for value in list(namespace.values()):
+        if type(value).__name__ == "PoplarExecutor":
+            value.destroy()
 
 
-@pytest.mark.parametrize(
-    "block", PYTHON_BLOCKS,
-    ids=[f"{b.page.relative_to(ROOT)}:{b.line}" for b in PYTHON_BLOCKS])
-def test_code_block_runs(block: CodeBlock, tmp_path_factory, monkeypatch) -> None:
-    if block.skip:
-        pytest.skip(block.skip)
-    page_blocks = [b for b in PYTHON_BLOCKS if b.page == block.page and not b.skip]
-    index = page_blocks.index(block)
-    run = _current[0] if _current and _current[0].page == block.page else None
-    if run is None or run.done > index:  # another page, or this page's blocks out of order
-        while _current:
-            _current.pop().close()
-        run = _PageRun(block.page)
-        run.namespace["__file__"] = str(tmp_path_factory.mktemp("page") / "docs_page.py")
-        _current.append(run)
-    # Files a block writes (reports, checkpoints) land in a temporary folder.
-    monkeypatch.chdir(Path(run.namespace["__file__"]).parent)
-    for earlier in page_blocks[run.done:index + 1]:
-        try:
-            _run(earlier, run.namespace)
-        finally:
-            run.done = page_blocks.index(earlier) + 1
+RUN_PAGES = sorted({b.page for b in PYTHON_BLOCKS if not b.skip})
+SKIPPED = [b for b in PYTHON_BLOCKS if b.skip]
+
+
+# One test per page, not per block: a page's blocks share a namespace, and pytest-xdist would
+# hand a page's blocks to different processes, each re-running the blocks before its own.
+@pytest.mark.parametrize("page", RUN_PAGES, ids=[str(p.relative_to(ROOT)) for p in RUN_PAGES])
+def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # files a block writes (reports) land in a temporary folder
+    namespace: dict = {"__name__": "__docs__"}
+    try:
+        for block in PYTHON_BLOCKS:
+            if block.page == page and not block.skip:
+                _run(block, namespace)
+    finally:
+        _destroy_wrappers(namespace)
+
+
+@pytest.mark.parametrize("block", SKIPPED,
+                         ids=[f"{b.page.relative_to(ROOT)}:{b.line}" for b in SKIPPED])
+def test_marked_block_is_skipped(block: CodeBlock) -> None:
+    pytest.skip(f"{block.page.relative_to(ROOT)}:{block.line}: {block.skip}")
 
 
 def test_readme_starts_with_the_setup_commands() -> None:
