@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create the virtualenv (.venv, or $PIPETORCH_VENV) and install pipetorch with its demo and
-# test extras. Safe to run again: it does nothing when nothing that decides the install changed.
+# Create the virtualenv (.venv, or $PIPETORCH_VENV) and install pipetorch with its demo, test
+# and docs extras. Safe to run again: it does nothing when nothing that decides the install changed.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -46,7 +46,7 @@ else
   pip_install "torch==$TORCH_VERSION"
 fi
 
-echo "setup: installing pipetorch (editable) with the demo and test extras"
-pip_install -e ".[demo,test]"
+echo "setup: installing pipetorch (editable) with the demo, test and docs extras"
+pip_install -e ".[demo,test,docs]"
 echo "$want" >"$stamp"
 echo "setup: done ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

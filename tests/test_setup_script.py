@@ -47,4 +47,4 @@ def test_setup_installs_the_torch_build_for_the_machine(tmp_path, gpu):
     torch_lines = [line for line in installs if "torch" in line.split()[-1]]
     want = "torch===2.13.0" if gpu else "torch==2.13.0+cpu"
     assert torch_lines and torch_lines[0].endswith(want), installs
-    assert installs[-1].endswith('-e .[demo,test]'), installs
+    assert installs[-1].endswith('-e .[demo,test,docs]'), installs
