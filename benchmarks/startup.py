@@ -10,7 +10,7 @@ the first call's return (the model and its optimiser are made before), and count
 times forward ran in the host process before that result (the probe and the capture on a
 miss, none from the executable cache; the training steps themselves run in the workers). Settings alternate (pool, pool started at import, fresh, pool with
 the executable cache, pool, ...) so a change in the machine's load hits all alike; the table
-gives the median and the range of each. The cached setting reads POPTORCH_CACHE_DIR from a
+gives the median and the range of each. The cached setting (zygote at import) reads POPTORCH_CACHE_DIR from a
 temporary directory that one untimed run filled first, so every timed run is a cache hit.
 """
 from __future__ import annotations
@@ -65,10 +65,13 @@ def one_run() -> None:
 
 def run(setting: str, cache: str) -> dict[str, float]:
     """One fresh interpreter's seconds under `setting` (a PIPETORCH_WORKER_POOL value or
-    "cached": the pool with POPTORCH_CACHE_DIR=`cache`)."""
+    "cached": the pool started at import, with POPTORCH_CACHE_DIR=`cache`)."""
     env = dict(os.environ, PIPETORCH_DEVICE="cpu")
     env.pop("POPTORCH_CACHE_DIR", None)
-    env["PIPETORCH_WORKER_POOL"] = "1" if setting == "cached" else setting
+    # Python's own bytecode cache on, as on a user's machine (this one sets
+    # PYTHONDONTWRITEBYTECODE, which makes every import compile its source again).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PIPETORCH_WORKER_POOL"] = "early" if setting == "cached" else setting
     if setting == "cached":
         env["POPTORCH_CACHE_DIR"] = cache
     out = subprocess.run([sys.executable, __file__, "--one"], env=env, capture_output=True,
@@ -101,7 +104,7 @@ def main() -> None:
           f"{'forward runs':>18}")
     for pool, name in (("1", "pool, zygote at 1st wrapper"),
                        ("early", "pool, zygote at import"), ("0", "fresh processes"),
-                       ("cached", "pool + executable cache")):
+                       ("cached", "zygote at import + cache")):
         cells = []
         for key in ("import", "first", "second"):
             values = [r[key] for r in results[pool]]
