@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -13,9 +12,8 @@ from pipetorch.parallel.engine import ProcessEngine
 from pipetorch.parallel.placement import place
 from pipetorch.parallel.routes import routes_of, value_specs
 from pipetorch.partition.blocks import removeBlocks
-from pipetorch.partition.split import split_stages
+from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.partition.trace import Traced
 from pipetorch.partition.probe import preserved
 from pipetorch.parallel.compiled import CompiledStage
 from pipetorch.parallel.recompute import stage_module
@@ -30,7 +28,7 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
                    batching: Batching, optimizer: torch.optim.Optimizer | None, pipelined: bool,
                    training: bool, recomputation: bool,
                    process: tuple[int, int] = (0, 1), seed: int | None = None,
-                   capture: Callable[[], Traced] | None = None,
+                   capture: CaptureOnce | None = None,
                    compile_backend: str | None = None,
                    loss_index: int | None = None,
                    pipeline_schedule: str = "1f1b") -> ProcessEngine:
@@ -40,19 +38,24 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     `recomputation` checkpoints every stage's activations (Training.setRecomputation).
 
     `first` is one micro-batch, used to learn the shapes of the values crossing stages;
-    `capture` gives the compilation's capture of forward (captured here when None);
+    `capture` is the compilation's capture of forward and what is derived from it
+    (captured here when None);
     `compile_backend` runs every stage through torch.compile with that backend;
     `loss_index` is the loss's position among forward's tensor outputs (training);
     `pipeline_schedule` is Training.pipelineSchedule ("1f1b", "zero_bubble" or "auto").
     """
     pool.prestart()  # the workers' zygote imports torch while this process splits the model
     args, kwargs = first
-    staged = split_stages(model, args, kwargs, stages,
-                          traced=capture() if capture is not None else None)
+    capture = capture if capture is not None else CaptureOnce(model, first)
+    staged = capture.split(stages)
     removeBlocks(model)  # the stages are cut: BeginBlock's hooks have done their work
     routes = routes_of(staged, loss_index=loss_index if training else None)
-    with preserved(model):
-        specs = value_specs(staged, args, kwargs, training=training)
+
+    def specs_of() -> dict:
+        with preserved(model):
+            return value_specs(staged, args, kwargs, training=training)
+
+    specs = capture.remember(("value specs", tuple(stages), training), specs_of)
     if training:  # recomputationCheckpoint segments, or the whole stage with `recomputation`
         staged = dataclasses.replace(
             staged, modules=[stage_module(m, checkpoint=recomputation) for m in staged.modules])

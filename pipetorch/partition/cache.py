@@ -28,7 +28,7 @@ import pickle
 import platform
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -139,10 +139,12 @@ def _signature(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Stored:
-    """A cache entry: the probe's findings (outputs as meta tensors) and the captured graph."""
+    """A cache entry: the probe's findings (outputs as meta tensors), the captured graph and
+    values derived from it (`split.CaptureOnce.remember`)."""
 
     probe: Capture
     traced: Traced
+    memo: dict[Any, Any] = field(default_factory=dict)
 
 
 def lookup(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict, *,
@@ -186,7 +188,8 @@ def store(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict
                                 "output_spec": traced.output_spec,
                                 "class_name": type(traced.module).__name__,
                                 "probe": dataclasses.replace(
-                                    stored.probe, output=as_meta(stored.probe.output))})
+                                    stored.probe, output=as_meta(stored.probe.output)),
+                                "memo": stored.memo})
     except Exception as error:
         logger.warning("Executable cache: the capture of %s cannot be saved (%s)",
                        type(model).__name__, error)
@@ -240,4 +243,5 @@ def _rebuild(payload: dict[str, Any], model: nn.Module, args: tuple, kwargs: dic
         node.meta[BLOCK_KEY] = payload["node_blocks"][record[1]]
     return Stored(payload["probe"], Traced(module, payload["blocks"],
                                            input_layout(model, args, kwargs),
-                                           output_spec=payload["output_spec"]))
+                                           output_spec=payload["output_spec"]),
+                  payload["memo"])

@@ -166,18 +166,25 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *,
 
 
 class CaptureOnce:
-    """`capture(model, *first)` made on the first call and then reused: the memory estimate
-    and the split of one compilation share one capture. With `cache_dir` (the executable
-    cache) the capture is saved with `probe`'s findings; `stored` is the graph an earlier
-    run saved there (`cache.lookup`), used instead of capturing."""
+    """One compilation's capture of forward and what is derived from it, each made once.
+
+    `capture(model, *first)` is made on the first call and shared by the memory estimate and
+    the engine, as is `split(stages)`. `remember(key, make)` keeps a value derived from the
+    capture (the values' specs, the stages' measured footprints). With `cache_dir` (the
+    executable cache) the capture is saved with `probe`'s findings and the remembered values;
+    `stored` (`cache.lookup`) is what an earlier run saved there, used instead of capturing,
+    probing or measuring again.
+    """
 
     def __init__(self, model: nn.Module, first: tuple[tuple, dict], *,
                  cache_dir: str | None = None, options: Any = None,
                  casting: Callable[[], ContextManager[Any]] | None = None,
-                 probe: Any = None, stored: Traced | None = None) -> None:
+                 probe: Any = None, stored: Any = None) -> None:
         self.model, self.first, self.cache_dir, self.options = model, first, cache_dir, options
         self.casting, self.probe = casting, probe
-        self._traced = stored
+        self._traced: Traced | None = stored.traced if stored is not None else None
+        self._memo: dict[Any, Any] = dict(stored.memo) if stored is not None else {}
+        self._staged: dict[tuple[StageSpec, ...], StagedModel] = {}
         self.seconds = 0.0
         self.from_cache = stored is not None
 
@@ -190,13 +197,30 @@ class CaptureOnce:
         if self._traced is None:
             start = time.perf_counter()
             self._traced = capture(self.model, *self.first, casting=self.casting)
-            if self.cache_dir and self.probe is not None:
-                from pipetorch.partition.cache import Stored, store
-
-                store(self.cache_dir, self.model, *self.first, Stored(self.probe, self._traced),
-                      options=self.options)
             self.seconds = time.perf_counter() - start
+            self._save()
         return self._traced
+
+    def split(self, stages: list[StageSpec]) -> StagedModel:
+        """`split_stages` of the capture into `stages`, cut once."""
+        key = tuple(stages)
+        if key not in self._staged:
+            self._staged[key] = split_stages(self.model, *self.first, stages, traced=self())
+        return self._staged[key]
+
+    def remember(self, key: Any, make: Callable[[], Any]) -> Any:
+        """`make()`, computed once per key (and once per cache entry: saved with it)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+            self._save()
+        return self._memo[key]
+
+    def _save(self) -> None:
+        if self.cache_dir and self.probe is not None and self._traced is not None:
+            from pipetorch.partition.cache import Stored, store
+
+            store(self.cache_dir, self.model, *self.first,
+                  Stored(self.probe, self._traced, dict(self._memo)), options=self.options)
 
 
 def split_stages(model: nn.Module, args: tuple, kwargs: dict,

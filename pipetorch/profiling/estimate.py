@@ -147,14 +147,15 @@ def fmt(nbytes: int) -> str:
 def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
                     batching: Any, optimizer: torch.optim.Optimizer | None, pipelined: bool,
                     training: bool, offload: bool, recomputation: bool,
-                    capture: Callable[[], Any] | None = None) -> MemoryEstimate:
+                    capture: Any = None) -> MemoryEstimate:
     """Each logical device's peak for `model` (the host copy, blocks attached) run on
     `first` (one micro-batch: args, kwargs) as `stages`; see the module doc.
 
     `optimizer` must update `model`'s own parameters (e.g. `device_optimizer`'s copy).
     `recomputation` means every stage keeps only its inputs and outputs for backward.
     The model's train/eval modes, buffers and the RNG are left as they were. `capture`
-    (split.CaptureOnce) gives the compilation's capture of forward, shared with the split.
+    (split.CaptureOnce) is the compilation's capture: its split and the stages' measured
+    footprints are shared with the engine and saved in the executable cache.
     """
     from pipetorch import ops
     from pipetorch.partition.probe import preserved
@@ -171,12 +172,14 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
                 modules, prints = [model], [_whole(model, args, kwargs, training=training)]
                 ipu_of = [ipus[0]]
             else:
-                from pipetorch.partition.split import split_stages
+                from pipetorch.partition.split import CaptureOnce
 
-                staged = split_stages(model, args, kwargs, stages,
-                                      traced=capture() if capture is not None else None)
+                capture = capture if capture is not None else CaptureOnce(model, first)
+                staged = capture.split(stages)
                 modules = list(staged.modules)
-                prints = staged_footprints(staged, args, kwargs, training=training)
+                prints = capture.remember(
+                    ("footprints", tuple(stages), training),
+                    lambda: staged_footprints(staged, args, kwargs, training=training))
                 ipu_of = [s.ipu_id for s in stages]
     finally:
         for module, mode in modes.items():

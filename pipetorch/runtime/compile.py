@@ -108,7 +108,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
         # One capture for the estimate and the split, from the executable cache if enabled.
         graph = CaptureOnce(model, first, cache_dir=options.executable_cache_dir,
                             options=options, casting=cast, probe=capture,
-                            stored=stored.traced if stored is not None else None)
+                            stored=stored)
         with casting.within(cast):
             _check_memory(model, first, stages, options, batching=batching,
                           optimizer=device_opt, pipelined=strategy.pipelined,

@@ -33,7 +33,7 @@ def capture(folder, model, first, options=None) -> CaptureOnce:
     found = stored.probe if stored else probe(model, *first, training=False)
     model.train(training)
     once = CaptureOnce(model, first, cache_dir=str(folder), options=options, probe=found,
-                       stored=stored.traced if stored else None)
+                       stored=stored)
     once()
     return once
 
@@ -154,14 +154,20 @@ def test_the_key_names_the_versions_and_ignores_where_files_go(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_second_wrapper_of_the_same_model_compiles_from_the_cache(tmp_path, request):
+def test_a_second_wrapper_of_the_same_model_compiles_from_the_cache(tmp_path, request,
+                                                                   monkeypatch):
     model, (args, kwargs) = model_and_batch(rows=2 * 3 * 2)
     twin = copy.deepcopy(model)
     results, forwards = [], []
     for net in (model, twin):
         runs = []
         net.register_forward_pre_hook(lambda *_: runs.append(1))
+        if net is twin:  # nothing is measured again: the entry holds the specs and footprints
+            for name in ("pipetorch.parallel.build.value_specs",
+                         "pipetorch.profiling.estimate.staged_footprints"):
+                monkeypatch.setattr(name, lambda *a, name=name, **k: pytest.fail(name))
         opts = poptorch.Options().enableExecutableCaching(str(tmp_path))
+        opts.setMemoryBudget("8GiB")  # the estimate measures each stage's footprint
         opts.Training.gradientAccumulation(3)
         opts.setExecutionStrategy(poptorch.PipelinedExecution(
             poptorch.Stage("B1", "B2").ipu(0), poptorch.Stage("B3", "B4").ipu(1)))
