@@ -76,12 +76,6 @@ class SlotLayout:
         return cls(tuple(shapes), tuple(t.dtype for t in leaves), tuple(offsets),
                    max(position, _ALIGN))
 
-    @property
-    def data_bytes(self) -> int:
-        """Bytes of tensor data in a full slot (without alignment padding)."""
-        return sum(_numel(s) * d.itemsize
-                   for s, d in zip(self.shapes, self.dtypes))
-
     def views(self, buffer: torch.Tensor, slot: int) -> list[torch.Tensor]:
         """The tensors of `slot`, as views of the shared byte buffer."""
         base = slot * self.slot_bytes

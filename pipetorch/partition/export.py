@@ -275,8 +275,3 @@ def _construct(error: Exception) -> str:
     if "Unsupported" in text or "not supported" in text:
         return "an operation torch.export does not support"
     return "an operation that could not be captured"
-
-
-def flatten_output(spec: pytree.TreeSpec | None, value: Any) -> Any:
-    """Forward's output structure rebuilt from the graph's flat leaves."""
-    return value if spec is None else pytree.tree_unflatten(list(value), spec)

@@ -25,7 +25,6 @@ class Capture:
 
     blocks: list[BlockInfo]
     ops_before_blocks: bool
-    loss_calls: int
     uses_recomputation: bool
     mutated_buffers: list[str]
     output: Any
@@ -91,6 +90,5 @@ def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
         with torch.no_grad(), blocks.recording() as rec, ops.record_calls() as calls, \
                 _BlockGuard(rec), ops.running_on_device(), within(casting):
             output = model(*args, **kwargs)
-    return Capture(rec.ordered(), rec.ops_before_blocks, calls["loss"] + calls["identity_loss"],
-                   calls["recomputationCheckpoint"] > 0, mutated, output,
-                   final_loss_index(output, calls.losses) if training else None)
+    return Capture(rec.ordered(), rec.ops_before_blocks, calls["recomputationCheckpoint"] > 0,
+                   mutated, output, final_loss_index(output, calls.losses) if training else None)

@@ -139,11 +139,6 @@ def detach(sync: HostSync) -> None:
             module.__class__ = base
 
 
-def existing_sync(model: nn.Module) -> HostSync | None:
-    """The HostSync of a model already wrapped, if any."""
-    return model.__dict__.get(_SYNC_ATTR)
-
-
 def device_copy(model: nn.Module, device: torch.device) -> nn.Module:
     """A private copy of the model on `device`, free of host-sync machinery."""
     return copy.deepcopy(model).to(device)  # __reduce_ex__ above strips the sync machinery
