@@ -46,6 +46,7 @@ from pipetorch.parallel.tied import ties_of
 from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
 from pipetorch.schedule.devices import choose as choose_schedule
+from pipetorch.schedule.devices import runs
 
 # Ticks per micro-batch for "auto": forward, input gradient and weight gradient alike, and a
 # whole backward 8 where the two parts take 10 (benchmarks/pipeline.py, seed CNN on CPU:
@@ -101,9 +102,18 @@ class ProcessEngine:
         self.devices = len(self.placements) // self.replicas  # workers per replica
         self.owners = tuple(next(d for d, p in enumerate(self.placements) if s in p.stages)
                             for s in range(len(self.routes)))
-        if schedule == "auto":  # Training.pipelineSchedule("auto"): the simulator picks
-            schedule = choose_schedule(len(self.routes), batching.gradient_accumulation,
-                                       self.owners, **_SPLIT_COSTS)
+        self.auto = schedule == "auto"  # Training.pipelineSchedule("auto"): the simulator
+        self.predicted_bubble: float | None = None  # picks, again after the first call
+        self._measured = False
+        if self.auto:
+            schedule = self._choose(_SPLIT_COSTS)
+        elif runs(schedule, self.owners, batching.gradient_accumulation) != schedule:
+            logger.warning(
+                "pipelineSchedule(%r) needs the stages round-robin over the devices, several "
+                "each (ipus 0,1,0,1), and G a multiple of G // devices; stage devices %s, G %d: "
+                "running %s", schedule, list(self.owners), batching.gradient_accumulation,
+                runs(schedule, self.owners, batching.gradient_accumulation))
+            schedule = runs(schedule, self.owners, batching.gradient_accumulation)
         self.schedule = schedule
         self.ties = ties_of(model, staged, self.owners)  # weights held on several devices
         self._lost: str | None = None
@@ -213,6 +223,29 @@ class ProcessEngine:
         self._run(micro_batches, collector, training=True, iterations=b.device_iterations,
                   per_iteration=b.gradient_accumulation,
                   scale=reduction_multiplier(every))
+
+        if self.auto and not self._measured:  # the first call measured the stages' times
+            self._measured = True
+            self._rechoose()
+
+    def _choose(self, costs: dict[str, int]) -> str:
+        """The schedule the simulator finishes first with these tick costs (logged)."""
+        schedule, self.predicted_bubble = choose_schedule(
+            len(self.routes), self.batching.gradient_accumulation, self.owners, **costs)
+        logger.info("pipelineSchedule('auto') chose %s: predicted bubble %.1f%% of a step "
+                    "(ticks %s)", schedule, 100 * self.predicted_bubble, costs)
+        return schedule
+
+    def _rechoose(self) -> None:
+        """Choose again from the first call's measured forward and backward times; the
+        workers switch plans for the next calls (every schedule computes the same numbers)."""
+        costs = measured_costs(self.last_trace)
+        schedule = self._choose(costs) if costs else self.schedule
+        if schedule != self.schedule:
+            self.schedule = schedule
+            for peer in self.peers:
+                self._send(peer, ("schedule", schedule))
+            self._gather("a change of schedule")
 
     def infer(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
         """Forward of every micro-batch of the call, each replica through one plan."""
@@ -493,6 +526,29 @@ def _model_source(failure: wire.Failure, staged: StagedModel) -> str | None:
     graph = getattr(staged.modules[failure.stage], "graph", None)
     node = next((n for n in graph.nodes if n.name == names[-1]), None) if graph else None
     return node.meta.get("stack_trace") if node is not None else None
+
+
+def measured_costs(traces: Sequence[Trace]) -> dict[str, int] | None:
+    """Tick costs for `choose_schedule` from one call's spans: a forward 10 ticks, the rest in
+    proportion (medians over stages and micro-batches). A whole backward's split parts are
+    priced as `_SPLIT_COSTS` prices them, a split one's whole likewise; None without spans."""
+    def median(kind: str) -> float | None:
+        times = sorted(s.end - s.start for t in traces for s in t.spans if s.kind == kind)
+        return times[len(times) // 2] if times else None
+
+    forward, backward, weight = median("F"), median("B"), median("W")
+    if not forward or not backward:
+        return None
+    split = _SPLIT_COSTS["backward"] + _SPLIT_COSTS["weight"]
+    if weight is None:  # a whole backward: its parts as _SPLIT_COSTS shares them
+        whole = backward
+        backward = weight = whole * split / _SPLIT_COSTS["whole"] / 2
+    else:
+        whole = (backward + weight) * _SPLIT_COSTS["whole"] / split
+
+    def ticks(value: float) -> int:
+        return max(1, round(10 * value / forward))
+    return dict(forward=10, backward=ticks(backward), weight=ticks(weight), whole=ticks(whole))
 
 
 def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipetorch.schedule import plans
+from pipetorch.schedule import interleaved, plans
 from pipetorch.schedule.actions import Action, Kind, Plan
 from pipetorch.schedule.checks import (DeadlockError, Event, Report, ScheduleError, Timeline,
                                        check, simulate)
@@ -33,6 +33,7 @@ __all__: list[str] = []
 DevicePlan = list[list[Action]]
 """`device_plan[d]` is the ordered action list of device d, over every stage it holds."""
 
+INTERLEAVED = ("interleaved", "interleaved_zero_bubble")
 _SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.SEND_DONE)
 
 
@@ -107,20 +108,49 @@ def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
     return merged
 
 
-def choose(stages: int, micro_batches: int, owners: Sequence[int], *, forward: int = 1,
-           backward: int = 1, weight: int = 1, whole: int | None = None) -> str:
-    """The training schedule ("pipelined" = 1F1B, or "zero_bubble") whose device plan the
-    simulator finishes first with these tick costs: a split backward's input part `backward`
-    and weight part `weight`, a whole one `whole` (default their sum; less where splitting
-    costs extra work). 1F1B on a tie, as it holds fewer activations."""
-    whole = backward + weight if whole is None else whole
+def device_plan(kind: str, stages: int, micro_batches: int, owners: Sequence[int], *,
+                training: bool) -> DevicePlan:
+    """Every device's list for plan kind `kind` (plans.KINDS): "interleaved" and
+    "interleaved_zero_bubble" run interleaved 1F1B (`interleaved.plan`) where the placement
+    and G allow it (`runs`), 1F1B / ZB-H1 merged otherwise; the rest are merged."""
+    if kind in INTERLEAVED:
+        if training and interleaved.fits(owners, micro_batches):
+            return interleaved.plan(stages, micro_batches, owners,
+                                    split=kind == "interleaved_zero_bubble")
+        kind = "zero_bubble" if kind == "interleaved_zero_bubble" else "pipelined"
+    return merge(plans.plan(kind, stages, micro_batches, training=training), owners)
 
-    def makespan(kind: str, split: bool) -> int:
+
+def runs(kind: str, owners: Sequence[int], micro_batches: int) -> str:
+    """The training schedule `device_plan` runs for `kind`: an interleaved one falls back to
+    "zero_bubble" / "pipelined" (1F1B) where the stages are not round-robin over the devices
+    or G does not split into rounds (`interleaved.fits`)."""
+    if kind in INTERLEAVED and not interleaved.fits(owners, micro_batches):
+        return "zero_bubble" if kind == "interleaved_zero_bubble" else "pipelined"
+    return kind
+
+
+def choose(stages: int, micro_batches: int, owners: Sequence[int], *, forward: int = 1,
+           backward: int = 1, weight: int = 1, whole: int | None = None) -> tuple[str, float]:
+    """The training schedule whose device plan the simulator finishes first with these tick
+    costs, and its bubble share: "pipelined" (1F1B), "zero_bubble", and, with stages
+    round-robin over the devices, "interleaved" and "interleaved_zero_bubble". A split
+    backward costs `backward` for the input's part and `weight` for the weights', a whole one
+    `whole` (default their sum; less where splitting costs extra work). Transfers are
+    buffered, as the workers' links are. On a tie the one earlier in that list, which holds
+    fewer activations."""
+    whole = backward + weight if whole is None else whole
+    kinds = ["pipelined", "zero_bubble"] + (
+        list(INTERLEAVED) if interleaved.fits(owners, micro_batches) else [])
+    timelines = []
+    for kind in kinds:
+        split = "zero_bubble" in kind
         costs = dict(forward=forward, backward=backward if split else whole, weight=weight)
-        per_stage = plans.plan(kind, stages, micro_batches, training=True)
-        return check_devices(merge(per_stage, owners, **costs), owners, **costs).makespan
-    shorter = makespan("zero_bubble", True) < makespan("1f1b", False)
-    return "zero_bubble" if shorter else "pipelined"
+        timelines.append(simulate_devices(
+            device_plan(kind, stages, micro_batches, owners, training=True), owners,
+            buffered=True, **costs))
+    best = min(range(len(kinds)), key=lambda k: (timelines[k].makespan, k))
+    return kinds[best], timelines[best].bubble_fraction
 
 
 def _whole_steps(actions: list[Action]) -> list[Kind]:
@@ -142,16 +172,19 @@ def project(device_plan: DevicePlan, owners: Sequence[int]) -> Plan:
 
 
 def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: int = 1,
-                     backward: int = 1, weight: int = 1, step: int = 0) -> Timeline:
+                     backward: int = 1, weight: int = 1, step: int = 0,
+                     buffered: bool = False) -> Timeline:
     """Run every device's list in order on a simulated clock (rows of the Timeline are
-    devices). A transfer between devices is a rendezvous, as in `simulate`; one within a
-    device needs its send earlier in the list than its receive. Raises DeadlockError."""
+    devices). A transfer between devices is a rendezvous, as in `simulate`, or with
+    `buffered` a send that returns at once and a receive that waits for it (the workers'
+    links: shared-memory rings and gloo's isend); one within a device needs its send earlier
+    in the list than its receive. Raises DeadlockError."""
     _check_device_plan(device_plan, owners)
     costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.BACKWARD_WEIGHT: weight,
              Kind.STEP: step,
              Kind.ALL_REDUCE: step, Kind.TIED_REDUCE: step}
     pos, clock = [0] * len(device_plan), [0] * len(device_plan)
-    handed: set[Action] = set()  # local sends whose receive has not run yet
+    handed: dict[Action, int] = {}  # sends (local, or any when buffered) not received yet
     events: list[list[Event]] = [[] for _ in device_plan]
 
     def run(d: int, action: Action, start: int, cost: int) -> None:
@@ -164,19 +197,18 @@ def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward:
         for d, actions in enumerate(device_plan):
             while pos[d] < len(actions):
                 action = actions[pos[d]]
-                local = action.peer is not None and owners[action.peer] == d
+                local = action.peer is not None and (buffered or owners[action.peer] == d)
                 if action.kind in costs:
                     run(d, action, clock[d], costs[action.kind])
                 elif local and action.kind in _SENDS:
-                    handed.add(action)
+                    handed[action] = clock[d]
                     run(d, action, clock[d], 0)
                 elif local:
                     sent = Action(action.kind.counterpart, action.peer, action.micro_batch,
                                   action.stage)
                     if sent not in handed:
                         break
-                    handed.discard(sent)
-                    run(d, action, clock[d], 0)
+                    run(d, action, max(clock[d], handed.pop(sent)), 0)
                 else:
                     e = owners[action.peer]
                     if pos[e] == len(device_plan[e]) or not action.matches(
