@@ -2,24 +2,29 @@
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters" (2021), as
 torch's ScheduleInterleaved1F1B. With S = V x N stages placed round-robin (ipus 0,1,0,1), a
-device runs its forwards in rounds of N micro-batches through each of its V stages in turn
-(stage d for micro-batches 0..N-1, then stage d+N for them, ...), backwards the same way from
-its last stage down, and, after (V-1)N + 2(N-1-d) warm-up forwards, one forward then one
-backward. Each of a device's stages costs 1/V of its work, so the (N-1)-stage ramp that is
+device runs its forwards in rounds of R micro-batches (N, or G split evenly into G // N
+rounds) through each of its V stages in turn (stage d for micro-batches 0..R-1, then stage
+d+N for them, ...), backwards the same way from its last stage down, and, after
+(V-1)R + 2(N-1-d) warm-up forwards, one forward then one backward. Each of a device's stages costs 1/V of its work, so the (N-1)-stage ramp that is
 1F1B's bubble shrinks V times: (N-1)/(VG+N-1) of a step against (N-1)/(G+N-1).
 
 4 stages on 2 devices (V=2), G=4, forward one tick and backward two, from
-`grid.render(devices.simulate_devices(plan(4, 4, (0, 1, 0, 1)), ...), unit="device")`, a cell
-naming stage:micro-batch (1F1B takes 30 ticks, this 27):
+`grid.render(devices.simulate_devices(plan(4, 4, (0, 1, 0, 1)), (0, 1, 0, 1), backward=2,
+buffered=True), unit="device")`, a cell naming stage:micro-batch. It takes 27 ticks: the
+same blocks as two stages under 1F1B take 30, the four merged onto the devices (`merge`) 28.
 
-    device 0 | 0:F0 0:F1 2:F0 2:F1 0:F2 0:F3 ... 2:B0 2:B0 2:F2 ...
-    device 1 |    . 1:F0 1:F1 3:F0 3:B0 3:B0 ...
+    device 0 | 0:F0 0:F1 2:F0 2:F1 0:F2    . 2:B0 2:B0 0:F3 2:B1 2:B1 2:F2 0:B0 0:B0 2:F3 ...
+    device 1 |    . 1:F0 1:F1 3:F0 3:B0 3:B0 3:F1 3:B1 3:B1 1:F2 1:B0 1:B0 1:F3 1:B1 1:B1 ...
 
 A device's list gets its transfers by a dry run with buffered sends: each transfer is
 stamped with the time its data is ready and placed there in both devices' lists, ordered by
 (time, sender, ...) everywhere. All lists then follow one global order, so a rendezvous
 transport cannot deadlock: the earliest unfinished action is always at the head of its
-list(s). A stage stashes up to V(N-1)+2(N-1-d)+1 micro-batches, each 1/V of a device's.
+list(s).
+
+Memory: the warm-up holds more in flight. Ipus 0,1,0,1 and G=8: stages 0..3 stash at most
+4, 3, 2, 1 micro-batches (`check_devices(...).peak_stash`), so device 0 holds 6 half-sized
+stashes where 1F1B over the same blocks as two stages holds 2 whole ones (4 halves).
 """
 from __future__ import annotations
 
