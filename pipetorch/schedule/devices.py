@@ -34,6 +34,7 @@ DevicePlan = list[list[Action]]
 """`device_plan[d]` is the ordered action list of device d, over every stage it holds."""
 
 INTERLEAVED = ("interleaved", "interleaved_zero_bubble")
+_TIES = {Kind.SEND_ACT: 0, Kind.SEND_GRAD: 1}  # sends at one instant: activations first
 _SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.SEND_DONE)
 
 
@@ -111,14 +112,48 @@ def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
 def device_plan(kind: str, stages: int, micro_batches: int, owners: Sequence[int], *,
                 training: bool) -> DevicePlan:
     """Every device's list for plan kind `kind` (plans.KINDS): "interleaved" and
-    "interleaved_zero_bubble" run interleaved 1F1B (`interleaved.plan`) where the placement
+    "interleaved_zero_bubble" run interleaved 1F1B (`interleaved_plan`) where the placement
     and G allow it (`runs`), 1F1B / ZB-H1 merged otherwise; the rest are merged."""
     if kind in INTERLEAVED:
         if training and interleaved.fits(owners, micro_batches):
-            return interleaved.plan(stages, micro_batches, owners,
+            return interleaved_plan(stages, micro_batches, owners,
                                     split=kind == "interleaved_zero_bubble")
         kind = "zero_bubble" if kind == "interleaved_zero_bubble" else "pipelined"
     return merge(plans.plan(kind, stages, micro_batches, training=training), owners)
+
+
+def interleaved_plan(stages: int, micro_batches: int, owners: Sequence[int], *,
+                     split: bool = False) -> DevicePlan:
+    """Interleaved 1F1B (`interleaved.py`) on stages round-robin over the devices; `split`
+    defers each backward's weight part (interleaved zero-bubble)."""
+    return serialize(interleaved.orders(stages, micro_batches, owners, split=split), owners,
+                     backward=1 if split else 2)
+
+
+def serialize(orders: list[list[Action]], owners: Sequence[int], *, forward: int = 1,
+              backward: int = 1, weight: int = 1) -> list[list[Action]]:
+    """Device plans from each device's compute order: transfers placed where a dry run with
+    buffered sends has their data ready, in one global order (see interleaved.py)."""
+    stages = len(owners)
+    steps = {Kind.FORWARD: plans._forward, Kind.BACKWARD: plans._backward}
+    dry = [[t for a in order for t in (steps[a.kind](a.stage, a.micro_batch, stages)
+                                       if a.kind in steps else [a])] for order in orders]
+    timeline = simulate_devices(dry, owners, forward=forward, backward=backward, weight=weight,
+                                buffered=True)  # raises DeadlockError if the orders wait in a ring
+    sent = {e.action: (e.start, 0, e.action.stage, _TIES[e.action.kind], e.action.micro_batch)
+            for row in timeline.events for e in row if e.action.kind in _TIES}
+    plan = []
+    for d, row in enumerate(timeline.events):
+        def key(e: Event) -> tuple[int, ...]:
+            a = e.action
+            if a.kind.is_compute:
+                return (e.start, 1)
+            if a.kind in _TIES:
+                return sent[a] + (0,)  # a hand-over's send before its receive
+            return sent[Action(a.kind.counterpart, a.peer, a.micro_batch, a.stage)] + (1,)
+        first = min(s for s, o in enumerate(owners) if o == d)
+        plan.append([e.action for e in sorted(row, key=key)] + [Action(Kind.STEP, first)])
+    return plan
 
 
 def runs(kind: str, owners: Sequence[int], micro_batches: int) -> str:

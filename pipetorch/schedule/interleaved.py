@@ -9,14 +9,14 @@ d+N for them, ...), backwards the same way from its last stage down, and, after
 1F1B's bubble shrinks V times: (N-1)/(VG+N-1) of a step against (N-1)/(G+N-1).
 
 4 stages on 2 devices (V=2), G=4, forward one tick and backward two, from
-`grid.render(devices.simulate_devices(plan(4, 4, (0, 1, 0, 1)), (0, 1, 0, 1), backward=2,
-buffered=True), unit="device")`, a cell naming stage:micro-batch. It takes 27 ticks: the
+`grid.render(devices.simulate_devices(devices.interleaved_plan(4, 4, (0, 1, 0, 1)),
+(0, 1, 0, 1), backward=2, buffered=True), unit="device")`, a cell naming stage:micro-batch. It takes 27 ticks: the
 same blocks as two stages under 1F1B take 30, the four merged onto the devices (`merge`) 28.
 
     device 0 | 0:F0 0:F1 2:F0 2:F1 0:F2    . 2:B0 2:B0 0:F3 2:B1 2:B1 2:F2 0:B0 0:B0 2:F3 ...
     device 1 |    . 1:F0 1:F1 3:F0 3:B0 3:B0 3:F1 3:B1 3:B1 1:F2 1:B0 1:B0 1:F3 1:B1 1:B1 ...
 
-A device's list gets its transfers by a dry run with buffered sends: each transfer is
+A device's list gets its transfers (`devices.serialize`) by a dry run with buffered sends: each transfer is
 stamped with the time its data is ready and placed there in both devices' lists, ordered by
 (time, sender, ...) everywhere. All lists then follow one global order, so a rendezvous
 transport cannot deadlock: the earliest unfinished action is always at the head of its
@@ -31,11 +31,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipetorch.schedule.actions import Action, Kind
-from pipetorch.schedule.checks import DeadlockError
 
 __all__: list[str] = []
-
-_SENDS = {Kind.SEND_ACT: 0, Kind.SEND_GRAD: 1}  # ties at one instant: activations first
 
 
 def fits(owners: Sequence[int], micro_batches: int) -> bool:
@@ -86,72 +83,13 @@ def _defer_weights(order: list[Action], lag: int) -> list[Action]:
     return out + pending
 
 
-def plan(stages: int, micro_batches: int, owners: Sequence[int], *,
-         split: bool = False) -> list[list[Action]]:
-    """The device plan (one action list per device, ending in STEP) of interleaved 1F1B;
-    `split` defers each backward's weight part (interleaved zero-bubble)."""
+def orders(stages: int, micro_batches: int, owners: Sequence[int], *,
+           split: bool = False) -> list[list[Action]]:
+    """Every device's compute order (`devices.interleaved_plan` adds the transfers)."""
     if len(owners) != stages or not fits(owners, micro_batches):
         raise ValueError(
             f"Interleaved stages need the {stages} stages round-robin on 2+ devices, several "
             f"each (ipus 0,1,0,1), and G ({micro_batches}) a multiple of G // devices; got "
             f"devices {list(owners)}")
-    devices = max(owners) + 1
-    orders = [compute_order(stages, micro_batches, devices, d, split=split)
-              for d in range(devices)]
-    return serialize(orders, owners, forward=1, backward=2 if not split else 1, weight=1)
-
-
-def serialize(orders: list[list[Action]], owners: Sequence[int], *, forward: int = 1,
-              backward: int = 1, weight: int = 1) -> list[list[Action]]:
-    """Device plans from each device's compute order: transfers placed where a dry run with
-    buffered sends has their data ready, in one global order (see the module docstring)."""
-    stages = len(owners)
-    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.BACKWARD_WEIGHT: weight}
-    ends: dict[Action, int] = {}
-    keyed: list[list[tuple[tuple[int, ...], Action]]] = [[] for _ in orders]
-    pos, clock = [0] * len(orders), [0] * len(orders)
-    progress = True
-    while progress:
-        progress = False
-        for d, order in enumerate(orders):
-            while pos[d] < len(order):
-                action = order[pos[d]]
-                needs = _needs(action, stages)
-                if any(n not in ends for n in needs):
-                    break
-                start = max([clock[d], *(ends[n] for n in needs)])
-                clock[d] = ends[action] = start + costs[action.kind]
-                keyed[d].append(((start, 1), action))
-                for send, recv in _transfers(action, stages):
-                    key = (clock[d], 0, send.stage, _SENDS[send.kind], send.micro_batch)
-                    keyed[owners[send.stage]].append((key + (0,), send))  # a hand-over's
-                    keyed[owners[recv.stage]].append((key + (1,), recv))  # send first
-                pos[d] += 1
-                progress = True
-    if any(p < len(o) for p, o in zip(pos, orders)):
-        raise DeadlockError("The devices' compute orders wait on each other: "
-                            + "; ".join(f"device {d} at {o[p]}" for d, (p, o)
-                                        in enumerate(zip(pos, orders)) if p < len(o)))
-    first = [min(s for s, o in enumerate(owners) if o == d) for d in range(len(orders))]
-    return [[a for _, a in sorted(row, key=lambda item: item[0])] + [Action(Kind.STEP, first[d])]
-            for d, row in enumerate(keyed)]
-
-
-def _needs(action: Action, stages: int) -> list[Action]:
-    """The computes `action` waits for on other stages (its own stage's come earlier)."""
-    s, m = action.stage, action.micro_batch
-    if action.kind is Kind.FORWARD and s > 0:
-        return [Action(Kind.FORWARD, s - 1, m)]
-    if action.kind is Kind.BACKWARD:
-        return [Action(Kind.BACKWARD, s + 1, m) if s < stages - 1 else Action(Kind.FORWARD, s, m)]
-    return []
-
-
-def _transfers(action: Action, stages: int) -> list[tuple[Action, Action]]:
-    """The (send, receive) pairs carrying `action`'s result to its neighbour stage."""
-    s, m = action.stage, action.micro_batch
-    if action.kind is Kind.FORWARD and s < stages - 1:
-        return [(Action(Kind.SEND_ACT, s, m, s + 1), Action(Kind.RECV_ACT, s + 1, m, s))]
-    if action.kind is Kind.BACKWARD and s > 0:
-        return [(Action(Kind.SEND_GRAD, s, m, s - 1), Action(Kind.RECV_GRAD, s - 1, m, s))]
-    return []
+    return [compute_order(stages, micro_batches, max(owners) + 1, d, split=split)
+            for d in range(max(owners) + 1)]
