@@ -45,8 +45,7 @@ from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
 from pipetorch.parallel.tied import ties_of
 from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
-from pipetorch.schedule.devices import choose as choose_schedule
-from pipetorch.schedule.devices import runs
+from pipetorch.schedule.devices import choose as choose_schedule, runs
 
 # Ticks per micro-batch for "auto": forward, input gradient and weight gradient alike, and a
 # whole backward 8 where the two parts take 10 (benchmarks/pipeline.py, seed CNN on CPU:

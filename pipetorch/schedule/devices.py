@@ -15,6 +15,10 @@ device 1's work and is never idle:
     device 0 | 0:F0 0:F1 2:F0 0:F2 2:B0 2:F1 2:B1 0:B0 2:F2 2:B2 0:B1 0:B2
     device 1 |    . 1:F0 1:F1    .    . 1:B0 1:F2 1:B1    .    . 1:B2    .
 
+Interleaved schedules are not merged but built per device: `interleaved.py` gives each
+device's compute order and `serialize` adds the transfers (`interleaved_plan`); `device_plan`
+gives any kind's device plan, and `choose` the kind the simulator finishes first.
+
 Whole-step actions (STEP, and the ALL_REDUCE / TIED_REDUCE the worker adds with replicas / with
 a weight tied across devices) cover every stage of the device: a device plan has one of each,
 named for the device's first stage.
