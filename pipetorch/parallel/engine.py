@@ -24,6 +24,7 @@ import pickle
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -227,7 +228,7 @@ class ProcessEngine:
             self._measured = True
             self._rechoose()
 
-    def _choose(self, costs: dict[str, int]) -> str:
+    def _choose(self, costs: dict[str, Any]) -> str:
         """The schedule the simulator finishes first with these tick costs (logged)."""
         schedule, self.predicted_bubble = choose_schedule(
             len(self.routes), self.batching.gradient_accumulation, self.owners, **costs)
@@ -527,27 +528,36 @@ def _model_source(failure: wire.Failure, staged: StagedModel) -> str | None:
     return node.meta.get("stack_trace") if node is not None else None
 
 
-def measured_costs(traces: Sequence[Trace]) -> dict[str, int] | None:
-    """Tick costs for `choose_schedule` from one call's spans: a forward 10 ticks, the rest in
-    proportion (medians over stages and micro-batches). A whole backward's split parts are
-    priced as `_SPLIT_COSTS` prices them, a split one's whole likewise; None without spans."""
-    def median(kind: str) -> float | None:
-        times = sorted(s.end - s.start for t in traces for s in t.spans if s.kind == kind)
+def measured_costs(traces: Sequence[Trace]) -> dict[str, tuple[int, ...]] | None:
+    """Per-stage tick costs for `choose_schedule` from one call's spans (medians over the
+    micro-batches), the stages' median forward being 10 ticks. A whole backward's split parts
+    are priced as `_SPLIT_COSTS` prices them, a split one's whole likewise; None without
+    every stage's forward and backward spans."""
+    stages = max((t.stage for t in traces), default=-1) + 1
+
+    def median(kind: str, stage: int) -> float | None:
+        times = sorted(s.end - s.start for t in traces if t.stage == stage
+                       for s in t.spans if s.kind == kind)
         return times[len(times) // 2] if times else None
 
-    forward, backward, weight = median("F"), median("B"), median("W")
-    if not forward or not backward:
+    forward, backward, weight = ([median(k, s) for s in range(stages)] for k in "FBW")
+    if not stages or any(not t for t in forward + backward):
         return None
     split = _SPLIT_COSTS["backward"] + _SPLIT_COSTS["weight"]
-    if weight is None:  # a whole backward: its parts as _SPLIT_COSTS shares them
-        whole = backward
-        backward = weight = whole * split / _SPLIT_COSTS["whole"] / 2
-    else:
-        whole = (backward + weight) * _SPLIT_COSTS["whole"] / split
+    whole, parts = [], []
+    for b, w in zip(backward, weight):
+        if w is None:  # a whole backward: its parts as _SPLIT_COSTS shares them
+            whole.append(b)
+            parts.append((b * split / _SPLIT_COSTS["whole"] / 2,) * 2)
+        else:
+            whole.append((b + w) * _SPLIT_COSTS["whole"] / split)
+            parts.append((b, w))
+    unit = statistics.median(forward) / 10  # type: ignore[type-var]
 
-    def ticks(value: float) -> int:
-        return max(1, round(10 * value / forward))
-    return dict(forward=10, backward=ticks(backward), weight=ticks(weight), whole=ticks(whole))
+    def ticks(values: Sequence[float]) -> tuple[int, ...]:
+        return tuple(max(1, round(v / unit)) for v in values)
+    return dict(forward=ticks(forward), backward=ticks([b for b, _ in parts]),  # type: ignore
+                weight=ticks([w for _, w in parts]), whole=ticks(whole))
 
 
 def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE,

@@ -169,16 +169,23 @@ def runs(kind: str, owners: Sequence[int], micro_batches: int) -> str:
     return kind
 
 
-def choose(stages: int, micro_batches: int, owners: Sequence[int], *, forward: int = 1,
-           backward: int = 1, weight: int = 1, whole: int | None = None) -> tuple[str, float]:
+Ticks = int | Sequence[int]
+"""A cost in ticks: the same for every stage, or one per stage."""
+
+
+def choose(stages: int, micro_batches: int, owners: Sequence[int], *, forward: Ticks = 1,
+           backward: Ticks = 1, weight: Ticks = 1,
+           whole: Ticks | None = None) -> tuple[str, float]:
     """The training schedule whose device plan the simulator finishes first with these tick
     costs, and its bubble share: "pipelined" (1F1B), "zero_bubble", and, with stages
     round-robin over the devices, "interleaved" and "interleaved_zero_bubble". A split
     backward costs `backward` for the input's part and `weight` for the weights', a whole one
-    `whole` (default their sum; less where splitting costs extra work). Transfers are
-    buffered, as the workers' links are. On a tie the one earlier in that list, which holds
-    fewer activations."""
-    whole = backward + weight if whole is None else whole
+    `whole` (default their sum; less where splitting costs extra work); each cost one for
+    all stages or one per stage. Transfers are buffered, as the workers' links are. On a tie
+    the one earlier in that list, which holds fewer activations."""
+    if whole is None:
+        whole = tuple(b + w for b, w in zip(_per_stage(backward, stages),
+                                            _per_stage(weight, stages)))
     kinds = ["pipelined", "zero_bubble"] + (
         list(INTERLEAVED) if interleaved.fits(owners, micro_batches) else [])
     timelines = []
@@ -210,18 +217,19 @@ def project(device_plan: DevicePlan, owners: Sequence[int]) -> Plan:
     return plan
 
 
-def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: int = 1,
-                     backward: int = 1, weight: int = 1, step: int = 0,
+def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: Ticks = 1,
+                     backward: Ticks = 1, weight: Ticks = 1, step: int = 0,
                      buffered: bool = False) -> Timeline:
     """Run every device's list in order on a simulated clock (rows of the Timeline are
     devices). A transfer between devices is a rendezvous, as in `simulate`, or with
     `buffered` a send that returns at once and a receive that waits for it (the workers'
     links: shared-memory rings and gloo's isend); one within a device needs its send earlier
-    in the list than its receive. Raises DeadlockError."""
+    in the list than its receive. Compute costs are one for all stages or one per stage.
+    Raises DeadlockError."""
     _check_device_plan(device_plan, owners)
-    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.BACKWARD_WEIGHT: weight,
-             Kind.STEP: step,
-             Kind.ALL_REDUCE: step, Kind.TIED_REDUCE: step}
+    costs = {kind: _per_stage(cost, len(owners)) for kind, cost in (
+        (Kind.FORWARD, forward), (Kind.BACKWARD, backward), (Kind.BACKWARD_WEIGHT, weight),
+        (Kind.STEP, step), (Kind.ALL_REDUCE, step), (Kind.TIED_REDUCE, step))}
     pos, clock = [0] * len(device_plan), [0] * len(device_plan)
     handed: dict[Action, int] = {}  # sends (local, or any when buffered) not received yet
     events: list[list[Event]] = [[] for _ in device_plan]
@@ -238,7 +246,7 @@ def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward:
                 action = actions[pos[d]]
                 local = action.peer is not None and (buffered or owners[action.peer] == d)
                 if action.kind in costs:
-                    run(d, action, clock[d], costs[action.kind])
+                    run(d, action, clock[d], costs[action.kind][action.stage])
                 elif local and action.kind in _SENDS:
                     handed[action] = clock[d]
                     run(d, action, clock[d], 0)
@@ -277,6 +285,14 @@ def check_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: in
     report = check(project(device_plan, owners), forward=forward, backward=backward,
                    weight=weight)
     return Report(timeline, report.training, report.micro_batches, report.peak_stash)
+
+
+def _per_stage(cost: Ticks, stages: int) -> tuple[int, ...]:
+    if isinstance(cost, int):
+        return (cost,) * stages
+    if len(cost) != stages:
+        raise ValueError(f"A cost per stage needs {stages} values, got {list(cost)}")
+    return tuple(cost)
 
 
 def _check_owners(plan: Plan, owners: Sequence[int]) -> None:
