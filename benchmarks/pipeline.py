@@ -9,17 +9,20 @@ once and shared by every row:
            layer is widened when the seed's widths give no split within 10% of balance
     bert   transformers' BertForSequenceClassification (4 layers, hidden 256, sequence 128,
            random weights, no download), BeginBlock(ipu_id=1) on encoder layer 2; B4 G8 D1
+           (--quick: B1 G8, sequence 64; G >= 7 for four pipelined stages)
 
 Rows: plain PyTorch (the same accumulation loop) with 1 thread and with all cores; for the CNNs
 pipetorch with every block on ipu 0 (the in-process engine) with the same thread counts and
 sharded over 2 devices; pipetorch pipelined over 2 devices (one worker per stage, cores // 2
 threads each) over shared memory and over gloo (PIPETORCH_TRANSPORT), for the CNNs once more
 with profiling on, and once with Training.pipelineSchedule("zero_bubble") (ZB-H1: each backward
-split into the input's gradient, sent at once, and the weights', deferred); and
-torch.distributed.pipelining's Schedule1F1B and ScheduleInterleavedZeroBubble on the same split
-(2 processes, gloo, 1 thread each), for the CNNs also its ScheduleZBVZeroBubble over the four
-blocks as four stages in a V (blocks 1 and 4 on rank 0, 2 and 3 on rank 1); with --compiled,
-pipelined once more with every stage run through torch.compile (inductor).
+split into the input's gradient, sent at once, and the weights', deferred); pipetorch with four
+stages on ipus 0,1,0,1 (each CNN block, each quarter of BERT's encoder) and
+pipelineSchedule("interleaved"); torch.distributed.pipelining's Schedule1F1B and
+ScheduleInterleavedZeroBubble on the same split (2 processes, gloo, 1 thread each), for the
+CNNs also its ScheduleInterleaved1F1B over the four blocks as four stages (1 and 3 on rank 0)
+and its ScheduleZBVZeroBubble over them in a V (blocks 1 and 4 on rank 0, 2 and 3 on rank 1); with --compiled, pipelined once more with every stage run through torch.compile (inductor).
+The targets compare the best pipetorch schedule with the best torch one, each named above them.
 
 Every row is built first and kept (workers stay up), then timed in interleaved rounds: one
 warm-up call per row, then each round one host call of every row in turn (ABAB...), so a change
@@ -63,11 +66,19 @@ PROFILED = "pipetorch, pipelined over 2 devices, profiling on"
 COMPILED = "pipetorch, pipelined over 2 devices, compiled stages"
 SHARDED = "pipetorch, sharded over 2 devices"
 ZERO_BUBBLE = "pipetorch, pipelined over 2 devices, zero-bubble"
+INTERLEAVED = "pipetorch, interleaved, 4 stages on 2 devices"
 TORCH_1F1B = "torch.distributed.pipelining Schedule1F1B"
 TORCH_ZB = "torch.distributed.pipelining ScheduleInterleavedZeroBubble"
 TORCH_ZBV = "torch.distributed.pipelining ScheduleZBVZeroBubble, 4 stages"
+TORCH_INTERLEAVED = "torch.distributed.pipelining ScheduleInterleaved1F1B, 4 stages"
 TORCH_SCHEDULES = {TORCH_1F1B: "Schedule1F1B", TORCH_ZB: "ScheduleInterleavedZeroBubble",
-                   TORCH_ZBV: "ScheduleZBVZeroBubble"}
+                   TORCH_ZBV: "ScheduleZBVZeroBubble",
+                   TORCH_INTERLEAVED: "ScheduleInterleaved1F1B"}
+# stages of each rank when a torch schedule runs four: a V, or round-robin (interleaved)
+FOUR_STAGES = {"ScheduleZBVZeroBubble": lambda rank: (rank, 3 - rank),
+               "ScheduleInterleaved1F1B": lambda rank: (rank, rank + 2)}
+BEST, BEST_TORCH = "best pipetorch schedule", "best torch schedule"
+PIPETORCH_SCHEDULES = (PIPELINED, ZERO_BUBBLE, INTERLEAVED)
 
 
 # -- the model -------------------------------------------------------------------------------
@@ -277,9 +288,13 @@ class CnnWork:
         return WithLoss(new_network(self.bench.widths))
 
     def strategy(self, model: nn.Module, devices: str) -> object:
-        """The execution strategy for "one" device, or 2 devices "sharded" / "pipelined"."""
+        """The execution strategy for "one" device, or 2 devices "sharded" / "pipelined", or
+        each block a stage on ipus 0,1,0,1 ("interleaved")."""
         if devices == "one":
             return poptorch.ShardedExecution(poptorch.Stage(*BLOCKS).ipu(0))
+        if devices == "interleaved":
+            return poptorch.PipelinedExecution(
+                *(poptorch.Stage(b).ipu(i % 2) for i, b in enumerate(BLOCKS)))
         kind = poptorch.PipelinedExecution if devices == "pipelined" else poptorch.ShardedExecution
         return kind(*two_stages(self.bench))
 
@@ -288,10 +303,11 @@ class CnnWork:
         boundary = self.bench.boundary
         return nn.Sequential(*(blocks[:boundary] if rank == 0 else blocks[boundary:]))
 
-    def torch_v_stages(self, rank: int) -> list[tuple[int, nn.Module]]:
-        """ZBV's stages of `rank`: each block a stage, rank 0 holding the first and last."""
+    def torch_stages(self, indices: tuple[int, ...], example: torch.Tensor
+                     ) -> list[tuple[int, nn.Module]]:
+        """Each block a stage: those at `indices`."""
         blocks = new_network(self.bench.widths).blocks()
-        return [(rank, blocks[rank]), (3 - rank, blocks[3 - rank])]
+        return [(i, blocks[i]) for i in indices]
 
 
 @dataclass(frozen=True)
@@ -332,20 +348,30 @@ class BertWork:
         return BertWithLoss(self.classifier())
 
     def strategy(self, model: nn.Module, devices: str) -> object:
-        if devices != "one":
-            layers = model.classifier.bert.encoder.layer
-            cut = self.layers // 2
-            layers[cut] = poptorch.BeginBlock(layers[cut], ipu_id=1)
-        kind = poptorch.PipelinedExecution if devices == "pipelined" else poptorch.ShardedExecution
+        layers = model.classifier.bert.encoder.layer
+        for cut, ipu in self._cuts(devices == "interleaved"):
+            layers[cut] = poptorch.BeginBlock(layers[cut], ipu_id=ipu)
+        kind = poptorch.ShardedExecution if devices == "sharded" else poptorch.PipelinedExecution
         return kind(poptorch.AutoStage.SameAsIpu)
 
+    def _cuts(self, four: bool) -> list[tuple[int, int]]:
+        """(encoder layer, ipu) where a stage starts: the middle, or (four) each quarter on
+        ipus 1, 0, 1 (ipus 0,1,0,1 in all)."""
+        if not four:
+            return [(self.layers // 2, 1)]
+        return [(q * self.layers // 4, q % 2) for q in (1, 2, 3)]
+
     def torch_stage(self, rank: int, example: torch.Tensor) -> nn.Module:
+        return self.torch_stages((rank,), example, four=False)[0][1]
+
+    def torch_stages(self, indices: tuple[int, ...], example: torch.Tensor, *,
+                     four: bool = True) -> list[tuple[int, nn.Module]]:
         from torch.distributed.pipelining import SplitPoint, pipeline
 
         pipe = pipeline(BertLogits(self.classifier()), mb_args=(example,),
-                        split_spec={f"classifier.bert.encoder.layer.{self.layers // 2}":
-                                    SplitPoint.BEGINNING})
-        return Contiguous(pipe.get_stage_module(rank))
+                        split_spec={f"classifier.bert.encoder.layer.{cut}": SplitPoint.BEGINNING
+                                    for cut, _ in self._cuts(four)})
+        return [(i, Contiguous(pipe.get_stage_module(i))) for i in indices]
 
 
 class Contiguous(nn.Module):
@@ -480,8 +506,8 @@ def _torch_pipeline_rank(rank: int, store: str, work: Work, data: tuple, conn: A
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     try:
         inputs, labels = data
-        if name == "ScheduleZBVZeroBubble":
-            held, count = work.torch_v_stages(rank), 4  # type: ignore[union-attr]
+        if name in FOUR_STAGES:
+            held, count = work.torch_stages(FOUR_STAGES[name](rank), inputs[:work.micro_batch]), 4
         else:
             held, count = [(rank, work.torch_stage(rank, inputs[:work.micro_batch]))], 2
         stages = [pipelining.PipelineStage(m, i, count, torch.device("cpu")) for i, m in held]
@@ -604,9 +630,12 @@ def targets(cores: int) -> list[Target]:
         Target("zero-bubble / torch ScheduleInterleavedZeroBubble", ZERO_BUBBLE, TORCH_ZB, 1.0,
                1.10),
         Target("zero-bubble / torch ScheduleZBVZeroBubble", ZERO_BUBBLE, TORCH_ZBV, 1.0, 1.10),
+        Target("interleaved / torch ScheduleInterleaved1F1B", INTERLEAVED, TORCH_INTERLEAVED,
+               1.0, 1.10),
+        Target(f"{BEST} / {BEST_TORCH}", BEST, BEST_TORCH, 1.0, 1.10),
         Target("profiling on / off (pipelined, interleaved calls)", PROFILED, PIPELINED, 1.0,
                0.97),
-        Target("efficiency: pipelined / (2 x plain PyTorch, 1 thread)", PIPELINED,
+        Target(f"efficiency: {BEST} / (2 x plain PyTorch, 1 thread)", BEST,
                "plain PyTorch, 1 thread", 2.0, 0.88),
         Target("pipetorch 1 device / plain PyTorch, 1 thread", "pipetorch, 1 device, 1 thread",
                "plain PyTorch, 1 thread", 1.0, 0.97),
@@ -629,6 +658,11 @@ def print_rows(rows: list[Row], timings: dict[str, Timing], unit: str) -> None:
 
 def print_table(work: Work, rows: list[Row], timings: dict[str, Timing], cores: int) -> None:
     print_rows(rows, timings, "samples/s" if isinstance(work, BertWork) else "images/s")
+    timings = dict(timings)
+    for best, names in ((BEST, PIPETORCH_SCHEDULES), (BEST_TORCH, TORCH_SCHEDULES)):
+        name = max((n for n in names if n in timings), key=lambda n: timings[n].rate)
+        timings[best] = timings[name]
+        print(f"{best}: {name}")
     print("\ntargets:")
     for target in targets(cores):
         if target.numerator not in timings or target.denominator not in timings:
@@ -688,6 +722,8 @@ def build_rows(work: Work, data: tuple, *, cores: int, profile: str, full: bool,
                              baseline=PIPELINED, transport="gloo"))
     rows.append(PipetorchRow(work, data, ZERO_BUBBLE, devices="pipelined", threads=cores,
                              baseline=PIPELINED, schedule="zero_bubble"))
+    rows.append(PipetorchRow(work, data, INTERLEAVED, devices="interleaved", threads=cores,
+                             baseline=PIPELINED, schedule="interleaved"))
     if compiled:
         rows.append(PipetorchRow(work, data, COMPILED, devices="pipelined", threads=cores,
                                  baseline=PIPELINED, compiled=True))
@@ -696,8 +732,11 @@ def build_rows(work: Work, data: tuple, *, cores: int, profile: str, full: bool,
                                  baseline=PIPELINED, profile=profile))
     rows.append(TorchPipeliningRow(work, data, baseline=plain_all))
     rows.append(TorchPipeliningRow(work, data, baseline=TORCH_1F1B, name=TORCH_ZB))
-    if isinstance(work, CnnWork):  # four blocks: four stages, two per rank in a V
+    # four blocks: four stages, two per rank in a V or round-robin (BERT's later stages read
+    # the attention mask from stage 0, which torch's stages pass only to their neighbour)
+    if isinstance(work, CnnWork):
         rows.append(TorchPipeliningRow(work, data, baseline=TORCH_1F1B, name=TORCH_ZBV))
+        rows.append(TorchPipeliningRow(work, data, baseline=TORCH_1F1B, name=TORCH_INTERLEAVED))
     return rows
 
 
@@ -740,7 +779,8 @@ def run(work: Work, *, rounds: int, cores: int, full: bool, compiled: bool) -> N
           "peer; untraced: gaps between spans):")
     for row in rows:
         if isinstance(row, PipetorchRow) and row.name in (SHARDED, PIPELINED, PIPELINED_GLOO,
-                                                           ZERO_BUBBLE, COMPILED):
+                                                           ZERO_BUBBLE, INTERLEAVED,
+                                                           COMPILED):
             print_trace(row, timings[row.name].seconds[-1])
 
 
@@ -779,7 +819,7 @@ def main() -> None:
           f"one worker per stage; torch {torch.__version__}")
     for model in models:
         if model == "bert":
-            work: Work = (BertWork(micro_batch=2, accumulation=4, sequence=64) if args.quick
+            work: Work = (BertWork(micro_batch=1, accumulation=8, sequence=64) if args.quick
                           else BertWork())
         else:
             print(f"choosing the {model} model's stage split (fwd+bwd of each block on one "

@@ -1,6 +1,7 @@
 """benchmarks/pipeline.py: its hand-built stages match the model, and --quick runs end to end."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -35,8 +36,10 @@ def test_closest_split_and_imbalance() -> None:
 
 
 def _quick(models: str) -> str:
+    root = str(SCRIPT.parent.parent)  # this checkout's pipetorch, not an installed one
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--models", models],
-                          capture_output=True, text=True, timeout=300, cwd=SCRIPT.parent.parent)
+                          capture_output=True, text=True, timeout=300, cwd=root,
+                          env={**os.environ, "PYTHONPATH": root})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -57,13 +60,17 @@ def test_quick_run_prints_every_row_ratio_and_trace() -> None:
                        "pipetorch, pipelined over 2 devices, gloo transport",
                        "pipetorch, pipelined over 2 devices, profiling on",
                        "pipetorch, pipelined over 2 devices, zero-bubble",
+                       "pipetorch, interleaved, 4 stages on 2 devices",
                        "torch.distributed.pipelining Schedule1F1B",
-                       "torch.distributed.pipelining ScheduleInterleavedZeroBubble"])
+                       "torch.distributed.pipelining ScheduleInterleavedZeroBubble",
+                       "torch.distributed.pipelining ScheduleInterleaved1F1B, 4 stages"])
     verdicts = re.findall(r"^\S.*\s\d+\.\d{3}  target >= \d\.\d\d  (?:NOT )?reached", out, re.M)
-    assert len(verdicts) == 10, out  # 3 of them for the zero-bubble rows
+    assert len(verdicts) == 12, out  # 3 for the zero-bubble rows, 2 for the best schedules
+    assert re.search(r"^best pipetorch schedule / best torch schedule\s+\d+\.\d{3}", out, re.M)
+    assert re.search(r"^best torch schedule: torch\.distributed\.pipelining \w+", out, re.M)
     assert re.search(r"pipelined over 2 devices: last call \d+ ms on the host", out)
-    # 2 stages x 4 traced rows (sharded, pipelined, gloo, zero-bubble)
-    assert len(re.findall(r"^  [01] +\d+ +\d+", out, re.M)) == 8
+    # 2 stages x 4 traced rows (sharded, pipelined, gloo, zero-bubble), 4 of the interleaved
+    assert len(re.findall(r"^  [0-3] +\d+ +\d+", out, re.M)) == 12
 
 
 @pytest.mark.slow
@@ -76,5 +83,7 @@ def test_quick_bert_run_compares_with_plain_pytorch_and_torch_1f1b() -> None:
     _assert_rows(out, ["plain PyTorch, 1 thread", f"plain PyTorch, {cores} threads",
                        "pipetorch, pipelined over 2 devices",
                        "pipetorch, pipelined over 2 devices, gloo transport",
-                       "torch.distributed.pipelining Schedule1F1B"])
+                       "torch.distributed.pipelining Schedule1F1B",
+                       "pipetorch, interleaved, 4 stages on 2 devices"])
     assert re.search(r"^pipelined / torch.distributed.pipelining 1F1B\s+\d+\.\d{3}", out, re.M)
+    assert re.search(r"^best pipetorch schedule / best torch schedule\s+\d+\.\d{3}", out, re.M)

@@ -50,8 +50,8 @@ class _TrainingOptions(OptionGroup):
     convolution_dithering = readback(
         "convolution_dithering", "Whether convolution dithering was requested (no-op here).")
     pipeline_schedule = readback(
-        "pipeline_schedule", "The training schedule of pipelined execution: 1f1b, zero_bubble "
-        "or auto.")
+        "pipeline_schedule", "The training schedule of pipelined execution: 1f1b, zero_bubble, "
+        "interleaved, interleaved_zero_bubble or auto.")
     recomputation = readback(
         "recomputation", "Whether every stage's activations are recomputed in backward.")
 
@@ -118,17 +118,24 @@ class _TrainingOptions(OptionGroup):
         return self
 
     def pipelineSchedule(self, schedule: str) -> _TrainingOptions:
-        """How PipelinedExecution trains: "1f1b" (default), "zero_bubble" or "auto".
+        """How PipelinedExecution trains: "1f1b" (default), "zero_bubble", "interleaved",
+        "interleaved_zero_bubble" or "auto".
 
         A pipetorch extension (PopTorch's pipeline is fixed). "zero_bubble" is ZB-H1: each
         stage's backward sends its input's gradient upstream first and computes its weights'
         gradients later, in what would be idle time (the trace shows those as W spans); a
         stage then holds up to S micro-batches' activations, 1F1B's first stage's most.
-        "auto" simulates both on the stages' devices and takes the shorter, 1F1B on a tie,
-        with balanced stages whose split backward costs 1.2x a whole one (measured on a CNN
-        on CPU), so it picks zero_bubble only where the bubble is large: many stages, few
-        micro-batches. Inference and sharded execution are unaffected, and a stage that
-        recomputes its activations or runs compiled keeps its backward whole.
+        "interleaved" is interleaved 1F1B (Narayanan et al. 2021) for stages placed
+        round-robin over the devices, several each (four blocks on ipus 0,1,0,1): a device
+        takes rounds of (devices) micro-batches through each of its stages in turn, cutting
+        1F1B's ramp by the stages per device; "interleaved_zero_bubble" also splits the
+        backwards. Other placements, or G not a multiple of G // devices, run 1F1B (ZB-H1).
+        "auto" simulates each that applies on the stages' devices and takes the shortest, the
+        simpler on a tie, first with balanced stages whose split backward costs 1.2x a whole
+        one (measured on a CNN on CPU), then again from the first call's measured forward and
+        backward times; the report prints the choice and its predicted bubble. Every schedule
+        trains to the same numbers. Inference and sharded execution are unaffected, and a
+        stage that recomputes its activations or runs compiled keeps its backward whole.
         """
         name = check.text("pipelineSchedule", "schedule", schedule)
         if name not in _SCHEDULES:
@@ -138,7 +145,7 @@ class _TrainingOptions(OptionGroup):
         return self
 
 
-_SCHEDULES = ("1f1b", "zero_bubble", "auto")
+_SCHEDULES = ("1f1b", "zero_bubble", "interleaved", "interleaved_zero_bubble", "auto")
 
 
 class _PrecisionOptions(OptionGroup):

@@ -42,7 +42,8 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     (captured here when None);
     `compile_backend` runs every stage through torch.compile with that backend;
     `loss_index` is the loss's position among forward's tensor outputs (training);
-    `pipeline_schedule` is Training.pipelineSchedule ("1f1b", "zero_bubble" or "auto").
+    `pipeline_schedule` is Training.pipelineSchedule ("1f1b", "zero_bubble", "interleaved",
+    "interleaved_zero_bubble" or "auto").
     """
     pool.prestart()  # the workers' zygote imports torch while this process splits the model
     args, kwargs = first

@@ -24,6 +24,7 @@ import pickle
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,7 @@ from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
 from pipetorch.parallel.tied import ties_of
 from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
-from pipetorch.schedule.devices import choose as choose_schedule
+from pipetorch.schedule.devices import choose as choose_schedule, runs
 
 # Ticks per micro-batch for "auto": forward, input gradient and weight gradient alike, and a
 # whole backward 8 where the two parts take 10 (benchmarks/pipeline.py, seed CNN on CPU:
@@ -101,9 +102,18 @@ class ProcessEngine:
         self.devices = len(self.placements) // self.replicas  # workers per replica
         self.owners = tuple(next(d for d, p in enumerate(self.placements) if s in p.stages)
                             for s in range(len(self.routes)))
-        if schedule == "auto":  # Training.pipelineSchedule("auto"): the simulator picks
-            schedule = choose_schedule(len(self.routes), batching.gradient_accumulation,
-                                       self.owners, **_SPLIT_COSTS)
+        self.auto = schedule == "auto"  # Training.pipelineSchedule("auto"): the simulator
+        self.predicted_bubble: float | None = None  # picks, again after the first call
+        self._measured = False
+        if self.auto:
+            schedule = self._choose(_SPLIT_COSTS)
+        elif runs(schedule, self.owners, batching.gradient_accumulation) != schedule:
+            logger.warning(
+                "pipelineSchedule(%r) needs the stages round-robin over the devices, several "
+                "each (ipus 0,1,0,1), and G a multiple of G // devices; stage devices %s, G %d: "
+                "running %s", schedule, list(self.owners), batching.gradient_accumulation,
+                runs(schedule, self.owners, batching.gradient_accumulation))
+            schedule = runs(schedule, self.owners, batching.gradient_accumulation)
         self.schedule = schedule
         self.ties = ties_of(model, staged, self.owners)  # weights held on several devices
         self._lost: str | None = None
@@ -213,6 +223,29 @@ class ProcessEngine:
         self._run(micro_batches, collector, training=True, iterations=b.device_iterations,
                   per_iteration=b.gradient_accumulation,
                   scale=reduction_multiplier(every))
+
+        if self.auto and not self._measured:  # the first call measured the stages' times
+            self._measured = True
+            self._rechoose()
+
+    def _choose(self, costs: dict[str, Any]) -> str:
+        """The schedule the simulator finishes first with these tick costs (logged)."""
+        schedule, self.predicted_bubble = choose_schedule(
+            len(self.routes), self.batching.gradient_accumulation, self.owners, **costs)
+        logger.info("pipelineSchedule('auto') chose %s: predicted bubble %.1f%% of a step "
+                    "(ticks %s)", schedule, 100 * self.predicted_bubble, costs)
+        return schedule
+
+    def _rechoose(self) -> None:
+        """Choose again from the first call's measured forward and backward times; the
+        workers switch plans for the next calls (every schedule computes the same numbers)."""
+        costs = measured_costs(self.last_trace)
+        schedule = self._choose(costs) if costs else self.schedule
+        if schedule != self.schedule:
+            self.schedule = schedule
+            for peer in self.peers:
+                self._send(peer, ("schedule", schedule))
+            self._gather("a change of schedule")
 
     def infer(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
         """Forward of every micro-batch of the call, each replica through one plan."""
@@ -493,6 +526,38 @@ def _model_source(failure: wire.Failure, staged: StagedModel) -> str | None:
     graph = getattr(staged.modules[failure.stage], "graph", None)
     node = next((n for n in graph.nodes if n.name == names[-1]), None) if graph else None
     return node.meta.get("stack_trace") if node is not None else None
+
+
+def measured_costs(traces: Sequence[Trace]) -> dict[str, tuple[int, ...]] | None:
+    """Per-stage tick costs for `choose_schedule` from one call's spans (medians over the
+    micro-batches), the stages' median forward being 10 ticks. A whole backward's split parts
+    are priced as `_SPLIT_COSTS` prices them, a split one's whole likewise; None without
+    every stage's forward and backward spans."""
+    stages = max((t.stage for t in traces), default=-1) + 1
+
+    def median(kind: str, stage: int) -> float | None:
+        times = sorted(s.end - s.start for t in traces if t.stage == stage
+                       for s in t.spans if s.kind == kind)
+        return times[len(times) // 2] if times else None
+
+    forward, backward, weight = ([median(k, s) for s in range(stages)] for k in "FBW")
+    if not stages or any(not t for t in forward + backward):
+        return None
+    split = _SPLIT_COSTS["backward"] + _SPLIT_COSTS["weight"]
+    whole, parts = [], []
+    for b, w in zip(backward, weight):
+        if w is None:  # a whole backward: its parts as _SPLIT_COSTS shares them
+            whole.append(b)
+            parts.append((b * split / _SPLIT_COSTS["whole"] / 2,) * 2)
+        else:
+            whole.append((b + w) * _SPLIT_COSTS["whole"] / split)
+            parts.append((b, w))
+    unit = statistics.median(forward) / 10  # type: ignore[type-var]
+
+    def ticks(values: Sequence[float]) -> tuple[int, ...]:
+        return tuple(max(1, round(v / unit)) for v in values)
+    return dict(forward=ticks(forward), backward=ticks([b for b, _ in parts]),  # type: ignore
+                weight=ticks([w for _, w in parts]), whole=ticks(whole))
 
 
 def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE,

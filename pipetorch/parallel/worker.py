@@ -1,10 +1,11 @@
 """A logical device's worker process: joins the workers' process group, then serves the host.
 
 It holds every stage placed on its device and runs them through one StageExecutor, on the
-device's list of the schedule (`schedule.devices.merge`).
+device's list of the schedule (`schedule.devices.device_plan`).
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import select
@@ -33,7 +34,7 @@ from pipetorch.parallel.shm import new_link
 from pipetorch.parallel.transport import backend_for, link_kind
 from pipetorch.partition.split import Source
 from pipetorch.parallel import devices as device_kinds
-from pipetorch.schedule import devices, plans
+from pipetorch.schedule import devices
 from pipetorch.schedule.actions import Action, Kind
 
 __all__: list[str] = []
@@ -48,7 +49,7 @@ class Setup:
     stages: tuple[DeviceStage, ...]             # the device's stages, in pipeline order
     optimizer: torch.optim.Optimizer | None     # over all of their parameters
     specs: dict[Source, TensorSpec | Constant]
-    schedule: str              # plans.KINDS: "pipelined" or "sharded"
+    schedule: str              # plans.KINDS or devices.INTERLEAVED
     owners: tuple[int, ...]    # every stage's device (its worker within the replica)
     devices: tuple[str, ...]   # the physical device of every worker of this host process
     ties: tuple[Tie, ...] = ()  # every weight tied across devices (the same on every worker)
@@ -181,9 +182,8 @@ class Worker:
 
     def _plan(self, micro_batches: int, training: bool) -> list[Action]:
         count = self.setup.stages[0].route.stages
-        actions = devices.merge(plans.plan(self.setup.schedule, count, micro_batches,
-                                           training=training),
-                                self.setup.owners)[self.setup.device]
+        actions = devices.device_plan(self.setup.schedule, count, micro_batches,
+                                      self.setup.owners, training=training)[self.setup.device]
         # Just before each optimiser step, the gradients of weights tied across devices are
         # summed over those devices, then every gradient over the replicas.
         replicas = self.launch.rendezvous.replicas
@@ -238,6 +238,12 @@ class Worker:
             group.update(values)
         for name, value in attributes.items():
             setattr(self.optimizer, name, value)
+
+    def _schedule(self, payload: str) -> None:
+        """Run another schedule from the next call on (pipelineSchedule "auto" re-choosing);
+        every schedule has the same transfers, so the links stay as they are."""
+        self.setup = dataclasses.replace(self.setup, schedule=payload)
+        self._plans.clear()
 
     def _stop(self, payload: None) -> None:
         return None

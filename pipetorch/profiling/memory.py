@@ -269,12 +269,13 @@ def peak_stash(compiled: Any, *, training: bool) -> list[int]:
         return [0] * len(lanes_of(compiled))
     if is_local(engine):
         return [1]  # each micro-batch's backward follows its forward
-    from pipetorch.schedule.checks import check
-    from pipetorch.schedule.plans import plan
+    from pipetorch.schedule import devices
 
     per_plan = plan_micro_batches(engine.batching, training=True)
-    report = check(plan(engine.schedule, len(compiled.stages), per_plan, training=True))
-    return list(report.peak_stash)
+    owners = getattr(engine, "owners", None) or tuple(range(len(compiled.stages)))
+    plan = devices.device_plan(engine.schedule, len(compiled.stages), per_plan, owners,
+                               training=True)
+    return list(devices.check_devices(plan, owners).peak_stash)
 
 
 def _in_this_process_cuda(compiled: Any) -> torch.device | None:

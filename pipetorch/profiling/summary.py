@@ -107,8 +107,19 @@ def build(compiled: Any, calls: Sequence[CallRecord], *, training: bool, options
                                              totals["ns"] - totals["first_ns"]),
         },
         "timing": timing_summary(calls, stages=1 if is_local(engine) else len(compiled.stages),
-                                 schedule=schedule, batching=batching, training=training),
+                                 schedule=schedule, batching=batching, training=training,
+                                 owners=getattr(engine, "owners", None)),
+        # Training.pipelineSchedule("auto"): the simulator's pick and the bubble it predicted
+        "schedule_chosen": ({"predicted_bubble": engine.predicted_bubble}
+                            if getattr(engine, "auto", False) else None),
     }
+
+
+def _chosen(chosen: dict[str, Any] | None) -> str:
+    if not chosen:
+        return ""
+    return (f" (chosen by pipelineSchedule('auto'), predicted bubble "
+            f"{100 * chosen['predicted_bubble']:.1f}% of a step)")
 
 
 def _rate(items: int, ns: int) -> float | None:
@@ -125,7 +136,7 @@ def render_text(summary: dict[str, Any], memory: dict[str, Any] | None = None) -
     timing = summary["timing"]
     lines = [
         f"{summary['model']} ({summary['mode']}), {summary['engine']} engine, "
-        f"{summary['schedule']} schedule",
+        f"{summary['schedule']} schedule" + _chosen(summary.get("schedule_chosen")),
         f"devices {summary['devices']}, replicas {summary['replicas']}, "
         f"parameters {summary['parameters']:,}",
         f"batch: deviceIterations {b['device_iterations']}, gradientAccumulation "

@@ -129,27 +129,37 @@ def concurrency(calls: Sequence[CallRecord]) -> float | None:
     return both / total if total else None
 
 
-def theoretical_bubble(schedule: str, stages: int, micro_batches: int, *,
-                       training: bool) -> tuple[float, str] | None:
+def theoretical_bubble(schedule: str, stages: int, micro_batches: int, *, training: bool,
+                       owners: Sequence[int] | None = None) -> tuple[float, str] | None:
     """The bubble of `schedule` with balanced stages and free transfers, and its formula.
 
     Simulates the same plan the workers run (backward costing twice a forward; split into
-    an input and a weight part of one forward each by zero_bubble); None for the local
-    engine, whose stages run one after another in one process.
+    an input and a weight part of one forward each by zero_bubble); an interleaved one on the
+    stages' devices `owners`. None for the local engine, whose stages run one after another
+    in one process.
     """
-    if schedule not in ("pipelined", "zero_bubble", "sharded") or stages < 1 \
-            or micro_batches < 1:
-        return None
+    from pipetorch.schedule import devices, plans
     from pipetorch.schedule.checks import simulate
-    from pipetorch.schedule.plans import plan
 
-    split = schedule == "zero_bubble" and training
-    fraction = simulate(plan(schedule, stages, micro_batches, training=training),
-                        forward=1, backward=1 if split else 2, weight=1).bubble_fraction
+    if schedule not in plans.KINDS + devices.INTERLEAVED or schedule == "fill_drain" \
+            or stages < 1 or micro_batches < 1:
+        return None
+    split = "zero_bubble" in schedule and training
+    costs = dict(forward=1, backward=1 if split else 2, weight=1)
+    if schedule in devices.INTERLEAVED and owners is not None:
+        fraction = devices.simulate_devices(devices.device_plan(
+            schedule, stages, micro_batches, owners, training=training), owners,
+            buffered=True, **costs).bubble_fraction
+        n = max(owners) + 1
+        return fraction, (f"(N-1)/(VG+N-1) = {n - 1}/{stages // n * micro_batches + n - 1} "
+                          "without the split")
+    kind = "zero_bubble" if split else "sharded" if schedule == "sharded" else "pipelined"
+    fraction = simulate(plans.plan(kind, stages, micro_batches, training=training),
+                        **costs).bubble_fraction
     if split:
         formula = (f"(S-1)(f+b)/(G(f+b+w)+(S-1)(f+b)) = {2 * (stages - 1)}/"
                    f"{3 * micro_batches + 2 * (stages - 1)}")
-    elif schedule in ("pipelined", "zero_bubble"):
+    elif kind == "pipelined":
         formula = f"(S-1)/(G+S-1) = {stages - 1}/{micro_batches + stages - 1}"
     else:
         formula = f"(S-1)/S = {stages - 1}/{stages}"
@@ -164,11 +174,11 @@ def plan_micro_batches(batching: Any, *, training: bool) -> int:
 
 
 def timing_summary(calls: Sequence[CallRecord], *, stages: int, schedule: str, batching: Any,
-                   training: bool) -> dict[str, Any]:
+                   training: bool, owners: Sequence[int] | None = None) -> dict[str, Any]:
     """The `timing` section of summary.json: per-device times, measured and ideal bubble."""
     times = device_times(calls, stages)
     per_plan = plan_micro_batches(batching, training=training)
-    ideal = theoretical_bubble(schedule, stages, per_plan, training=training)
+    ideal = theoretical_bubble(schedule, stages, per_plan, training=training, owners=owners)
     spans = any(t.spans for c in calls for t in c.traces)
     host = sum(c.end - c.start for c in calls)
     windows = [w for w in (c.window() for c in calls) if w is not None]

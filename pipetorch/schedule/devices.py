@@ -15,6 +15,10 @@ device 1's work and is never idle:
     device 0 | 0:F0 0:F1 2:F0 0:F2 2:B0 2:F1 2:B1 0:B0 2:F2 2:B2 0:B1 0:B2
     device 1 |    . 1:F0 1:F1    .    . 1:B0 1:F2 1:B1    .    . 1:B2    .
 
+Interleaved schedules are not merged but built per device: `interleaved.py` gives each
+device's compute order and `serialize` adds the transfers (`interleaved_plan`); `device_plan`
+gives any kind's device plan, and `choose` the kind the simulator finishes first.
+
 Whole-step actions (STEP, and the ALL_REDUCE / TIED_REDUCE the worker adds with replicas / with
 a weight tied across devices) cover every stage of the device: a device plan has one of each,
 named for the device's first stage.
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipetorch.schedule import plans
+from pipetorch.schedule import interleaved, plans
 from pipetorch.schedule.actions import Action, Kind, Plan
 from pipetorch.schedule.checks import (DeadlockError, Event, Report, ScheduleError, Timeline,
                                        check, simulate)
@@ -33,6 +37,8 @@ __all__: list[str] = []
 DevicePlan = list[list[Action]]
 """`device_plan[d]` is the ordered action list of device d, over every stage it holds."""
 
+INTERLEAVED = ("interleaved", "interleaved_zero_bubble")
+_TIES = {Kind.SEND_ACT: 0, Kind.SEND_GRAD: 1}  # sends at one instant: activations first
 _SENDS = (Kind.SEND_ACT, Kind.SEND_GRAD, Kind.SEND_DONE)
 
 
@@ -107,20 +113,90 @@ def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
     return merged
 
 
-def choose(stages: int, micro_batches: int, owners: Sequence[int], *, forward: int = 1,
-           backward: int = 1, weight: int = 1, whole: int | None = None) -> str:
-    """The training schedule ("pipelined" = 1F1B, or "zero_bubble") whose device plan the
-    simulator finishes first with these tick costs: a split backward's input part `backward`
-    and weight part `weight`, a whole one `whole` (default their sum; less where splitting
-    costs extra work). 1F1B on a tie, as it holds fewer activations."""
-    whole = backward + weight if whole is None else whole
+def device_plan(kind: str, stages: int, micro_batches: int, owners: Sequence[int], *,
+                training: bool) -> DevicePlan:
+    """Every device's list for plan kind `kind` (plans.KINDS): "interleaved" and
+    "interleaved_zero_bubble" run interleaved 1F1B (`interleaved_plan`) where the placement
+    and G allow it (`runs`), 1F1B / ZB-H1 merged otherwise; the rest are merged."""
+    if kind in INTERLEAVED:
+        if training and interleaved.fits(owners, micro_batches):
+            return interleaved_plan(stages, micro_batches, owners,
+                                    split=kind == "interleaved_zero_bubble")
+        kind = "zero_bubble" if kind == "interleaved_zero_bubble" else "pipelined"
+    return merge(plans.plan(kind, stages, micro_batches, training=training), owners)
 
-    def makespan(kind: str, split: bool) -> int:
+
+def interleaved_plan(stages: int, micro_batches: int, owners: Sequence[int], *,
+                     split: bool = False) -> DevicePlan:
+    """Interleaved 1F1B (`interleaved.py`) on stages round-robin over the devices; `split`
+    defers each backward's weight part (interleaved zero-bubble)."""
+    return serialize(interleaved.orders(stages, micro_batches, owners, split=split), owners,
+                     backward=1 if split else 2)
+
+
+def serialize(orders: list[list[Action]], owners: Sequence[int], *, forward: int = 1,
+              backward: int = 1, weight: int = 1) -> list[list[Action]]:
+    """Device plans from each device's compute order: transfers placed where a dry run with
+    buffered sends has their data ready, in one global order (see interleaved.py)."""
+    stages = len(owners)
+    steps = {Kind.FORWARD: plans._forward, Kind.BACKWARD: plans._backward}
+    dry = [[t for a in order for t in (steps[a.kind](a.stage, a.micro_batch, stages)
+                                       if a.kind in steps else [a])] for order in orders]
+    timeline = simulate_devices(dry, owners, forward=forward, backward=backward, weight=weight,
+                                buffered=True)  # raises DeadlockError if the orders wait in a ring
+    sent = {e.action: (e.start, 0, e.action.stage, _TIES[e.action.kind], e.action.micro_batch)
+            for row in timeline.events for e in row if e.action.kind in _TIES}
+    plan = []
+    for d, row in enumerate(timeline.events):
+        def key(e: Event) -> tuple[int, ...]:
+            a = e.action
+            if a.kind.is_compute:
+                return (e.start, 1)
+            if a.kind in _TIES:
+                return sent[a] + (0,)  # a hand-over's send before its receive
+            return sent[Action(a.kind.counterpart, a.peer, a.micro_batch, a.stage)] + (1,)
+        first = min(s for s, o in enumerate(owners) if o == d)
+        plan.append([e.action for e in sorted(row, key=key)] + [Action(Kind.STEP, first)])
+    return plan
+
+
+def runs(kind: str, owners: Sequence[int], micro_batches: int) -> str:
+    """The training schedule `device_plan` runs for `kind`: an interleaved one falls back to
+    "zero_bubble" / "pipelined" (1F1B) where the stages are not round-robin over the devices
+    or G does not split into rounds (`interleaved.fits`)."""
+    if kind in INTERLEAVED and not interleaved.fits(owners, micro_batches):
+        return "zero_bubble" if kind == "interleaved_zero_bubble" else "pipelined"
+    return kind
+
+
+Ticks = int | Sequence[int]
+"""A cost in ticks: the same for every stage, or one per stage."""
+
+
+def choose(stages: int, micro_batches: int, owners: Sequence[int], *, forward: Ticks = 1,
+           backward: Ticks = 1, weight: Ticks = 1,
+           whole: Ticks | None = None) -> tuple[str, float]:
+    """The training schedule whose device plan the simulator finishes first with these tick
+    costs, and its bubble share: "pipelined" (1F1B), "zero_bubble", and, with stages
+    round-robin over the devices, "interleaved" and "interleaved_zero_bubble". A split
+    backward costs `backward` for the input's part and `weight` for the weights', a whole one
+    `whole` (default their sum; less where splitting costs extra work); each cost one for
+    all stages or one per stage. Transfers are buffered, as the workers' links are. On a tie
+    the one earlier in that list, which holds fewer activations."""
+    if whole is None:
+        whole = tuple(b + w for b, w in zip(_per_stage(backward, stages),
+                                            _per_stage(weight, stages)))
+    kinds = ["pipelined", "zero_bubble"] + (
+        list(INTERLEAVED) if interleaved.fits(owners, micro_batches) else [])
+    timelines = []
+    for kind in kinds:
+        split = "zero_bubble" in kind
         costs = dict(forward=forward, backward=backward if split else whole, weight=weight)
-        per_stage = plans.plan(kind, stages, micro_batches, training=True)
-        return check_devices(merge(per_stage, owners, **costs), owners, **costs).makespan
-    shorter = makespan("zero_bubble", True) < makespan("1f1b", False)
-    return "zero_bubble" if shorter else "pipelined"
+        timelines.append(simulate_devices(
+            device_plan(kind, stages, micro_batches, owners, training=True), owners,
+            buffered=True, **costs))
+    best = min(range(len(kinds)), key=lambda k: (timelines[k].makespan, k))
+    return kinds[best], timelines[best].bubble_fraction
 
 
 def _whole_steps(actions: list[Action]) -> list[Kind]:
@@ -141,17 +217,21 @@ def project(device_plan: DevicePlan, owners: Sequence[int]) -> Plan:
     return plan
 
 
-def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: int = 1,
-                     backward: int = 1, weight: int = 1, step: int = 0) -> Timeline:
+def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: Ticks = 1,
+                     backward: Ticks = 1, weight: Ticks = 1, step: int = 0,
+                     buffered: bool = False) -> Timeline:
     """Run every device's list in order on a simulated clock (rows of the Timeline are
-    devices). A transfer between devices is a rendezvous, as in `simulate`; one within a
-    device needs its send earlier in the list than its receive. Raises DeadlockError."""
+    devices). A transfer between devices is a rendezvous, as in `simulate`, or with
+    `buffered` a send that returns at once and a receive that waits for it (the workers'
+    links: shared-memory rings and gloo's isend); one within a device needs its send earlier
+    in the list than its receive. Compute costs are one for all stages or one per stage.
+    Raises DeadlockError."""
     _check_device_plan(device_plan, owners)
-    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.BACKWARD_WEIGHT: weight,
-             Kind.STEP: step,
-             Kind.ALL_REDUCE: step, Kind.TIED_REDUCE: step}
+    costs = {kind: _per_stage(cost, len(owners)) for kind, cost in (
+        (Kind.FORWARD, forward), (Kind.BACKWARD, backward), (Kind.BACKWARD_WEIGHT, weight),
+        (Kind.STEP, step), (Kind.ALL_REDUCE, step), (Kind.TIED_REDUCE, step))}
     pos, clock = [0] * len(device_plan), [0] * len(device_plan)
-    handed: set[Action] = set()  # local sends whose receive has not run yet
+    handed: dict[Action, int] = {}  # sends (local, or any when buffered) not received yet
     events: list[list[Event]] = [[] for _ in device_plan]
 
     def run(d: int, action: Action, start: int, cost: int) -> None:
@@ -164,19 +244,18 @@ def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward:
         for d, actions in enumerate(device_plan):
             while pos[d] < len(actions):
                 action = actions[pos[d]]
-                local = action.peer is not None and owners[action.peer] == d
+                local = action.peer is not None and (buffered or owners[action.peer] == d)
                 if action.kind in costs:
-                    run(d, action, clock[d], costs[action.kind])
+                    run(d, action, clock[d], costs[action.kind][action.stage])
                 elif local and action.kind in _SENDS:
-                    handed.add(action)
+                    handed[action] = clock[d]
                     run(d, action, clock[d], 0)
                 elif local:
                     sent = Action(action.kind.counterpart, action.peer, action.micro_batch,
                                   action.stage)
                     if sent not in handed:
                         break
-                    handed.discard(sent)
-                    run(d, action, clock[d], 0)
+                    run(d, action, max(clock[d], handed.pop(sent)), 0)
                 else:
                     e = owners[action.peer]
                     if pos[e] == len(device_plan[e]) or not action.matches(
@@ -206,6 +285,14 @@ def check_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: in
     report = check(project(device_plan, owners), forward=forward, backward=backward,
                    weight=weight)
     return Report(timeline, report.training, report.micro_batches, report.peak_stash)
+
+
+def _per_stage(cost: Ticks, stages: int) -> tuple[int, ...]:
+    if isinstance(cost, int):
+        return (cost,) * stages
+    if len(cost) != stages:
+        raise ValueError(f"A cost per stage needs {stages} values, got {list(cost)}")
+    return tuple(cost)
 
 
 def _check_owners(plan: Plan, owners: Sequence[int]) -> None:

@@ -32,6 +32,7 @@ from pipetorch.schedule.actions import Action, Kind, Plan
 __all__: list[str] = []
 
 KINDS = ("pipelined", "1f1b", "zero_bubble", "fill_drain", "sharded")
+# and, with a device plan (`devices.device_plan`): "interleaved", "interleaved_zero_bubble"
 
 
 def one_f_one_b(stages: int, micro_batches: int) -> Plan:

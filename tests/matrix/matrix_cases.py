@@ -196,6 +196,14 @@ MODES: dict[str, Mode] = {
                                      processes=2, schedule="zero_bubble"),
     "auto_2": Mode((0, 0, 1, 1), lambda m: poptorch.PipelinedExecution(SAME), G=3,
                    processes=2, schedule="auto"),
+    # four stages round-robin on two devices (ipus 0,1,0,1): interleaved 1F1B over them
+    "interleaved_4_on_2": Mode((0, 1, 0, 1), lambda m: poptorch.PipelinedExecution(SAME),
+                               G=8, processes=2, schedule="interleaved"),
+    "interleaved_zero_bubble_4_on_2": Mode((0, 1, 0, 1),
+                                           lambda m: poptorch.PipelinedExecution(SAME), G=8,
+                                           processes=2, schedule="interleaved_zero_bubble"),
+    "auto_4_on_2": Mode((0, 1, 0, 1), lambda m: poptorch.PipelinedExecution(SAME), G=8,
+                        processes=2, schedule="auto"),
     # AutoIncrement: four stages, two on each device (BERT tutorial's layout)
     "autoincrement_4_on_2": Mode((0, 0, 1, 1), lambda m: poptorch.ShardedExecution(AUTO), G=2,
                                  processes=2),

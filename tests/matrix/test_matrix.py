@@ -146,6 +146,16 @@ def test_zero_bubble_models(request, model):
     run_cell(request, net, "zero_bubble_2")
 
 
+# Training.pipelineSchedule("interleaved"): a device runs its two stages' micro-batches in
+# rounds; "auto" picks by the simulator, then again from the first call's times.
+@pytest.mark.parametrize("variant, mode", cells(["first"], ["interleaved_4_on_2"])
+                         + cells(["dict"], ["interleaved_zero_bubble_4_on_2", "auto_4_on_2"]))
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_interleaved(request, variant, mode, optimizer):
+    torch.manual_seed(9)
+    run_cell(request, MatrixNet(variant), mode, optimizer=optimizer)
+
+
 def test_the_loss_moves():
     """A cell where the loss did not fall would prove little: three calls of SGD lower it."""
     torch.manual_seed(0)

@@ -81,3 +81,14 @@ def test_plan_size_is_g_times_r_in_training_and_d_times_r_in_inference():
                                training=False)
     assert inference["bubble"]["micro_batches_per_plan"] == 6
     assert inference["bubble"]["theoretical"] == pytest.approx(1 / 7)
+
+
+def test_an_interleaved_bubble_is_simulated_on_the_devices():
+    # ipus 0,1,0,1, G=8: each device computes 2 x 8 x (1 + 2) ticks and waits one stage's 3
+    fraction, formula = theoretical_bubble("interleaved", 4, 8, training=True,
+                                           owners=(0, 1, 0, 1))
+    assert fraction == pytest.approx(3 / 51)
+    assert formula == "(N-1)/(VG+N-1) = 1/17 without the split"
+    # stages not round-robin: the 1F1B that runs instead
+    assert theoretical_bubble("interleaved", 2, 8, training=True, owners=(0, 1))[0] == \
+        pytest.approx(1 / 9)
