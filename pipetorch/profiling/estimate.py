@@ -147,12 +147,13 @@ def fmt(nbytes: int) -> str:
 def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
                     batching: Any, optimizer: torch.optim.Optimizer | None, pipelined: bool,
                     training: bool, offload: bool, recomputation: bool,
-                    capture: Any = None) -> MemoryEstimate:
+                    capture: Any = None, schedule: str = "pipelined") -> MemoryEstimate:
     """Each logical device's peak for `model` (the host copy, blocks attached) run on
     `first` (one micro-batch: args, kwargs) as `stages`; see the module doc.
 
     `optimizer` must update `model`'s own parameters (e.g. `device_optimizer`'s copy).
-    `recomputation` means every stage keeps only its inputs and outputs for backward.
+    `recomputation` means every stage keeps only its inputs and outputs for backward;
+    `schedule` is the pipelined plan kind (Training.pipelineSchedule: its activation stash).
     The model's train/eval modes, buffers and the RNG are left as they were. `capture`
     (split.CaptureOnce) is the compilation's capture: its split and the stages' measured
     footprints are shared with the engine and saved in the executable cache.
@@ -185,7 +186,8 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
         for module, mode in modes.items():
             module.training = mode
     flights = in_flight(len(modules), pipelined=pipelined,
-                        micro_batches=_per_plan(batching, training), training=training)
+                        micro_batches=_per_plan(batching, training), training=training,
+                        schedule=schedule, owners=_owners(ipu_of))
     records = tuple(_stage_memory(j, ipu, module, footprint, flight, optimizer, training)
                     for j, (ipu, module, footprint, flight)
                     in enumerate(zip(ipu_of, modules, prints, flights)))
@@ -214,23 +216,31 @@ def _whole(model: nn.Module, args: tuple, kwargs: dict, *, training: bool) -> Fo
     return measure_forward(forward, flat, weight_storages(model), training=training)[0]
 
 
+def _owners(ipus: list[int]) -> tuple[int, ...]:
+    from pipetorch.schedule.devices import owners_of
+
+    return owners_of(ipus)
+
+
 def _per_plan(batching: Any, training: bool) -> int:
     """Micro-batches one run of a replica's plan covers: G (training) or D (inference)."""
     return batching.gradient_accumulation if training else batching.device_iterations
 
 
-def in_flight(stages: int, *, pipelined: bool, micro_batches: int,
-              training: bool) -> list[int]:
-    """Most micro-batches each stage holds for backward: 1F1B's peak stash when pipelined
-    over several stages (S - s on stage s), 1 when sharded or alone, 0 in inference."""
+def in_flight(stages: int, *, pipelined: bool, micro_batches: int, training: bool,
+              schedule: str = "pipelined", owners: tuple[int, ...] | None = None) -> list[int]:
+    """Most micro-batches each stage holds for backward: the peak stash of the pipeline
+    `schedule` (an engine plan kind; 1F1B's is S - s on stage s) on the stages' devices
+    `owners` (one each by default) when pipelined over several stages, 1 when sharded or
+    alone, 0 in inference."""
     if not training:
         return [0] * stages
     if stages == 1 or not pipelined:
         return [1] * stages
-    from pipetorch.schedule.checks import check
-    from pipetorch.schedule.plans import plan
+    from pipetorch.schedule import devices
 
-    return list(check(plan("pipelined", stages, micro_batches, training=True)).peak_stash)
+    return list(devices.peak_stash(schedule, stages, micro_batches,
+                                   owners or tuple(range(stages))))
 
 
 def _stage_memory(index: int, ipu: int, module: nn.Module, footprint: Footprint,

@@ -273,9 +273,7 @@ def peak_stash(compiled: Any, *, training: bool) -> list[int]:
 
     per_plan = plan_micro_batches(engine.batching, training=True)
     owners = getattr(engine, "owners", None) or tuple(range(len(compiled.stages)))
-    plan = devices.device_plan(engine.schedule, len(compiled.stages), per_plan, owners,
-                               training=True)
-    return list(devices.check_devices(plan, owners).peak_stash)
+    return list(devices.peak_stash(engine.schedule, len(compiled.stages), per_plan, owners))
 
 
 def _in_this_process_cuda(compiled: Any) -> torch.device | None:

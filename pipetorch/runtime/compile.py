@@ -180,7 +180,8 @@ def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[Stag
     found = estimate.estimate_memory(
         model, first, stages, batching=batching, optimizer=optimizer, pipelined=pipelined,
         training=training, offload=memory.offloaded(options),
-        recomputation=memory.recomputing(options), capture=capture)
+        recomputation=memory.recomputing(options), capture=capture,
+        schedule=options.Training.pipeline_schedule)
     estimate.check_budget(found, budget)
 
 

@@ -169,6 +169,16 @@ def runs(kind: str, owners: Sequence[int], micro_batches: int) -> str:
     return kind
 
 
+def peak_stash(kind: str, stages: int, micro_batches: int,
+               owners: Sequence[int]) -> tuple[int, ...]:
+    """Most micro-batches each stage holds for backward at once when training under plan
+    kind `kind` ("auto": the most of any schedule it may pick)."""
+    kinds = ["pipelined", "zero_bubble", *INTERLEAVED] if kind == "auto" else [kind]
+    peaks = [check_devices(device_plan(k, stages, micro_batches, owners, training=True),
+                           owners).peak_stash for k in kinds]
+    return tuple(max(column) for column in zip(*peaks))
+
+
 Ticks = int | Sequence[int]
 """A cost in ticks: the same for every stage, or one per stage."""
 

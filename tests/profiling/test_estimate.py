@@ -247,3 +247,21 @@ def test_memory_budget_defaults_to_none_and_freezes():
     opts._freeze()
     with pytest.raises(AttributeError, match="Can't modify frozen Options"):
         opts.setMemoryBudget(5)
+
+
+def test_the_stash_follows_the_pipeline_schedule():
+    """1F1B holds S - s micro-batches on stage s; ZB-H1 keeps each micro-batch until its
+    deferred weight gradient, so later stages hold more; interleaved 1F1B's round-robin
+    stages hold what their plan does; "auto" prices the most any pick would hold."""
+    from pipetorch.profiling.estimate import in_flight
+
+    def stash(kind, owners=(0, 1, 0, 1)):
+        return in_flight(4, pipelined=True, micro_batches=8, training=True, schedule=kind,
+                         owners=owners)
+
+    assert in_flight(4, pipelined=True, micro_batches=8, training=True) == [4, 3, 2, 1]
+    assert stash("zero_bubble", owners=None) == [4, 4, 4, 4]
+    assert stash("interleaved") == [4, 3, 2, 1]  # device 0: 4 + 2 stage-sized stashes
+    assert stash("interleaved_zero_bubble") == [4, 4, 2, 2]
+    assert stash("auto") == [4, 4, 4, 4]
+    assert in_flight(4, pipelined=False, micro_batches=8, training=True) == [1] * 4
