@@ -115,7 +115,16 @@ def test_ctrl_c_while_an_accessor_is_loading_stops_the_script_and_its_loader(tmp
                                  text=True).stdout.split()
         assert loaders, "the accessor runs its loader in a process"
         child.send_signal(signal.SIGINT)
-        _, err = child.communicate(timeout=30)
+        try:
+            _, err = child.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            # Python drops a KeyboardInterrupt raised inside a finalizer (a __del__ that the
+            # garbage collector ran at that instant prints "Exception ignored in ..."), which
+            # no library can prevent; press Ctrl-C again, as a user would. Any other reason
+            # for still running fails below, with the script's stderr.
+            child.send_signal(signal.SIGINT)
+            _, err = child.communicate(timeout=30)
+            assert "Exception ignored" in err, err[-2000:]
     finally:
         if child.poll() is None:
             child.kill()
