@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import pipetorch as poptorch
+from helpers.models import regression_data
+from helpers.reference import assert_same_weights, plain_steps
 
 
 class Net(nn.Module):
@@ -23,21 +25,7 @@ class Net(nn.Module):
 
 
 def _data(seed=0, steps=3):
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 4, generator=gen), torch.randn(4, 3, generator=gen))
-            for _ in range(steps)]
-
-
-def _plain_steps(model, optimizer, data):
-    for x, y in data:
-        optimizer.zero_grad()
-        model(x, y)[1].backward()
-        optimizer.step()
-
-
-def _close_models(got, want):
-    for name, param in want.named_parameters():
-        assert_close(got.get_parameter(name), param, msg=name)
+    return regression_data(steps, inputs=4, outputs=3, seed=seed)
 
 
 # --- variable_attrs ---------------------------------------------------------------------------
@@ -80,10 +68,10 @@ def test_changing_a_constant_attribute_is_refused_and_a_variable_one_trains_like
     wrapped.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5))
     wrapped(*data[1])
     plain_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    _plain_steps(reference, plain_opt, data[:1])
+    plain_steps(reference, plain_opt, data[:1])
     plain_opt.param_groups[0].update(lr=0.05, momentum=0.5)
-    _plain_steps(reference, plain_opt, data[1:2])
-    _close_models(model, reference)
+    plain_steps(reference, plain_opt, data[1:2])
+    assert_same_weights(model, reference)
 
 
 def test_unexpected_attributes_are_ignored_with_poptorchs_warning(caplog):
@@ -114,10 +102,10 @@ def test_set_optimizer_takes_a_new_optimizer_of_the_same_class():
     wrapped.setOptimizer(new)
     wrapped(*data[1])
     plain_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
-    _plain_steps(reference, plain_opt, data[:1])
+    plain_steps(reference, plain_opt, data[:1])
     plain_opt.param_groups[0]["lr"] = 0.002
-    _plain_steps(reference, plain_opt, data[1:2])
-    _close_models(model, reference)
+    plain_steps(reference, plain_opt, data[1:2])
+    assert_same_weights(model, reference)
     # the new optimiser now holds the device's state (Adam's step count 2)
     assert float(new.state_dict()["state"][0]["step"]) == 2.0
 
@@ -134,7 +122,7 @@ def test_state_dict_carries_ipu_state_matching_torch_momentum():
     for x, y in data:
         wrapped(x, y)
     plain_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    _plain_steps(reference, plain_opt, data)
+    plain_steps(reference, plain_opt, data)
     state = opt.state_dict()["ipu_state"]
     assert sorted(state) == ["Accl___fc.bias", "Accl___fc.weight"]
     assert_close(state["Accl___fc.weight"], plain_opt.state[reference.fc.weight]["momentum_buffer"])
@@ -163,8 +151,8 @@ def test_ipu_state_loaded_into_a_new_run_continues_training():
     wrapped = poptorch.trainingModel(resumed, optimizer=new_opt)
     for x, y in data[2:]:
         wrapped(x, y)
-    _plain_steps(reference, torch.optim.Adam(reference.parameters(), lr=0.01), data)
-    _close_models(resumed, reference)
+    plain_steps(reference, torch.optim.Adam(reference.parameters(), lr=0.01), data)
+    assert_same_weights(resumed, reference)
 
 
 def test_ipu_state_has_loss_scale_update_factor_with_automatic_loss_scaling():
@@ -202,16 +190,16 @@ def test_write_ipu_state_before_training_with_an_incomplete_state(caplog):
 
     plain_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     plain_opt.state[reference.fc.weight]["momentum_buffer"] = velocity.clone()
-    _plain_steps(reference, plain_opt, data[:1])
-    _close_models(model, reference)
+    plain_steps(reference, plain_opt, data[:1])
+    assert_same_weights(model, reference)
 
     # Written after compiling: the device takes it at once.
     opt.write_ipu_state({"Accl___fc.bias": torch.zeros(3), "Accl___fc.weight": torch.zeros(3, 4)})
     wrapped(*data[1])
     plain_opt.state[reference.fc.weight]["momentum_buffer"].zero_()
     plain_opt.state[reference.fc.bias]["momentum_buffer"].zero_()
-    _plain_steps(reference, plain_opt, data[1:2])
-    _close_models(model, reference)
+    plain_steps(reference, plain_opt, data[1:2])
+    assert_same_weights(model, reference)
     with pytest.raises(ValueError, match="does not hold.*'Accl___other.weight'"):
         opt.write_ipu_state({"Accl___other.weight": torch.zeros(1)})
 
@@ -236,7 +224,7 @@ def test_sgd_use_combined_accum_trains_like_torch():
         for half in (slice(0, 2), slice(2, 4)):
             (reference(x[half], y[half])[1] / 2).backward()
         plain_opt.step()
-    _close_models(model, reference)
+    assert_same_weights(model, reference)
 
 
 @pytest.mark.parametrize("name", ["AdamWNoBias", "LAMBNoBias"])

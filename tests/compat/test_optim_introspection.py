@@ -13,6 +13,8 @@ from torch.optim.lr_scheduler import ExponentialLR
 from torch.testing import assert_close
 
 import pipetorch as poptorch
+from helpers.models import regression_data
+from helpers.reference import assert_same_weights, plain_steps
 from pipetorch.optim import scaling
 
 ALS_KEY = "automaticLossScalingSettings.enabled"
@@ -30,21 +32,7 @@ class Net(nn.Module):
 
 
 def _data(steps=3, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(4, 3, generator=gen), torch.randn(4, 2, generator=gen))
-            for _ in range(steps)]
-
-
-def _plain(model, optimizer, data):
-    for x, y in data:
-        optimizer.zero_grad()
-        model(x, y)[1].backward()
-        optimizer.step()
-
-
-def _assert_same_weights(got, want):
-    for (name, a), b in zip(got.named_parameters(), want.parameters()):
-        assert_close(a, b, msg=name)
+    return regression_data(steps, inputs=3, outputs=2, seed=seed)
 
 
 POPTORCH = [poptorch.optim.SGD, poptorch.optim.Adam, poptorch.optim.AdamW,
@@ -95,8 +83,8 @@ def test_the_compiled_state_is_the_one_torch_starts_from():
     optimizer.load_state_dict(s0)
     for x, y in data:
         wrapped(x, y)
-    _plain(reference, torch.optim.Adam(reference.parameters(), lr=0.01), data)
-    _assert_same_weights(model, reference)
+    plain_steps(reference, torch.optim.Adam(reference.parameters(), lr=0.01), data)
+    assert_same_weights(model, reference)
 
 
 def test_written_ipu_state_and_ipu_param_read_back_and_drive_the_next_step():
@@ -128,8 +116,8 @@ def test_written_ipu_state_and_ipu_param_read_back_and_drive_the_next_step():
                               "exp_avg_sq": s0["ipu_state"][f"Accl2___{name}"].clone()}
     for x, y in data:
         wrapped(x, y)
-    _plain(reference, plain, data)
-    _assert_same_weights(model, reference)
+    plain_steps(reference, plain, data)
+    assert_same_weights(model, reference)
     assert_close(optimizer.state_dict()["ipu_param"]["learningRate___specific___lin.bias"],
                  torch.tensor(0.03))
 
@@ -165,13 +153,13 @@ def test_a_checkpoint_restores_the_learning_rate_and_the_state(tmp_path):
     assert_close(s3["ipu_state"]["Step___lin.bias"], torch.tensor(3.0))
 
     plain = torch.optim.Adam(reference.parameters(), lr=1.0)
-    _plain(reference, plain, data[:1])
+    plain_steps(reference, plain, data[:1])
     plain.param_groups[0]["lr"] = 0.5
     saved = copy.deepcopy(plain.state_dict())
-    _plain(reference, plain, data[1:2])
+    plain_steps(reference, plain, data[1:2])
     plain.load_state_dict(saved)
-    _plain(reference, plain, data[2:])
-    _assert_same_weights(model, reference)
+    plain_steps(reference, plain, data[2:])
+    assert_same_weights(model, reference)
 
 
 def test_ipu_param_values_must_fit_pipetorchs_param_groups():
@@ -224,8 +212,8 @@ def test_poptorch_optim_optimizer_is_the_base_and_subclasses_in_its_style_train(
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
     for x, y in data:
         wrapped(x, y)
-    _plain(reference, torch.optim.AdamW(reference.parameters(), lr=0.01), data)
-    _assert_same_weights(model, reference)
+    plain_steps(reference, torch.optim.AdamW(reference.parameters(), lr=0.01), data)
+    assert_same_weights(model, reference)
     state = optimizer.state_dict()
     assert "Accl1___lin.weight" in state["ipu_state"]
     assert_close(state["ipu_param"]["lossScaling_FLOAT"], torch.tensor(64.0))
@@ -263,8 +251,8 @@ def test_loss_scaling_passed_explicitly_may_change_through_set_optimizer():
     wrapped.setOptimizer(optimizer)
     for x, y in data[1:]:
         wrapped(x, y)
-    _plain(reference, torch.optim.SGD(reference.parameters(), lr=0.1), data)
-    _assert_same_weights(model, reference)
+    plain_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), data)
+    assert_same_weights(model, reference)
     # Left at its default it is compiled in, as in PopTorch, unless marked variable.
     optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1)
     wrapped.destroy()
@@ -361,5 +349,5 @@ def test_the_popart_option_turns_automatic_loss_scaling_on():
         wrapped(x, y)
     assert_close(optimizer.state_dict()["ipu_state"]["lossScaleUpdateFactor"], torch.tensor(1.0))
     assert scaling.is_automatic(optimizer) and scaling.loss_scale(optimizer) == 8.0
-    _plain(reference, torch.optim.SGD(reference.parameters(), lr=0.1), data)
-    _assert_same_weights(model, reference)
+    plain_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), data)
+    assert_same_weights(model, reference)

@@ -165,3 +165,10 @@ class HeavyLastBlocks(nn.Module):
             out = self.head(self.heavy(h))
             loss = nn.functional.cross_entropy(out, labels)
         return out, loss
+
+
+def regression_data(steps: int, *, inputs: int, outputs: int, seed: int, rows: int = 4):
+    """`steps` batches (x, y) of `rows` rows: `inputs` features, `outputs` targets."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, inputs, generator=gen), torch.randn(rows, outputs, generator=gen))
+            for _ in range(steps)]

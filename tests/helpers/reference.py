@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.testing import assert_close
 
 
 def plain_train_call(model, optimizer, x, y, *, D: int, G: int, R: int, mean: bool = True):
@@ -64,3 +65,17 @@ def join(outputs):
     spec = pytree.tree_flatten(outputs[0])[1]
     joined = [torch.stack(col) if col[0].dim() == 0 else torch.cat(col) for col in zip(*leaves)]
     return pytree.tree_unflatten(joined, spec)
+
+
+def plain_steps(model, optimizer, data):
+    """One plain-PyTorch optimiser step per (x, y) batch, on the loss forward returns second."""
+    for x, y in data:
+        optimizer.zero_grad()
+        model(x, y)[1].backward()
+        optimizer.step()
+
+
+def assert_same_weights(got, want):
+    """Every parameter of `want` equals the one of the same name in `got`."""
+    for name, param in want.named_parameters():
+        assert_close(got.get_parameter(name), param, msg=name)
