@@ -171,7 +171,8 @@ class CaptureOnce:
     `capture(model, *first)` is made on the first call and shared by the memory estimate and
     the engine, as is `split(stages)`. `remember(key, make)` keeps a value derived from the
     capture (the values' specs, the stages' measured footprints). With `cache_dir` (the
-    executable cache) the capture is saved with `probe`'s findings and the remembered values;
+    executable cache) `save()` writes the capture with `probe`'s findings and the remembered
+    values;
     `stored` (`cache.lookup`) is what an earlier run saved there, used instead of capturing,
     probing or measuring again.
     """
@@ -187,6 +188,7 @@ class CaptureOnce:
         self._staged: dict[tuple[StageSpec, ...], StagedModel] = {}
         self.seconds = 0.0
         self.from_cache = stored is not None
+        self._unsaved = False
 
     @property
     def done(self) -> bool:
@@ -198,7 +200,7 @@ class CaptureOnce:
             start = time.perf_counter()
             self._traced = capture(self.model, *self.first, casting=self.casting)
             self.seconds = time.perf_counter() - start
-            self._save()
+            self._unsaved = True
         return self._traced
 
     def split(self, stages: list[StageSpec]) -> StagedModel:
@@ -212,15 +214,19 @@ class CaptureOnce:
         """`make()`, computed once per key (and once per cache entry: saved with it)."""
         if key not in self._memo:
             self._memo[key] = make()
-            self._save()
+            self._unsaved = True
         return self._memo[key]
 
-    def _save(self) -> None:
-        if self.cache_dir and self.probe is not None and self._traced is not None:
+    def save(self) -> None:
+        """Write what was captured or remembered since the entry was read (once, at the end
+        of compiling) to the executable cache, when one is enabled."""
+        if self._unsaved and self.cache_dir and self.probe is not None and \
+                self._traced is not None:
             from pipetorch.partition.cache import Stored, store
 
             store(self.cache_dir, self.model, *self.first,
                   Stored(self.probe, self._traced, dict(self._memo)), options=self.options)
+            self._unsaved = False
 
 
 def split_stages(model: nn.Module, args: tuple, kwargs: dict,

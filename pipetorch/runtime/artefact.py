@@ -100,6 +100,7 @@ def save(wrapper: Any, path: str | Path) -> None:
     compiled = wrapper._require_compiled("save()")
     wrapper._flush_host()
     traced: Traced = compiled.graph()
+    compiled.graph.save()  # a capture made here serves the executable cache too
     graph = _with_blocks_and_losses(traced, compiled.capture.loss_index if wrapper.training
                                     else None)
     params = dict(wrapper.model.named_parameters())

@@ -136,6 +136,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                                  optimizer=device_opt, batching=batching,
                                  replica_buffers=replica_buffers, loss_index=capture.loss_index,
                                  casting=cast)
+        graph.save()  # the capture and what was measured from it, for the next run
         bar.update()
     finally:
         bar.close()

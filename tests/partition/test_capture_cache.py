@@ -35,6 +35,7 @@ def capture(folder, model, first, options=None) -> CaptureOnce:
     once = CaptureOnce(model, first, cache_dir=str(folder), options=options, probe=found,
                        stored=stored)
     once()
+    once.save()
     return once
 
 
