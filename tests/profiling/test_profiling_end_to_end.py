@@ -85,16 +85,25 @@ def test_one_lane_per_device_and_one_forward_and_backward_per_micro_batch(runs, 
             assert seen == Counter({(k, m): 1 for k in "FB" for m in range(D * G)})
 
 
-def test_pipelined_spans_overlap_in_the_steady_state_and_sharded_never(runs):
-    steady = []
+def stage_order(events: list[dict], pid: int) -> list[tuple[str, int]]:
+    """What one stage worker computed, in the order it computed it (one process: program order)."""
+    return [(e["args"]["kind"], e["args"]["micro_batch"])
+            for e in sorted(events, key=lambda e: e["ts"]) if e["pid"] == pid]
+
+
+def test_pipelined_stage_0_runs_ahead_of_stage_1_and_sharded_never_overlaps(runs):
+    # Whether two processes' spans meet in wall time depends on what else the machine runs (on
+    # a loaded 2-core CI machine they may not), so the test reads the schedule instead: in 1F1B
+    # stage 0 starts micro-batch m+1's forward before it has micro-batch m's gradient, that is
+    # while stage 1 works on m; sharded finishes each micro-batch before the next one starts.
     for events in compute_spans(runs["pipelined"]).values():
-        for a, b in overlapping(events):
-            # Not the first forward or the last backward of a step: the pipeline is full.
-            edge = {("F", 0), ("B", G - 1)}
-            if (a["args"]["kind"], a["args"]["micro_batch"] % G) not in edge:
-                steady.append((a["name"], b["name"]))
-    assert steady, "stage 0 and stage 1 never computed at the same time"
+        order = stage_order(events, pid=1)
+        for step in range(D):
+            m = step * G
+            assert order.index(("F", m + 1)) < order.index(("B", m)), order
     for events in compute_spans(runs["sharded"]).values():
+        order = stage_order(events, pid=1)
+        assert order == [(k, m) for m in range(D * G) for k in "FB"], order
         assert overlapping(events) == []
     summary = json.loads((runs["sharded"] / "summary.json").read_text())
     assert summary["timing"]["concurrency"] == 0.0
