@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import logging
 import sys
-from typing import Any, Callable, Iterator, Sequence, TypeVar, Union
+from typing import Any, Callable, ContextManager, Iterator, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ _RECORDER: contextvars.ContextVar[collections.Counter | None] = contextvars.Cont
     "pipetorch_recorder", default=None)
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("pipetorch_recomputing",
                                                                     default=False)
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("pipetorch_quiet", default=False)
 # Set while torch.export captures forward: turns checkpointed tensors into marked graph nodes.
 CHECKPOINT_MARKER: contextvars.ContextVar[Callable[[tuple], tuple] | None] = \
     contextvars.ContextVar("pipetorch_checkpoint_marker", default=None)
@@ -61,13 +62,27 @@ _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 # Hooks for the executor (not public).
 # ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def running_on_device() -> Iterator[None]:
-    """While active, `isRunningOnIpu()` is True (the executor wraps the model's run in it)."""
-    token = _ON_DEVICE.set(True)
+def _setting(flag: contextvars.ContextVar[bool]) -> Iterator[None]:
+    token = flag.set(True)
     try:
         yield
     finally:
-        _ON_DEVICE.reset(token)
+        flag.reset(token)
+
+
+def running_on_device() -> ContextManager[None]:
+    """While active, `isRunningOnIpu()` is True (the executor wraps the model's run in it)."""
+    return _setting(_ON_DEVICE)
+
+
+def quiet() -> ContextManager[None]:
+    """While active, ipu_print_tensor prints nothing (a capture runs forward on fake tensors)."""
+    return _setting(_QUIET)
+
+
+def recomputing() -> ContextManager[None]:
+    """Marks a recomputation of the forward: ops neither record calls nor print again."""
+    return _setting(_RECOMPUTING)
 
 
 class _LossCallCounter(TorchFunctionMode):
@@ -108,16 +123,6 @@ def record_calls() -> Iterator[collections.Counter]:
             yield counts
     finally:
         _RECORDER.reset(token)
-
-
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    """Marks a recomputation of the forward: ops neither record calls nor print again."""
-    token = _RECOMPUTING.set(True)
-    try:
-        yield
-    finally:
-        _RECOMPUTING.reset(token)
 
 
 def _record(op_name: str, loss: torch.Tensor | None = None) -> None:
@@ -250,7 +255,7 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool
                          f"of {', '.join(repr(f) for f in _FLOAT_FORMATS)}.")
     layout = _PrintFormat(summarise_threshold, edge_items, max_line_width, digits, float_format,
                           separator, open_bracket, close_bracket)
-    if _RECOMPUTING.get():
+    if _RECOMPUTING.get() or _QUIET.get():
         return tensor
     _log_tensor(title or "tensor", tensor, layout)
     if print_gradient and tensor.requires_grad and torch.is_grad_enabled():

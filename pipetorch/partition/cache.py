@@ -35,11 +35,10 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 import pipetorch
 from pipetorch.partition.blocks import begin_blocks
-from pipetorch.partition.probe import Capture
+from pipetorch.partition.probe import Capture, on_meta
 from pipetorch.partition.stage_module import attribute, build_graph, graph_nodes
 from pipetorch.partition.trace import BLOCK_KEY, Traced, input_layout
 
@@ -178,8 +177,6 @@ def store(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict
         value = attribute(traced.module, str(node.target))
         if not (isinstance(value, torch.Tensor) and id(value) in own):
             constants[str(node.target)] = value  # made by forward, not one of the model's
-    as_meta = functools.partial(pytree.tree_map_only, torch.Tensor,
-                                lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
     try:
         payload = pickle.dumps({"nodes": graph_nodes(traced.module.graph),
                                 "constants": constants, "blocks": traced.blocks,
@@ -188,7 +185,7 @@ def store(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict
                                 "output_spec": traced.output_spec,
                                 "class_name": type(traced.module).__name__,
                                 "probe": dataclasses.replace(
-                                    stored.probe, output=as_meta(stored.probe.output)),
+                                    stored.probe, output=on_meta(stored.probe.output)),
                                 "memo": stored.memo})
     except Exception as error:
         logger.warning("Executable cache: the capture of %s cannot be saved (%s)",

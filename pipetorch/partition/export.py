@@ -42,15 +42,20 @@ def available() -> bool:
     return hasattr(torch, "export") and "custom" in getattr(fx.proxy, "_COPY_META_FIELDS", ())
 
 
+Watch = Callable[[Callable[[], Any]], Any]  # runs forward (the thunk), returns its output
+
+
 class _Bound(nn.Module):
     """Calls the model with the constants of the captured call and the tensors it is given,
-    under `casting` when given."""
+    under `casting` when given, through `watch`."""
 
     def __init__(self, model: nn.Module, layout: InputLayout, args: tuple, kwargs: dict,
-                 casting: Callable[[], ContextManager[Any]] | None = None) -> None:
+                 casting: Callable[[], ContextManager[Any]] | None = None,
+                 watch: Watch | None = None) -> None:
         super().__init__()
         self.model = model
         self._casting = casting or contextlib.nullcontext
+        self._watch: Watch = watch or (lambda run: run())
         self._bound = layout.signature.bind(*args, **kwargs)
         self._bound.apply_defaults()
         self._layout = layout
@@ -61,8 +66,12 @@ class _Bound(nn.Module):
         arguments.update(self._layout.arguments(tensors))
         call = bound.signature.bind_partial()
         call.arguments.update(arguments)
-        with self._casting():
-            return without_caches(self.model, self.model(*call.args, **call.kwargs))
+
+        def run() -> Any:
+            with self._casting():
+                return without_caches(self.model, self.model(*call.args, **call.kwargs))
+
+        return self._watch(run)
 
 
 def _is_cache(value: Any) -> bool:
@@ -125,21 +134,23 @@ def checkpoint_marker(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, 
 
 
 def export_blocks(model: nn.Module, args: tuple, kwargs: dict, *,
-                  casting: Callable[[], ContextManager[Any]] | None = None) -> Traced:
+                  casting: Callable[[], ContextManager[Any]] | None = None,
+                  watch: Watch | None = None) -> Traced:
     """Capture `model(*args, **kwargs)` with torch.export (non-strict) for splitting.
 
     The result's graph takes the call's tensor arguments, in forward's signature order, and
     returns the flat leaves of forward's output; `Traced.output_spec` rebuilds the structure
     (tuples, dicts, dataclasses such as HuggingFace's ModelOutput). Parameters and buffers
     are the model's own objects under their names in the model. `casting` (partition.casting)
-    is the mode forward runs under: the casts it makes are nodes of the graph.
+    is the mode forward runs under: the casts it makes are nodes of the graph. `watch(run)`
+    runs forward (on fake tensors) and returns its output, to observe it (partition.probe).
     """
     layout = input_layout(model, args, kwargs)
-    bound = _Bound(model, layout, args, kwargs, casting)
+    bound = _Bound(model, layout, args, kwargs, casting, watch)
     tensors = tuple(layout.flatten(args, kwargs))
     with blocks.recording() as recorder:
         try:
-            with _stamping(recorder):
+            with _stamping(recorder), _meta_errors_unlogged():
                 program = torch.export.export(bound, tensors, strict=False)
         except Error:
             raise
@@ -155,6 +166,18 @@ def export_blocks(model: nn.Module, args: tuple, kwargs: dict, *,
     attrs = _attributes(graph, model, unlifted)
     module = fx.GraphModule(attrs, graph, class_name=f"Exported{type(model).__name__}")
     return Traced(module, recorder.ordered(), layout, output_spec=out_spec)
+
+
+@contextlib.contextmanager
+def _meta_errors_unlogged() -> Iterator[None]:
+    """Keep torch's fake tensors from logging a failing op's traceback: the error says it."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _drop_guards(graph: fx.Graph) -> None:

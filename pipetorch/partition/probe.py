@@ -1,9 +1,16 @@
-"""A probe forward pass that finds the blocks, the loss and the buffers a model changes."""
+"""What forward reveals before splitting: its blocks, its loss, the buffers it changes.
+
+`probe` runs forward once eagerly (a model that stays on one device); `probe_by_export`
+reads the same from the one torch.export capture a split model needs anyway, so a split
+model's first call runs forward once before its first step.
+"""
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
+
+from torch.utils import _pytree as pytree
 
 import torch
 import torch.nn as nn
@@ -12,9 +19,11 @@ from torch.overrides import TorchFunctionMode
 from pipetorch import ops
 from pipetorch.errors import CompileError
 from pipetorch.losses import final_loss_index
-from pipetorch.partition import blocks
+from pipetorch.partition import blocks, export
 from pipetorch.partition.blocks import BlockInfo, BlockRecorder
 from pipetorch.partition.casting import Casting, within
+from pipetorch.partition.inplace import written_attributes
+from pipetorch.partition.trace import Traced
 
 __all__: list[str] = []
 
@@ -92,3 +101,34 @@ def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
             output = model(*args, **kwargs)
     return Capture(rec.ordered(), rec.ops_before_blocks, calls["recomputationCheckpoint"] > 0,
                    mutated, output, final_loss_index(output, calls.losses) if training else None)
+
+
+def probe_by_export(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
+                    casting: Casting | None = None) -> tuple[Capture, Traced]:
+    """`probe`'s findings and the graph to split from one torch.export capture (forward runs
+    once, on fake tensors): the output as meta tensors, the changed buffers from the graph."""
+    model.train(training)
+    seen: dict[str, Any] = {}
+
+    def watch(run: Any) -> Any:
+        recorder = blocks.active_recorder()
+        assert recorder is not None  # export_blocks records the blocks
+        with ops.record_calls() as calls, _BlockGuard(recorder):
+            output = run()
+        seen.update(output=output, before=recorder.ops_before_blocks,
+                    checkpoints=calls["recomputationCheckpoint"] > 0,
+                    loss=final_loss_index(output, calls.losses) if training else None)
+        return output
+
+    with ops.running_on_device(), ops.quiet():
+        traced = export.export_blocks(model, args, kwargs, casting=casting, watch=watch)
+    written = written_attributes(traced.module.graph)
+    changed = [name for name, _ in model.named_buffers() if name in written]
+    return Capture(traced.blocks, seen["before"], seen["checkpoints"], changed,
+                   on_meta(seen["output"]), seen["loss"]), traced
+
+
+def on_meta(structure: Any) -> Any:
+    """`structure` with each tensor replaced by an empty one of its shape and dtype."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: torch.empty(
+        t.shape, dtype=t.dtype, device="meta"), structure)

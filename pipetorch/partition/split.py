@@ -174,21 +174,22 @@ class CaptureOnce:
     executable cache) `save()` writes the capture with `probe`'s findings and the remembered
     values;
     `stored` (`cache.lookup`) is what an earlier run saved there, used instead of capturing,
-    probing or measuring again.
+    probing or measuring again; `traced` is a capture already made (partition.probe's
+    probe_by_export).
     """
 
     def __init__(self, model: nn.Module, first: tuple[tuple, dict], *,
                  cache_dir: str | None = None, options: Any = None,
                  casting: Callable[[], ContextManager[Any]] | None = None,
-                 probe: Any = None, stored: Any = None) -> None:
+                 probe: Any = None, stored: Any = None, traced: Traced | None = None) -> None:
         self.model, self.first, self.cache_dir, self.options = model, first, cache_dir, options
         self.casting, self.probe = casting, probe
-        self._traced: Traced | None = stored.traced if stored is not None else None
+        self._traced = stored.traced if stored is not None else traced
         self._memo: dict[Any, Any] = dict(stored.memo) if stored is not None else {}
         self._staged: dict[tuple[StageSpec, ...], StagedModel] = {}
         self.seconds = 0.0
         self.from_cache = stored is not None
-        self._unsaved = False
+        self._unsaved = traced is not None
 
     @property
     def done(self) -> bool:

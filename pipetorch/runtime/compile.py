@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from pipetorch.errors import ConfigError
+from pipetorch.errors import CompileError, ConfigError, Error
 from pipetorch.partition import plan
 from pipetorch.profiling import estimate, memory
 from pipetorch.partition.split import CaptureOnce
@@ -19,7 +19,10 @@ from pipetorch.partition.strategies import StageSpec
 from pipetorch.partition import casting
 from pipetorch.runtime import weights
 from pipetorch.runtime.batching import split_micro_batches, to_device
-from pipetorch.partition.probe import Capture, probe
+from pipetorch.partition.blocks import begin_blocks
+from pipetorch.partition.probe import Capture, probe, probe_by_export
+from pipetorch.partition.suspects import suspect
+from pipetorch.enums import AutoStage
 from pipetorch.parallel.compiled import CompiledStage, compile_backend
 from pipetorch.parallel.local import Batching, FlatStage, LocalEngine, ReplicaBuffers
 from pipetorch.runtime.optimizer import device_optimizer
@@ -84,9 +87,18 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
         if options.auto_balance_devices:
             with casting.within(cast):
                 strategy = _auto_balance(model, first_args, first_kwargs, options)
+        process = (options.Distributed.process_id, options.Distributed.num_processes)
         stored = _stored(model, first_args, first_kwargs, options, training=training)
-        capture = (stored.probe if stored is not None else
-                   probe(model, first_args, first_kwargs, training=training, casting=cast))
+        traced = None
+        if stored is not None:
+            capture = stored.probe
+        elif _in_processes(_declared_devices(model, strategy), batching, process[1]):
+            # Split for sure: the capture the split needs is the only forward run.
+            model = model.to("cpu")  # the host copy; each worker moves its stage to its device
+            capture, traced = _probe_by_export(model, to_device(micro[0], torch.device("cpu")),
+                                               training=training, casting=cast)
+        else:
+            capture = probe(model, first_args, first_kwargs, training=training, casting=cast)
         bar.update()
         stages = strategy.resolve(capture.blocks, preamble=capture.ops_before_blocks)
         plan.check_batching(stages, pipelined=strategy.pipelined, training=training,
@@ -95,20 +107,20 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
         devices = plan.device_count(stages, replication_factor=batching.replication_factor,
                                     auto_round=options.auto_round_num_ipus)
         bar.update()
+        in_processes = _in_processes(len({s.ipu_id for s in stages}), batching, process[1])
+        # The host copy stays on the CPU when workers run the stages (each moves its own).
+        host = torch.device("cpu") if in_processes else device
+        model = model.to(host)
+        first = to_device(micro[0], host)
         replica_buffers = _replica_buffers(model, capture, options, batching)
         engine: Any
-        process = (options.Distributed.process_id, options.Distributed.num_processes)
-        in_processes = _in_processes(stages, batching, process[1])
-        if in_processes:
-            model = model.to("cpu")  # the host copy; each worker moves its stage to its device
-        first = to_device(micro[0], torch.device("cpu") if in_processes else device)
         bar.update()
         device_opt = (device_optimizer(optimizer, user_model, model, options=options)
                       if training else None)
         # One capture for the estimate and the split, from the executable cache if enabled.
         graph = CaptureOnce(model, first, cache_dir=options.executable_cache_dir,
                             options=options, casting=cast, probe=capture,
-                            stored=stored)
+                            stored=stored, traced=traced)
         with casting.within(cast):
             _check_memory(model, first, stages, options, batching=batching,
                           optimizer=device_opt, pipelined=strategy.pipelined,
@@ -186,8 +198,38 @@ def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[Stag
     estimate.check_budget(found, budget)
 
 
-def _in_processes(stages: list[StageSpec], batching: Batching, processes: int) -> bool:
-    """Whether stages run in worker processes ($PIPETORCH_EXECUTION: auto, processes, local).
+def _probe_by_export(model: nn.Module, first: tuple[tuple, dict], *, training: bool,
+                     casting: Any) -> tuple[Capture, Any]:
+    """probe_by_export; where torch.export fails, or the capture shows a mistake only a real
+    kernel notices (partition.suspects), an eager run says whether forward itself fails (then
+    with its own error, as PyTorch raises it, retold by runtime.checks)."""
+    try:
+        capture, traced = probe_by_export(model, *first, training=training, casting=casting)
+    except CompileError as failed:
+        if isinstance(failed.__cause__, Error) or not isinstance(failed.__cause__, Exception):
+            raise
+        probe(model, *first, training=training, casting=casting)
+        raise
+    if suspect(traced.module.graph, traced.layout.flatten(*first)):
+        probe(model, *first, training=training, casting=casting)  # raises torch's error
+    return capture, traced
+
+
+def _declared_devices(model: nn.Module, strategy: Any) -> int:
+    """The devices known before forward runs: an explicit strategy's stages, else the model's
+    BeginBlock annotations (blocks entered inside forward are found by running it)."""
+    declared = strategy.stages
+    if isinstance(declared, list) and declared:
+        return len({i if s.ipu_id is None else s.ipu_id for i, s in enumerate(declared)})
+    marks = list(begin_blocks(model).values())
+    if declared is AutoStage.AutoIncrement:
+        return max(1, len(marks))
+    return len({0} | {ipu for _, ipu in marks if ipu is not None})
+
+
+def _in_processes(devices: int, batching: Batching, processes: int) -> bool:
+    """Whether stages on `devices` devices run in worker processes ($PIPETORCH_EXECUTION:
+    auto, processes, local).
 
     auto: when there is more than one device (logical devices x replicas), or more than one
     host process (their replicas reduce gradients together).
@@ -201,8 +243,7 @@ def _in_processes(stages: list[StageSpec], batching: Batching, processes: int) -
                 f"{EXECUTION_ENV}=local cannot run one of {processes} host processes: their "
                 "replicas exchange gradients through stage workers; unset it")
         return True
-    devices = len({s.ipu_id for s in stages}) * batching.replication_factor
-    return mode == "processes" or (mode == "auto" and devices > 1)
+    return mode == "processes" or (mode == "auto" and devices * batching.replication_factor > 1)
 
 
 def _replica_buffers(model: nn.Module, capture: Capture, options: Any,
