@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetorch import environment
 from pipetorch.optim import offload
 from pipetorch.parallel import placement as places
 from pipetorch.parallel import arena, snapshot, wire
@@ -278,7 +279,7 @@ def main(conn: Connection, host: int | None = None) -> None:
     _die_with_host(os.getppid(), host)
     parent = os.getppid() if host is None else None  # a zygote's death does not end a worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle
-    launch, setup = wire.receive(conn, timeout=wire.timeout_seconds(), parent=parent)
+    launch, setup = wire.receive(conn, timeout=environment.get("timeout"), parent=parent)
     torch.set_num_threads(launch.placement.threads)
     record = places.register(launch.placement, host_pid=launch.host_pid)
     worker: Worker | None = None

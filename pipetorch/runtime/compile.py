@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +10,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+from pipetorch import environment
 from pipetorch.errors import ConfigError
 from pipetorch.partition import plan
 from pipetorch.profiling import estimate, memory
@@ -192,9 +192,7 @@ def _in_processes(stages: list[StageSpec], batching: Batching, processes: int) -
     auto: when there is more than one device (logical devices x replicas), or more than one
     host process (their replicas reduce gradients together).
     """
-    mode = os.environ.get(EXECUTION_ENV, "auto")
-    if mode not in ("auto", "processes", "local"):
-        raise ConfigError(f"{EXECUTION_ENV}={mode!r}: use 'auto', 'processes' or 'local'")
+    mode = environment.get("execution")
     if processes > 1:
         if mode == "local":
             raise ConfigError(
