@@ -17,10 +17,8 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
-Parse = Callable[[str, str], Any]  # (variable, its value, stripped) -> the field's value
-
-
-def _var(default: Any, shown: str, meaning: str, parse: Parse) -> Any:
+def _var(default: Any, shown: str, meaning: str, parse: Callable[[str, str], Any]) -> Any:
+    """A field; `parse(variable, its value stripped)` gives the value when the variable is set."""
     return field(default=default, metadata={"shown": shown, "meaning": meaning, "parse": parse})
 
 
@@ -36,7 +34,7 @@ def _choice(default: str, meanings: dict[str, str], convert: Callable[[str], Any
     return _var(convert(default), f"`{default}`", described, parse)
 
 
-def _positive(kind: type, what: str) -> Parse:
+def _positive(kind: type, what: str) -> Callable[[str, str], Any]:
     def parse(name: str, raw: str) -> Any:
         try:
             if kind(raw) > 0:

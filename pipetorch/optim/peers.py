@@ -1,9 +1,8 @@
 """The other stage workers an optimiser step sums with: for global-norm clipping and overflows.
 
-A stage worker holds part of the model, so clipping's gradient norm and automatic loss
-scaling's overflow count need sums over every device and replica. The worker runs each step
-inside `during(peers)` and the step reads `current()`: nothing is stored on the user's
-optimiser, and a step anywhere else (one process holding every stage) sums locally.
+A stage worker holds part of the model, so clipping's norm and loss scaling's overflow count
+sum over every device and replica. The worker steps inside `during(peers)`, the step reads
+`current()`: nothing is put on the user's optimiser; a step anywhere else sums locally.
 """
 from __future__ import annotations
 
