@@ -53,7 +53,6 @@ import torch.nn as nn
 
 import pipetorch as poptorch
 from pipetorch.parallel.placement import cpu_cores, live_workers
-from pipetorch.parallel.transport import TRANSPORT_ENV
 
 BLOCKS = ("B1", "B2", "B3", "B4")
 MICRO_BATCH = 40
@@ -472,14 +471,14 @@ class PipetorchRow(Row):
         opts.showCompilationProgressBar(False).setExecutionStrategy(work.strategy(model, devices))
         self.training = poptorch.trainingModel(
             model, opts, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
-        before = os.environ.get(TRANSPORT_ENV)
-        os.environ[TRANSPORT_ENV] = transport  # the workers read it when they start
+        before = os.environ.get("PIPETORCH_TRANSPORT")
+        os.environ["PIPETORCH_TRANSPORT"] = transport  # the workers read it when they start
         try:
             torch.set_num_threads(threads)
             self.training.compile(*data)
         finally:
-            os.environ.pop(TRANSPORT_ENV) if before is None else os.environ.update(
-                {TRANSPORT_ENV: before})
+            os.environ.pop("PIPETORCH_TRANSPORT") if before is None else os.environ.update(
+                {"PIPETORCH_TRANSPORT": before})
         self.worker_threads = [r["threads"] for r in live_workers()
                                if r.get("host_pid") == os.getpid()]
 

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
+from pipetorch import environment as _environment
 from pipetorch.enums import (
     AutoStage, CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
     MeanReductionStrategy, OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern,
@@ -90,7 +90,7 @@ def __dir__() -> list[str]:
     return __all__
 
 
-if os.environ.get("PIPETORCH_WORKER_POOL") == "early":  # the workers' zygote, see parallel/pool
+if _environment.get("worker_pool") == "early":  # the workers' zygote, see parallel/pool
     from pipetorch.parallel import pool as _pool
 
     _pool.prestart()

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipetorch import environment
+
 __all__ = ["register", "render_text", "snapshot"]
 
 _HELP = "list the CPU and GPUs, their memory and the pipetorch workers attached to each"
@@ -44,7 +46,8 @@ default and the PIPETORCH_* variables that change it.
 
 # A module attribute so tests can point it at a folder without the files (as on macOS).
 _PROC = Path("/proc")
-_ENV_NAMES = ("PIPETORCH_DEVICE", "PIPETORCH_NUM_DEVICES", "PIPETORCH_THREADS_PER_DEVICE")
+# The variables that choose where stage workers go (placement.physical).
+_ENV_NAMES = tuple(map(environment.variable, ("device", "num_devices", "threads_per_device")))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

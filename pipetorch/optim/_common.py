@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipetorch.optim import attributes, ipu_param, ipu_state, scaling
+from pipetorch.optim import attributes, ipu_param, ipu_state, peers, scaling
 from pipetorch.optim.checks import check_flag, check_number  # noqa: F401 (optimisers import them here)
 
 __all__: list[str] = []
@@ -273,9 +273,8 @@ class PopTorchOptimizer(scaling.LossScaled):
                 for param in working:
                     param.grad.div_(loss_scaling)
             if max_grad_norm != math.inf:
-                shares = getattr(self, "_pipetorch_shares", {})  # set by a stage worker
-                _clip_grad_norm(working, max_grad_norm, getattr(self, "_pipetorch_reduce", None),
-                                [shares.get(id(s.param), 1.0) for s in used])
+                _clip_grad_norm(working, max_grad_norm, peers.current(),
+                                [id(s.param) for s in used])
             self._update()
         finally:
             for group, params, group_swaps in zip(self.param_groups, originals, swaps):
@@ -388,18 +387,18 @@ def _store_state(state: dict[str, Any], formats: StateFormats) -> dict[str, Any]
     return stored
 
 
-def _clip_grad_norm(params: list[torch.Tensor], max_norm: float,
-                    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
-                    shares: list[float]) -> None:
-    """clip_grad_norm_ over the whole model; with `reduce` (a sum over the stages' processes,
-    set by a stage worker) the norm covers the parameters every stage holds, each weighted by
-    its `shares` (1 / copies for a weight tied across devices: it counts once)."""
-    if reduce is None:
+def _clip_grad_norm(params: list[torch.Tensor], max_norm: float, across: peers.Peers | None,
+                    ids: list[int]) -> None:
+    """clip_grad_norm_ over the whole model; on a stage worker (`across` its peers) the norm
+    covers the parameters every stage holds, each user parameter `ids[i]` weighted by its
+    share (1 / copies for a weight tied across devices: it counts once)."""
+    if across is None:
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         return
-    squares = [p.grad.detach().float().pow(2).sum() * share for p, share in zip(params, shares)]
+    squares = [p.grad.detach().float().pow(2).sum() * across.shares.get(i, 1.0)
+               for p, i in zip(params, ids)]
     local = torch.stack(squares).sum() if squares else torch.zeros(())
-    total = reduce(local).sqrt()
+    total = across.reduce(local).sqrt()
     coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for param in params:
         param.grad.mul_(coefficient.to(param.grad.dtype))

@@ -9,17 +9,17 @@ GradScaler); PopTorch's own ALS adjusts the scale from gradient histograms inste
 
 The scale starts at the optimiser's `loss_scaling` when that is set (not 1.0), else at
 `DEFAULT_INITIAL_SCALE`. Everything lives in one picklable dataclass on the optimiser, so
-it travels to stage workers with it. A stage worker sets `optimizer._pipetorch_reduce` (a
-sum over every stage and replica): the overflow count goes through it, so an overflow on
-any stage or replica skips the step on all of them.
+it travels to stage workers with it. On a stage worker the overflow count is summed over
+every stage and replica (optim.peers), so an overflow on any of them skips the step on all.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from pipetorch.optim import peers
 from pipetorch.optim.checks import check_number
 
 __all__ = ["enable_automatic_loss_scaling", "disable_automatic_loss_scaling",
@@ -144,10 +144,9 @@ def overflowed(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> 
     device = grads[0].device if grads else torch.device("cpu")
     count = (torch.stack([c.to(device) for c in counts]).sum().float() if counts
              else torch.zeros((), device=device))
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = getattr(
-        optimizer, "_pipetorch_reduce", None)
-    if reduce is not None:
-        count = reduce(count)
+    across = peers.current()
+    if across is not None:
+        count = across.reduce(count)
     return bool(count.item() > 0)
 
 

@@ -1,33 +1,21 @@
 """Stages run through torch.compile (opt-in): `opts.Jit.compileStages()` or PIPETORCH_COMPILE."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from pipetorch.errors import ConfigError
+from pipetorch import environment
 from pipetorch.parallel.recompute import _SharedView
 
 __all__: list[str] = []
-
-COMPILE_ENV = "PIPETORCH_COMPILE"
 
 
 def compile_backend(options: Any) -> str | None:
     """The backend stages are compiled with: the option, else $PIPETORCH_COMPILE (1: inductor)."""
     chosen = options.Jit.compile_stages
-    if chosen is not None:
-        return chosen
-    value = os.environ.get(COMPILE_ENV, "").strip()
-    if value in ("", "0"):
-        return None
-    backend = "inductor" if value == "1" else value
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise ConfigError(f"{COMPILE_ENV}={value!r} names no torch.compile backend; use 1 "
-                          f"(inductor), 0, or one of {torch._dynamo.list_backends()}")
-    return backend
+    return chosen if chosen is not None else environment.get("compile")
 
 
 class CompiledStage(_SharedView):

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import placement as places
 from pipetorch.parallel import arena, pool, shm, snapshot, wire
@@ -97,7 +98,7 @@ class ProcessEngine:
         self.input_device = torch.device("cpu")
         self.last_trace: list[Trace] = []
         self.peak_memory: dict[int, int] = {}  # stage -> the CUDA allocator's peak (GPU only)
-        self.timeout = wire.timeout_seconds()
+        self.timeout = environment.get("timeout")
         self.specs, self.placements = specs, list(placements)
         self.devices = len(self.placements) // self.replicas  # workers per replica
         self.owners = tuple(next(d for d, p in enumerate(self.placements) if s in p.stages)
@@ -133,7 +134,7 @@ class ProcessEngine:
                                   timeout=self.timeout)
         self._segments.append(shm.segment_prefix(os.getpid(), meeting.prefix))
         devices = tuple(p.device for p in self.placements)
-        keep = self.optimizer is not None and snapshot.enabled()
+        keep = self.optimizer is not None and environment.get("snapshots")
         self._commits = 0
         for placement in self.placements:
             self.peers.append(self._start(placement))
@@ -367,8 +368,8 @@ class ProcessEngine:
         saved = [snapshot.read(self._folder, r.index, self._commits) for r in self.routes]
         if any(s is None for s in saved):
             logger.warning("The state after the last completed call was not saved "
-                           "(%s=0?): the host copy keeps the weights of the last copy to the "
-                           "host", snapshot.SNAPSHOT_ENV)
+                           "(PIPETORCH_SNAPSHOTS=0?): the host copy keeps the weights of the "
+                           "last copy to the host")
             return
         for route, stage in zip(self.routes, saved):
             snapshot.load_stage_state(self.staged.modules[route.index], self.optimizer, stage)

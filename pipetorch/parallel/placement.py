@@ -18,18 +18,13 @@ from typing import Any, Sequence
 
 import torch
 
-from pipetorch.errors import ConfigError
+from pipetorch import environment
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.parallel.devices import default_device
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
-
-NUM_DEVICES_ENV = "PIPETORCH_NUM_DEVICES"
-THREADS_ENV = "PIPETORCH_THREADS_PER_DEVICE"
-REGISTRY_ENV = "PIPETORCH_REGISTRY"
-
 
 @dataclass(frozen=True)
 class Placement:
@@ -50,15 +45,6 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _positive_env(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None:
-        return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise ConfigError(f"{name}={raw!r} must be a positive whole number")
-    return int(raw)
-
-
 @dataclass(frozen=True)
 class Physical:
     """The physical devices stage workers get, in the order logical devices take them."""
@@ -71,8 +57,7 @@ class Physical:
 def physical() -> Physical:
     """What $PIPETORCH_DEVICE, $PIPETORCH_NUM_DEVICES and $PIPETORCH_THREADS_PER_DEVICE give."""
     device = default_device()
-    limit = _positive_env(NUM_DEVICES_ENV)
-    threads = _positive_env(THREADS_ENV)
+    limit, threads = environment.get("num_devices"), environment.get("threads_per_device")
     cores = cpu_cores()
     if device.type == "cuda":
         count = torch.cuda.device_count()
@@ -119,9 +104,8 @@ def place(stages: Sequence[StageSpec], *, replicas: int = 1) -> list[Placement]:
 # -- registry --------------------------------------------------------------------------------
 def registry_dir() -> Path:
     """$PIPETORCH_REGISTRY, else a per-user folder in the temp directory."""
-    custom = os.environ.get(REGISTRY_ENV)
-    path = Path(custom) if custom else Path(tempfile.gettempdir()) / f"pipetorch-{os.getuid()}"
-    return path
+    custom = environment.get("registry")
+    return Path(custom) if custom else Path(tempfile.gettempdir()) / f"pipetorch-{os.getuid()}"
 
 
 def register(placement: Placement, *, host_pid: int) -> Path:

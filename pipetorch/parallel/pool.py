@@ -36,13 +36,13 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pipetorch.errors import ConfigError, DeviceError
+from pipetorch import environment
+from pipetorch.errors import DeviceError
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
-POOL_ENV = "PIPETORCH_WORKER_POOL"
 _PERIOD = 0.25     # seconds between the zygote's checks that the user's process is there
 _MESSAGE = 1 << 20  # the largest request or reply (a seqpacket datagram)
 UNKNOWN_EXIT = 255  # exit status of a worker whose zygote died before telling it
@@ -51,12 +51,7 @@ UNKNOWN_EXIT = 255  # exit status of a worker whose zygote died before telling i
 def enabled() -> bool:
     """$PIPETORCH_WORKER_POOL: 1 (default) forks workers from the zygote, started by the first
     multi-process wrapper; early starts it at `import pipetorch`; 0 starts workers fresh."""
-    raw = os.environ.get(POOL_ENV, "1")
-    if raw not in ("0", "1", "early"):
-        raise ConfigError(f"{POOL_ENV}={raw!r} must be 1 (fork workers from a pre-started "
-                          "process, the default), early (start that process at `import "
-                          "pipetorch`) or 0 (start each worker as a new process)")
-    return raw != "0"
+    return environment.get("worker_pool") != "0"
 
 
 def worker_env() -> dict[str, str]:
@@ -123,7 +118,7 @@ class Zygote:
         try:  # (not "early" in there: its `import pipetorch` must not start another zygote)
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "pipetorch.parallel.pool", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=self.env | {POOL_ENV: "1"},
+                pass_fds=(theirs.fileno(),), env=self.env | {"PIPETORCH_WORKER_POOL": "1"},
                 stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
@@ -177,11 +172,11 @@ class Zygote:
             raise DeviceError(
                 f"The worker pool process (pid {self.process.pid}) died (exit code "
                 f"{self.process.returncode}) while starting stage workers; the next wrapper "
-                f"starts a new one. Set {POOL_ENV}=0 to start workers as fresh processes")
+                "starts a new one. Set PIPETORCH_WORKER_POOL=0 to start workers as fresh processes")
         raise DeviceError(
             f"The worker pool process (pid {self.process.pid}) did not answer within "
             f"{timeout:.0f}s; raise PIPETORCH_TIMEOUT if this machine is very slow, or set "
-            f"{POOL_ENV}=0")
+            "PIPETORCH_WORKER_POOL=0")
 
     def close(self) -> None:
         """Stop the zygote (its workers live on until their wrappers stop them)."""

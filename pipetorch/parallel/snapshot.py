@@ -18,17 +18,9 @@ from pipetorch.optim import offload, scaling
 
 __all__: list[str] = []
 
-SNAPSHOT_ENV = "PIPETORCH_SNAPSHOTS"
-
 StageState = tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, Any]]
 """(parameters and buffers by name, optimiser state by parameter name, optimiser-wide state:
 {"scaling": automatic loss scaling's state})."""
-
-
-
-def enabled() -> bool:
-    """Whether workers keep snapshots ($PIPETORCH_SNAPSHOTS=0 turns them off for big models)."""
-    return os.environ.get(SNAPSHOT_ENV, "1") != "0"
 
 
 def stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> StageState:

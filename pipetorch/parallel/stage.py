@@ -12,6 +12,7 @@ import torch.nn as nn
 from pipetorch import ops
 from pipetorch.errors import DeviceError
 from pipetorch.losses import for_backward
+from pipetorch.optim.peers import Peers, during
 from pipetorch.optim.scaling import loss_scale
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.tied import TiedGrads
@@ -124,18 +125,19 @@ class StageExecutor:
     two held stages is a hand-over in memory: the receiver gets the sender's tensors, detached.
     `tied` holds the device's copies of weights tied with other devices (TIED_REDUCE).
     `micro_context(m)`, when given, is entered around micro-batch m's forward and backward
-    (one device running its replicas in turn swaps each replica's buffers in).
+    (one device running its replicas in turn swaps each replica's buffers in). `peers`, on a
+    stage worker, are the workers whose gradients the optimiser's step sums with (clipping).
     """
 
     def __init__(self, stages: Sequence[DeviceStage], specs: dict[Source, Spec], *,
                  link: PeerLink, device: torch.device, optimizer: torch.optim.Optimizer | None,
                  owners: Sequence[int] | None = None, replica: int = 0,
-                 tied: TiedGrads | None = None,
+                 tied: TiedGrads | None = None, peers: Peers | None = None,
                  micro_context: Callable[[int], ContextManager[Any]] | None = None) -> None:
         assert stages, "a device holds at least one stage"
         self.specs, self.link, self.replica = specs, link, replica
         self._context = micro_context or (lambda m: contextlib.nullcontext())
-        self.device, self.optimizer, self.tied = device, optimizer, tied
+        self.device, self.optimizer, self.tied, self.peers = device, optimizer, tied, peers
         self.owners = tuple(owners) if owners is not None else tuple(
             range(stages[0].route.stages))
         self.held = {s.route.index: _Held(s, specs, replica) for s in stages}
@@ -313,7 +315,8 @@ class StageExecutor:
     def _step(self, m: int, action: Action) -> None:
         self.link.flush()
         if self.optimizer is not None:
-            self.optimizer.step()
+            with during(self.peers):
+                self.optimizer.step()
 
     # -- transfers: over the link to another device, or handed over within this one --------
     def _transfer_out(self, tag: Tag, action: Action, m: int, layout: BundleLayout,

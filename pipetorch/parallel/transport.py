@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from pipetorch.errors import ConfigError, DeviceError
+from pipetorch import environment
+from pipetorch.errors import DeviceError
 from pipetorch.parallel.routes import TensorSpec
 
 __all__: list[str] = []
@@ -191,19 +192,13 @@ class PeerLink:
         """Release what `open` set up."""
 
 
-TRANSPORT_ENV = "PIPETORCH_TRANSPORT"
-TRANSPORTS = ("shm", "gloo")
-
-
 def link_kind(devices: Sequence[torch.device], *, one_host: bool) -> str:
     """"shm" or "gloo" (torch.distributed: gloo, or NCCL between GPUs) for point-to-point bundles.
 
     $PIPETORCH_TRANSPORT picks; shared memory (the default) needs CPU workers of one host
     process, and torch.distributed carries whatever it cannot reach.
     """
-    wanted = os.environ.get(TRANSPORT_ENV, "shm").strip().lower()
-    if wanted not in TRANSPORTS:
-        raise ConfigError(f"{TRANSPORT_ENV}={wanted!r} must be one of {', '.join(TRANSPORTS)}")
+    wanted = environment.get("transport")
     reachable = one_host and all(d.type == "cpu" for d in devices) and os.path.isdir("/dev/shm")
     return "shm" if wanted == "shm" and reachable else "gloo"
 

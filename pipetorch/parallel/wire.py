@@ -12,20 +12,7 @@ from pipetorch.errors import DeviceError
 
 __all__: list[str] = []
 
-TIMEOUT_ENV = "PIPETORCH_TIMEOUT"
 _POLL = 0.2  # seconds between liveness checks while waiting
-
-
-def timeout_seconds() -> float:
-    """How long any single wait may last: $PIPETORCH_TIMEOUT seconds, default 600."""
-    raw = os.environ.get(TIMEOUT_ENV, "600")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
-    return value
 
 
 def send(conn: Connection, message: Any) -> None:
@@ -139,7 +126,7 @@ def gather(peers: Sequence[Peer], *, timeout: float, what: str,
             stuck = ", ".join(p.describe() for _, p in waiting.values())
             raise WorkerFailed(
                 f"No reply during {what} from {stuck} within {timeout:.0f}s; raise "
-                f"{TIMEOUT_ENV} if a call legitimately takes longer")
+                "PIPETORCH_TIMEOUT if a call legitimately takes longer")
     if transfers is not None:
         transfers[:] = [timings[n] for n in range(len(peers))]
     return [replies[n] for n in range(len(peers))]

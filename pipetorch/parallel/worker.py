@@ -22,7 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetorch import environment
 from pipetorch.optim import offload
+from pipetorch.optim.peers import Peers
 from pipetorch.parallel import placement as places
 from pipetorch.parallel import arena, snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
@@ -118,15 +120,12 @@ class Worker:
         self.tied = TiedGrads(setup.ties, self.modules, device=setup.device,
                               groups={d: g for (r, d), g in tie_groups.items()
                                       if r == launch.replica})
-        if self.optimizer is not None:
-            if not offload.is_offloaded(self.optimizer):  # else it moves in for each step
-                _move_state(self.optimizer, self.device)
-            # Global-norm clipping and overflow checks need sums over every device. Summed
-            # over all workers, each replica's (identical) share counts `replicas` times.
-            self.optimizer._pipetorch_reduce = (  # type: ignore[attr-defined]
-                lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas)
-            # ... and a weight tied across devices counts once, not once per copy.
-            self.optimizer._pipetorch_shares = self.tied.shares()  # type: ignore[attr-defined]
+        if self.optimizer is not None and not offload.is_offloaded(self.optimizer):
+            _move_state(self.optimizer, self.device)  # else it moves in for each step
+        # Summed over all workers, each replica's (identical) share counts `replicas` times;
+        # a weight tied across devices counts once, not once per copy.
+        peers = Peers(lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas,
+                      self.tied.shares())
         kind = link_kind([torch.device(d) for d in setup.devices],
                          one_host=len(setup.devices) == meeting.world_size)
         link = new_link(kind, prefix=shm.segment_prefix(launch.host_pid, meeting.prefix),
@@ -136,7 +135,7 @@ class Worker:
         self.executor = StageExecutor(setup.stages, setup.specs, link=link, device=self.device,
                                       optimizer=self.optimizer, owners=setup.owners,
                                       replica=launch.placement.replica,
-                                      tied=self.tied or None)
+                                      tied=self.tied or None, peers=peers)
         link.open(self.executor.channels(self._transfers()))
         self._plans: dict[tuple[int, bool], list] = {}
         if self.optimizer is not None:
@@ -278,7 +277,7 @@ def main(conn: Connection, host: int | None = None) -> None:
     _die_with_host(os.getppid(), host)
     parent = os.getppid() if host is None else None  # a zygote's death does not end a worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle
-    launch, setup = wire.receive(conn, timeout=wire.timeout_seconds(), parent=parent)
+    launch, setup = wire.receive(conn, timeout=environment.get("timeout"), parent=parent)
     torch.set_num_threads(launch.placement.threads)
     record = places.register(launch.placement, host_pid=launch.host_pid)
     worker: Worker | None = None

@@ -2,18 +2,14 @@
 from __future__ import annotations
 
 import logging
-import os
 
+from pipetorch import environment
 from pipetorch.errors import ConfigError
 from pipetorch.partition.strategies import StageSpec
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
-
-# Logical devices are processes; this cap stops a typo from starting thousands of them.
-MAX_DEVICES_ENV = "PIPETORCH_MAX_DEVICES"
-DEFAULT_MAX_DEVICES = 64
 
 
 def check_batching(stages: list[StageSpec], *, pipelined: bool, training: bool,
@@ -42,7 +38,7 @@ def device_count(stages: list[StageSpec], *, replication_factor: int,
     """Number of logical devices the run needs: devices per replica x replicas."""
     ipus = sorted({s.ipu_id for s in stages})
     needed = (max(ipus) + 1) * replication_factor
-    limit = int(os.environ.get(MAX_DEVICES_ENV, DEFAULT_MAX_DEVICES))
+    limit = environment.get("max_devices")  # logical devices are processes: a typo's guard
     if needed & (needed - 1):
         if not auto_round:
             raise ConfigError(
@@ -56,6 +52,6 @@ def device_count(stages: list[StageSpec], *, replication_factor: int,
     if needed > limit:
         raise ConfigError(
             f"The model needs {needed} devices but at most {limit} are available; use fewer "
-            f"stages or replicas, or raise the limit with {MAX_DEVICES_ENV}"
+            "stages or replicas, or raise the limit with PIPETORCH_MAX_DEVICES"
         )
     return needed

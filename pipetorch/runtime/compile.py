@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +10,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+from pipetorch import environment
 from pipetorch.errors import CompileError, ConfigError, Error
 from pipetorch.partition import plan
 from pipetorch.profiling import estimate, memory
@@ -30,9 +30,6 @@ from pipetorch.runtime.optimizer import device_optimizer
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
-
-EXECUTION_ENV = "PIPETORCH_EXECUTION"
-
 
 @dataclass
 class Compiled:
@@ -234,13 +231,11 @@ def _in_processes(devices: int, batching: Batching, processes: int) -> bool:
     auto: when there is more than one device (logical devices x replicas), or more than one
     host process (their replicas reduce gradients together).
     """
-    mode = os.environ.get(EXECUTION_ENV, "auto")
-    if mode not in ("auto", "processes", "local"):
-        raise ConfigError(f"{EXECUTION_ENV}={mode!r}: use 'auto', 'processes' or 'local'")
+    mode = environment.get("execution")
     if processes > 1:
         if mode == "local":
             raise ConfigError(
-                f"{EXECUTION_ENV}=local cannot run one of {processes} host processes: their "
+                f"PIPETORCH_EXECUTION=local cannot run one of {processes} host processes: their "
                 "replicas exchange gradients through stage workers; unset it")
         return True
     return mode == "processes" or (mode == "auto" and devices * batching.replication_factor > 1)

@@ -9,6 +9,7 @@ from torch.testing import assert_close
 
 import pipetorch as poptorch
 from pipetorch.optim import scaling
+from pipetorch.optim.peers import Peers, during
 
 
 def model_and_optimizer(**kwargs):
@@ -101,17 +102,19 @@ def test_another_stages_overflow_skips_a_clean_optimiser_too():
         seen.append(count.clone())
         return count + 1
 
-    optimizer._pipetorch_reduce = reduce
     backward(model, optimizer, torch.randn(4, 3))
     weights, _ = snapshot(model, optimizer)
-    optimizer.step()
+    attributes = set(vars(optimizer))
+    with during(Peers(reduce, {})):
+        optimizer.step()
+    assert set(vars(optimizer)) == attributes  # the worker's sum is not left on the optimiser
     assert len(seen) == 1 and seen[0].dtype == torch.float32 and seen[0].item() == 0
     for name, param in model.named_parameters():
         assert torch.equal(param, weights[name]), name
     assert scaling.skipped_steps(optimizer) == 1 and scaling.loss_scale(optimizer) == 32
-    optimizer._pipetorch_reduce = lambda count: count  # every stage clean
     backward(model, optimizer, torch.randn(4, 3))
-    optimizer.step()
+    with during(Peers(lambda count: count, {})):  # every stage clean
+        optimizer.step()
     assert not torch.equal(model.weight, weights["weight"])
     assert scaling.skipped_steps(optimizer) == 1
 
@@ -120,10 +123,8 @@ def test_the_dynamic_state_travels_with_pickles_and_copies():
     model, optimizer = model_and_optimizer(loss_scaling=8)
     model.weight.grad = torch.full_like(model.weight, float("inf"))
     optimizer.step()
-    optimizer._pipetorch_reduce = lambda count: count  # a worker's: never pickled
     clone = pickle.loads(pickle.dumps(optimizer))
     assert scaling.scaling_state(clone) == scaling.scaling_state(optimizer)
-    assert not hasattr(clone, "_pipetorch_reduce")
     copied = copy.deepcopy(optimizer)
     scaling.load_scaling_state(copied, {**scaling.scaling_state(copied), "scale": 2.0})
     assert scaling.loss_scale(optimizer) == 4 and scaling.loss_scale(copied) == 2

@@ -49,9 +49,9 @@ def _train_twice(tokens, labels):
 @pytest.mark.slow
 def test_wrappers_fork_from_one_zygote_and_match_fresh_workers(registry, monkeypatch):
     tokens, labels = token_data(8)
-    monkeypatch.setenv(pool.POOL_ENV, "0")
+    monkeypatch.setenv("PIPETORCH_WORKER_POOL", "0")
     fresh_out, fresh_weights, _ = _train_twice(tokens, labels)
-    monkeypatch.setenv(pool.POOL_ENV, "1")
+    monkeypatch.setenv("PIPETORCH_WORKER_POOL", "1")
     first_out, first_weights, first_pids = _train_twice(tokens, labels)
     zygote = pool.zygote()
     # Only the threads importing torch makes (OpenBLAS's, fork-safe): no intra-op pool, so
@@ -128,7 +128,7 @@ def test_user_process_killed_takes_the_zygote_with_it(registry):
 
 @pytest.mark.parametrize("value", ["yes", "2", ""])
 def test_a_bad_pool_setting_names_the_values_it_takes(monkeypatch, value):
-    monkeypatch.setenv(pool.POOL_ENV, value)
+    monkeypatch.setenv("PIPETORCH_WORKER_POOL", value)
     with pytest.raises(ConfigError, match=rf"PIPETORCH_WORKER_POOL='{value}' must be 1 .*early"
                                           r".* or 0"):
         pool.enabled()

@@ -147,7 +147,7 @@ def test_device_count_power_of_two_and_limit(monkeypatch):
     with pytest.raises(ConfigError, match=r"needs 3 devices.*autoRoundNumIPUs"):
         plan.device_count(three, replication_factor=1, auto_round=False)
     assert plan.device_count(three, replication_factor=1, auto_round=True) == 4
-    monkeypatch.setenv(plan.MAX_DEVICES_ENV, "4")
+    monkeypatch.setenv("PIPETORCH_MAX_DEVICES", "4")
     with pytest.raises(ConfigError, match=r"needs 8 devices but at most 4.*PIPETORCH_MAX_DEVICES"):
         plan.device_count(three[:2], replication_factor=4, auto_round=False)
 

@@ -1,0 +1,126 @@
+"""Every PIPETORCH_* environment variable in one place: its type, default, meaning and check.
+
+`get(field)` parses one variable as os.environ holds it now: modules call it at each use, so
+a change between two calls counts and a bad value fails only where it is used. The table in
+docs/machines.md is checked against `Environment` (POPTORCH_* ones: options.environment).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable
+
+from pipetorch.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__: list[str] = []
+
+def _var(default: Any, shown: str, meaning: str, parse: Callable[[str, str], Any]) -> Any:
+    """A field; `parse(variable, its value stripped)` gives the value when the variable is set."""
+    return field(default=default, metadata={"shown": shown, "meaning": meaning, "parse": parse})
+
+
+def _choice(default: str, meanings: dict[str, str], convert: Callable[[str], Any] = str) -> Any:
+    """A field taking one of `meanings`' keys (in any case), as `convert` turns it."""
+    def parse(name: str, raw: str) -> Any:
+        if raw.lower() not in meanings:
+            allowed = [f"{value} ({meaning})" for value, meaning in meanings.items()]
+            raise ConfigError(f"{name}={raw!r} must be {', '.join(allowed[:-1])} or {allowed[-1]}")
+        return convert(raw.lower())
+
+    described = "; ".join(f"`{value}`: {meaning}" for value, meaning in meanings.items())
+    return _var(convert(default), f"`{default}`", described, parse)
+
+
+def _positive(kind: type, what: str) -> Callable[[str, str], Any]:
+    def parse(name: str, raw: str) -> Any:
+        try:
+            if kind(raw) > 0:
+                return kind(raw)
+        except ValueError:
+            pass
+        raise ConfigError(f"{name}={raw!r} must be a positive {what}")
+    return parse
+
+
+def _device(name: str, raw: str) -> torch.device:
+    import torch  # here: `import pipetorch` does not import torch
+
+    try:
+        device = torch.device(raw)
+    except RuntimeError as exc:
+        raise ConfigError(f"{name}={raw!r} is not a torch device: use 'cpu' or 'cuda[:N]'") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{name}={raw!r} asks for a GPU but CUDA is not available here; use "
+                          "'cpu'")
+    return device
+
+
+def _backend(name: str, raw: str) -> str | None:
+    if raw in ("", "0", "1"):
+        return "inductor" if raw == "1" else None
+    import torch._dynamo  # here: only a named backend needs the list
+
+    if raw not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ConfigError(f"{name}={raw!r} names no torch.compile backend; use 1 (inductor), 0, "
+                          f"or one of {torch._dynamo.list_backends()}")
+    return raw
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the PIPETORCH_* variables ask for (field x: PIPETORCH_X); metadata says how."""
+
+    device: torch.device | None = _var(None, "the first GPU, else the CPU",
+                                       "`cpu`, `cuda` or `cuda:N`: where stages run", _device)
+    num_devices: int | None = _var(None, "all", "at most this many GPUs, or CPU cores to share "
+                                   "out", _positive(int, "whole number"))
+    threads_per_device: int | None = _var(None, "cores / workers, at least 1",
+                                          "intra-op threads per CPU worker",
+                                          _positive(int, "whole number"))
+    execution: str = _choice("auto", {
+        "auto": "workers when there is more than one device (logical devices x replicas) or "
+                "process",
+        "local": "every stage and replica in your process, one after another (the reference)",
+        "processes": "workers even for one device"})
+    timeout: float = _var(600.0, "`600`", "seconds any wait may last before it fails",
+                          _positive(float, "number of seconds"))
+    transport: str = _choice("shm", {
+        "shm": "bundles between CPU workers of one host through shared memory (torch.distributed "
+               "where it cannot reach)",
+        "gloo": "through torch.distributed (gloo, or NCCL between GPUs)"})
+    snapshots: bool = _choice("1", {
+        "1": "workers keep a copy of the state after each call, for the model if one dies",
+        "0": "no copy (for very large models)"}, convert=lambda value: value == "1")
+    worker_pool: str = _choice("1", {
+        "1": "fork workers from a warm process started by the first wrapper",
+        "early": "start that process at `import pipetorch`",
+        "0": "start each worker as a new process"})
+    compile: str | None = _var(None, "`0`", "`1`: compile each stage with torch.compile "
+                               "(inductor), as `opts.Jit.compileStages(True)`; a backend's name: "
+                               "with that backend; `0`: not", _backend)
+    registry: str | None = _var(None, "`$TMPDIR/pipetorch-UID`", "the folder stage workers "
+                                "register in, which `pipetorch devices` reads",
+                                lambda name, raw: raw or None)
+    max_devices: int = _var(64, "`64`", "the most logical devices (each a process) a model may "
+                            "ask for", _positive(int, "whole number"))
+
+
+_FIELDS = {f.name: f for f in fields(Environment)}
+
+
+def variable(name: str) -> str:
+    return f"PIPETORCH_{name.upper()}"
+
+
+def get(name: str) -> Any:
+    """Field `name`: its variable parsed now, or the field's default when unset."""
+    raw, spec = os.environ.get(variable(name)), _FIELDS[name]
+    return spec.default if raw is None else spec.metadata["parse"](variable(name), raw.strip())
+
+
+def read() -> Environment:
+    """Every variable parsed now; the first bad one raises."""
+    return Environment(**{name: get(name) for name in _FIELDS})
