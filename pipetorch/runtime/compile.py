@@ -31,6 +31,7 @@ __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class Compiled:
     """Everything a wrapper needs to run host calls."""
