@@ -3,9 +3,10 @@
     python benchmarks/compile_time.py                 # BERT, 4 layers, hidden 256, 4 devices
     python benchmarks/compile_time.py --devices 2 --hidden 64
 
-Phases, each measured on its own: the eager probe forward, the torch.export capture, cutting
-the captured graph into stages, then `trainingModel(...).compile()` as a whole (probe, capture,
-split, memory estimate, worker start-up) and the first call after it. Needs transformers.
+Phases, each measured on its own: the eager probe forward (which a model split by BeginBlock
+no longer runs), the torch.export capture with the probe's findings read from it, cutting the
+captured graph into stages, then `trainingModel(...).compile()` as a whole (capture, split,
+memory estimate, worker start-up) and the first call after it. Needs transformers.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import transformers
 
 import pipetorch as poptorch
 from pipetorch.partition.blocks import removeBlocks
-from pipetorch.partition.split import capture, split_stages
-from pipetorch.partition.probe import probe
+from pipetorch.partition.split import split_stages
+from pipetorch.partition.probe import probe, probe_by_export
 
 
 def bert(layers: int, hidden: int, devices: int, sequence: int) -> torch.nn.Module:
@@ -65,10 +66,11 @@ def main() -> None:
     model = bert(args.layers, args.hidden, args.devices, args.sequence).train()
     print(f"BERT {args.layers} layers, hidden {args.hidden}, sequence {args.sequence}, over "
           f"{args.devices} devices (micro-batch {args.batch}, G {G})")
-    result = timed("probe (eager forward)", lambda: probe(model, (), micro, training=True))
+    timed("eager probe (not run for this model)", lambda: probe(model, (), micro, training=True))
+    result, traced = timed("capture (torch.export) + findings",
+                           lambda: probe_by_export(model, (), micro, training=True))
     stages = poptorch.PipelinedExecution().resolve(result.blocks,
                                                    preamble=result.ops_before_blocks)
-    traced = timed("capture (torch.export)", lambda: capture(model, (), micro))
     timed("split into stages", lambda: split_stages(model, (), micro, stages, traced=traced))
     removeBlocks(model)
 
