@@ -6,16 +6,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from pipetorch import environment
 from pipetorch.parallel.recompute import _SharedView
 
 __all__: list[str] = []
-
-
-def compile_backend(options: Any) -> str | None:
-    """The backend stages are compiled with: the option, else $PIPETORCH_COMPILE (1: inductor)."""
-    chosen = options.Jit.compile_stages
-    return chosen if chosen is not None else environment.get("compile")
 
 
 class CompiledStage(_SharedView):

@@ -55,9 +55,11 @@ _UNKEYED_OPTIONS = ("executable_cache_dir", "profiling_dir", "log_dir",
                     "show_compilation_progress_bar", "model_name")
 
 
-def capture_key(model: nn.Module, args: tuple, kwargs: dict, options: Any = None) -> str:
-    """SHA-256 of everything a capture of `model(*args, **kwargs)` with `options` depends on."""
-    settings = options.toDict() if options is not None else {}
+def capture_key(model: nn.Module, args: tuple, kwargs: dict,
+                settings: dict[str, Any] | None = None) -> str:
+    """SHA-256 of everything a capture of `model(*args, **kwargs)` depends on; `settings`
+    are the options (Options.toDict())."""
+    settings = settings or {}
     parts: dict[str, Any] = {
         "format": FORMAT, "pipetorch": pipetorch.__version__, "torch": torch.__version__,
         "python": platform.python_version(),
@@ -147,10 +149,10 @@ class Stored:
 
 
 def lookup(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict, *,
-           options: Any = None) -> Stored | None:
+           settings: dict[str, Any] | None = None) -> Stored | None:
     """The entry for `model(*args, **kwargs)` in `folder`, None when there is none usable:
     with it, compiling runs forward zero times."""
-    key = capture_key(model, args, kwargs, options)
+    key = capture_key(model, args, kwargs, settings)
     path = _path(folder, key)
     if not path.exists():
         return None
@@ -167,9 +169,9 @@ def lookup(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dic
 
 
 def store(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict,
-          stored: Stored, *, options: Any = None) -> None:
+          stored: Stored, *, settings: dict[str, Any] | None = None) -> None:
     """Save `stored` for `model(*args, **kwargs)` in `folder` (a log line when it cannot be)."""
-    key = capture_key(model, args, kwargs, options)
+    key = capture_key(model, args, kwargs, settings)
     path, traced = _path(folder, key), stored.traced
     own = {id(t) for t in [*model.parameters(), *model.buffers()]}
     constants = {}

@@ -84,10 +84,9 @@ def _has_sixteen_bit(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, torch.Tensor) and t.dtype in SIXTEEN_BIT for t in tensors)
 
 
-def for_forward(model: nn.Module, args: tuple, kwargs: dict, options: Any) -> Casting | None:
+def for_forward(model: nn.Module, args: tuple, kwargs: dict, precision: Any) -> Casting | None:
     """The casting forward runs under, or None where it cannot matter: a model without a
-    16-bit parameter, buffer or input, whose options leave halfFloatCasting unset."""
-    precision = options.Precision
+    16-bit parameter, buffer or input, whose options' Precision leaves halfFloatCasting unset."""
     if precision._casting_chosen or _has_sixteen_bit(model, args, kwargs):
         return functools.partial(HalfFloatCasting, precision.half_float_casting)
     return None

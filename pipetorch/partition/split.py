@@ -179,10 +179,10 @@ class CaptureOnce:
     """
 
     def __init__(self, model: nn.Module, first: tuple[tuple, dict], *,
-                 cache_dir: str | None = None, options: Any = None,
+                 cache_dir: str | None = None, settings: dict[str, Any] | None = None,
                  casting: Callable[[], ContextManager[Any]] | None = None,
                  probe: Any = None, stored: Any = None, traced: Traced | None = None) -> None:
-        self.model, self.first, self.cache_dir, self.options = model, first, cache_dir, options
+        self.model, self.first, self.cache_dir, self.settings = model, first, cache_dir, settings
         self.casting, self.probe = casting, probe
         self._traced = stored.traced if stored is not None else traced
         self._memo: dict[Any, Any] = dict(stored.memo) if stored is not None else {}
@@ -226,7 +226,7 @@ class CaptureOnce:
             from pipetorch.partition.cache import Stored, store
 
             store(self.cache_dir, self.model, *self.first,
-                  Stored(self.probe, self._traced, dict(self._memo)), options=self.options)
+                  Stored(self.probe, self._traced, dict(self._memo)), settings=self.settings)
             self._unsaved = False
 
 

@@ -10,10 +10,9 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from pipetorch import environment
 from pipetorch.errors import CompileError, ConfigError, Error
 from pipetorch.partition import plan
-from pipetorch.profiling import estimate, memory
+from pipetorch.profiling import estimate
 from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.partition import casting
@@ -23,8 +22,9 @@ from pipetorch.partition.blocks import begin_blocks
 from pipetorch.partition.probe import Capture, probe, probe_by_export
 from pipetorch.partition.suspects import suspect
 from pipetorch.enums import AutoStage
-from pipetorch.parallel.compiled import CompiledStage, compile_backend
-from pipetorch.parallel.local import Batching, FlatStage, LocalEngine, ReplicaBuffers
+from pipetorch.parallel.compiled import CompiledStage
+from pipetorch.parallel.local import FlatStage, LocalEngine, ReplicaBuffers
+from pipetorch.runtime.config import RunConfig
 from pipetorch.runtime.optimizer import device_optimizer
 
 __all__: list[str] = []
@@ -45,13 +45,6 @@ class Compiled:
     graph: CaptureOnce | None = None  # the whole-model capture, made when first needed
 
 
-def batching_of(options: Any) -> Batching:
-    """D, G, R and the reduction from the options."""
-    return Batching(options.device_iterations, options.Training.gradient_accumulation,
-                    options.replication_factor,
-                    options.Training.accumulation_and_replication_reduction_type)
-
-
 def _synthetic_like(micro_batches: list[tuple[tuple, dict]], device: torch.device) -> list:
     """Inputs of the compiled shapes made on the device: floats ~N(0,1), integers 0."""
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -66,31 +59,30 @@ def _synthetic_like(micro_batches: list[tuple[tuple, dict]], device: torch.devic
     return [torch.utils._pytree.tree_map(make, mb) for mb in micro_batches]
 
 
-def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: Any,
+def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: RunConfig,
                   training: bool, optimizer: torch.optim.Optimizer | None,
                   device: torch.device) -> Compiled:
     """Build the engine for `user_model`, validating the model against the options."""
     start = time.perf_counter()
-    batching = batching_of(options)
+    batching = config.batching
     bar = tqdm(total=4, desc="Graph compilation", unit="step", leave=False,
-               disable=not options.show_compilation_progress_bar)
+               disable=not config.progress_bar)
     try:
         model = weights.device_copy(user_model, device)
         micro = split_micro_batches(args, kwargs, device_iterations=batching.device_iterations,
                                     gradient_accumulation=batching.gradient_accumulation,
                                     replication_factor=batching.replication_factor)
         first_args, first_kwargs = to_device(micro[0], device)
-        cast = casting.for_forward(model, first_args, first_kwargs, options)
-        strategy = options.execution_strategy
-        if options.auto_balance_devices:
+        cast = casting.for_forward(model, first_args, first_kwargs, config.precision)
+        strategy = config.strategy
+        if config.balance_devices:
             with casting.within(cast):
-                strategy = _auto_balance(model, first_args, first_kwargs, options)
-        process = (options.Distributed.process_id, options.Distributed.num_processes)
-        stored = _stored(model, first_args, first_kwargs, options, training=training)
+                strategy = _auto_balance(model, first_args, first_kwargs, config)
+        stored = _stored(model, first_args, first_kwargs, config, training=training)
         traced = None
         if stored is not None:
             capture = stored.probe
-        elif _in_processes(_declared_devices(model, strategy), batching, process[1]):
+        elif _in_processes(_declared_devices(model, strategy), config):
             # Split for sure: the capture the split needs is the only forward run.
             model = model.to("cpu")  # the host copy; each worker moves its stage to its device
             capture, traced = _probe_by_export(model, to_device(micro[0], torch.device("cpu")),
@@ -103,37 +95,37 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
                             gradient_accumulation=batching.gradient_accumulation,
                             device_iterations=batching.device_iterations)
         devices = plan.device_count(stages, replication_factor=batching.replication_factor,
-                                    auto_round=options.auto_round_num_ipus)
+                                    auto_round=config.auto_round)
         bar.update()
-        in_processes = _in_processes(len({s.ipu_id for s in stages}), batching, process[1])
+        in_processes = _in_processes(len({s.ipu_id for s in stages}), config)
         # The host copy stays on the CPU when workers run the stages (each moves its own).
         host = torch.device("cpu") if in_processes else device
         model = model.to(host)
         first = to_device(micro[0], host)
-        replica_buffers = _replica_buffers(model, capture, options, batching)
+        replica_buffers = _replica_buffers(model, capture, config)
         engine: Any
         bar.update()
-        device_opt = (device_optimizer(optimizer, user_model, model, options=options)
-                      if training else None)
+        device_opt = (device_optimizer(optimizer, user_model, model,
+                                       auto_loss_scaling=config.auto_loss_scaling,
+                                       offload=config.offload) if training else None)
         # One capture for the estimate and the split, from the executable cache if enabled.
-        graph = CaptureOnce(model, first, cache_dir=options.executable_cache_dir,
-                            options=options, casting=cast, probe=capture,
-                            stored=stored, traced=traced)
+        graph = CaptureOnce(model, first, cache_dir=config.cache_dir, settings=config.settings,
+                            casting=cast, probe=capture, stored=stored, traced=traced)
         with casting.within(cast):
-            _check_memory(model, first, stages, options, batching=batching,
-                          optimizer=device_opt, pipelined=strategy.pipelined,
-                          training=training, device=device, capture=graph)
-        recompute = training and bool(options.Training.recomputation)
-        backend = compile_backend(options)
+            _check_memory(model, first, stages, config, optimizer=device_opt,
+                          pipelined=strategy.pipelined, training=training, device=device,
+                          capture=graph)
+        recompute = training and config.recomputation
+        backend = config.compile_backend
         if in_processes:
             from pipetorch.parallel.build import process_engine
 
             engine = process_engine(
                 model, first, stages, batching=batching, optimizer=device_opt,
                 pipelined=strategy.pipelined, training=training, recomputation=recompute,
-                process=process, seed=options.random_seed, capture=graph,
+                process=config.process, seed=config.seed, capture=graph,
                 compile_backend=backend, loss_index=capture.loss_index,
-                pipeline_schedule=options.Training.pipeline_schedule)
+                pipeline_schedule=config.schedule)
         else:
             forward: Any = model
             if training and (capture.uses_recomputation or recompute):
@@ -150,49 +142,47 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, options: 
         bar.update()
     finally:
         bar.close()
-    synthetic = (_synthetic_like(micro, engine.input_device) if options.enable_synthetic_data
-                 else None)
+    synthetic = _synthetic_like(micro, engine.input_device) if config.synthetic else None
     seconds = time.perf_counter() - start
     logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices, seconds)
     return Compiled(engine, stages, capture, devices, seconds, synthetic, graph)
 
 
-def _stored(model: nn.Module, args: tuple, kwargs: dict, options: Any, *,
+def _stored(model: nn.Module, args: tuple, kwargs: dict, config: RunConfig, *,
             training: bool) -> Any:
     """The executable cache's entry for this call (cache.Stored), None without one: with it
     nothing runs forward before the first step."""
-    if not options.executable_cache_dir:
+    if not config.cache_dir:
         return None
     from pipetorch.partition import cache
 
     model.train(training)  # the key holds the modes the capture was made in
-    return cache.lookup(options.executable_cache_dir, model, args, kwargs, options=options)
+    return cache.lookup(config.cache_dir, model, args, kwargs, settings=config.settings)
 
 
-def _auto_balance(model: nn.Module, args: tuple, kwargs: dict, options: Any) -> Any:
+def _auto_balance(model: nn.Module, args: tuple, kwargs: dict, config: RunConfig) -> Any:
     """opts.autoBalance: place the model's stages by measured cost before capturing it; the
     strategy to run with (the options' own, or its kind over the balanced Block scopes)."""
     from pipetorch.profiling.balancing import balanced_strategy
 
-    budget = options.memory_budget
-    return balanced_strategy(model, args, kwargs, devices=options.auto_balance_devices,
-                             strategy=options.execution_strategy,
+    budget = config.memory_budget
+    return balanced_strategy(model, args, kwargs, devices=config.balance_devices,
+                             strategy=config.strategy,
                              memory_budget=budget if isinstance(budget, int) else None)
 
 
 def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec],
-                  options: Any, *, batching: Batching, optimizer: torch.optim.Optimizer | None,
+                  config: RunConfig, *, optimizer: torch.optim.Optimizer | None,
                   pipelined: bool, training: bool, device: torch.device,
                   capture: CaptureOnce | None = None) -> None:
     """Refuse, before any worker starts, a configuration whose estimate exceeds the budget."""
-    budget = estimate.device_budget(options.memory_budget, device=device)
+    budget = estimate.device_budget(config.memory_budget, device=device)
     if budget is None:  # CPU without a budget: no sizing forward
         return
     found = estimate.estimate_memory(
-        model, first, stages, batching=batching, optimizer=optimizer, pipelined=pipelined,
-        training=training, offload=memory.offloaded(options),
-        recomputation=memory.recomputing(options), capture=capture,
-        schedule=options.Training.pipeline_schedule)
+        model, first, stages, batching=config.batching, optimizer=optimizer,
+        pipelined=pipelined, training=training, offload=config.offload,
+        recomputation=config.recomputation, capture=capture, schedule=config.schedule)
     estimate.check_budget(found, budget)
 
 
@@ -225,28 +215,30 @@ def _declared_devices(model: nn.Module, strategy: Any) -> int:
     return len({0} | {ipu for _, ipu in marks if ipu is not None})
 
 
-def _in_processes(devices: int, batching: Batching, processes: int) -> bool:
+def _in_processes(devices: int, config: RunConfig) -> bool:
     """Whether stages on `devices` devices run in worker processes ($PIPETORCH_EXECUTION:
     auto, processes, local).
 
     auto: when there is more than one device (logical devices x replicas), or more than one
     host process (their replicas reduce gradients together).
     """
-    mode = environment.get("execution")
+    mode, processes = config.execution, config.process[1]
     if processes > 1:
         if mode == "local":
             raise ConfigError(
                 f"PIPETORCH_EXECUTION=local cannot run one of {processes} host processes: their "
                 "replicas exchange gradients through stage workers; unset it")
         return True
-    return mode == "processes" or (mode == "auto" and devices * batching.replication_factor > 1)
+    replicas = config.batching.replication_factor
+    return mode == "processes" or (mode == "auto" and devices * replicas > 1)
 
 
-def _replica_buffers(model: nn.Module, capture: Capture, options: Any,
-                     batching: Batching) -> ReplicaBuffers | None:
+def _replica_buffers(model: nn.Module, capture: Capture,
+                     config: RunConfig) -> ReplicaBuffers | None:
+    batching = config.batching
     if batching.replication_factor == 1 or not capture.mutated_buffers:
         return None
-    if options.broadcast_buffers:
+    if config.broadcast_buffers:
         raise ConfigError(
             f"The model changes buffers {capture.mutated_buffers[:4]} in forward (e.g. BatchNorm "
             f"running statistics) and replicationFactor is {batching.replication_factor}: "

@@ -32,6 +32,7 @@ from pipetorch.runtime.checks import (
     held, resolve_mean_strategy, warn_non_finite_weights,
 )
 from pipetorch.runtime.compile import Compiled, compile_model
+from pipetorch.runtime.config import run_config
 from pipetorch.parallel.devices import default_device
 from pipetorch.parallel.local import LocalEngine
 from pipetorch.runtime.optimizer import (
@@ -264,8 +265,8 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 lambda: self._first_micro_batch(args, kwargs),
                 dtypes.pop() if len(dtypes) == 1 else None):
             self._compiled = compile_model(
-                self._user_model, args, kwargs, options=self._options, training=self._training,
-                optimizer=self._user_optimizer, device=self._device)
+                self._user_model, args, kwargs, config=run_config(self._options),
+                training=self._training, optimizer=self._user_optimizer, device=self._device)
         self._signature = signature
         o, engine = self._options, self._compiled.engine
         try:

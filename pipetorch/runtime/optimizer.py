@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.errors import ConfigError
-from pipetorch.optim import offload, scaling
+from pipetorch.optim import offload as offloading, scaling
 from pipetorch.optim._common import PopTorchOptimizer
 
 __all__: list[str] = []
@@ -30,13 +30,12 @@ def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def device_optimizer(optimizer: torch.optim.Optimizer, host: nn.Module,
-                     device: nn.Module, *, options: Any = None) -> torch.optim.Optimizer:
-    """A copy of `optimizer` (hyper-parameters and state) that updates `device`'s parameters.
-
-    With `options`: automatic loss scaling on or off as `Training.auto_loss_scaling` says
-    (a scale the optimiser already carries is kept), and the state offloaded to host memory
-    when `TensorLocations.setOptimizerLocation(...useOnChipStorage(False))` asks for it.
-    """
+                     device: nn.Module, *, auto_loss_scaling: bool = False,
+                     offload: bool = False) -> torch.optim.Optimizer:
+    """A copy of `optimizer` (hyper-parameters and state) that updates `device`'s parameters,
+    with automatic loss scaling on or off (Training.setAutomaticLossScaling; a scale the
+    optimiser already carries is kept) and its state offloaded to host memory when asked
+    (TensorLocations.setOptimizerLocation(...useOnChipStorage(False)))."""
     warn_code_poptorch_skips(optimizer)
     memo: dict[int, object] = {}
     for (name, h), (_, d) in zip(host.named_parameters(remove_duplicate=False),
@@ -53,13 +52,12 @@ def device_optimizer(optimizer: torch.optim.Optimizer, host: nn.Module,
     # deepcopy with the host parameters pre-mapped: groups, state and defaults are copied,
     # and every reference to a host parameter becomes the matching device parameter.
     clone = copy.deepcopy(optimizer, memo)
-    if not offload.is_offloaded(clone):
+    if not offloading.is_offloaded(clone):
         for param, state in clone.state.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.device != param.device and value.dim():
                     state[key] = value.to(param.device)
-    if options is not None:
-        _apply_options(clone, options)
+    _set_scaling_and_offload(clone, auto_loss_scaling=auto_loss_scaling, offload=offload)
     return clone
 
 
@@ -109,9 +107,10 @@ def warn_code_poptorch_skips(optimizer: torch.optim.Optimizer) -> None:
             logger.warning(message)
 
 
-def _apply_options(optimizer: torch.optim.Optimizer, options: Any) -> None:
-    """Automatic loss scaling and optimiser state offload, as the compile options ask."""
-    if options.Training.auto_loss_scaling:
+def _set_scaling_and_offload(optimizer: torch.optim.Optimizer, *, auto_loss_scaling: bool,
+                             offload: bool) -> None:
+    """Automatic loss scaling on or off, and the state offloaded, as the options ask."""
+    if auto_loss_scaling:
         if not isinstance(optimizer, PopTorchOptimizer):
             raise ConfigError(
                 "opts.Training.setAutomaticLossScaling(True) needs a poptorch.optim optimiser "
@@ -123,9 +122,8 @@ def _apply_options(optimizer: torch.optim.Optimizer, options: Any) -> None:
         scaling.enable_automatic_loss_scaling(optimizer)
     else:
         scaling.disable_automatic_loss_scaling(optimizer)
-    location = options.TensorLocations.optimizer_location
-    if location is not None and location.use_on_chip_storage is False:
-        offload.offload_state(optimizer)
+    if offload:
+        offloading.offload_state(optimizer)
 
 
 def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:

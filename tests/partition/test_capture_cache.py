@@ -28,11 +28,12 @@ def model_and_batch(*, rows: int = 4, seed: int = 0):
 def capture(folder, model, first, options=None) -> CaptureOnce:
     """What compiling does: the stored entry when there is one, else probe, capture, store
     (in eval mode: these models need no loss)."""
-    stored = cache.lookup(folder, model, *first, options=options)
+    settings = options.toDict() if options is not None else None
+    stored = cache.lookup(folder, model, *first, settings=settings)
     training = model.training  # probing for no loss (these models return none) sets eval
     found = stored.probe if stored else probe(model, *first, training=False)
     model.train(training)
-    once = CaptureOnce(model, first, cache_dir=str(folder), options=options, probe=found,
+    once = CaptureOnce(model, first, cache_dir=str(folder), settings=settings, probe=found,
                        stored=stored)
     once()
     once.save()
@@ -151,7 +152,8 @@ def test_the_key_names_the_versions_and_ignores_where_files_go(tmp_path):
     model, first = model_and_batch()
     a = poptorch.Options().enableExecutableCaching(str(tmp_path / "a"))
     b = poptorch.Options().enableExecutableCaching(str(tmp_path / "b"))
-    assert cache.capture_key(model, *first, a) == cache.capture_key(model, *first, b)
+    assert cache.capture_key(model, *first, a.toDict()) == \
+        cache.capture_key(model, *first, b.toDict())
 
 
 @pytest.mark.slow

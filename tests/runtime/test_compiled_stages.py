@@ -13,7 +13,8 @@ from helpers.models import MnistNetwork, WithLoss, mnist_data
 from pipetorch.errors import ConfigError
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.parallel.compiled import CompiledStage, compile_backend
+from pipetorch.parallel.compiled import CompiledStage
+from pipetorch.runtime.config import run_config
 from pipetorch.parallel.recompute import original_module
 
 STAGES = [StageSpec(0, 0, ("B1", "B2")), StageSpec(1, 1, ("B3", "B4"))]
@@ -52,6 +53,10 @@ def test_compiled_stages_equal_the_eager_stages(backend):
             assert q.grad is not None and p.grad is not None, name
             assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
     assert isinstance(original_module(compiled[0]), torch.fx.GraphModule)
+
+
+def compile_backend(options: poptorch.Options) -> str | None:
+    return run_config(options).compile_backend
 
 
 def test_the_switch_reads_the_option_then_the_environment(monkeypatch):

@@ -1,0 +1,59 @@
+"""What compiling reads from the user's Options and the environment, resolved once at the
+start of a compilation into frozen values: the layers below get their part, never Options."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipetorch import environment
+from pipetorch.parallel.local import Batching
+from pipetorch.profiling import memory
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One compilation's settings (Options names in brackets)."""
+
+    batching: Batching         # deviceIterations, gradientAccumulation, replicationFactor, ...
+    strategy: Any              # setExecutionStrategy: the ExecutionStrategy
+    schedule: str              # Training.pipelineSchedule
+    recomputation: bool        # Training.recomputation (every stage's activations)
+    offload: bool              # TensorLocations.setOptimizerLocation(useOnChipStorage(False))
+    auto_loss_scaling: bool    # Training.setAutomaticLossScaling
+    process: tuple[int, int]   # Distributed: this host process's id, and how many there are
+    seed: int | None           # randomSeed
+    auto_round: bool           # autoRoundNumIPUs
+    broadcast_buffers: bool    # broadcastBuffers
+    synthetic: bool            # enableSyntheticData
+    progress_bar: bool         # showCompilationProgressBar
+    balance_devices: int | None  # autoBalance (a pipetorch extension)
+    memory_budget: Any         # setMemoryBudget (a pipetorch extension)
+    cache_dir: str | None      # enableExecutableCaching / POPTORCH_CACHE_DIR
+    settings: dict[str, Any]   # every option, which the executable cache's key holds
+    precision: Any             # Precision: what partition.casting reads
+    compile_backend: str | None  # Jit.compileStages, else $PIPETORCH_COMPILE
+    execution: str             # $PIPETORCH_EXECUTION
+
+
+def run_config(options: Any) -> RunConfig:
+    """`options` (and the PIPETORCH_* variables) as one compilation reads them."""
+    training = options.Training
+    chosen = options.Jit.compile_stages
+    return RunConfig(
+        batching=Batching(options.device_iterations, training.gradient_accumulation,
+                          options.replication_factor,
+                          training.accumulation_and_replication_reduction_type),
+        strategy=options.execution_strategy, schedule=training.pipeline_schedule,
+        recomputation=memory.recomputing(options), offload=memory.offloaded(options),
+        auto_loss_scaling=bool(training.auto_loss_scaling),
+        process=(options.Distributed.process_id, options.Distributed.num_processes),
+        seed=options.random_seed, auto_round=options.auto_round_num_ipus,
+        broadcast_buffers=options.broadcast_buffers, synthetic=options.enable_synthetic_data,
+        progress_bar=options.show_compilation_progress_bar,
+        balance_devices=options.auto_balance_devices, memory_budget=options.memory_budget,
+        cache_dir=options.executable_cache_dir, settings=options.toDict(),
+        precision=options.Precision,
+        compile_backend=chosen if chosen is not None else environment.get("compile"),
+        execution=environment.get("execution"))
