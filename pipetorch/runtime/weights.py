@@ -65,10 +65,6 @@ class HostSync:
             self._busy = False
         self.generation += 1
 
-    def bump(self) -> None:
-        """The host weights changed (loaded by the user): device copies must be refreshed."""
-        self.generation += 1
-
 
 def _weak(fn: Callable[[], None]) -> Any:
     return weakref.WeakMethod(fn) if inspect.ismethod(fn) else fn
