@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
+
 def _var(default: Any, shown: str, meaning: str, parse: Callable[[str, str], Any]) -> Any:
     """A field; `parse(variable, its value stripped)` gives the value when the variable is set."""
     return field(default=default, metadata={"shown": shown, "meaning": meaning, "parse": parse})
@@ -112,6 +113,7 @@ _FIELDS = {f.name: f for f in fields(Environment)}
 
 
 def variable(name: str) -> str:
+    """The environment variable of field `name`: PIPETORCH_NAME."""
     return f"PIPETORCH_{name.upper()}"
 
 

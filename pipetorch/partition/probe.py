@@ -6,15 +6,15 @@ model's first call runs forward once before its first step.
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from torch.utils import _pytree as pytree
-
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from pipetorch import ops
 from pipetorch.errors import CompileError
@@ -99,8 +99,16 @@ def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
         with torch.no_grad(), blocks.recording() as rec, ops.record_calls() as calls, \
                 _BlockGuard(rec), ops.running_on_device(), within(casting):
             output = model(*args, **kwargs)
-    return Capture(rec.ordered(), rec.ops_before_blocks, calls["recomputationCheckpoint"] > 0,
-                   mutated, output, final_loss_index(output, calls.losses) if training else None)
+    return _findings(rec, calls, output, mutated, training=training)
+
+
+def _findings(recorder: BlockRecorder, calls: Any, output: Any, mutated: list[str], *,
+              training: bool) -> Capture:
+    """What one run of forward showed: `recorder` its blocks, `calls` its loss and checkpoint
+    operations (ops.record_calls), `mutated` the buffers it changed."""
+    return Capture(recorder.ordered(), recorder.ops_before_blocks,
+                   calls["recomputationCheckpoint"] > 0, mutated, output,
+                   final_loss_index(output, calls.losses) if training else None)
 
 
 def probe_by_export(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
@@ -115,17 +123,16 @@ def probe_by_export(model: nn.Module, args: tuple, kwargs: dict, *, training: bo
         assert recorder is not None  # export_blocks records the blocks
         with ops.record_calls() as calls, _BlockGuard(recorder):
             output = run()
-        seen.update(output=output, before=recorder.ops_before_blocks,
-                    checkpoints=calls["recomputationCheckpoint"] > 0,
-                    loss=final_loss_index(output, calls.losses) if training else None)
+        seen.update(recorder=recorder, calls=calls, output=output)
         return output
 
     with ops.running_on_device(), ops.quiet():
         traced = export.export_blocks(model, args, kwargs, casting=casting, watch=watch)
     written = written_attributes(traced.module.graph)
     changed = [name for name, _ in model.named_buffers() if name in written]
-    return Capture(traced.blocks, seen["before"], seen["checkpoints"], changed,
-                   on_meta(seen["output"]), seen["loss"]), traced
+    found = _findings(seen["recorder"], seen["calls"], seen["output"], changed,
+                      training=training)
+    return dataclasses.replace(found, output=on_meta(found.output)), traced
 
 
 def on_meta(structure: Any) -> Any:

@@ -109,8 +109,11 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
                                        auto_loss_scaling=config.auto_loss_scaling,
                                        offload=config.offload) if training else None)
         # One capture for the estimate and the split, from the executable cache if enabled.
+        # (A capture made for workers but not used by them was made on the CPU copy: not
+        # reused for a model that stays on `device`.)
         graph = CaptureOnce(model, first, cache_dir=config.cache_dir, settings=config.settings,
-                            casting=cast, probe=capture, stored=stored, traced=traced)
+                            casting=cast, probe=capture, stored=stored,
+                            traced=traced if in_processes else None)
         with casting.within(cast):
             _check_memory(model, first, stages, config, optimizer=device_opt,
                           pipelined=strategy.pipelined, training=training, device=device,
