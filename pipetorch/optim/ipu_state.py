@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -46,6 +46,7 @@ class Link:
                  push: Callable[[], None]) -> None:
         self.names = names
         self._sync, self._push = weakref.WeakMethod(sync), weakref.WeakMethod(push)
+        self.hook: Any = None  # the optimiser's state_dict pre-hook (a RemovableHandle)
 
     def sync(self) -> None:
         method = self._sync()
@@ -70,7 +71,11 @@ def link(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
     """Tie `optimizer` to its compiled model, then apply any state written before; whether
     there was such state (to send to the device: `ipu_param.link` does)."""
     names = {id(p): n for n, p in model.named_parameters()}
+    unlink(optimizer)
     found = optimizer.__dict__[_LINK] = Link(names, sync, push)
+    # torch's own state_dict() reads the device's state first too (poptorch.optim's
+    # state_dict syncs itself; the second sync finds nothing newer)
+    found.hook = optimizer.register_state_dict_pre_hook(_sync_before_reading)
     pending = optimizer.__dict__.pop(_PENDING, None)
     if pending is not None:
         found.sync()  # on a running device, what the state leaves out keeps the device's
@@ -79,7 +84,14 @@ def link(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
 
 
 def unlink(optimizer: torch.optim.Optimizer) -> None:
-    optimizer.__dict__.pop(_LINK, None)
+    found: Link | None = optimizer.__dict__.pop(_LINK, None)
+    if found is not None and found.hook is not None:
+        found.hook.remove()
+
+
+def _sync_before_reading(optimizer: torch.optim.Optimizer) -> None:
+    """state_dict() pre-hook (module level: hooks are never pickled, but stay plain)."""
+    sync(optimizer)
 
 
 def linked_names(optimizer: torch.optim.Optimizer) -> dict[int, str] | None:

@@ -11,7 +11,6 @@ from pipetorch.parallel import pool
 from pipetorch.parallel.engine import ProcessEngine
 from pipetorch.parallel.placement import place
 from pipetorch.parallel.routes import routes_of, value_specs
-from pipetorch.partition.blocks import removeBlocks
 from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.partition.probe import preserved
@@ -49,7 +48,6 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     args, kwargs = first
     capture = capture if capture is not None else CaptureOnce(model, first)
     staged = capture.split(stages)
-    removeBlocks(model)  # the stages are cut: BeginBlock's hooks have done their work
     routes = routes_of(staged, loss_index=loss_index if training else None)
 
     def specs_of() -> dict:

@@ -20,7 +20,6 @@ import copy
 import dataclasses
 import logging
 import os
-import pickle
 import re
 import shutil
 import socket
@@ -65,14 +64,18 @@ _STOP_GRACE = 5.0  # seconds a worker gets to stop before it is killed
 
 
 def stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
-    """A copy of `optimizer` restricted to `module`'s parameters; groups keep their order."""
+    """`optimizer` restricted to `module`'s parameters, to send to their worker; groups keep
+    their order. Parameters and state tensors are the optimiser's own objects (sending copies
+    them), so the host holds no second copy of any stage's state."""
     own = {id(p) for p in module.parameters()}
-    shared = {id(p): p for g in optimizer.param_groups for p in g["params"]}
-    clone = copy.deepcopy(optimizer, dict(shared))  # the same Parameter objects, not copies
-    for group in clone.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) in own]
-    clone.state = defaultdict(dict, {p: s for p, s in clone.state.items() if id(p) in own})
-    return clone
+    shell = copy.copy(optimizer)  # the other stages' groups and state are never copied
+    shell.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in own]}
+                          for g in optimizer.param_groups]
+    shell.state = defaultdict(dict, {p: s for p, s in optimizer.state.items() if id(p) in own})
+    shared = {id(t): t for g in shell.param_groups for t in g["params"]}
+    shared.update({id(t): t for s in shell.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor)})
+    return copy.deepcopy(shell, shared)
 
 
 class ProcessEngine:
@@ -151,8 +154,10 @@ class ProcessEngine:
                             self.process_id * self.replicas + placement.replica, self.timeout,
                             os.getpid(), self._folder if keep and placement.replica == 0 else None,
                             self.seed)
-            try:
-                payload = pickle.dumps((launch, setup), protocol=pickle.HIGHEST_PROTOCOL)
+            try:  # the stage's tensors go from their own memory, storage by storage
+                self._send(peer, (launch, setup))
+            except DeviceError:
+                raise
             except Exception as exc:
                 self.close()
                 raise CompileError(
@@ -162,14 +167,13 @@ class ProcessEngine:
                     "lambdas or local functions cannot cross processes: remove them from the "
                     "model, or run every stage in this process with PIPETORCH_EXECUTION=local"
                 ) from exc
-            self._send(peer, payload, raw=True)
         self._gather("start-up")
         logger.info("Started %d device worker(s): %s", len(self.peers),
                     ", ".join(p.describe() for p in self.peers))
 
     def release(self) -> None:
         """detachFromDevice: bring weights and optimiser state home, then stop the workers."""
-        self.pull()
+        self.pull(optimizer_state=self.optimizer is not None)
         _shutdown(self.peers, self._folder, remove=False, segments=self._segments)
 
     def acquire(self) -> None:
@@ -328,26 +332,38 @@ class ProcessEngine:
                 collector.add(j, replica, map_leaves(self.staged.output, Source, fetch))
 
     # -- weights ----------------------------------------------------------------------------
-    def pull(self) -> None:
-        """Copy every stage's weights and optimiser state into the host copy."""
+    def pull(self, *, optimizer_state: bool = False) -> None:
+        """Copy every stage's weights (and with `optimizer_state` its optimiser state) into
+        the host copy, value by value, each into its place."""
         if self._interrupted:
             return  # the host copy holds the state after the last completed call
         if self._lost:
             logger.warning("The stage workers are gone (%s): the host copy keeps the weights of "
                            "the last completed call", self._lost)
             return
+        peers = self._first_replica
         try:
-            for peer in self._first_replica:
-                self._send(peer, ("pull", None))
-            replies = self._gather("copyWeightsToHost", self._first_replica)
+            for peer in peers:
+                self._send(peer, ("pull", optimizer_state))
+            counts = self._gather("copyWeightsToHost", peers)
+            loader = snapshot.Loader(self.staged.modules, self.optimizer)
+            for peer, count in zip(peers, counts):
+                for _ in range(count):
+                    loader.put(self._receive(peer, "copyWeightsToHost"))
         except DeviceError as exc:
             logger.warning("Could not copy the weights from the stage workers (%s): the host "
                            "copy keeps the weights of the last completed call",
                            str(exc).splitlines()[0])
-            return
-        for states in replies:
-            for stage, state in states.items():
-                snapshot.load_stage_state(self.staged.modules[stage], self.optimizer, state)
+
+    def _receive(self, peer: wire.Peer, what: str) -> Any:
+        """One message that follows a reply from `peer` (its death or silence fails the
+        engine, as in _gather)."""
+        try:
+            return wire.receive(peer.conn, timeout=self.timeout)
+        except (EOFError, OSError, TimeoutError) as exc:
+            self._fail(f"the worker running {peer.describe()} stopped during {what} ({exc})")
+            raise wire.WorkerFailed(f"The worker running {peer.describe()} stopped during "
+                                    f"{what}: {exc}") from None
 
     def pull_gradients(self) -> None:
         """Copy the gradients of the last optimiser step into the host copy's `.grad`."""
@@ -380,16 +396,10 @@ class ProcessEngine:
         self._revive()
         self._check_alive()
         commit = self._commits + 1
+        optimizer = self.optimizer if optimizer_state else None
         for peer in self.peers:
-            states = {}
-            for stage in peer.stages:
-                module = self.staged.modules[stage]
-                if optimizer_state:
-                    states[stage] = snapshot.stage_state(module, self.optimizer)
-                else:
-                    states[stage] = ({name: t.detach() for name, t in
-                                      [*module.named_parameters(), *module.named_buffers()]},
-                                     {}, {})
+            states = {stage: snapshot.stage_state(self.staged.modules[stage], optimizer)
+                      for stage in peer.stages}
             self._send(peer, ("push", (states, commit)))
         self._gather("copyWeightsToDevice")
         self._commits = commit
@@ -427,15 +437,13 @@ class ProcessEngine:
                 "call destroy() and build a new trainingModel/inferenceModel. The model keeps "
                 "the weights of the last copy to the host")
 
-    def _send(self, peer: wire.Peer, message: Any, *, raw: bool = False,
+    def _send(self, peer: wire.Peer, message: Any, *,
               shared: arena.Arena | None = None) -> None:
-        """Send `message` (pickled, or `raw` bytes; with `shared`, the new arena of the Packed
-        `message` if it has one)."""
+        """Send `message` (with `shared`, the new arena of the Packed `message` if it has
+        one)."""
         try:
             if shared is not None:
                 shared.send_growth(peer.conn, message)
-            elif raw:
-                peer.conn.send_bytes(message)
             else:
                 wire.send(peer.conn, message)
         except OSError as exc:

@@ -102,8 +102,8 @@ class LocalEngine:
         return self._stage.inner
 
     # The device copy lives in this process: there is nothing to fetch, send or stop.
-    def pull(self) -> None:
-        """Device weights are `self.model` already."""
+    def pull(self, *, optimizer_state: bool = False) -> None:
+        """Device weights (and state) are `self.model`'s (and `self.optimizer`'s) already."""
 
     def push(self, *, optimizer_state: bool = False) -> None:
         """Host edits copied into `self.model` (and `self.optimizer`) are on the device already."""

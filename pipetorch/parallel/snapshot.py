@@ -9,7 +9,7 @@ renamed into place, so a worker killed mid-write never leaves a torn file behind
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -23,39 +23,85 @@ StageState = tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str,
 {"scaling": automatic loss scaling's state})."""
 
 
-def stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> StageState:
-    """Copies, on the CPU, of everything of the stage that training changes."""
-    state = {n: t.detach().to("cpu", copy=True) for n, t in
-             [*module.named_parameters(), *module.named_buffers()]}
+def stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                tensors: bool = True) -> StageState:
+    """Everything of the stage that training changes: its own tensors, not copies (sending
+    or saving them copies each storage in turn, never the whole stage at once). Without
+    `tensors`, of the optimiser only its small attributes (the dynamic loss scale)."""
+    state = {n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()]}
     optimizer_state: dict[str, dict[str, Any]] = {}
     attributes: dict[str, Any] = {}
-    if optimizer is not None:
+    if optimizer is not None and tensors:
         for name, param in module.named_parameters():
             if param in optimizer.state:
                 optimizer_state[name] = {
-                    k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                    k: v.detach() if isinstance(v, torch.Tensor) else v
                     for k, v in optimizer.state[param].items()}
+    if optimizer is not None:
         attributes = {"scaling": scaling.scaling_state(optimizer)}
     return state, optimizer_state, attributes
 
 
-@torch.no_grad()
+Item = tuple[int, str, str, str, Any]
+"""One value of a stage's state on its own: (stage, "weight" | "state" | "attributes", name,
+optimiser state key, value)."""
+
+
+def items(stage: int, state: StageState) -> Iterator[Item]:
+    """`state` value by value, so a copy to the host holds one tensor at a time in transit."""
+    weights, optimizer_state, attributes = state
+    for name, tensor in weights.items():
+        yield stage, "weight", name, "", tensor
+    for name, values in optimizer_state.items():
+        for key, value in values.items():
+            yield stage, "state", name, key, value
+    if attributes:
+        yield stage, "attributes", "", "", attributes
+
+
+class Loader:
+    """Puts items into the host's stage modules and optimiser, in place where it can."""
+
+    def __init__(self, modules: Sequence[nn.Module],
+                 optimizer: torch.optim.Optimizer | None) -> None:
+        self.modules, self.optimizer = modules, optimizer
+        self._tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self._params: dict[int, dict[str, nn.Parameter]] = {}
+
+    @torch.no_grad()
+    def put(self, item: Item) -> None:
+        stage, kind, name, key, value = item
+        module = self.modules[stage]
+        if kind == "weight":
+            if stage not in self._tensors:
+                self._tensors[stage] = dict([*module.named_parameters(), *module.named_buffers()])
+            self._tensors[stage][name].copy_(value)
+            return
+        assert self.optimizer is not None
+        if kind == "attributes":
+            scaling.load_scaling_state(self.optimizer, value["scaling"])
+            return
+        if stage not in self._params:
+            self._params[stage] = dict(module.named_parameters())
+        param = self._params[stage][name]
+        held = self.optimizer.state[param]
+        old = held.get(key)
+        if isinstance(value, torch.Tensor) and value.dim():
+            home = torch.device("cpu") if offload.is_offloaded(self.optimizer) else param.device
+            if (isinstance(old, torch.Tensor) and old.shape == value.shape
+                    and old.dtype == value.dtype and old.device == home):
+                old.copy_(value)  # the host's tensor keeps its memory
+                return
+            value = value.to(home)
+        held[key] = value
+
+
 def load_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None,
                      stage: StageState) -> None:
     """Put `stage` into `module` (in place, any device) and `optimizer`."""
-    state, optimizer_state, attributes = stage
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        tensor.copy_(state[name])
-    if optimizer is not None:
-        params = dict(module.named_parameters())
-        home = offload.is_offloaded(optimizer)  # offloaded state stays in host memory
-        for name, values in optimizer_state.items():
-            device = torch.device("cpu") if home else params[name].device
-            optimizer.state[params[name]] = {
-                k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() else v
-                for k, v in values.items()}
-        if "scaling" in attributes:
-            scaling.load_scaling_state(optimizer, attributes["scaling"])
+    loader = Loader([module], optimizer)
+    for item in items(0, stage):
+        loader.put(item)
 
 
 def path(folder: str, stage: int, commit: int) -> str:
@@ -72,7 +118,8 @@ def write(folder: str, stage: int, commit: int, state: StageState) -> None:
 def read(folder: str, stage: int, commit: int) -> StageState | None:
     """The state written after call `commit`, or None when there is no such file."""
     try:
-        found, state = torch.load(path(folder, stage, commit), weights_only=False)
+        found, state = torch.load(path(folder, stage, commit), weights_only=False,
+                                  map_location="cpu", mmap=True)
     except (OSError, EOFError, RuntimeError):
         return None
     return state if found == commit else None

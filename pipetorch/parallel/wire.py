@@ -1,14 +1,15 @@
-"""Messages between the user's process and its workers: pickled over pipes, every wait bounded."""
+"""Messages between the user's process and its workers: over pipes, tensors storage by storage
+(parallel.stream), every wait bounded."""
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
 from pipetorch.errors import DeviceError
+from pipetorch.parallel import stream
 
 __all__: list[str] = []
 
@@ -16,8 +17,9 @@ _POLL = 0.2  # seconds between liveness checks while waiting
 
 
 def send(conn: Connection, message: Any) -> None:
-    """Pickle by value (no shared-memory handles that could outlive their sender) and send."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    """Send by value (no shared-memory handles that could outlive their sender), each tensor's
+    bytes from its own memory."""
+    stream.send(conn, message)
 
 
 @dataclass(frozen=True)
@@ -38,16 +40,11 @@ def receive(conn: Connection, *, timeout: float, parent: int | None = None) -> A
 def receive_timed(conn: Connection, *, timeout: float,
                   parent: int | None = None) -> tuple[Any, Transfer]:
     """`receive`, and the Transfer that brought the message (from its arrival, not the wait)."""
-    deadline = time.monotonic() + timeout
-    while not conn.poll(_POLL):
-        if parent is not None and os.getppid() != parent:
-            raise EOFError("the process that started this worker has exited")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no message within {timeout:.0f}s")
+    alive = None if parent is None else (lambda: os.getppid() == parent)
+    stream.wait(conn, timeout, alive)
     start = time.monotonic_ns()
-    raw = conn.recv_bytes()
-    message = pickle.loads(raw)
-    return message, Transfer(start, time.monotonic_ns(), len(raw))
+    message, nbytes = stream.receive(conn, timeout=timeout, alive=alive)
+    return message, Transfer(start, time.monotonic_ns(), nbytes)
 
 
 @dataclass(frozen=True)
@@ -111,16 +108,19 @@ def gather(peers: Sequence[Peer], *, timeout: float, what: str,
             n, peer = waiting.pop(conn)  # type: ignore[arg-type]
             start = time.monotonic_ns()
             try:
-                raw = peer.conn.recv_bytes()
-                kind, payload = pickle.loads(raw)
+                (kind, payload), nbytes = stream.receive(peer.conn, timeout=timeout)
             except (EOFError, OSError):
                 raise _died(peer, what) from None
+            except TimeoutError:
+                raise WorkerFailed(
+                    f"A reply during {what} from {peer.describe()} stopped arriving for "
+                    f"{timeout:.0f}s; raise PIPETORCH_TIMEOUT if that is legitimate") from None
             if kind == "error":
                 # A worker whose peer died fails on the broken connection: name the dead one.
                 dead = _first_dead(peers)
                 raise _died(dead, what) if dead else WorkerFailed(payload.error, payload)
             replies[n] = payload
-            timings[n] = Transfer(start, time.monotonic_ns(), len(raw))
+            timings[n] = Transfer(start, time.monotonic_ns(), nbytes)
             deadline = time.monotonic() + timeout
         if waiting and time.monotonic() > deadline:
             stuck = ", ".join(p.describe() for _, p in waiting.values())

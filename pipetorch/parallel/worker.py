@@ -100,6 +100,7 @@ class Worker:
         self.launch, self.setup, self.conn = launch, setup, conn
         self._inputs, self._outputs = arena.Arena(), arena.Arena()  # shared with the host
         self._growth: arena.Packed | None = None  # outputs' new arena, sent after the reply
+        self._stream: list[snapshot.Item] = []  # a copy to the host's values, after the reply
         # the host inputs the device's stages read, in the order the host lays them out
         self.reads = sorted({i for s in setup.stages for i in s.route.host_inputs})
         self.device = torch.device(launch.placement.device)
@@ -178,6 +179,8 @@ class Worker:
         if self._growth is not None:
             self._outputs.send_growth(self.conn, self._growth)
             self._growth = None
+        while self._stream:  # one value at a time: the host copies each into place
+            wire.send(self.conn, self._stream.pop(0))
 
     def _plan(self, micro_batches: int, training: bool) -> list[Action]:
         count = self.setup.stages[0].route.stages
@@ -209,9 +212,13 @@ class Worker:
                 snapshot.write(self.launch.snapshots, stage, commit,
                                snapshot.stage_state(module, self.optimizer))
 
-    def _pull(self, payload: None) -> dict[int, snapshot.StageState]:
-        return {stage: snapshot.stage_state(module, self.optimizer)
-                for stage, module in self.modules.items()}
+    def _pull(self, optimizer_state: bool) -> int:
+        """The number of values that follow the reply: every stage's weights, and with
+        `optimizer_state` its optimiser state too."""
+        self._stream = [item for stage, module in self.modules.items()
+                        for item in snapshot.items(stage, snapshot.stage_state(
+                            module, self.optimizer, tensors=optimizer_state))]
+        return len(self._stream)
 
     def _grads(self, payload: None) -> dict[int, dict[str, torch.Tensor]]:
         """The last optimiser step's gradients of each stage (Gradient___ anchors), on the CPU."""

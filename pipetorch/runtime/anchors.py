@@ -25,6 +25,7 @@ from pipetorch.errors import ConfigError
 from pipetorch.optim.scaling import loss_scale
 from pipetorch.losses import find_loss
 from pipetorch.parallel.outputs import OutputCollector, resolve_mode
+from pipetorch.runtime.weights import held
 
 __all__: list[str] = []
 
@@ -138,7 +139,7 @@ class Anchors:
     def _finish(self, engine_model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         for short, collector in self._live.items():
             self._values[short] = collector.result()
-        params = dict(engine_model.named_parameters())
+        params = held(engine_model, "_parameters")  # read without copying weights back
         for short, (long, _, _) in self._requested.items():
             if long == LOSS_SCALE:
                 self._values[short] = torch.tensor(loss_scale(optimizer) if optimizer else 1.0)

@@ -15,19 +15,12 @@ from pipetorch.errors import (
     ConfigError, DeviceMismatchError, Error, ModelChangedError, NonFiniteError,
 )
 from pipetorch.runtime.anchors import GRADIENT, LOSS_SCALE, UPDATED
+from pipetorch.runtime.weights import held
 from pipetorch.tracebacks import HINTS, error_kind, user_line_of
 
 __all__: list[str] = []
 
 _MISMATCH = ("Expected all tensors to be on the same device", "is not on the expected device")
-
-
-def held(model: nn.Module, slot: str) -> dict[str, torch.Tensor]:
-    """`model`'s parameters (slot "_parameters") or buffers ("_buffers") by qualified name,
-    read without the accessors that would copy the device's weights back first."""
-    return {f"{prefix}.{name}" if prefix else name: t
-            for prefix, module in model.named_modules()
-            for name, t in module.__dict__[slot].items() if t is not None}
 
 
 def buffer_ids(model: nn.Module) -> dict[str, int]:

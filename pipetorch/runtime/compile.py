@@ -24,6 +24,7 @@ from pipetorch.partition.suspects import suspect
 from pipetorch.enums import AutoStage
 from pipetorch.parallel.compiled import CompiledStage
 from pipetorch.parallel.local import FlatStage, LocalEngine, ReplicaBuffers
+from pipetorch.runtime.weights import held
 from pipetorch.runtime.config import RunConfig
 from pipetorch.runtime.optimizer import device_optimizer
 
@@ -67,12 +68,16 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
     batching = config.batching
     bar = tqdm(total=4, desc="Graph compilation", unit="step", leave=False,
                disable=not config.progress_bar)
+    shared = _host_copy_is_users(user_model, config)
+    modes = {m: m.training for m in user_model.modules()}
     try:
-        model = weights.device_copy(user_model, device)
+        # Workers each receive their own stage: the host copy is then the user's model itself
+        # (PopTorch's host copy), never a second one. One device keeps a private copy on it.
+        model = user_model if shared else weights.device_copy(user_model, device)
         micro = split_micro_batches(args, kwargs, device_iterations=batching.device_iterations,
                                     gradient_accumulation=batching.gradient_accumulation,
                                     replication_factor=batching.replication_factor)
-        first_args, first_kwargs = to_device(micro[0], device)
+        first_args, first_kwargs = to_device(micro[0], torch.device("cpu") if shared else device)
         cast = casting.for_forward(model, first_args, first_kwargs, config.precision)
         strategy = config.strategy
         if config.balance_devices:
@@ -98,6 +103,8 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
                                     auto_round=config.auto_round)
         bar.update()
         in_processes = _in_processes(len({s.ipu_id for s in stages}), config)
+        if model is user_model and not in_processes:  # one device after all: its own copy
+            model = weights.device_copy(user_model, device)
         # The host copy stays on the CPU when workers run the stages (each moves its own).
         host = torch.device("cpu") if in_processes else device
         model = model.to(host)
@@ -145,10 +152,23 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
         bar.update()
     finally:
         bar.close()
+        for module, training_mode in modes.items():  # capturing set the wrapper's mode
+            module.training = training_mode
     synthetic = _synthetic_like(micro, engine.input_device) if config.synthetic else None
     seconds = time.perf_counter() - start
     logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices, seconds)
     return Compiled(engine, stages, capture, devices, seconds, synthetic, graph)
+
+
+def _host_copy_is_users(model: nn.Module, config: RunConfig) -> bool:
+    """Whether the user's model can be the engine's host copy: its stages run in workers
+    (known before forward runs), its tensors are in host memory, and nothing runs it
+    eagerly before the split (opts.autoBalance measures a copy)."""
+    if config.balance_devices or not _in_processes(_declared_devices(model, config.strategy),
+                                                     config):
+        return False
+    return all(t.device.type == "cpu" for t in [*held(model, "_parameters").values(),
+                                                 *held(model, "_buffers").values()])
 
 
 def _stored(model: nn.Module, args: tuple, kwargs: dict, config: RunConfig, *,

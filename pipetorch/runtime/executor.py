@@ -36,7 +36,8 @@ from pipetorch.runtime.config import run_config
 from pipetorch.parallel.devices import default_device
 from pipetorch.parallel.local import LocalEngine
 from pipetorch.runtime.optimizer import (
-    copy_hyperparameters, copy_state_to_device, copy_state_to_host, default_optimizer,
+    copy_hyperparameters, copy_scaling_to_host, copy_state_to_device, copy_state_to_host,
+    default_optimizer,
 )
 from pipetorch.parallel.outputs import OutputCollector, resolve_mode
 
@@ -129,6 +130,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         self._optimizer_record: attributes.Compiled | None = None
         self._times: counters.CallTimes | None = None
         self._calls = 0  # calls checked by checkNonFinite
+        self._state_stale = False  # the device's optimiser state is newer than the user's
         self._warned_weights = False
 
     # -- calls ------------------------------------------------------------------------------
@@ -194,7 +196,8 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         """checkNonFinite after a call: weights (warned once per wrapper), then outputs."""
         self._calls += 1
         if self._training and not self._warned_weights:
-            compiled.engine.pull()  # the device's weights into the engine's host copy
+            assert self._sync is not None
+            self._sync.run(self._pull)  # the device's weights into the host copy
             self._warned_weights = warn_non_finite_weights(compiled.engine.model, logger,
                                                            calls=self._calls)
         watch.check()
@@ -214,6 +217,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             self._user_optimizer._opt_called = True  # type: ignore[union-attr]
             assert self._sync is not None
             self._sync.mark_stale(self._fetch)
+            self._state_stale = True
         else:
             compiled.engine.infer(micro, collector)
 
@@ -329,12 +333,26 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         self.copyWeightsToHost()
 
     def _pull(self) -> None:
+        """The device's weights into the user's model (PopTorch's implicit copy to the host:
+        weights only; the optimiser's state comes when the optimiser is read)."""
         assert self._compiled is not None
         engine = self._compiled.engine
         engine.pull()
-        weights.copy_state(engine.model, self._user_model)
+        if engine.model is not self._user_model:
+            weights.copy_state(engine.model, self._user_model)
         if engine.optimizer is not None and self._user_optimizer is not None:
-            copy_state_to_host(engine.optimizer, self._user_optimizer)
+            copy_scaling_to_host(engine.optimizer, self._user_optimizer)
+
+    def _pull_optimizer_state(self) -> None:
+        """The device's optimiser state into the user's optimiser, stage by stage, when the
+        user reads it (state_dict(), ipu_state) after training calls."""
+        compiled = self._compiled
+        if (not self._state_stale or compiled is None or compiled.engine.optimizer is None
+                or self._user_optimizer is None):
+            return
+        self._state_stale = False  # first: loading the state reads the optimiser again
+        compiled.engine.pull(optimizer_state=True)
+        copy_state_to_host(compiled.engine.optimizer, self._user_optimizer)
 
     def _refresh_from_host(self) -> None:
         """Inference wrappers follow weights trained by another wrapper of the same model."""
@@ -375,10 +393,13 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         if missing:
             raise ConfigError(f"copyNamedBuffersToDevice: {missing} are not buffers of the "
                               f"model; its buffers are {sorted(host)}")
-        compiled.engine.pull()  # the host copy must hold the device's latest values first
         with torch.no_grad():
+            wanted = {name: host[name].detach().clone() for name in names}
+            # the host copy (which may be the user's model itself) must hold the device's
+            # latest values first, then the named buffers the user set
+            compiled.engine.pull()
             for name in names:
-                device[name].copy_(host[name])
+                device[name].copy_(wanted[name])
         compiled.engine.push()
 
     def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -396,7 +417,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             self._compiled.engine.set_hyperparameters()
             if optimizer is not self._user_optimizer:
                 assert self._sync is not None
-                self._sync.flush()  # the old optimiser's state is the device's until now
+                self._flush_host()  # the old optimiser's state is the device's until now
                 ipu_state.unlink(self._user_optimizer)  # type: ignore[arg-type]
                 # The new one reads the device's state, and a checkpoint's state it holds
                 # (load_state_dict before this call) is pushed from it.
@@ -413,8 +434,10 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                        push=self._push_optimizer_state)
 
     def _flush_host(self) -> None:
+        """Before the user's optimiser is read or written: the device's weights and state."""
         if self._sync is not None:
             self._sync.flush()
+        self._pull_optimizer_state()
 
     def _push_optimizer_state(self) -> None:
         """The user's optimiser state (written by write_ipu_state) becomes the device's."""
@@ -435,8 +458,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     # -- device lifetime --------------------------------------------------------------------
     def detachFromDevice(self) -> None:
         """Release the device; the user's model keeps the trained weights."""
-        if self._sync is not None:
-            self._sync.flush()
+        self._flush_host()
         if self._profiler is not None:
             self._profiler.write()
         if self._compiled is not None and self._attached:
@@ -478,8 +500,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     def destroy(self) -> None:
         """Free the device copy; the user's model keeps the latest weights."""
         try:
-            if self._sync is not None:
-                self._sync.flush()
+            self._flush_host()  # the optimiser's state too: a new wrapper resumes from it
         finally:
             if self._training and self._user_optimizer is not None:
                 ipu_state.unlink(self._user_optimizer)

@@ -49,9 +49,15 @@ def device_optimizer(optimizer: torch.optim.Optimizer, host: nn.Module,
                 f"{strangers[:3]}) that are not parameters of the wrapped model: build the "
                 "optimiser from model.parameters() of the model you pass to trainingModel"
             )
+    shared = host is device  # stage workers hold the device's state; the host copy is
+    if shared:               # the user's model, and its optimiser state the user's own
+        memo.update({id(t): t for s in optimizer.state.values() for t in s.values()
+                     if isinstance(t, torch.Tensor)})
     # deepcopy with the host parameters pre-mapped: groups, state and defaults are copied,
     # and every reference to a host parameter becomes the matching device parameter.
     clone = copy.deepcopy(optimizer, memo)
+    if shared:
+        clone.state = optimizer.state  # what the workers' state is copied into, when asked
     if not offloading.is_offloaded(clone):
         for param, state in clone.state.items():
             for key, value in state.items():
@@ -150,7 +156,15 @@ def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Opti
 def copy_state_to_host(device_opt: torch.optim.Optimizer, host_opt: torch.optim.Optimizer) -> None:
     """Give the user's optimiser the device's state (and dynamic loss scale), e.g. for a
     checkpoint or to read `scaling.loss_scale(optimizer)` after a call."""
-    host_opt.load_state_dict(copy.deepcopy(device_opt.state_dict()))
+    if device_opt.state is not host_opt.state:  # else the engine filled the user's state
+        host_opt.load_state_dict(copy.deepcopy(device_opt.state_dict()))
+    copy_scaling_to_host(device_opt, host_opt)
+
+
+def copy_scaling_to_host(device_opt: torch.optim.Optimizer,
+                         host_opt: torch.optim.Optimizer) -> None:
+    """Give the user's optimiser the device's dynamic loss scale (with every copy of the
+    weights: it is a few numbers)."""
     if scaling.is_automatic(device_opt):
         scaling.load_scaling_state(host_opt, scaling.scaling_state(device_opt))
 

@@ -148,3 +148,11 @@ def copy_state(source: nn.Module, target: nn.Module) -> None:
     for name, tensor in [*target.named_parameters(remove_duplicate=False),
                          *target.named_buffers(remove_duplicate=False)]:
         tensor.copy_(src[name])
+
+
+def held(model: nn.Module, slot: str) -> dict[str, torch.Tensor]:
+    """`model`'s parameters (slot "_parameters") or buffers ("_buffers") by qualified name,
+    read without the accessors that would copy the device's weights back first."""
+    return {f"{prefix}.{name}" if prefix else name: t
+            for prefix, module in model.named_modules()
+            for name, t in module.__dict__[slot].items() if t is not None}

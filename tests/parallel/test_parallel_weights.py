@@ -71,13 +71,14 @@ class Trio:
 
 
 def count_pulls(monkeypatch, wrapper):
-    """A list that grows by one each time the wrapper copies the workers' weights to the host."""
+    """A list that grows by one each time the wrapper copies the workers' weights to the host:
+    "weights", or "state" for a copy of the optimiser state with them."""
     engine, pulls = wrapper._compiled.engine, []
     pull = engine.pull
 
-    def counting():
-        pulls.append(1)
-        pull()
+    def counting(*, optimizer_state=False):
+        pulls.append("state" if optimizer_state else "weights")
+        pull(optimizer_state=optimizer_state)
 
     monkeypatch.setattr(engine, "pull", counting)
     return pulls
@@ -118,9 +119,13 @@ def test_trained_weights_and_adam_state_reach_the_host_once_on_first_access(requ
         assert_close(state[name], value, msg=lambda m, name=name: f"{name}: {m}")
     trio.wrapper.copyWeightsToHost()
     trio.local.copyWeightsToHost()
-    assert len(pulls) == 2
-    # The user's Adam holds the workers' exp_avg, exp_avg_sq and step for every parameter.
+    assert pulls == ["weights", "weights"] and trio.optimizer.state == {}  # weights only
+    # Reading the optimiser brings its state: the user's Adam holds the workers' exp_avg,
+    # exp_avg_sq and step for every parameter.
     assert len(trio.optimizer.state_dict()["state"]) == len(list(trio.plain.parameters()))
+    assert pulls == ["weights", "weights", "state"]
+    trio.optimizer.state_dict()
+    assert len(pulls) == 3  # nothing newer on the device
     assert_same_optimizer_state(trio.optimizer, trio.local_optimizer)
     assert_same_optimizer_state(trio.optimizer, trio.plain_optimizer)
     trio.assert_same_weights()

@@ -1,0 +1,200 @@
+"""Peak resident memory of a big pipelined model against plain PyTorch, phase by phase.
+
+    python benchmarks/memory.py                       # GPT-2 shapes 12 and 24 layers, fp32
+    python benchmarks/memory.py --layers 12 --width 1024 --dtype float16
+    python benchmarks/memory.py --layers 36 --width 1280   # GPT-2 large's shape
+    python benchmarks/memory.py --quick               # 4 layers of width 256 (a smoke run)
+
+Each setting runs in a fresh interpreter that samples, every 0.1 s, the resident memory
+(RSS) of itself and of every process below it (the stage workers and the worker pool's
+zygote), and keeps the peaks of each phase: wrap, compile, each training call, the copy to
+the host (a touch of a weight), optimizer.state_dict(), destroy. The model is GPT-2's shape
+(vocabulary 50257, sequence 64, micro-batch 1, AdamW, gradient accumulation 4), split with
+BeginBlock on its middle layer over 2 devices; plain PyTorch trains the same model in one
+process. Settings alternate (plain, pipetorch, plain, ...) with `--repeats`, and the table
+gives medians and the ratio of each pipetorch column to plain PyTorch's whole-tree peak, all
+from this one run. On a GPU (PIPETORCH_DEVICE=cuda) the rows also give each device's
+torch.cuda.max_memory_allocated against plain PyTorch on one GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SEQUENCE, ACCUMULATION, CALLS, VOCABULARY = 64, 4, 2, 50257
+GB = 1e9
+
+
+def _model(layers: int, width: int, dtype: str, *, meta: bool = False):  # noqa: ANN202
+    import torch
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=VOCABULARY, n_positions=SEQUENCE, n_embd=width, n_layer=layers,
+        n_head=max(1, width // 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    return model.to(getattr(torch, dtype))
+
+
+def _inputs(call: int):  # noqa: ANN202
+    import torch
+
+    ids = torch.randint(0, VOCABULARY, (ACCUMULATION, SEQUENCE),
+                        generator=torch.Generator().manual_seed(call))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _cuda_peaks() -> dict[str, int]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {f"cuda:{d}": torch.cuda.max_memory_allocated(d)
+            for d in range(torch.cuda.device_count())}
+
+
+def child(setting: str, layers: int, width: int, dtype: str) -> None:
+    """One setting in this fresh interpreter; prints its peaks as JSON."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    from pipetorch.profiling.resident import TreeSampler
+
+    with TreeSampler(interval=0.1) as sampler:
+        import torch
+
+        sampler.phase("model")
+        model = _model(layers, width, dtype)
+        params = sum(p.numel() for p in model.parameters())
+        device = os.environ.get("PIPETORCH_DEVICE", "cpu")
+        extra: dict = {}
+        if setting == "plain":
+            model.to(device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            for call in range(CALLS):
+                sampler.phase(f"call {call + 1}")
+                batch = {k: v.to(device) for k, v in _inputs(call).items()}
+                for m in range(ACCUMULATION):
+                    out = model(**{k: v[m:m + 1] for k, v in batch.items()})
+                    (out.loss / ACCUMULATION).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            sampler.phase("host copy")
+            float(next(model.parameters()).sum())
+            sampler.phase("optimizer.state_dict()")
+            optimizer.state_dict()
+            extra["cuda"] = _cuda_peaks()
+        else:
+            import pipetorch as poptorch
+
+            layer = model.transformer.h
+            layer[layers // 2] = poptorch.BeginBlock(layer[layers // 2], ipu_id=1)
+            opts = poptorch.Options().showCompilationProgressBar(False)
+            opts.Training.gradientAccumulation(ACCUMULATION)
+            if dtype == "float16":
+                optimizer = poptorch.optim.AdamW(model.parameters(), lr=1e-4, loss_scaling=128.0)
+            else:
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            sampler.phase("wrap")
+            wrapper = poptorch.trainingModel(model, opts, optimizer)
+            sampler.phase("compile")
+            wrapper.compile(**_inputs(0))
+            for call in range(CALLS):
+                sampler.phase(f"call {call + 1}")
+                wrapper(**_inputs(call))
+            sampler.phase("host copy")
+            float(next(model.parameters()).sum())
+            sampler.phase("optimizer.state_dict()")
+            optimizer.state_dict()
+            extra["cuda"] = dict(wrapper._compiled.engine.peak_memory)  # stage -> bytes
+            sampler.phase("destroy")
+            wrapper.destroy()
+        sampler.phase("end")
+    peaks = sampler.peaks
+    print(json.dumps({"params": params, "tree": peaks.tree, "root": peaks.root,
+                      "processes": {k: list(v.values()) for k, v in peaks.processes.items()},
+                      **extra}))
+
+
+def _run(setting: str, args: argparse.Namespace) -> dict:
+    env = dict(os.environ)
+    env.setdefault("PIPETORCH_DEVICE", "cpu")
+    command = [sys.executable, __file__, "--child", setting, "--layers", str(args.layers),
+               "--width", str(args.width), "--dtype", args.dtype]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        return {"failed": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _workers(found: dict) -> list[int]:
+    """Each worker's peak over all phases: the larger processes below the host (the
+    zygote, which holds no model, is the smallest)."""
+    peaks: dict[int, int] = {}
+    for sizes in found["processes"].values():
+        for i, size in enumerate(sorted(sizes, reverse=True)):
+            peaks[i] = max(peaks.get(i, 0), size)
+    return [peaks[i] for i in sorted(peaks)][:2]
+
+
+def report(args: argparse.Namespace) -> None:
+    rows: dict[str, list[dict]] = {"plain": [], "pipetorch": []}
+    for _ in range(args.repeats):  # interleaved: plain, pipetorch, plain, ...
+        for setting in rows:
+            rows[setting].append(_run(setting, args))
+    failed = {s: r[0]["failed"] for s, r in rows.items() if "failed" in r[0]}
+    shape = f"GPT-2 shape, {args.layers} layers, width {args.width}, {args.dtype}"
+    if failed:
+        print(f"{shape}: failed {failed}")
+        return
+    plain = statistics.median(max(r["tree"].values()) for r in rows["plain"])
+    pipe = rows["pipetorch"]
+    tree = statistics.median(max(r["tree"].values()) for r in pipe)
+    host = statistics.median(max(r["root"].values()) for r in pipe)
+    host_before = statistics.median(r["root"]["wrap"] for r in pipe)
+    workers = [statistics.median(w) for w in zip(*(_workers(r) for r in pipe))]
+    params = rows["plain"][0]["params"]
+    print(f"\n{shape} ({params / 1e6:.0f}M params), AdamW, GA {ACCUMULATION}, "
+          f"{CALLS} calls; medians of {args.repeats}")
+    print(f"| plain PyTorch | pipetorch whole tree | ratio | host (before wrap) | "
+          f"each worker (x plain) |")
+    print("|---|---|---|---|---|")
+    print(f"| {plain / GB:.2f} GB | {tree / GB:.2f} GB | {tree / plain:.2f}x | "
+          f"{host / GB:.2f} GB ({host_before / GB:.2f}) | "
+          + " / ".join(f"{w / GB:.2f} GB ({w / plain:.2f}x)" for w in workers) + " |")
+    print("\nPhase by phase (pipetorch, first repeat): whole tree / host / largest worker, GB")
+    first = pipe[0]
+    for phase, size in first["tree"].items():
+        worker = max(first["processes"].get(phase, [0]) or [0])
+        print(f"  {phase:24s} {size / GB:6.2f} {first['root'][phase] / GB:6.2f} "
+              f"{worker / GB:6.2f}")
+    if rows["plain"][0].get("cuda"):
+        print("\nmax_memory_allocated: plain", rows["plain"][0]["cuda"], "pipetorch per stage",
+              pipe[0]["cuda"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", choices=("plain", "pipetorch"))
+    parser.add_argument("--layers", type=int, action="append")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="4 layers of width 256")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.layers[0], args.width, args.dtype)
+        return
+    if args.quick:
+        args.layers, args.width = [4], 256
+    for layers in args.layers or [12, 24]:
+        report(argparse.Namespace(**{**vars(args), "layers": layers}))
+
+
+if __name__ == "__main__":
+    main()

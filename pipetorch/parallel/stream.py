@@ -1,0 +1,151 @@
+"""Messages with tensors over a pipe, storage by storage: no pickled copy of their bytes.
+
+`send` pickles a message with every tensor storage taken out (a persistent id in its place),
+then sends each storage's bytes straight from the tensor's memory, in chunks. `receive`
+unpickles the skeleton with empty storages and reads the bytes straight into them. A message
+holding a model's stage thus costs the sender nothing beyond its tensors (one chunk at a time
+for a GPU tensor, copied to host memory) and the receiver exactly one copy of them, where a
+pickled buffer costs each side a second copy of the whole message.
+
+    sender                                   receiver
+    [skeleton: pickle, sizes]  ------------> unpickle: storages allocated, empty
+    [storage 0, chunk 0]       ------------> read into storage 0
+    [storage 0, chunk 1] ...   ------------> ...
+
+Every read is bounded: `timeout` seconds without a byte arriving raises TimeoutError, and a
+sender that dies mid-message closes the pipe (EOFError).
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import torch
+
+__all__: list[str] = []
+
+CHUNK = 16 << 20  # bytes per pipe message: bounds what a GPU storage stages in host memory
+_POLL = 0.2  # seconds between checks that the sender is still there
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the storage's memory (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles tensors' storages by reference; `storages` collects them in order."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.storages: list[torch.UntypedStorage] = []
+        self._seen: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped, dtype = obj._untyped_storage, obj.dtype
+        elif isinstance(obj, torch.UntypedStorage):
+            untyped, dtype = obj, None
+        else:
+            return None
+        if untyped.device.type == "meta":
+            return None
+        key = untyped._cdata
+        if key not in self._seen:
+            self._seen[key] = len(self.storages)
+            self.storages.append(untyped)
+        return ("storage", self._seen[key], dtype)
+
+
+class _Unpickler(pickle.Unpickler):
+    """Rebuilds the skeleton over new, empty storages of the sizes the sender named."""
+
+    def __init__(self, file: io.BytesIO, sizes: list[int]) -> None:
+        super().__init__(file)
+        self.storages = [torch.UntypedStorage(size) for size in sizes]
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, index, dtype = pid
+        untyped = self.storages[index]
+        if dtype is None:
+            return untyped
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def send(conn: Connection, message: Any) -> int:
+    """Send `message` (any picklable object holding tensors on any device); its bytes."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    pickler.dump(message)
+    sizes = [s.nbytes() for s in pickler.storages]
+    skeleton = buffer.getvalue()
+    conn.send_bytes(pickle.dumps((sizes, skeleton), protocol=pickle.HIGHEST_PROTOCOL))
+    sent = len(skeleton)
+    for storage in pickler.storages:
+        whole = _bytes_of(storage)
+        for start in range(0, storage.nbytes(), CHUNK):
+            chunk = whole[start:start + CHUNK]
+            if chunk.device.type != "cpu":
+                chunk = chunk.cpu()
+            conn.send_bytes(chunk.numpy())
+        sent += storage.nbytes()
+    return sent
+
+
+def receive(conn: Connection, *, timeout: float,
+            alive: Callable[[], bool] | None = None) -> tuple[Any, int]:
+    """The next message and its bytes, the wait for its first byte bounded by `timeout` s
+    (TimeoutError) and each later read likewise; `alive()` False ends the wait (EOFError)."""
+    wait(conn, timeout, alive)
+    sizes, skeleton = pickle.loads(conn.recv_bytes())
+    unpickler = _Unpickler(io.BytesIO(skeleton), sizes)
+    message = unpickler.load()
+    for storage in unpickler.storages:
+        whole = _bytes_of(storage).numpy()
+        for start in range(0, storage.nbytes(), CHUNK):
+            wait(conn, timeout, alive)
+            _read_message_into(conn, memoryview(whole)[start:start + CHUNK])
+    return message, len(skeleton) + sum(sizes)
+
+
+def wait(conn: Connection, timeout: float, alive: Callable[[], bool] | None = None) -> None:
+    """Until `conn` has bytes to read: TimeoutError after `timeout` s, EOFError once
+    `alive()` says the other side's process is gone."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(_POLL):
+        if alive is not None and not alive():
+            raise EOFError("the process that started this worker has exited")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no message within {timeout:.0f}s")
+
+
+def _read_message_into(conn: Connection, view: memoryview) -> None:
+    """Read one framed message (Connection's format: a 4-byte size, or -1 and an 8-byte
+    one) straight into `view`, which must be its size."""
+    fd = conn.fileno()
+    size, = struct.unpack("!i", _read_exact(fd, 4))
+    if size == -1:
+        size, = struct.unpack("!Q", _read_exact(fd, 8))
+    if size != len(view):
+        raise OSError(f"a tensor chunk of {size} bytes arrived where {len(view)} were expected")
+    got = 0
+    while got < size:
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise EOFError("the sender closed the pipe mid-message")
+        got += n
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = os.read(fd, n - len(data))
+        if not part:
+            raise EOFError("the sender closed the pipe mid-message")
+        data += part
+    return data

@@ -1,0 +1,123 @@
+"""Resident memory (RSS) of a process and of its whole tree, read from /proc (Linux)."""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+__all__: list[str] = []
+
+_PROC = "/proc"
+
+
+def _status_bytes(pid: int, key: str) -> int | None:
+    """A `key:  N kB` line of /proc/PID/status in bytes; None when unreadable."""
+    try:
+        with open(f"{_PROC}/{pid}/status") as status:
+            for line in status:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def rss(pid: int) -> int | None:
+    """The process's resident bytes now (VmRSS), None when unreadable."""
+    return _status_bytes(pid, "VmRSS")
+
+
+def peak_rss(pid: int | None = None) -> int | None:
+    """The process's resident high-water mark (VmHWM) in bytes, None off Linux."""
+    return _status_bytes(os.getpid() if pid is None else pid, "VmHWM")
+
+
+def reset_peak_rss() -> bool:
+    """Start a new VmHWM period for this process (writes 5 to clear_refs); False when the
+    kernel refuses (the peak then covers the process's life)."""
+    try:
+        with open(f"{_PROC}/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir(_PROC)
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{_PROC}/{entry}/stat") as stat:
+                # the parent is the 2nd field after the parenthesised command name
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@dataclass
+class TreePeaks:
+    """Peak resident bytes seen, per phase: the whole tree, the root, each descendant."""
+
+    tree: dict[str, int] = field(default_factory=dict)
+    root: dict[str, int] = field(default_factory=dict)
+    processes: dict[str, dict[int, int]] = field(default_factory=dict)
+
+
+class TreeSampler:
+    """A thread that samples the RSS of `pid` and its descendants every `interval` seconds,
+    keeping the peaks of the phase set last (`phase(name)`)."""
+
+    def __init__(self, pid: int | None = None, *, interval: float = 0.1) -> None:
+        self.pid = os.getpid() if pid is None else pid
+        self.interval = interval
+        self.peaks = TreePeaks()
+        self._phase = "start"
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+
+    def __enter__(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self.sample()
+
+    def phase(self, name: str) -> None:
+        """Sample once (closing the phase before), then attribute samples to `name`."""
+        self.sample()
+        with self._lock:
+            self._phase = name
+        self.sample()
+
+    def sample(self) -> None:
+        sizes = {p: rss(p) for p in [self.pid, *descendants(self.pid)]}
+        live = {p: s for p, s in sizes.items() if s is not None}
+        with self._lock:
+            phase, peaks = self._phase, self.peaks
+            peaks.tree[phase] = max(peaks.tree.get(phase, 0), sum(live.values()))
+            peaks.root[phase] = max(peaks.root.get(phase, 0), live.get(self.pid, 0))
+            own = peaks.processes.setdefault(phase, {})
+            for p, s in live.items():
+                if p != self.pid:
+                    own[p] = max(own.get(p, 0), s)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
