@@ -131,7 +131,7 @@ class Worker:
         link = new_link(kind, prefix=shm.segment_prefix(launch.host_pid, meeting.prefix),
                         rank=rank, device=self.device, wire_device=wire_device,
                         timeout=launch.timeout, offset=meeting.rank(launch.replica, 0),
-                        replica_group=groups[setup.device])
+                        replica_group=groups[setup.device], backend=backend)
         self.executor = StageExecutor(setup.stages, setup.specs, link=link, device=self.device,
                                       optimizer=self.optimizer, owners=setup.owners,
                                       replica=launch.placement.replica,
