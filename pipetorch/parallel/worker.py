@@ -26,7 +26,7 @@ from pipetorch import environment
 from pipetorch.optim import offload
 from pipetorch.optim.peers import Peers
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import arena, snapshot, wire
+from pipetorch.parallel import arena, compiled, snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel import shm
 from pipetorch.parallel.routes import Constant, TensorSpec
@@ -112,7 +112,12 @@ class Worker:
         wire_device = torch.device("cpu") if staged else self.device
         rank = meeting.rank(launch.replica, setup.device)
         torch.manual_seed(launch.seed + rank)  # dropout differs between workers, not runs
-        join(meeting, rank=rank, backend=backend, timeout=launch.timeout)
+        compiler = compiled.compile_backend(setup.stages)
+        if compiler == "inductor":
+            compiled.limit_compile_threads(workers=len(setup.devices), cores=places.cpu_cores())
+        join(meeting, rank=rank, backend=backend, timeout=launch.timeout,
+             group_timeout=compiled.watchdog_timeout(launch.timeout, backend=backend,
+                                                     compiling=compiler is not None))
         # Every worker creates every device's group, in the same order (a collective call).
         groups = [dist.new_group(meeting.device_ranks(d)) if meeting.replicas > 1 else None
                   for d in range(meeting.devices)]
