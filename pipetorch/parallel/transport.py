@@ -162,27 +162,38 @@ class PeerLink:
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, group: Any = None,
                    who: str = "the other replicas") -> None:
         """Sum `tensors` in place over this device's replicas (or over `group`, the workers
-        named `who` in a timeout's message), one bucket (`buckets.BUCKET_BYTES`) at a time:
-        the extra memory is one bucket, not a copy of every tensor."""
+        named `who` in a timeout's message), one bucket (`buckets.BUCKET_BYTES`) at a time
+        through one reused buffer per dtype: the extra memory is one bucket, not a copy of
+        every tensor."""
         process_group = self.replica_group if group is None else group
+        scratch: dict[torch.dtype, torch.Tensor] = {}
         for bucket in buckets(tensors, self.bucket_bytes):
-            self._reduce_bucket(bucket, process_group, who)
+            flat = self._gather(bucket, scratch)
+            self._wait(dist.all_reduce(flat, group=process_group, async_op=True), who)
+            at = 0
+            for piece in bucket:
+                piece.write(flat[at:at + piece.numel])
+                at += piece.numel
+            nbytes = flat.numel() * flat.element_size()
+            self.bytes_sent += nbytes
+            self.bytes_received += nbytes
 
-    def _reduce_bucket(self, bucket: list[Piece], process_group: Any, who: str) -> None:
+    def _gather(self, bucket: list[Piece], scratch: dict[torch.dtype, torch.Tensor]
+                ) -> torch.Tensor:
+        """`bucket`'s elements, flat, on the wire device: the tensor itself when the bucket is
+        one slice of one tensor already there, else copied into `scratch`'s buffer of its
+        dtype (grown to the largest bucket; the buckets before the last are full)."""
         view = bucket[0].view() if len(bucket) == 1 else None
         if view is not None and view.device == self.wire_device:
-            flat = view  # one slice of one tensor, already where the wire is: in place
-        else:
-            flat = torch.cat([piece.read() for piece in bucket]).to(self.wire_device)
-        self._wait(dist.all_reduce(flat, group=process_group, async_op=True), who)
-        flat = flat.to(bucket[0].tensor.device)
-        at = 0
+            return view
+        size, dtype = sum(piece.numel for piece in bucket), bucket[0].tensor.dtype
+        if dtype not in scratch or scratch[dtype].numel() < size:
+            scratch[dtype] = torch.empty(size, dtype=dtype, device=self.wire_device)
+        flat, at = scratch[dtype][:size], 0
         for piece in bucket:
-            piece.write(flat[at:at + piece.numel])
+            flat[at:at + piece.numel].copy_(piece.read())
             at += piece.numel
-        nbytes = flat.numel() * flat.element_size()
-        self.bytes_sent += nbytes
-        self.bytes_received += nbytes
+        return flat
 
     def _wait(self, work: dist.Work, peer: int | str) -> None:
         """Wait for `work` (a receive, send or all-reduce with `peer`, a device number or who).

@@ -47,10 +47,11 @@ class Doubling:
     bytes."""
 
     def __init__(self):
-        self.sizes = []
+        self.sizes, self.storages = [], []
 
     def __call__(self, flat, group=None, async_op=False):
         self.sizes.append(flat.numel() * flat.element_size())
+        self.storages.append((flat.dtype, flat.untyped_storage().data_ptr()))
         flat.add_(flat.clone())
         return mock.Mock(wait=mock.Mock(return_value=True))
 
@@ -68,5 +69,9 @@ def test_all_reduce_sums_every_tensor_one_bucket_at_a_time():
     for got, expected in zip(grads, want):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert max(reduce.sizes) <= 64 * 4  # the extra memory: one bucket, not every gradient
+    own = {t.untyped_storage().data_ptr() for t in grads}
+    copied = {(dtype, at) for dtype, at in reduce.storages if at not in own}
+    assert len(copied) == len({dtype for dtype, _ in copied})  # one buffer per dtype, reused
+    assert len(reduce.storages) > len(copied)  # and a lone slice is reduced where it lies
     assert sum(reduce.sizes) == sum(g.numel() * g.element_size() for g in grads)
     assert link.bytes_sent == link.bytes_received == sum(reduce.sizes)
