@@ -17,7 +17,7 @@
 #   full      every test with PIPETORCH_DEVICE=cuda
 #   memory, generate   benchmarks/memory.py and benchmarks/generate.py, where they exist
 # Default: cuda and bench (up to 9 minutes). --quick: cuda, gpt2 and the benchmark's short
-# run, within 8 minutes on one H100 (time limits 200 + 100 + 120 s). --full: every phase;
+# run, within 8 minutes on one H100 (time limits 230 + 90 + 110 s). --full: every phase;
 # where one command may run 10 minutes at most, run them as separate commands (`--only full`,
 # `--only memory`, ...). Each phase runs under a time limit ($GPU_CHECK_TEST_TIMEOUT,
 # $GPU_CHECK_GPT2_TIMEOUT, $GPU_CHECK_BENCH_TIMEOUT, $GPU_CHECK_FULL_TIMEOUT,
@@ -131,7 +131,7 @@ cuda_args=(tests -m cuda)
 [[ " ${phases[*]} " == *" gpt2 "* ]] && cuda_args+=(--ignore="$gpt2_test")
 test_limit="${GPU_CHECK_TEST_TIMEOUT:-360}" bench_limit="${GPU_CHECK_BENCH_TIMEOUT:-180}"
 if [[ "$quick" == 1 ]]; then
-  test_limit="${GPU_CHECK_TEST_TIMEOUT:-200}" bench_limit="${GPU_CHECK_BENCH_TIMEOUT:-120}"
+  test_limit="${GPU_CHECK_TEST_TIMEOUT:-230}" bench_limit="${GPU_CHECK_BENCH_TIMEOUT:-110}"
 fi
 
 declare -A status
@@ -156,7 +156,7 @@ run_script() {  # phase, timeout, log, script and its arguments...
 for phase in "${phases[@]}"; do
   case "$phase" in
     cuda) run_tests cuda "$test_limit" "${cuda_args[@]}" ;;
-    gpt2) PIPETORCH_NUM_DEVICES=1 run_tests gpt2 "${GPU_CHECK_GPT2_TIMEOUT:-100}" "$gpt2_test" ;;
+    gpt2) PIPETORCH_NUM_DEVICES=1 run_tests gpt2 "${GPU_CHECK_GPT2_TIMEOUT:-90}" "$gpt2_test" ;;
     full) run_tests full "${GPU_CHECK_FULL_TIMEOUT:-540}" tests ;;
     bench)
       args=(--device "$device" --json "$out/benchmark.json")

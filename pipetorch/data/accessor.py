@@ -9,10 +9,12 @@ handed back only once the event has completed:
     images, labels = next(loader)
     on_gpu = images.to("cuda", non_blocking=True)
     copied = torch.cuda.Event(); copied.record()
-    loader.release_after(copied)   # the next next() recycles the slot once the copy is done Errors cross the process boundary: an exception in the dataset is
-raised here as `pipetorch.errors.LoaderError` carrying the loader's traceback, and a loader
-process that dies (killed, crashed) is noticed within `POLL_S` seconds instead of being
-waited on forever.
+    loader.release_after(copied)   # the next next() recycles the slot once the copy is done
+
+Errors cross the process boundary: an exception in the dataset is raised here as
+`pipetorch.errors.LoaderError` carrying the loader's traceback, and a loader process that
+dies (killed, crashed) is noticed within `POLL_S` seconds instead of being waited on
+forever.
 
 Start method (`sharing_strategy`): PopTorch spawns a fresh interpreter (its default is
 FileSystem); pipetorch defaults to `SharingStrategy.Fork` where the OS has fork(), which

@@ -202,9 +202,10 @@ class PeerLink:
         `wait()` without a timeout only makes the current stream wait for the transfer, so the
         CPU runs on and queues more work. With a timeout, ProcessGroupNCCL instead spins the
         CPU until the kernel finished, after the whole compute stream drained. A peer that
-        never answers is still bounded: the NCCL watchdog aborts the work after the process
-        group's timeout (PIPETORCH_TIMEOUT, `rendezvous.join`), and a peer that died is seen
-        at once by the host, on its pipe.
+        never answers is still bounded: the host reports it after PIPETORCH_TIMEOUT without a
+        reply (a dead one at once, on its pipe), and the NCCL watchdog aborts the work after
+        the process group's timeout (PIPETORCH_TIMEOUT, plus compiled.COMPILE_ALLOWANCE while
+        stages compile).
         """
         if self.backend == "nccl":
             work.wait()
