@@ -68,6 +68,16 @@ class Config:
         return self.iterations * self.accumulation * MICRO_BATCH
 
 
+def device_settings(device: torch.device) -> dict[str, str]:
+    """The PIPETORCH_* variables of a run on `device`. On a GPU, PIPETORCH_NUM_DEVICES=1: the
+    "one GPU" rows share that GPU between their stages' workers; without it, a machine with
+    2+ GPUs puts them on two GPUs over NCCL, and the rows' labels and ratios are wrong."""
+    settings = {"PIPETORCH_DEVICE": str(device)}
+    if device.type == "cuda":
+        settings["PIPETORCH_NUM_DEVICES"] = "1"
+    return settings
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -191,6 +201,12 @@ def loader_rows(config: Config) -> list[Row]:
             for images, labels in loader:
                 images.to(config.device, non_blocking=True)
                 labels.to(config.device, non_blocking=True)
+                if config.device.type == "cuda" and hasattr(loader, "release_after"):
+                    # the Async loader's slot is pinned and the copies may still read it:
+                    # it is refilled only once they are done
+                    copied = torch.cuda.Event()
+                    copied.record()
+                    loader.release_after(copied)
         rows.append(Row("loader", name, median_rate(epoch, config, items), "items/s"))
         if hasattr(loader, "terminate"):
             loader.terminate()
@@ -282,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU here: run with --device cpu for a smoke test")
-    os.environ["PIPETORCH_DEVICE"] = str(device)
+    os.environ.update(device_settings(device))
     config = (Config(device, accumulation=3, iterations=2, calls=2) if args.quick else
               Config(device, accumulation=10, iterations=10, calls=10))
     name = device_name(device)

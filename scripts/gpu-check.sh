@@ -9,17 +9,26 @@
 # this working tree on PYTHONPATH: nothing is installed, nothing is downloaded. Results go to
 # OUT_DIR (default $OUT, else ./gpu-check-out): device.json, <phase>.xml (JUnit) and
 # <phase>.log for the test phases, benchmark.json and benchmark.log, summary.json and
-# summary.txt. Phases: cuda (the CUDA tests), bench (benchmarks/gpu.py), full (every test
-# with PIPETORCH_DEVICE=cuda; only with --full or --only full). Each runs under a time limit
-# ($GPU_CHECK_TEST_TIMEOUT, $GPU_CHECK_BENCH_TIMEOUT, $GPU_CHECK_FULL_TIMEOUT seconds).
-# --quick: the benchmark's short run. --cpu-ok: run even without a GPU (a smoke test of this
-# script: the CUDA tests skip, the benchmark runs on the CPU). Exit status 0 when every phase
-# passed. Where one command may run 10 minutes at most, run the full suite as its own
-# command (`--only full`): the default phases take up to 9.
+# summary.txt. Phases:
+#   cuda      the CUDA tests (without gpt2's file when gpt2 is a phase of its own)
+#   gpt2      a small random GPT-2 pipelined over 2 logical devices sharing the first GPU
+#             (2 workers, PIPETORCH_NUM_DEVICES=1), against plain PyTorch on that GPU
+#   bench     benchmarks/gpu.py
+#   full      every test with PIPETORCH_DEVICE=cuda
+#   memory, generate   benchmarks/memory.py and benchmarks/generate.py, where they exist
+# Default: cuda and bench (up to 9 minutes). --quick: cuda, gpt2 and the benchmark's short
+# run, within 8 minutes on one H100 (time limits 230 + 90 + 110 s). --full: every phase;
+# where one command may run 10 minutes at most, run them as separate commands (`--only full`,
+# `--only memory`, ...). Each phase runs under a time limit ($GPU_CHECK_TEST_TIMEOUT,
+# $GPU_CHECK_GPT2_TIMEOUT, $GPU_CHECK_BENCH_TIMEOUT, $GPU_CHECK_FULL_TIMEOUT,
+# $GPU_CHECK_EXTRA_TIMEOUT seconds). --cpu-ok: run even without a GPU (a smoke test of this
+# script: the CUDA tests skip, the benchmarks run on the CPU). Exit status 0 when every phase
+# passed.
 #
 # A machine whose python3 lacks pytest: run --prepare where PyPI is reachable; it installs
 # pytest and pytest-timeout (pure Python) into .gpu-pytest/ (ignored by git), which this
-# script puts on PYTHONPATH when it finds it. Carry that folder to the GPU machine.
+# script puts on PYTHONPATH when it finds it. Carry that folder to the GPU machine. Without
+# pytest the test phases are reported as not run (exit status 3) and the benchmarks still run.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,8 +43,8 @@ while [[ $# -gt 0 ]]; do
     --quick) quick=1 ;;
     --cpu-ok) cpu_ok=1 ;;
     --prepare) prepare=1 ;;
-    --only) shift; only+=("${1:?--only needs a phase: cuda, bench or full}") ;;
-    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --only) shift; only+=("${1:?--only needs a phase: cuda, gpt2, bench, full, memory or generate}") ;;
+    -h|--help) sed -n '2,33p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) out="$1" ;;
   esac
@@ -110,8 +119,19 @@ if ! "$PY" -c "import pytest" >/dev/null 2>&1; then
 fi
 
 phases=()
-if [[ ${#only[@]} -gt 0 ]]; then phases=("${only[@]}"); else
-  phases=(cuda bench); [[ "$full" == 1 ]] && phases+=(full)
+if [[ ${#only[@]} -gt 0 ]]; then phases=("${only[@]}")
+elif [[ "$full" == 1 ]]; then
+  phases=(cuda gpt2 bench full)
+  for extra in memory generate; do [[ -f "benchmarks/$extra.py" ]] && phases+=("$extra"); done
+elif [[ "$quick" == 1 ]]; then phases=(cuda gpt2 bench)
+else phases=(cuda bench)
+fi
+gpt2_test=tests/gpu/test_gpu_gpt2.py
+cuda_args=(tests -m cuda)
+[[ " ${phases[*]} " == *" gpt2 "* ]] && cuda_args+=(--ignore="$gpt2_test")
+test_limit="${GPU_CHECK_TEST_TIMEOUT:-360}" bench_limit="${GPU_CHECK_BENCH_TIMEOUT:-180}"
+if [[ "$quick" == 1 ]]; then
+  test_limit="${GPU_CHECK_TEST_TIMEOUT:-230}" bench_limit="${GPU_CHECK_BENCH_TIMEOUT:-110}"
 fi
 
 declare -A status
@@ -124,18 +144,30 @@ run_tests() {  # phase, timeout, pytest arguments...
   status[$phase]=$?
   tail -n 3 "$out/$phase.log"
 }
+run_script() {  # phase, timeout, log, script and its arguments...
+  local phase="$1" limit="$2" log="$3"; shift 3
+  if [[ ! -f "$1" ]]; then
+    echo "gpu-check: $1 does not exist here" >"$log"; status[$phase]=127; return
+  fi
+  echo "gpu-check: $phase (log: $log)"
+  PIPETORCH_DEVICE="$device" timeout -k 10 "$limit" "$PY" "$@" >"$log" 2>&1
+  status[$phase]=$?
+}
 for phase in "${phases[@]}"; do
   case "$phase" in
-    cuda) run_tests cuda "${GPU_CHECK_TEST_TIMEOUT:-360}" tests -m cuda ;;
+    cuda) run_tests cuda "$test_limit" "${cuda_args[@]}" ;;
+    gpt2) PIPETORCH_NUM_DEVICES=1 run_tests gpt2 "${GPU_CHECK_GPT2_TIMEOUT:-90}" "$gpt2_test" ;;
     full) run_tests full "${GPU_CHECK_FULL_TIMEOUT:-540}" tests ;;
     bench)
-      echo "gpu-check: benchmark (log: $out/benchmark.log)"
       args=(--device "$device" --json "$out/benchmark.json")
       [[ "$quick" == 1 ]] && args+=(--quick)
-      timeout -k 10 "${GPU_CHECK_BENCH_TIMEOUT:-180}" "$PY" benchmarks/gpu.py "${args[@]}" \
-        >"$out/benchmark.log" 2>&1
-      status[bench]=$? ;;
-    *) echo "gpu-check: unknown phase $phase (cuda, bench or full)" >&2; exit 2 ;;
+      run_script bench "$bench_limit" "$out/benchmark.log" benchmarks/gpu.py "${args[@]}" ;;
+    memory|generate)
+      args=(); [[ "$quick" == 1 ]] && args+=(--quick)
+      run_script "$phase" "${GPU_CHECK_EXTRA_TIMEOUT:-300}" "$out/$phase.log" \
+        "benchmarks/$phase.py" ${args[@]+"${args[@]}"} ;;
+    *) echo "gpu-check: unknown phase $phase (cuda, gpt2, bench, full, memory or generate)" >&2
+       exit 2 ;;
   esac
 done
 

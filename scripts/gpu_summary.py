@@ -63,6 +63,7 @@ def summarise(out: Path) -> tuple[dict[str, Any], str, bool]:
         else:
             lines.append(f"{phase}: exit status {status}" + (
                 f" ({status_note(status)})" if status_note(status) else ""))
+            lines += [f"    | {line}" for line in log_tail(out, phase)]
         ok = ok and status == 0
         summary["phases"][phase] = entry
     bench = read_json(out / "benchmark.json")
@@ -76,6 +77,17 @@ def summarise(out: Path) -> tuple[dict[str, Any], str, bool]:
     summary["ok"] = ok
     lines.append("GPU check: " + ("PASSED" if ok else "FAILED"))
     return summary, "\n".join(lines) + "\n", ok
+
+
+def log_tail(out: Path, phase: str) -> list[str]:
+    """The last lines of a phase's log: a benchmark's table, or why tests did not report."""
+    if phase == "bench":  # its rows come from benchmark.json
+        return []
+    log = out / f"{phase}.log"
+    if not log.is_file():
+        return []
+    keep = 20 if phase in ("memory", "generate") else 3
+    return [line.rstrip() for line in log.read_text(errors="replace").splitlines()[-keep:]]
 
 
 def status_note(status: int) -> str:

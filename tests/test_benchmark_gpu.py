@@ -28,3 +28,20 @@ def test_quick_cpu_run_writes_every_row(tmp_path) -> None:
             assert row["value"] > 0, row
         elif "measured" in name or "offload" in name:
             assert row["value"] is None, row  # no CUDA allocator on the CPU
+
+
+def test_gpu_rows_share_one_gpu_between_the_stage_workers(monkeypatch) -> None:
+    # gpu.py set PIPETORCH_DEVICE=cuda alone: on 2+ GPUs "2 workers sharing the device" ran
+    # on two GPUs over NCCL
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look it up there
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts benchmarks/ and examples/ first
+    spec.loader.exec_module(module)
+    assert module.device_settings(torch.device("cuda")) == {
+        "PIPETORCH_DEVICE": "cuda", "PIPETORCH_NUM_DEVICES": "1"}
+    assert module.device_settings(torch.device("cpu")) == {"PIPETORCH_DEVICE": "cpu"}

@@ -2,10 +2,19 @@
 
 Yielded tensors are views of a ring-buffer slot, not copies: the slot is handed back to
 the loader process (and overwritten) at the next `next()`, so `.clone()` anything you keep
-longer than one step. Errors cross the process boundary: an exception in the dataset is
-raised here as `pipetorch.errors.LoaderError` carrying the loader's traceback, and a loader
-process that dies (killed, crashed) is noticed within `POLL_S` seconds instead of being
-waited on forever.
+longer than one step. A `non_blocking` copy to a GPU is still reading the slot after it
+returns: record a CUDA event after it and pass it to `release_after(event)`, and the slot is
+handed back only once the event has completed:
+
+    images, labels = next(loader)
+    on_gpu = images.to("cuda", non_blocking=True)
+    copied = torch.cuda.Event(); copied.record()
+    loader.release_after(copied)   # the next next() recycles the slot once the copy is done
+
+Errors cross the process boundary: an exception in the dataset is raised here as
+`pipetorch.errors.LoaderError` carrying the loader's traceback, and a loader process that
+dies (killed, crashed) is noticed within `POLL_S` seconds instead of being waited on
+forever.
 
 Start method (`sharing_strategy`): PopTorch spawns a fresh interpreter (its default is
 FileSystem); pipetorch defaults to `SharingStrategy.Fork` where the OS has fork(), which
@@ -125,6 +134,8 @@ class AsynchronousDataAccessor:
         self._pending: deque[tuple[Any, ...]] = deque()
         self._views: list[list[torch.Tensor]] | None = None
         self._held: int | None = None
+        self._held_event: Any = None  # release_after's event for the held slot
+        self._releases: deque[tuple[int, Any]] = deque()  # slots waiting for their event
         self._consumed, self._ended, self._announced = 0, False, False
         self._failure: LoaderError | None = None
         self._temp_file: str | None = None
@@ -191,6 +202,7 @@ class AsynchronousDataAccessor:
         self._release_buffer()
 
     def _release_buffer(self) -> None:
+        self._wait_releases()  # a copy may still read the buffer
         if getattr(self, "_pinned", False):
             unpin(self._buffer)
             self._pinned = False
@@ -312,6 +324,7 @@ class AsynchronousDataAccessor:
             self._announced = True
 
     def _reset(self) -> None:
+        self._wait_releases()  # the loader refills every slot after a reset
         self._held = None  # every slot is free again after a reset
         self._send(Msg.RESET)
         while True:
@@ -328,9 +341,7 @@ class AsynchronousDataAccessor:
         if self._ended:
             raise StopIteration
         self._announce()
-        if self._held is not None:
-            self._send(Msg.FREE, self._held)
-            self._held = None
+        self._give_back()
         message = self._receive()
         kind = message[0]
         if kind == Msg.READY:
@@ -341,6 +352,45 @@ class AsynchronousDataAccessor:
         if kind == Msg.ERROR:
             self._fail(message[1:])
         raise AssertionError(f"unexpected message from the loader process: {message!r}")
+
+    def release_after(self, event: Any) -> None:
+        """Keep the batch last handed out in its slot until `event` has completed.
+
+        `event` is anything with `query()` (True once done) and `synchronize()`, as
+        torch.cuda.Event: record it after a `non_blocking` copy from the batch. Without it
+        the slot goes back to the loader process at the next `next()`, while the copy may
+        still be reading it.
+        """
+        if self._held is None:
+            raise ValueError("release_after(event) applies to the batch last returned by "
+                             "next(); no batch is held now: call it after next(), before the "
+                             "following next()")
+        self._held_event = event
+
+    def _give_back(self) -> None:
+        """Hand the held slot back (or queue it behind its event), then every slot whose event
+        has completed; when nothing is ready to read, wait for the oldest event, as the loader
+        may be waiting for that slot."""
+        if self._held is not None:
+            if self._held_event is None:
+                self._send(Msg.FREE, self._held)
+            else:
+                self._releases.append((self._held, self._held_event))
+            self._held, self._held_event = None, None
+        while self._releases and self._releases[0][1].query():
+            self._send(Msg.FREE, self._releases.popleft()[0])
+        while self._releases and not (self._pending or self._conn.poll(0)):
+            slot, event = self._releases.popleft()
+            event.synchronize()
+            self._send(Msg.FREE, slot)
+
+    def _wait_releases(self) -> None:
+        """Wait for every event of a slot not yet handed back (before a reset or unpinning)."""
+        if self._held_event is not None:
+            self._held_event.synchronize()
+            self._held_event = None
+        while self._releases:
+            self._releases.popleft()[1].synchronize()
 
     def _take(self, slot: int, sizes: tuple[int | None, ...] | None) -> Any:
         assert self._views is not None

@@ -114,7 +114,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     Extra attributes: `combinedBatchSize`, `options`, `stats` (a LoaderStats: batches,
     items and bytes handed out) and `bytes_per_item`. In the Async modes the yielded tensors
-    are views of shared memory, valid until the next step: clone what you keep.
+    are views of shared memory, valid until the next step: clone what you keep, and pass
+    the event of a non_blocking copy from them to `release_after`.
     """
 
     def __init__(self, options: Any, dataset: Any, batch_size: int | None = 1,
@@ -313,6 +314,17 @@ class DataLoader(torch.utils.data.DataLoader):
     def bytes_per_item(self) -> float | None:
         """Bytes moved per sample by the batches so far (None before the first batch)."""
         return self.stats.bytes_per_item
+
+    def release_after(self, event: Any) -> None:
+        """Async modes: keep the last batch's shared-memory slot until `event` (a
+        torch.cuda.Event recorded after a non_blocking copy from the batch) has completed; see
+        AsynchronousDataAccessor.release_after. Sync mode: nothing to do, as torch's batches
+        are never reused."""
+        if self._mode != DataLoaderMode.Sync:
+            if self._accessor is None:
+                raise ValueError("release_after(event) applies to the batch last returned by "
+                                 "next(); this loader has not started: call it after next()")
+            self._accessor.release_after(event)
 
     def terminate(self) -> None:
         """Stop the loader process of an Async loader (no effect in Sync mode)."""

@@ -77,9 +77,12 @@ def next_rendezvous(*, process_id: int, num_processes: int, devices: int, replic
     return Rendezvous(address, port, f"pipetorch/{_launches}/", total * devices, devices, total)
 
 
-def join(rendezvous: Rendezvous, *, rank: int, backend: str, timeout: float) -> None:
-    """Join the launch's process group (in a worker)."""
+def join(rendezvous: Rendezvous, *, rank: int, backend: str, timeout: float,
+         group_timeout: float | None = None) -> None:
+    """Join the launch's process group (in a worker): the store waits `timeout` seconds, the
+    group's operations (NCCL's watchdog) `group_timeout`, by default the same."""
     wait = datetime.timedelta(seconds=timeout)
     client = dist.TCPStore(rendezvous.address, rendezvous.port, is_master=False, timeout=wait)
+    operations = wait if group_timeout is None else datetime.timedelta(seconds=group_timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(rendezvous.prefix, client),
-                            rank=rank, world_size=rendezvous.world_size, timeout=wait)
+                            rank=rank, world_size=rendezvous.world_size, timeout=operations)

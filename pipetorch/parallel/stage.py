@@ -14,6 +14,7 @@ from pipetorch.errors import DeviceError
 from pipetorch.losses import for_backward
 from pipetorch.optim.peers import Peers, during
 from pipetorch.optim.scaling import loss_scale
+from pipetorch.parallel.host_copies import HostCopies
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.tied import TiedGrads
 from pipetorch.parallel.transport import BundleLayout, ChannelSpec, PeerLink, Tag, channel
@@ -69,7 +70,7 @@ class Trace:
     spans: list[Span] = field(default_factory=list)
     replica: int = 0
     peak_memory: int | None = None  # the CUDA allocator's peak during the call (GPU only)
-    transport: str = "gloo"  # how bundles crossed to the neighbours: "shm" or "gloo"
+    transport: str = "gloo"  # how bundles crossed to the neighbours: "shm", "gloo" or "nccl"
 
 
 def _bundle(sources: tuple[Source, ...], specs: dict[Source, Spec], *,
@@ -138,6 +139,7 @@ class StageExecutor:
         self.specs, self.link, self.replica = specs, link, replica
         self._context = micro_context or (lambda m: contextlib.nullcontext())
         self.device, self.optimizer, self.tied, self.peers = device, optimizer, tied, peers
+        self._to_host = HostCopies.for_device(device)
         self.owners = tuple(owners) if owners is not None else tuple(
             range(stages[0].route.stages))
         self.held = {s.route.index: _Held(s, specs, replica) for s in stages}
@@ -218,6 +220,7 @@ class StageExecutor:
                              time.monotonic_ns(), nbytes))
                 self.current = None
                 self.link.flush()
+        self._to_host.ready()  # once per call: the outputs' copies ran beside the schedule
         assert not any(h.forwards or h.received or h.deferred for h in self.held.values()) \
             and not self._handovers, "a schedule left work undone"
 
@@ -256,7 +259,7 @@ class StageExecutor:
         if self._training and route.loss is not None:
             loss = for_backward(values[route.loss], self._scale)
         if m in self._call.wanted:
-            held.outputs[m] = [_for_host(values[s]) for s in route.host_outputs]
+            held.outputs[m] = [self._to_host.take(values[s]) for s in route.host_outputs]
         if self._training:
             held.forwards[m] = _Forward(values, received, loss, rewritten)
         elif not route.is_last:  # kept until its S>F, even for an empty bundle
@@ -374,10 +377,3 @@ class StageExecutor:
 def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
-
-def _for_host(value: Any) -> Any:
-    """A value for the host: on the CPU and detached. No copy here: the reply copies it into
-    shared memory (arena.pack_tree) before anything can change it."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().to("cpu")

@@ -13,7 +13,6 @@ import datetime
 import enum
 import functools
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from pipetorch import environment
 from pipetorch.errors import DeviceError
+from pipetorch.parallel.buckets import BUCKET_BYTES, Piece, buckets
 from pipetorch.parallel.routes import TensorSpec
 
 __all__: list[str] = []
@@ -110,14 +110,14 @@ class PeerLink:
 
     A peer is a worker's device number within the replica (its rank is `offset + peer`);
     `tag` is a `channel`. Sends are asynchronous: the buffer is kept until `flush` (called
-    once per schedule step) makes sure every send finished. Receives block for at most
-    `timeout` seconds.
+    once per schedule step) makes sure every send finished. On gloo a receive blocks for at
+    most `timeout` seconds; on NCCL it only orders the compute stream after the transfer
+    (see `_wait`). `backend` is torch.distributed's ("gloo" or "nccl").
     """
 
-    kind = "gloo"  # torch.distributed: gloo, or NCCL between GPUs
-
     def __init__(self, *, device: torch.device, wire_device: torch.device, timeout: float,
-                 offset: int = 0, replica_group: Any = None) -> None:
+                 offset: int = 0, replica_group: Any = None, backend: str = "gloo") -> None:
+        self.backend = backend
         self.device, self.wire_device = device, wire_device
         self.offset = offset                 # rank of this replica's device 0
         self.replica_group = replica_group   # this device in every replica (None: one replica)
@@ -125,6 +125,12 @@ class PeerLink:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.bucket_bytes = BUCKET_BYTES  # the most an all-reduce sends at once
+
+    @property
+    def kind(self) -> str:
+        """How bundles cross, as traces name it: the backend ("gloo" or "nccl")."""
+        return self.backend
 
     def send(self, layout: BundleLayout, tensors: Sequence[torch.Tensor], peer: int,
              tag: int) -> None:
@@ -156,25 +162,54 @@ class PeerLink:
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, group: Any = None,
                    who: str = "the other replicas") -> None:
         """Sum `tensors` in place over this device's replicas (or over `group`, the workers
-        named `who` in a timeout's message): one flat buffer per dtype."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-        for tensor in tensors:
-            by_dtype[tensor.dtype].append(tensor)
+        named `who` in a timeout's message), one bucket (`buckets.BUCKET_BYTES`) at a time
+        through one reused buffer per dtype: the extra memory is one bucket, not a copy of
+        every tensor."""
         process_group = self.replica_group if group is None else group
-        for same in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in same]).to(self.wire_device)
+        scratch: dict[torch.dtype, torch.Tensor] = {}
+        for bucket in buckets(tensors, self.bucket_bytes):
+            flat = self._gather(bucket, scratch)
             self._wait(dist.all_reduce(flat, group=process_group, async_op=True), who)
-            flat = flat.to(same[0].device)
             at = 0
-            for tensor in same:
-                tensor.copy_(flat[at:at + tensor.numel()].view_as(tensor))
-                at += tensor.numel()
+            for piece in bucket:
+                piece.write(flat[at:at + piece.numel])
+                at += piece.numel
             nbytes = flat.numel() * flat.element_size()
             self.bytes_sent += nbytes
             self.bytes_received += nbytes
 
+    def _gather(self, bucket: list[Piece], scratch: dict[torch.dtype, torch.Tensor]
+                ) -> torch.Tensor:
+        """`bucket`'s elements, flat, on the wire device: the tensor itself when the bucket is
+        one slice of one tensor already there, else copied into `scratch`'s buffer of its
+        dtype (grown to the largest bucket; the buckets before the last are full)."""
+        view = bucket[0].view() if len(bucket) == 1 else None
+        if view is not None and view.device == self.wire_device:
+            return view
+        size, dtype = sum(piece.numel for piece in bucket), bucket[0].tensor.dtype
+        if dtype not in scratch or scratch[dtype].numel() < size:
+            scratch[dtype] = torch.empty(size, dtype=dtype, device=self.wire_device)
+        flat, at = scratch[dtype][:size], 0
+        for piece in bucket:
+            flat[at:at + piece.numel].copy_(piece.read())
+            at += piece.numel
+        return flat
+
     def _wait(self, work: dist.Work, peer: int | str) -> None:
-        if not work.wait(self.timeout):
+        """Wait for `work` (a receive, send or all-reduce with `peer`, a device number or who).
+
+        gloo: the CPU blocks for at most `timeout`, then a DeviceError names the peer. NCCL:
+        `wait()` without a timeout only makes the current stream wait for the transfer, so the
+        CPU runs on and queues more work. With a timeout, ProcessGroupNCCL instead spins the
+        CPU until the kernel finished, after the whole compute stream drained. A peer that
+        never answers is still bounded: the host reports it after PIPETORCH_TIMEOUT without a
+        reply (a dead one at once, on its pipe), and the NCCL watchdog aborts the work after
+        the process group's timeout (PIPETORCH_TIMEOUT, plus compiled.COMPILE_ALLOWANCE while
+        stages compile).
+        """
+        if self.backend == "nccl":
+            work.wait()
+        elif not work.wait(self.timeout):
             who = f"the worker of device {peer}" if isinstance(peer, int) else peer
             raise DeviceError(f"No data from {who} within "
                               f"{self.timeout.total_seconds():.0f}s (PIPETORCH_TIMEOUT)")
@@ -182,7 +217,10 @@ class PeerLink:
     def flush(self) -> None:
         """Wait until every send of this step has left; their buffers can then be freed."""
         for work, _ in self._pending:
-            work.wait(self.timeout)
+            if self.backend == "nccl":
+                work.wait()  # see _wait
+            else:
+                work.wait(self.timeout)
         self._pending.clear()
 
     def open(self, channels: Sequence[ChannelSpec]) -> None:

@@ -26,7 +26,7 @@ from pipetorch import environment
 from pipetorch.optim import offload
 from pipetorch.optim.peers import Peers
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import arena, snapshot, wire
+from pipetorch.parallel import arena, compiled, snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel import shm
 from pipetorch.parallel.routes import Constant, TensorSpec
@@ -113,7 +113,12 @@ class Worker:
         wire_device = torch.device("cpu") if staged else self.device
         rank = meeting.rank(launch.replica, setup.device)
         torch.manual_seed(launch.seed + rank)  # dropout differs between workers, not runs
-        join(meeting, rank=rank, backend=backend, timeout=launch.timeout)
+        compiler = compiled.compile_backend(setup.stages)
+        if compiler == "inductor":
+            compiled.limit_compile_threads(workers=len(setup.devices), cores=places.cpu_cores())
+        join(meeting, rank=rank, backend=backend, timeout=launch.timeout,
+             group_timeout=compiled.watchdog_timeout(launch.timeout, backend=backend,
+                                                     compiling=compiler is not None))
         # Every worker creates every device's group, in the same order (a collective call).
         groups = [dist.new_group(meeting.device_ranks(d)) if meeting.replicas > 1 else None
                   for d in range(meeting.devices)]
@@ -132,7 +137,7 @@ class Worker:
         link = new_link(kind, prefix=shm.segment_prefix(launch.host_pid, meeting.prefix),
                         rank=rank, device=self.device, wire_device=wire_device,
                         timeout=launch.timeout, offset=meeting.rank(launch.replica, 0),
-                        replica_group=groups[setup.device])
+                        replica_group=groups[setup.device], backend=backend)
         self.executor = StageExecutor(setup.stages, setup.specs, link=link, device=self.device,
                                       optimizer=self.optimizer, owners=setup.owners,
                                       replica=launch.placement.replica,

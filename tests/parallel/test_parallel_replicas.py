@@ -52,6 +52,41 @@ def test_replicas_match_plain_pytorch(request, count, sharded, D, G, mode):
     assert_same_state(wrapper.model, plain)
 
 
+class Wide(nn.Module):
+    """An MLP whose first weight (784 x 16384 fp32, 51 MB) is over a 25 MiB bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = nn.Linear(784, 16384), nn.Linear(16384, 10)
+
+    def forward(self, x, labels):
+        logits = self.out(F.relu(self.hidden(x.flatten(1))))
+        return logits, F.cross_entropy(logits, labels)
+
+
+@pytest.mark.slow
+def test_replicas_whose_gradients_span_several_buckets_match_plain_pytorch(request):
+    # the all-reduce joined each dtype's gradients into one buffer (1x extra memory); in
+    # buckets of 25 MiB the first weight is sliced across two and must sum the same
+    torch.manual_seed(0)
+    R, D, G = 2, 1, 2
+    case = mnist_case(2)
+    case.model, case.stages = Wide(), ()
+    plain = twin(case.model)
+    opts = options(case, sharded=False, D=D, G=G, R=R)
+    wrapper = cleaned(request, poptorch.trainingModel(case.model, opts, optimizer=sgd(case.model)))
+    plain_optimizer = sgd(plain)
+    for call in range(CALLS):
+        batch = case.data(D * G * R * B, seed=call)
+        assert_same_result(wrapper(*batch), plain_call(plain, plain_optimizer, batch, D=D, G=G,
+                                                       R=R, mode="All"), what=f"call {call}")
+    reduced = [s.nbytes for t in wrapper._compiled.engine.last_trace for s in t.spans
+               if s.kind == "AR"]
+    gradients = sum(p.numel() * p.element_size() for p in plain.parameters())
+    assert reduced == [2 * gradients] * R  # sent and received, every byte once
+    assert_same_state(wrapper.model, plain)
+
+
 @pytest.mark.slow
 def test_inference_replicas_split_the_batch(request):
     case = mnist_case(2)
