@@ -297,6 +297,15 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             gradient_accumulation=o.Training.gradient_accumulation,
             replication_factor=o.replication_factor)[0], self._compiled.engine.input_device)
         directory = os.path.join(o.profiling_dir, "training" if self._training else "inference")
+        try:  # now, not at destroy(): a report that cannot be written must not be lost
+            os.makedirs(directory, exist_ok=True)
+        except OSError as error:
+            self.destroy()
+            raise ConfigError(
+                f"The profiling report directory {directory!r} cannot be created "
+                f"({error.strerror or error}); it comes from opts.enableProfiling() or "
+                "POPLAR_ENGINE_OPTIONS autoReport.directory. Name a directory this process "
+                "can write to, then wrap the model again") from error
         self._profiler = Profiler(directory, self._compiled, training=self._training, options=o,
                                   sample=sample)
         self._profile_writer = weakref.finalize(self, _write_report, self._profiler)
