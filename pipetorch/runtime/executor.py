@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from pipetorch import extensions, log_level
 from pipetorch.errors import AlreadyWrappedError, ConfigError, DeviceError, InputMismatchError
-from pipetorch.optim import attributes, ipu_param, ipu_state
+from pipetorch.optim import attributes, ipu_param, ipu_state, scaling
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, weights, wrapping
 from pipetorch.runtime.anchors import Anchors
@@ -281,6 +281,11 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         if self._options.profiling_dir:
             self._start_profiler(args, kwargs)
         self._sync = weights.attach(self._user_model)
+        if engine.optimizer is not None and self._user_optimizer is not None:
+            # From compile on, the user's optimiser reports the device's loss scale (ipu_state's
+            # lossScaleUpdateFactor), as PopTorch's does before the first call.
+            scaling.load_scaling_state(self._user_optimizer,
+                                       scaling.scaling_state(engine.optimizer))
         self._buffer_ids = buffer_ids(self._user_model)
         self._uploaded_generation = self._sync.generation
         extensions.run_post_compile_hooks()
