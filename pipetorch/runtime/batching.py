@@ -134,20 +134,28 @@ class Signature:
             if len(old_pos) != len(new_pos):
                 return (f"Number of positional arguments mismatch: expected {len(old_pos)} "
                         f"arguments but got {len(new_pos)}; {detail}")
-            if missing and not extra:
-                return f"Missing arguments: {', '.join(missing)}. {detail[0].upper()}{detail[1:]}"
-            return detail
+            keys = [f"{what} arguments: {', '.join(sorted(names))}" for names, what in
+                    ((set(new_kw) - set(old_kw), "Unexpected"), (set(old_kw) - set(new_kw),
+                                                                 "Missing")) if names]
+            return (f"Keys mismatch for named arguments: {'. '.join(keys)}. "
+                    f"{detail[0].upper()}{detail[1:]}")
         for label, a, b in zip(old_pos + old_kw, _top_specs(self.spec), _top_specs(other.spec)):
             if a != b:
-                return (f"argument {label} changed its nesting from {_layout(a)} on the first "
-                        f"call to {_layout(b)}")
+                nesting = (f"argument {label} changed its nesting from {_layout(a)} on the first "
+                           f"call to {_layout(b)}")
+                if a.type is b.type and a.type in (tuple, list) and \
+                        a.num_children != b.num_children:
+                    return (f"Length mismatch for {label}: expected {a.num_children} elements "
+                            f"but got {b.num_children} ({nesting})")
+                return nesting
         return "the inputs' nesting changed"
 
     def mismatch(self, other: "Signature") -> str | None:
         """A sentence naming the first difference from `other`, or None when they agree.
 
         It starts with PopTorch's words ("Shape mismatch for x: expected torch.Size([4]) but
-        got torch.Size([2])", "Missing arguments: m.", ...). The executor fills in forward's
+        got torch.Size([2])", "Keys mismatch for named arguments: Missing arguments: m.",
+        ...: its python/_args_parser.py's). The executor fills in forward's
         defaults first, so an argument left out to its default None is a type mismatch.
         """
         if self.spec != other.spec:
@@ -157,8 +165,9 @@ class Signature:
             label = name.label
             if old.shape is None and new.shape is None:
                 if not _same_constant(old.constant, new.constant):
-                    return (f"Value mismatch for {name.expr}: expected {old.constant!r} but got "
-                            f"{new.constant!r} ({label} changed value)")
+                    return (f"Value mismatch for {name.expr}: expected {old.constant} but got "
+                            f"{new.constant} ({label} changed value from {old.constant!r} to "
+                            f"{new.constant!r})")
             elif old.shape is None or new.shape is None:
                 was = "a tensor" if old.shape is not None else repr(old.constant)
                 now = "a tensor" if new.shape is not None else repr(new.constant)

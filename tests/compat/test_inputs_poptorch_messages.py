@@ -95,7 +95,8 @@ def test_arguments_a_later_call_leaves_out_or_changes(forwarding):
                  else "Type mismatch for z: expected .*Tensor.* but got .*None")
     with pytest.raises(poptorch.Error, match=missing_z):
         model(a, b, c, d, e, t=t, x=x, m=m)
-    with pytest.raises(poptorch.Error, match="Missing arguments: m."):
+    with pytest.raises(poptorch.Error, match="Keys mismatch for named arguments: Missing "
+                                             "arguments: m."):
         model(a, b, c, d, e, t=t, x=x, z=z)
     model.destroy()
     kwargs = dict(t=t, x=x, m=m, z=z, v="foobar")
@@ -113,3 +114,23 @@ def test_arguments_a_later_call_leaves_out_or_changes(forwarding):
         with pytest.raises(poptorch.Error, match="Mandatory parameter b missing"):
             model(a)
     assert_close(model(a, b), module(a, b))
+
+
+def test_keyword_and_tuple_changes_use_poptorchs_words():
+    # PopTorch's python/_args_parser.py: "Keys mismatch for named arguments: Unexpected
+    # arguments: n" and "Length mismatch for t: expected 2 elements but got 3".
+    module = Many()
+    model = poptorch.inferenceModel(module)
+    b, m, n = torch.ones(2), torch.ones(2), torch.ones(2)
+    model(2, b, m=m)
+    with pytest.raises(poptorch.Error, match="Keys mismatch for named arguments: Unexpected "
+                                             "arguments: n. "):
+        model(2, b, m=m, n=n)
+    with pytest.raises(poptorch.Error, match="Keys mismatch for named arguments: Unexpected "
+                                             "arguments: n. Missing arguments: m. "):
+        model(2, b, n=n)
+    tuples = poptorch.inferenceModel(TupleAdder())
+    tuples((torch.ones(1), torch.ones(1)))
+    with pytest.raises(poptorch.Error, match="Length mismatch for t: expected 2 elements but "
+                                             "got 3"):
+        tuples((torch.ones(1), torch.ones(1), torch.ones(1)))
