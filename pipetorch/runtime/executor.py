@@ -230,9 +230,16 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         """The call as forward's full argument list, defaults filled in, as PopTorch's
         arguments parser reads it: `(x, y)`, `(x, labels=y)` and `(x)` with `labels=y` as
         default are one input signature. A call forward cannot take is refused here."""
-        try:
-            signature = inspect.signature(self._user_model.forward)
-        except (TypeError, ValueError):  # no Python signature: forward itself will say
+        forward = getattr(self._user_model.forward, "__func__", self._user_model.forward)
+        cached = self.__dict__.get("_forward_signature")
+        if cached is None or cached[0] is not forward:
+            try:
+                cached = (forward, inspect.signature(self._user_model.forward))
+            except (TypeError, ValueError):  # no Python signature: forward itself will say
+                cached = (forward, None)
+            self.__dict__["_forward_signature"] = cached
+        signature = cached[1]
+        if signature is None:
             return args, kwargs
         try:
             bound = signature.bind(*args, **kwargs)
