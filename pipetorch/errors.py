@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
            "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",
-           "UnrecoverableError", "InputMismatchError", "AlreadyWrappedError", "ConfigFileError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
+           "UnrecoverableError", "InputMismatchError", "InputArgumentError", "AlreadyWrappedError", "ConfigFileError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
            "createPoptorchError"]
 
 
@@ -67,6 +67,13 @@ class DeviceError(RecoverableError):
 class InputMismatchError(Error, ValueError):
     """A call whose inputs differ from those the wrapper was compiled for (PopTorch raises a
     `poptorch.Error` starting "Shape mismatch for x", "Data type mismatch for x", ...)."""
+
+    type = "poptorch_py_error"
+
+
+class InputArgumentError(Error, TypeError):
+    """A call forward cannot take: PopTorch raises a `poptorch.Error` ("Mandatory parameter
+    b missing"), Python a TypeError, so it is both."""
 
     type = "poptorch_py_error"
 

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import TensorDataset, default_collate, get_worker_info
 
 from pipetorch.data import samples
-from pipetorch.data.structure import batch_rows, num_bytes, tensors_in
+from pipetorch.data.structure import batch_rows, concat_batches, num_bytes, tensors_in
 
 __all__: list[str] = []
 
@@ -110,6 +110,36 @@ def fetch(dataset: Any, indices: Sequence[int], collate: Callable[[Any], Any]) -
     getitems = getattr(dataset, "__getitems__", None)
     data = getitems(indices) if getitems else [dataset[i] for i in indices]
     return collate(data)
+
+
+class CollatedGroups(torch.utils.data.Dataset):
+    """A dataset read by groups of a user's batch_sampler batches (sampling.CombinedBatchSampler).
+
+    Each batch of a group is fetched and collated on its own, so the user's collate_fn sees
+    exactly the indices its batch_sampler chose (and may pad them to any size); the group's
+    collated batches are then joined along dim 0 into one host call's batch, [D][G][R][B].
+    Other attributes are the user's dataset's.
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[Any], Any] | None) -> None:
+        self.dataset = dataset
+        self.collate = BatchCollate(collate_fn)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, group: Sequence[Sequence[int]]) -> Prebatched:
+        batches = [fetch(self.dataset, samples.IndexBatch(indices), self.collate)
+                   for indices in group]
+        return Prebatched(concat_batches(batches, where="the collated batches of one host call"))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("dataset", "collate"):  # unpickling: not set yet
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 class DirectFetch:

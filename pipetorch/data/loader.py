@@ -9,6 +9,10 @@ batches in a loader process that fills a shared-memory ring (see accessor.py);
 AsyncRebatched (and Async with drop_last=False) has the workers produce batches of
 `rebatched_worker_size` and repacks them to exactly the combined size, so items a worker
 could not fill a batch with are not lost.
+
+A user's `batch_sampler` is combined by batches, as PopTorch does: each host call takes
+deviceIterations x gradientAccumulation x replicas of its batches, each collated on its own
+by `collate_fn` (which may pad it), joined along dim 0 (see CombinedBatchSampler).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from torch.utils.data._utils.collate import default_convert
 
 from pipetorch.data.accessor import AsynchronousDataAccessor
 from pipetorch.data import samples
-from pipetorch.data.fetch import BatchCollate, LoaderStats, TensorBatches
+from pipetorch.data.fetch import BatchCollate, CollatedGroups, LoaderStats, TensorBatches
 from pipetorch.data.sampling import (
     CombinedBatchSampler, DistributedShareSampler, combined_batch_size, rebatched_length,
 )
@@ -81,6 +85,28 @@ def _check_batch_sampler(batch_sampler: Any, batch_size: Any, shuffle: bool, sam
                          "indices to sample.")
 
 
+def _check_sampler_batches(batch_sampler: Any, per_call: int, drop_last: bool) -> None:
+    """A batch_sampler's batches, counted: one host call takes `per_call` of them."""
+    try:
+        batches = len(batch_sampler)
+    except TypeError:
+        return  # a sampler without a length: counted as it runs
+    if batches == 0:
+        raise ValueError("The batch_sampler yields no batch (len(batch_sampler) == 0): a "
+                         "DataLoader needs at least one batch.")
+    if drop_last and batches < per_call:
+        raise ValueError(
+            f"The batch_sampler yields {batches} batches, fewer than the {per_call} one host "
+            "call takes (deviceIterations x gradientAccumulation x replicas): with "
+            "drop_last=True the DataLoader would yield nothing (len 0). Use drop_last=False "
+            "or fewer device iterations.")
+    if not drop_last and batches % per_call:
+        logger.warning(
+            "The batch_sampler's %d batches are not divisible by the %d batches one host call "
+            "takes and drop_last=False: the last host call will have %d batches. Use "
+            "drop_last=True to avoid handling that case.", batches, per_call, batches % per_call)
+
+
 def _factors(options: Any, micro: int) -> str:
     """How a host call's batch is made: "batch_size 4 x deviceIterations 8"."""
     parts = [("batch_size", micro), ("deviceIterations", options.device_iterations),
@@ -92,8 +118,13 @@ def _factors(options: Any, micro: int) -> str:
 
 
 def _check_rebatching(mode: DataLoaderMode, rebatch: bool, worker_size: Any,
-                      combined: int | None) -> None:
-    if mode == DataLoaderMode.AsyncRebatched and combined is None:
+                      combined: int | None, *, batch_sampler: bool) -> None:
+    if worker_size is not None and batch_sampler:
+        raise ValueError(
+            f"rebatched_worker_size={worker_size} cannot be used with a batch_sampler: each "
+            "host call is made of the sampler's own batches, so there is nothing to rebatch. "
+            "Drop rebatched_worker_size.")
+    if mode == DataLoaderMode.AsyncRebatched and combined is None and not batch_sampler:
         raise ValueError("mode=DataLoaderMode.AsyncRebatched needs a batch_size (got None): "
                          "it repacks batches to the combined batch size.")
     if worker_size is None:
@@ -151,24 +182,34 @@ class DataLoader(torch.utils.data.DataLoader):
         rebatch = user_batch_sampler is None and combined is not None and (
             mode == DataLoaderMode.AsyncRebatched
             or (mode == DataLoaderMode.Async and not drop_last))
-        _check_rebatching(mode, rebatch, rebatched_worker_size, combined)
+        _check_rebatching(mode, rebatch, rebatched_worker_size, combined,
+                          batch_sampler=user_batch_sampler is not None)
         async_options = _check_async_options(async_options, mode)
 
         self._options = options
         self._combined = combined
         self._mode = mode
         self._rebatch = rebatch
+        self._batched = combined is not None or user_batch_sampler is not None
         self._share: DistributedShareSampler | None = None
         self.rebatched_drop_last = drop_last
         self._stats = LoaderStats()
 
-        base_sampler = self._base_sampler(dataset, iterable, shuffle, drop_last, user_sampler,
-                                          auto_distributed_partitioning, num_workers, kwargs)
+        if user_batch_sampler is None:
+            base_sampler = self._base_sampler(dataset, iterable, shuffle, drop_last,
+                                              user_sampler, auto_distributed_partitioning,
+                                              num_workers, kwargs)
+        else:
+            base_sampler = None
+            _check_sampler_batches(user_batch_sampler, combined_batch_size(options, 1),
+                                   drop_last)
         if not iterable and drop_last and combined is not None and user_batch_sampler is None:
             samples.check_enough(len(dataset) if self._share is None else len(self._share),
                                  combined, _factors(options, micro))
         worker_batch = (rebatched_worker_size or combined) if rebatch else combined
         fetch_dataset = TensorBatches.wrap(dataset, collate_fn=user_collate)
+        if user_batch_sampler is not None:
+            fetch_dataset = CollatedGroups(fetch_dataset, user_collate)
         collate: Any = BatchCollate(user_collate)
         if combined is None and user_batch_sampler is None:  # no batching: torch's rule
             collate = user_collate or default_convert
@@ -272,7 +313,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def _new_accessor(self) -> AsynchronousDataAccessor:
         source = BatchSource(self._source_kwargs, rebatched_drop_last=self.rebatched_drop_last,
-                             batched=self._combined is not None)
+                             batched=self._batched)
         accessor = AsynchronousDataAccessor(
             source, **self._async_options,
             rebatched_size=self._combined if self._rebatch else None)
@@ -290,7 +331,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if self._mode == DataLoaderMode.Sync:
-            return _Counted(super().__iter__(), self._stats, self._combined is not None)
+            return _Counted(super().__iter__(), self._stats, self._batched)
         if self._accessor is None:
             self._accessor = self._new_accessor()  # restarted after terminate()
         return iter(self._accessor)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -102,45 +102,35 @@ def carry_leftovers(permutation: torch.Tensor, leftovers: torch.Tensor) -> torch
     return torch.cat([permutation[is_leftover], permutation[~is_leftover]])
 
 
-class CombinedBatchSampler(Sampler[list[int]]):
-    """Joins `count` consecutive micro-batches of a user's batch_sampler into one host call.
+class CombinedBatchSampler(Sampler[list[list[int]]]):
+    """Groups `count` consecutive batches of a user's batch_sampler into one host call.
 
-    A group that is short (fewer than `count` micro-batches, or a short micro-batch when the
-    micro-batch size is known) is the epoch's tail: kept only when drop_last is False.
+    Each group is the list of the sampler's own index lists, so every batch is collated as
+    the sampler made it (see fetch.CollatedGroups). The epoch has len(batch_sampler) // count
+    groups; with drop_last=False a last, shorter group holds the remaining batches. A batch's
+    number of indices does not matter: a collate_fn may pad it to any size.
     """
 
     def __init__(self, batch_sampler: Any, *, count: int, drop_last: bool) -> None:
         self.batch_sampler = batch_sampler
         self.count = count
         self.drop_last = drop_last
-        self.micro_batch = getattr(batch_sampler, "batch_size", None)
 
-    def _is_full(self, group: list[list[int]]) -> bool:
-        if len(group) < self.count:
-            return False
-        return self.micro_batch is None or all(len(b) == self.micro_batch for b in group)
-
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[list[int]]]:
         group: list[list[int]] = []
         for indices in self.batch_sampler:
             group.append(list(indices))
             if len(group) == self.count:
-                if self._is_full(group) or not self.drop_last:
-                    yield [i for b in group for i in b]
+                yield group
                 group = []
         if group and not self.drop_last:
-            yield [i for b in group for i in b]
+            yield group
 
     def __len__(self) -> int:
         batches = len(self.batch_sampler)
-        if not self.drop_last:
-            return math.ceil(batches / self.count)
-        full = batches
-        sampler = getattr(self.batch_sampler, "sampler", None)
-        if self.micro_batch and isinstance(sampler, Sized) and not getattr(
-                self.batch_sampler, "drop_last", True):
-            full = len(sampler) // self.micro_batch
-        return full // self.count
+        if self.drop_last:
+            return batches // self.count
+        return math.ceil(batches / self.count)
 
 
 def rebatched_length(num_items: int, combined: int, *, drop_last: bool) -> int:

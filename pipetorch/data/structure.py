@@ -103,3 +103,69 @@ def batch_rows(leaves: list[torch.Tensor]) -> int | None:
     """Items in a batch: the first dimension shared by every tensor (None if they differ)."""
     sizes = {t.shape[0] if t.dim() > 0 else None for t in leaves}
     return sizes.pop() if len(sizes) == 1 else None
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
+
+
+def _holds_tensors(value: Any) -> bool:
+    return bool(tensors_in(value))
+
+
+def concat_batches(batches: list[Any], *, where: str = "batch") -> Any:
+    """Join collated batches of one structure along dim 0 (tensors are concatenated, dicts
+    and tuples joined key by key, lists of non-tensors such as strings put end to end).
+
+    `batches[k]` is named "batch k" in errors: a structure, key or shape (beyond dim 0) that
+    differs from batch 0 cannot be joined.
+    """
+    first = batches[0]
+    if len(batches) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return _concat_tensors(batches, where)
+    kinds = {type(b) for b in batches}
+    if len(kinds) != 1:
+        names = [type(b).__name__ for b in batches]
+        raise TypeError(f"{where}: the collated batches are of different types {names}; "
+                        "collate_fn must return one structure for every batch.")
+    if isinstance(first, dict):
+        keys = list(first)
+        for k, batch in enumerate(batches):
+            if list(batch) != keys:
+                raise ValueError(f"{where}: collated batch {k} has keys {list(batch)} but "
+                                 f"batch 0 has {keys}; collate_fn must return the same keys.")
+        return type(first)((key, concat_batches([b[key] for b in batches],
+                                                where=f"{where}[{key!r}]")) for key in keys)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(concat_batches(list(parts), where=f"{where}.{name}")
+                             for name, parts in zip(first._fields, zip(*batches))))
+    if _is_sequence(first) and any(_holds_tensors(b) for b in batches):
+        lengths = [len(b) for b in batches]
+        if len(set(lengths)) != 1:
+            raise ValueError(f"{where}: the collated batches hold {lengths} items; collate_fn "
+                             "must return the same number of items for every batch.")
+        joined = [concat_batches(list(parts), where=f"{where}[{i}]")
+                  for i, parts in enumerate(zip(*batches))]
+        return joined if isinstance(first, list) else tuple(joined)
+    if _is_sequence(first):  # strings, numbers: one entry per sample, put end to end
+        return type(first)(item for batch in batches for item in batch)
+    raise TypeError(f"{where} is a {type(first).__name__}: collated batches can only be "
+                    "joined when they hold tensors (alone or in dicts, tuples and lists) or "
+                    "lists of per-sample values.")
+
+
+def _concat_tensors(batches: list[Any], where: str) -> torch.Tensor:
+    first = batches[0]
+    for k, batch in enumerate(batches):
+        if not isinstance(batch, torch.Tensor):
+            raise TypeError(f"{where}: collated batch {k} is a {type(batch).__name__} where "
+                            "batch 0 is a tensor; collate_fn must return one structure.")
+        if batch.dim() == 0 or batch.shape[1:] != first.shape[1:] or batch.dtype != first.dtype:
+            raise ValueError(
+                f"{where}: collated batch {k} is {list(batch.shape)} {batch.dtype} but batch 0 "
+                f"is {list(first.shape)} {first.dtype}. The batches of one host call are "
+                "joined along dim 0, so they need a batch dimension and the same other "
+                "dimensions and dtype: pad them to one shape in collate_fn.")
+    return torch.cat(batches)

@@ -10,7 +10,9 @@ uses, one per parameter, under PopART's names. After a trainingModel has compile
   `weightDecayScaleFactor0___specific___p` = 1 - lr * (1 - dampening) * weight_decay;
 - the others `<name>___specific___p`, name one of learningRate, weightDecay and, where the
   optimiser has them, beta1, beta2, eps (Adam, AdamW, LAMB), maxWeightNorm (LAMB), alpha,
-  eps, momentum (RMSprop), momentum, dampening, velocityScaling (SGD with momentum).
+  eps, momentum (RMSprop), momentum, dampening, velocityScaling (SGD with momentum: the
+  group's velocity_scaling with use_combined_accum=True; the loss scaling otherwise, as
+  PopTorch's separate variant matches the two).
 
 `load_state_dict` of a dict holding "ipu_param" sets the hyper-parameters from it (a
 checkpoint's learning rate, say): at once on a compiled model, else when it compiles (until
@@ -67,6 +69,10 @@ def _group_values(optimizer: torch.optim.Optimizer, group: dict[str, Any],
             values[name] = float(group["betas"][0 if name == "beta1" else 1])
         elif key in group:
             values[name] = float(group[key])
+    if _family(optimizer) == "SGD" and not group.get("use_combined_accum", False):
+        # PopTorch's separate SGD variant scales its velocity by the loss scaling
+        # (test_optimizer_SGD_separate_velocity_scale_matched); velocity_scaling is ignored.
+        values["velocityScaling"] = loss_scaling
     return values
 
 

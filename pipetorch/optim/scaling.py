@@ -24,7 +24,7 @@ from pipetorch.optim.checks import check_number
 
 __all__ = ["enable_automatic_loss_scaling", "disable_automatic_loss_scaling",
            "is_automatic", "loss_scale", "scaling_state", "load_scaling_state",
-           "skipped_steps", "DEFAULT_INITIAL_SCALE", "DEFAULT_GROWTH_INTERVAL",
+           "skipped_steps", "last_step_scale", "DEFAULT_INITIAL_SCALE", "DEFAULT_GROWTH_INTERVAL",
            "MIN_SCALE", "MAX_SCALE"]
 
 #: Where the scale starts when the optimiser's `loss_scaling` is left at 1.0.
@@ -45,10 +45,19 @@ class DynamicScale:
     growth_interval: int = DEFAULT_GROWTH_INTERVAL
     clean_steps: int = 0
     skipped_steps: int = 0
+    used: float | None = None  # the scale the last step multiplied its loss by
 
 
 def _dynamic(optimizer: torch.optim.Optimizer) -> DynamicScale | None:
     return optimizer.__dict__.get(_ATTR)
+
+
+def _synced(optimizer: torch.optim.Optimizer) -> DynamicScale | None:
+    """The state, after bringing the device's to a user's optimiser of a compiled model."""
+    from pipetorch.optim import ipu_state  # it imports this module
+
+    ipu_state.sync(optimizer)
+    return _dynamic(optimizer)
 
 
 def _check_growth_interval(growth_interval: Any) -> int:
@@ -111,15 +120,25 @@ def is_automatic(optimizer: torch.optim.Optimizer) -> bool:
 
 def loss_scale(optimizer: torch.optim.Optimizer) -> float:
     """What the loss is multiplied by now: the dynamic scale, else `loss_scaling`, else 1.0."""
-    state = _dynamic(optimizer)
+    state = _synced(optimizer)
     if state is not None:
         return state.scale
     return float(getattr(optimizer, "loss_scaling", None) or 1.0)
 
 
+def last_step_scale(optimizer: torch.optim.Optimizer) -> float:
+    """The scale the last optimiser step's loss was multiplied by (PopTorch's anchor
+    finalLossScale: loss_scaling x the lossScaleUpdateFactor read before the call); before
+    any step, and with a static scale, what `loss_scale` says."""
+    state = _synced(optimizer)
+    if state is not None and state.used is not None:
+        return state.used
+    return loss_scale(optimizer)
+
+
 def skipped_steps(optimizer: torch.optim.Optimizer) -> int:
     """How many steps automatic loss scaling skipped because gradients overflowed."""
-    state = _dynamic(optimizer)
+    state = _synced(optimizer)
     return 0 if state is None else state.skipped_steps
 
 
@@ -154,6 +173,7 @@ def record_overflow(optimizer: torch.optim.Optimizer) -> None:
     """A skipped step: halve the scale, restart the clean run, count the skip."""
     state = _dynamic(optimizer)
     assert state is not None
+    state.used = state.scale
     state.scale = max(state.scale / 2.0, MIN_SCALE)
     state.clean_steps = 0
     state.skipped_steps += 1
@@ -163,6 +183,7 @@ def record_clean_step(optimizer: torch.optim.Optimizer) -> None:
     """An applied step: after `growth_interval` of them in a row the scale doubles."""
     state = _dynamic(optimizer)
     assert state is not None
+    state.used = state.scale
     state.clean_steps += 1
     if state.clean_steps >= state.growth_interval:
         state.scale = min(state.scale * 2.0, MAX_SCALE)

@@ -56,8 +56,10 @@ class SGD(PopTorchOptimizer, torch.optim.SGD):
             velocity_scaling=velocity_scaling, use_combined_accum=use_combined_accum,
             accum_type=accum_type, velocity_accum_type=velocity_accum_type)
         if not self.use_combined_accum and self.velocity_scaling != 1.0:
-            logger.warning("velocity_scaling=%s is ignored with use_combined_accum=False "
-                           "(as in PopTorch); pass use_combined_accum=True to use it",
+            # PopTorch's words, then the value (its own warning names none).
+            logger.warning("velocity_scaling value ignored when using the separate variant "
+                           "(use_combined_accum=False). In future, this will lead to an "
+                           "error. Please update your code. (velocity_scaling=%s)",
                            self.velocity_scaling)
 
     def _formats(self, group: dict[str, Any],

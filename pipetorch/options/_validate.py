@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 import numbers
 import os
+import re
+import tempfile
 from typing import Any, Iterable, TypeVar
 
 import torch
@@ -79,27 +81,65 @@ def path(setter: str, arg: str, value: Any, *, optional: bool = False) -> str | 
     return value
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def directory_problem(value: str) -> str | None:
     """Why `value` cannot hold files pipetorch writes (a cache, reports), or None if it can:
     a writable directory, or a path whose nearest existing ancestor is a writable directory
-    (it is created when first needed)."""
+    (it is created when first needed).
+
+    Permission bits are not trusted (root passes every os.access check, yet cannot create
+    anything under /proc or /sys): the directory is really created and written to, and what
+    this check created is removed again.
+    """
+    control = _CONTROL.search(value)
+    if control:
+        return (f"contains the control character {control.group()!r} at position "
+                f"{control.start()} (a stray newline or escape in a shell variable?)")
     target = os.path.abspath(value)
     if os.path.lexists(target):
         if not os.path.exists(target):
             return "is a broken symbolic link"
         if not os.path.isdir(target):
             return "is a file, not a directory"
-        if not os.access(target, os.W_OK | os.X_OK):
-            return "is a directory this process may not write to"
-        return None
+        return _write_problem(target, "is a directory this process cannot write to")
     parent = os.path.dirname(target)
     while not os.path.lexists(parent):
         parent = os.path.dirname(parent)  # "/" always exists: the loop ends
     if not os.path.isdir(parent):
         return f"cannot be created: {parent!r} is a file, not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"cannot be created: this process may not write to {parent!r}"
-    return None
+    created = _created_by_makedirs(target, parent)
+    try:
+        os.makedirs(target)
+    except OSError as error:
+        return f"cannot be created under {parent!r} ({error.strerror or error})"
+    try:
+        return _write_problem(target, f"cannot be written to once created under {parent!r}")
+    finally:
+        for directory in created:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break  # something else now uses it: leave it
+
+
+def _created_by_makedirs(target: str, parent: str) -> list[str]:
+    """The directories makedirs(target) creates below the existing `parent`, deepest first."""
+    created = []
+    while target != parent:
+        created.append(target)
+        target = os.path.dirname(target)
+    return created
+
+
+def _write_problem(directory: str, problem: str) -> str | None:
+    """`problem` (with the OS's reason) unless a file can be created in `directory`."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as error:
+        return f"{problem} ({error.strerror or error})"
 
 
 def output_directory(setter: str, arg: str, value: Any, *, holds: str) -> str | None:

@@ -7,7 +7,8 @@ PopTorch names tensors of its IR; pipetorch answers the names a script can rely 
     Gradient___<param>       the gradient the last optimiser step used (after accumulation
                              and replica reduction, times the loss scale, as PopTorch's)
     UpdatedVar___<param>     the parameter after the last step
-    finalLossScale           the loss scale of the last step
+    finalLossScale           the loss scale the call's last step used (loss_scaling x the
+                             lossScaleUpdateFactor read before the call, as in PopTorch)
 
 Gradients, updated weights and the loss scale exist once per call (after its last step), so
 their anchors take only OutputMode.Final (or the default mode).
@@ -22,7 +23,7 @@ import torch.nn as nn
 
 from pipetorch.enums import OutputMode
 from pipetorch.errors import ConfigError
-from pipetorch.optim.scaling import loss_scale
+from pipetorch.optim.scaling import last_step_scale
 from pipetorch.losses import find_loss
 from pipetorch.parallel.outputs import OutputCollector, resolve_mode
 from pipetorch.runtime.weights import held
@@ -142,7 +143,7 @@ class Anchors:
         params = held(engine_model, "_parameters")  # read without copying weights back
         for short, (long, _, _) in self._requested.items():
             if long == LOSS_SCALE:
-                self._values[short] = torch.tensor(loss_scale(optimizer) if optimizer else 1.0)
+                self._values[short] = torch.tensor(last_step_scale(optimizer) if optimizer else 1.0)
             elif long.startswith(GRADIENT):
                 grad = params[long[len(GRADIENT):]].grad
                 self._values[short] = None if grad is None else grad.detach().to("cpu", copy=True)

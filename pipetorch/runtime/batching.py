@@ -124,19 +124,40 @@ class Signature:
                     " now; pass it the same way on every call")
         missing = [n for n in old_pos + old_kw if n not in new_pos + new_kw]
         extra = [n for n in new_pos + new_kw if n not in old_pos + old_kw]
+        calls = (f"the first call passed {_call_shape(old_pos, old_kw)} and this one passes "
+                 f"{_call_shape(new_pos, new_kw)}")
         if missing or extra:
             told = [f"{', '.join(names)} {'is' if len(names) == 1 else 'are'} {what}"
                     for names, what in ((missing, "missing"), (extra, "new")) if names]
-            return (f"the first call passed {_call_shape(old_pos, old_kw)} and this one passes "
-                    f"{_call_shape(new_pos, new_kw)}: {' and '.join(told)}")
+            detail = f"{calls}: {' and '.join(told)}"
+            # PopTorch's own words first, as its tests match them.
+            if len(old_pos) != len(new_pos):
+                return (f"Number of positional arguments mismatch: expected {len(old_pos)} "
+                        f"arguments but got {len(new_pos)}; {detail}")
+            keys = [f"{what} arguments: {', '.join(sorted(names))}" for names, what in
+                    ((set(new_kw) - set(old_kw), "Unexpected"), (set(old_kw) - set(new_kw),
+                                                                 "Missing")) if names]
+            return (f"Keys mismatch for named arguments: {'. '.join(keys)}. "
+                    f"{detail[0].upper()}{detail[1:]}")
         for label, a, b in zip(old_pos + old_kw, _top_specs(self.spec), _top_specs(other.spec)):
             if a != b:
-                return (f"argument {label} changed its nesting from {_layout(a)} on the first "
-                        f"call to {_layout(b)}")
+                nesting = (f"argument {label} changed its nesting from {_layout(a)} on the first "
+                           f"call to {_layout(b)}")
+                if a.type is b.type and a.type in (tuple, list) and \
+                        a.num_children != b.num_children:
+                    return (f"Length mismatch for {label}: expected {a.num_children} elements "
+                            f"but got {b.num_children} ({nesting})")
+                return nesting
         return "the inputs' nesting changed"
 
     def mismatch(self, other: "Signature") -> str | None:
-        """A sentence naming the first difference from `other`, or None when they agree."""
+        """A sentence naming the first difference from `other`, or None when they agree.
+
+        It starts with PopTorch's words ("Shape mismatch for x: expected torch.Size([4]) but
+        got torch.Size([2])", "Keys mismatch for named arguments: Missing arguments: m.",
+        ...: its python/_args_parser.py's). The executor fills in forward's
+        defaults first, so an argument left out to its default None is a type mismatch.
+        """
         if self.spec != other.spec:
             return self._structure_change(other)
         names = input_names_for(self)
@@ -144,20 +165,32 @@ class Signature:
             label = name.label
             if old.shape is None and new.shape is None:
                 if not _same_constant(old.constant, new.constant):
-                    return (f"Value mismatch for {name.expr}: {label} changed value from "
-                            f"{old.constant!r} to {new.constant!r}")
+                    return (f"Value mismatch for {name.expr}: expected {old.constant} but got "
+                            f"{new.constant} ({label} changed value from {old.constant!r} to "
+                            f"{new.constant!r})")
             elif old.shape is None or new.shape is None:
                 was = "a tensor" if old.shape is not None else repr(old.constant)
                 now = "a tensor" if new.shape is not None else repr(new.constant)
-                return f"Type mismatch for {name.expr}: {label} changed from {was} to {now}"
+                how = (", passed as None or left out to forward's default"
+                       if new.shape is None and new.constant is None else "")
+                return (f"Type mismatch for {name.expr}: expected {_kind(old)} but got "
+                        f"{_kind(new)} ({label} changed from {was} to {now}{how})")
             elif old.shape != new.shape:
-                return (f"Shape mismatch for {name.expr}: {label} changed shape from "
-                        f"{list(old.shape)} to {list(new.shape)}")
+                return (f"Shape mismatch for {name.expr}: expected {torch.Size(old.shape)} but "
+                        f"got {torch.Size(new.shape)} ({label} changed shape from "
+                        f"{list(old.shape)} to {list(new.shape)})")
             elif old.dtype != new.dtype:
-                return (f"Data type mismatch for {name.expr}: {label} changed dtype from "
-                        f"{old.dtype} to {new.dtype}; convert it back with "
-                        f"{name.expr}{conversion(old.dtype)}")
+                return (f"Data type mismatch for {name.expr}: expected {old.dtype} but got "
+                        f"{new.dtype} ({label} changed dtype from {old.dtype} to {new.dtype}); "
+                        f"convert it back with {name.expr}{conversion(old.dtype)}")
         return None
+
+
+def _kind(leaf: LeafSpec) -> str:
+    """PopTorch's name for what an input was: "Tensor", "None", "int", ..."""
+    if leaf.shape is not None:
+        return "Tensor"
+    return "None" if leaf.constant is None else type(leaf.constant).__name__
 
 
 def _top_specs(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:

@@ -6,6 +6,7 @@ import datetime
 import inspect
 import logging
 import os
+import re
 import sys
 import time
 import weakref
@@ -17,13 +18,16 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch import extensions, log_level
-from pipetorch.errors import AlreadyWrappedError, ConfigError, DeviceError, InputMismatchError
-from pipetorch.optim import attributes, ipu_param, ipu_state
+from pipetorch.errors import (
+    AlreadyWrappedError, ConfigError, DeviceError, InputArgumentError, InputMismatchError,
+)
+from pipetorch.optim import attributes, ipu_param, ipu_state, scaling
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, weights, wrapping
 from pipetorch.runtime.anchors import Anchors
 from pipetorch.runtime.batching import (
-    Signature, cast_float_inputs, check_batch, forward_parameters, half_dtype, input_names,
+    Signature, cast_float_inputs, check_batch, forward_parameters, half_dtype,
+    input_names,
     plain_containers, split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
@@ -137,7 +141,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._attached:
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
-        args, kwargs = self._cast_inputs(args, kwargs)
+        args, kwargs = self._cast_inputs(*self._bound(args, kwargs))
         signature = Signature.of(args, kwargs, self._params)
         problem = self._signature.mismatch(signature) if self._signature else None
         if problem:
@@ -223,24 +227,40 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Prepare the model for these inputs without running it."""
-        args, kwargs = self._cast_inputs(args, kwargs)
+        args, kwargs = self._cast_inputs(*self._bound(args, kwargs))
         self._compile(args, kwargs, Signature.of(args, kwargs, self._params))
+
+    def _bound(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call as forward's full argument list, defaults filled in, as PopTorch's
+        arguments parser reads it: `(x, y)`, `(x, labels=y)` and `(x)` with `labels=y` as
+        default are one input signature. A call forward cannot take is refused here."""
+        forward = getattr(self._user_model.forward, "__func__", self._user_model.forward)
+        cached = self.__dict__.get("_forward_signature")
+        if cached is None or cached[0] is not forward:
+            try:
+                cached = (forward, inspect.signature(self._user_model.forward))
+            except (TypeError, ValueError):  # no Python signature: forward itself will say
+                cached = (forward, None)
+            self.__dict__["_forward_signature"] = cached
+        signature = cached[1]
+        if signature is None:
+            return args, kwargs
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            required = re.match(r"missing a required argument: '(\w+)'", str(error))
+            lead = f"Mandatory parameter {required.group(1)} missing: " if required else ""
+            raise InputArgumentError(
+                f"{lead}{type(self._user_model).__name__}.forward{signature} cannot take this "
+                f"call: {error}. Call the wrapped model with the arguments of the model's "
+                "forward") from None
+        bound.apply_defaults()
+        return bound.args, bound.kwargs
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> tuple:
         """Refuse, before anything runs, a first call forward cannot take or whose tensors
         cannot be cut into micro-batches; the inputs' names for later messages."""
-        try:
-            bound = inspect.signature(self._user_model.forward)
-        except (TypeError, ValueError):  # no Python signature: forward itself will say
-            bound = None
-        if bound is not None:
-            try:
-                bound.bind(*args, **kwargs)
-            except TypeError as error:
-                raise TypeError(
-                    f"{type(self._user_model).__name__}.forward{bound} cannot take this call: "
-                    f"{error}. Call the wrapped model with the arguments of the model's "
-                    "forward") from None
+        self._bound(args, kwargs)
         names = input_names(args, kwargs, self._params)
         o = self._options
         check_batch(args, kwargs, device_iterations=o.device_iterations,
@@ -285,6 +305,11 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         if self._options.profiling_dir:
             self._start_profiler(args, kwargs)
         self._sync = weights.attach(self._user_model)
+        if engine.optimizer is not None and self._user_optimizer is not None:
+            # From compile on, the user's optimiser reports the device's loss scale (ipu_state's
+            # lossScaleUpdateFactor), as PopTorch's does before the first call.
+            scaling.load_scaling_state(self._user_optimizer,
+                                       scaling.scaling_state(engine.optimizer))
         self._buffer_ids = buffer_ids(self._user_model)
         self._uploaded_generation = self._sync.generation
         extensions.run_post_compile_hooks()
@@ -301,6 +326,15 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             gradient_accumulation=o.Training.gradient_accumulation,
             replication_factor=o.replication_factor)[0], self._compiled.engine.input_device)
         directory = os.path.join(o.profiling_dir, "training" if self._training else "inference")
+        try:  # now, not at destroy(): a report that cannot be written must not be lost
+            os.makedirs(directory, exist_ok=True)
+        except OSError as error:
+            self.destroy()
+            raise ConfigError(
+                f"The profiling report directory {directory!r} cannot be created "
+                f"({error.strerror or error}); it comes from opts.enableProfiling() or "
+                "POPLAR_ENGINE_OPTIONS autoReport.directory. Name a directory this process "
+                "can write to, then wrap the model again") from error
         self._profiler = Profiler(directory, self._compiled, training=self._training, options=o,
                                   sample=sample)
         self._profile_writer = weakref.finalize(self, _write_report, self._profiler)

@@ -121,8 +121,9 @@ def _set_scaling_and_offload(optimizer: torch.optim.Optimizer, *, auto_loss_scal
             raise ConfigError(
                 "opts.Training.setAutomaticLossScaling(True) needs a poptorch.optim optimiser "
                 "(its step() skips overflowing steps and un-scales the gradients), but the model "
-                f"trains with {type(optimizer).__module__}.{type(optimizer).__name__}: use "
-                "poptorch.optim.SGD, Adam, AdamW, RMSprop or LAMB, or call "
+                f"trains with {type(optimizer).__module__}.{type(optimizer).__name__} "
+                "(PopTorch also accepts torch.optim's optimisers here; pipetorch does not): "
+                "use poptorch.optim.SGD, Adam, AdamW, RMSprop or LAMB, or call "
                 "setAutomaticLossScaling(False) and pass a static loss_scaling")
         # Keeps the scale the user's optimiser carries from an earlier wrapper, if any.
         scaling.enable_automatic_loss_scaling(optimizer)

@@ -172,8 +172,9 @@ def test_a_zero_sized_input_trains_like_plain_pytorch_and_comes_back_zero_sized(
 
 
 @pytest.mark.parametrize("change, phrase", [
-    (lambda x, y: (x[:B], y[:B]), r"Shape mismatch for x: argument 0 \(x\) changed shape from "
-                                  r"\[6, 6\] to \[3, 6\]"),
+    (lambda x, y: (x[:B], y[:B]), r"Shape mismatch for x: expected torch.Size\(\[6, 6\]\) but "
+                                  r"got torch.Size\(\[3, 6\]\) \(argument 0 \(x\) changed "
+                                  r"shape from \[6, 6\] to \[3, 6\]\)"),
     (lambda x, y: (x.double(), y), r"Data type mismatch for x: .*torch.float32 to torch.float64"),
     (lambda x, y: (x, y.int()), r"Data type mismatch for labels: .*labels.long\(\)"),
 ])

@@ -107,8 +107,9 @@ def test_a_keyword_forward_does_not_take():
     wrapper = two_stages()
     with no_worker_started(), pytest.raises(TypeError) as info:
         wrapper(torch.ones(4, 4), label=torch.zeros(4, dtype=torch.int64))
+    assert isinstance(info.value, poptorch.Error)  # PopTorch's "Mandatory parameter" Error
     assert str(info.value) == (
-        "TwoStageClassifier.forward(x: 'torch.Tensor', labels: 'torch.Tensor') cannot take this "
+        "Mandatory parameter labels missing: TwoStageClassifier.forward(x: 'torch.Tensor', labels: 'torch.Tensor') cannot take this "
         "call: missing a required argument: 'labels'. Call the wrapped model with the "
         "arguments of the model's forward")
 
@@ -121,22 +122,24 @@ def test_dim_0_not_a_multiple_names_the_argument():
 
 
 # Issue 23: an argument left out on the second call printed a `TreeSpec(...)` dump whose
-# advice (build a new wrapper) was wrong for a forgotten argument.
+# advice (build a new wrapper) was wrong for a forgotten argument. Issue 32: each message
+# starts with PopTorch's words (its inputs_test.py matches "expected X but got Y"), and
+# forward's defaults are filled in first, as PopTorch's arguments parser does.
 @pytest.mark.parametrize("call, problem", [
-    (lambda w, x, y: w(x), "the first call passed (x, labels) and this one passes (x): labels "
-                           "is missing"),
-    (lambda w, x, y: w(x, y, 3), "the first call passed (x, labels) and this one passes (x, "
-                                 "labels, args[2]): args[2] is new"),
-    (lambda w, x, y: w(x, labels=y), "labels was passed by position on the first call and by "
-                                     "keyword now; pass it the same way on every call"),
-    (lambda w, x, y: w(x.double(), y), "Data type mismatch for x: argument 0 (x) changed "
-                                       "dtype from torch.float32 to "
-                                       "torch.float64; convert it back with x.float()"),
-    (lambda w, x, y: w(x, y.int()), "Data type mismatch for labels: argument 1 (labels) "
-                                    "changed dtype from torch.int64 to "
-                                    "torch.int32; convert it back with labels.long()"),
-    (lambda w, x, y: w(x[:2], y[:2]), "Shape mismatch for x: argument 0 (x) changed shape "
-                                      "from [4, 6] to [2, 6]"),
+    (lambda w, x, y: w(x), "Type mismatch for labels: expected Tensor but got None (argument 1 "
+                           "(labels) changed from a tensor to None, passed as None or left out "
+                           "to forward's default)"),
+    (lambda w, x, y: w(x.double(), y), "Data type mismatch for x: expected torch.float32 but "
+                                       "got torch.float64 (argument 0 (x) changed dtype from "
+                                       "torch.float32 to torch.float64); convert it back with "
+                                       "x.float()"),
+    (lambda w, x, y: w(x, y.int()), "Data type mismatch for labels: expected torch.int64 but "
+                                    "got torch.int32 (argument 1 (labels) changed dtype from "
+                                    "torch.int64 to torch.int32); convert it back with "
+                                    "labels.long()"),
+    (lambda w, x, y: w(x[:2], y[:2]), "Shape mismatch for x: expected torch.Size([4, 6]) but "
+                                      "got torch.Size([2, 6]) (argument 0 (x) changed shape "
+                                      "from [4, 6] to [2, 6])"),
     (lambda w, x, y: w((x,), y), "argument x changed its nesting from a tensor or value on "
                                  "the first call to a tuple of 1"),
 ])
@@ -150,14 +153,31 @@ def test_a_later_call_unlike_the_first_names_the_difference(call, problem):
     wrapper(x, y)  # the refused call changed nothing
 
 
+def test_a_later_call_forward_cannot_take_is_refused_by_forward_signature():
+    wrapper = poptorch.trainingModel(TinyMLP(), quiet())
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    wrapper(x, y)
+    with pytest.raises(TypeError, match=r"TinyMLP.forward\(.*\) cannot take this call: too many "
+                                        r"positional arguments"):
+        wrapper(x, y, 3)
+
+
+def test_an_argument_by_position_or_by_keyword_is_one_signature():
+    # PopTorch's test_optional_inputs calls one wrapper with (t1, t2) and (t4=.., t1=.., t2=..).
+    wrapper = poptorch.inferenceModel(TinyMLP(), quiet())
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    first = wrapper(x, y)
+    torch.testing.assert_close(wrapper(x, labels=y), first)
+    torch.testing.assert_close(wrapper(labels=y, x=x), first)
+
+
 @pytest.mark.slow
 def test_a_later_call_unlike_the_first_reaches_no_worker():
     wrapper = two_stages()
     x, y = torch.ones(4, 4), torch.zeros(4, dtype=torch.int64)
     first = wrapper(x, y)
     before = descendants()
-    with pytest.raises(ValueError, match="the first call passed \\(x, labels\\) and this one "
-                                         "passes \\(x\\): labels is missing"):
+    with pytest.raises(TypeError, match="Mandatory parameter labels missing"):
         wrapper(x)
     assert descendants() == before  # the workers are those of the first call, unharmed
     torch.testing.assert_close(wrapper(x, y), first)

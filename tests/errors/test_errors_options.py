@@ -49,12 +49,19 @@ def test_a_directory_under_a_file_cannot_be_created(a_file, setter):
 
 
 def test_an_unwritable_parent_is_named(tmp_path, monkeypatch):
-    # (running as root, permissions cannot be taken away: the access check is stubbed)
+    # (running as root, permissions cannot be taken away: creating the directory is stubbed
+    # to fail as it would for another user; tests/compat/test_paths_compat.py uses /proc)
     locked = str(tmp_path)
-    real = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: p != locked and real(p, mode))
-    with pytest.raises(ValueError, match=f"cannot be created: this process may not write to "
-                                         f"{locked!r}"):
+    real = os.makedirs
+
+    def makedirs(path, *args, **kwargs):
+        if os.path.dirname(path) == locked:
+            raise PermissionError(13, "Permission denied", path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    with pytest.raises(ValueError, match=f"cannot be created under {locked!r} "
+                                         r"\(Permission denied\)"):
         poptorch.Options().enableProfiling(os.path.join(locked, "reports"))
 
 

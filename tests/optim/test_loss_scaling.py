@@ -53,7 +53,8 @@ def test_an_overflow_skips_the_step_and_halves_the_scale():
         assert param.grad is None  # dropped: a later accumulation starts clean
     assert_close(optimizer.state_dict()["state"], state, rtol=0, atol=0)
     assert scaling.scaling_state(optimizer) == {"scale": 128.0, "growth_interval": 3,
-                                                "clean_steps": 0, "skipped_steps": 1}
+                                                "clean_steps": 0, "skipped_steps": 1,
+                                                "used": 256.0}  # the skipped step's scale
 
 
 def test_a_clean_step_equals_torch_on_the_unscaled_gradients():
@@ -91,7 +92,8 @@ def test_the_scale_doubles_after_a_clean_run_within_bounds():
     model.weight.grad = torch.full_like(model.weight, float("nan"))
     optimizer.step()
     assert scaling.scaling_state(optimizer) == {"scale": 1.0, "growth_interval": 5,
-                                                "clean_steps": 0, "skipped_steps": 1}
+                                                "clean_steps": 0, "skipped_steps": 1,
+                                                "used": 1.0}
 
 
 def test_another_stages_overflow_skips_a_clean_optimiser_too():
@@ -140,7 +142,8 @@ def test_enabling_keeps_the_current_state_and_checks_its_arguments():
     assert scaling.scaling_state(optimizer)["scale"] == 4
     scaling.enable_automatic_loss_scaling(optimizer, initial_scale=1024, growth_interval=10)
     assert scaling.scaling_state(optimizer) == {"scale": 1024.0, "growth_interval": 10,
-                                                "clean_steps": 0, "skipped_steps": 1}
+                                                "clean_steps": 0, "skipped_steps": 1,
+                                                "used": 8.0}  # the step before, at scale 8
     with pytest.raises(ValueError, match=r"growth_interval must be >= 1, got 0"):
         scaling.enable_automatic_loss_scaling(optimizer, growth_interval=0)
     with pytest.raises(ValueError, match=r"initial_scale must be <= 2\*\*24"):

@@ -161,7 +161,8 @@ def test_automatic_loss_scaling_skips_an_overflowing_step_and_converges():
     assert scaling.scaling_state(ref_opt) == scaling.scaling_state(device_opt)
     wrapped.copyWeightsToHost()  # the user's optimiser follows the device's, like its state
     assert scaling.scaling_state(optimizer) == {"scale": 512.0, "growth_interval": 2000,
-                                                "clean_steps": 0, "skipped_steps": 1}
+                                                "clean_steps": 0, "skipped_steps": 1,
+                                                "used": 1024.0}  # the skipped step's scale
     for call in range(1, 40):
         x, y = learnable(G * B, seed=call % 8)
         _, last = wrapped(x.half(), y)
@@ -179,7 +180,8 @@ def test_the_scale_is_read_at_every_step_of_a_call():
     plain_steps(reference, ref_opt, overflowing(x, 1).half(), y, D=3)
     device_opt = wrapped._compiled.engine.optimizer
     assert scaling.scaling_state(device_opt) == {"scale": 512.0, "growth_interval": 2000,
-                                                 "clean_steps": 1, "skipped_steps": 1}
+                                                 "clean_steps": 1, "skipped_steps": 1,
+                                                 "used": 512.0}  # the call's last step
     assert_same_weights(model, reference)
     wrapped.destroy()
 
