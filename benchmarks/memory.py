@@ -6,7 +6,7 @@
     python benchmarks/memory.py --quick               # 4 layers of width 256 (a smoke run)
 
 Each setting runs in a fresh interpreter that samples, every 0.1 s, the resident memory
-(RSS) of itself and of every process below it (the stage workers and the worker pool's
+(RSS, and Pss: shared pages counted once over the tree) of itself and of every process below it (the stage workers and the worker pool's
 zygote), and keeps the peaks of each phase: wrap, compile, each training call, the copy to
 the host (a touch of a weight), optimizer.state_dict(), destroy. The model is GPT-2's shape
 (vocabulary 50257, sequence 64, micro-batch 1, AdamW, gradient accumulation 4), split with
@@ -63,7 +63,7 @@ def _cuda_peaks() -> dict[str, int]:
 def child(setting: str, layers: int, width: int, dtype: str) -> None:
     """One setting in this fresh interpreter; prints its peaks as JSON."""
     sys.path.insert(0, os.path.dirname(HERE))
-    from pipetorch.profiling.resident import TreeSampler
+    from pipetorch.parallel.resident import TreeSampler
 
     with TreeSampler(interval=0.1) as sampler:
         import torch
@@ -116,7 +116,8 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
             wrapper.destroy()
         sampler.phase("end")
     peaks = sampler.peaks
-    print(json.dumps({"params": params, "tree": peaks.tree, "root": peaks.root,
+    print(json.dumps({"params": params, "tree": peaks.tree, "tree_pss": peaks.tree_pss,
+                      "root": peaks.root,
                       "processes": {k: list(v.values()) for k, v in peaks.processes.items()},
                       **extra}))
 
@@ -155,24 +156,28 @@ def report(args: argparse.Namespace) -> None:
     plain = statistics.median(max(r["tree"].values()) for r in rows["plain"])
     pipe = rows["pipetorch"]
     tree = statistics.median(max(r["tree"].values()) for r in pipe)
+    plain_pss = statistics.median(max(r["tree_pss"].values()) for r in rows["plain"])
+    tree_pss = statistics.median(max(r["tree_pss"].values()) for r in pipe)
     host = statistics.median(max(r["root"].values()) for r in pipe)
     host_before = statistics.median(r["root"]["wrap"] for r in pipe)
     workers = [statistics.median(w) for w in zip(*(_workers(r) for r in pipe))]
     params = rows["plain"][0]["params"]
     print(f"\n{shape} ({params / 1e6:.0f}M params), AdamW, GA {ACCUMULATION}, "
           f"{CALLS} calls; medians of {args.repeats}")
-    print(f"| plain PyTorch | pipetorch whole tree | ratio | host (before wrap) | "
-          f"each worker (x plain) |")
-    print("|---|---|---|---|---|")
+    print("| plain PyTorch | pipetorch whole tree | ratio | same in Pss (ratio) | "
+          "host (before wrap) | each worker (x plain) |")
+    print("|---|---|---|---|---|---|")
     print(f"| {plain / GB:.2f} GB | {tree / GB:.2f} GB | {tree / plain:.2f}x | "
+          f"{plain_pss / GB:.2f} / {tree_pss / GB:.2f} GB ({tree_pss / plain_pss:.2f}x) | "
           f"{host / GB:.2f} GB ({host_before / GB:.2f}) | "
           + " / ".join(f"{w / GB:.2f} GB ({w / plain:.2f}x)" for w in workers) + " |")
-    print("\nPhase by phase (pipetorch, first repeat): whole tree / host / largest worker, GB")
+    print("\nPhase by phase (pipetorch, first repeat), GB: whole tree RSS / Pss, host, "
+          "largest worker")
     first = pipe[0]
     for phase, size in first["tree"].items():
         worker = max(first["processes"].get(phase, [0]) or [0])
-        print(f"  {phase:24s} {size / GB:6.2f} {first['root'][phase] / GB:6.2f} "
-              f"{worker / GB:6.2f}")
+        print(f"  {phase:24s} {size / GB:6.2f} {first['tree_pss'][phase] / GB:6.2f} "
+              f"{first['root'][phase] / GB:6.2f} {worker / GB:6.2f}")
     if rows["plain"][0].get("cuda"):
         print("\nmax_memory_allocated: plain", rows["plain"][0]["cuda"], "pipetorch per stage",
               pipe[0]["cuda"])

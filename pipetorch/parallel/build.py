@@ -7,7 +7,7 @@ import logging
 import torch
 import torch.nn as nn
 
-from pipetorch.parallel import pool
+from pipetorch.parallel import mapped, pool
 from pipetorch.parallel.engine import ProcessEngine
 from pipetorch.parallel.placement import place
 from pipetorch.parallel.routes import routes_of, value_specs
@@ -30,7 +30,8 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
                    capture: CaptureOnce | None = None,
                    compile_backend: str | None = None,
                    loss_index: int | None = None,
-                   pipeline_schedule: str = "1f1b") -> ProcessEngine:
+                   pipeline_schedule: str = "1f1b",
+                   writer: mapped.Writer | None = None) -> ProcessEngine:
     """Split `model` (the host copy, on the CPU) into `stages` and start one worker per logical
     device and replica, running the stages on that device. `process` is (this process's id,
     the number of host processes);
@@ -42,7 +43,8 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     `compile_backend` runs every stage through torch.compile with that backend;
     `loss_index` is the loss's position among forward's tensor outputs (training);
     `pipeline_schedule` is Training.pipelineSchedule ("1f1b", "zero_bubble", "interleaved",
-    "interleaved_zero_bubble" or "auto").
+    "interleaved_zero_bubble" or "auto");
+    `writer` takes copies to the host of a mapped model's weights (runtime.weight_files).
     """
     pool.prestart()  # the workers' zygote imports torch while this process splits the model
     args, kwargs = first
@@ -64,7 +66,7 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     return ProcessEngine(model, staged, routes, specs, batching=batching, optimizer=optimizer,
                          schedule=_schedule(pipelined, pipeline_schedule),
                          placements=place(stages, replicas=batching.replication_factor),
-                         process=process, seed=seed)
+                         process=process, seed=seed, writer=writer)
 
 
 def _schedule(pipelined: bool, pipeline_schedule: str) -> str:

@@ -39,7 +39,7 @@ import torch.nn as nn
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import arena, pool, shm, snapshot, wire
+from pipetorch.parallel import arena, mapped, pool, shm, snapshot, wire
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
@@ -89,8 +89,9 @@ class ProcessEngine:
                  specs: dict[Source, TensorSpec | Constant], *, batching: Batching,
                  optimizer: torch.optim.Optimizer | None, schedule: str,
                  placements: Sequence[places.Placement], process: tuple[int, int] = (0, 1),
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, writer: mapped.Writer | None = None) -> None:
         self.model, self.optimizer, self.batching = model, optimizer, batching
+        self.writer = writer  # where copies to the host of a mapped model's weights go
         self.process_id, self.num_processes = process
         self.replicas = batching.replication_factor  # this process's replicas
         self._commits = 0  # calls (and pushes) that changed the weights, since the launch
@@ -100,7 +101,8 @@ class ProcessEngine:
         self.staged, self.routes = staged, list(routes)
         self.input_device = torch.device("cpu")
         self.last_trace: list[Trace] = []
-        self.peak_memory: dict[int, int] = {}  # stage -> the CUDA allocator's peak (GPU only)
+        # stage -> its worker's peak: the CUDA allocator's on a GPU, resident memory on a CPU
+        self.peak_memory: dict[int, int] = {}
         self.timeout = environment.get("timeout")
         self.specs, self.placements = specs, list(placements)
         self.devices = len(self.placements) // self.replicas  # workers per replica
@@ -346,10 +348,11 @@ class ProcessEngine:
             for peer in peers:
                 self._send(peer, ("pull", optimizer_state))
             counts = self._gather("copyWeightsToHost", peers)
-            loader = snapshot.Loader(self.staged.modules, self.optimizer)
+            loader = snapshot.Loader(self.staged.modules, self.optimizer, writer=self.writer)
             for peer, count in zip(peers, counts):
                 for _ in range(count):
                     loader.put(self._receive(peer, "copyWeightsToHost"))
+            loader.finish()
         except DeviceError as exc:
             logger.warning("Could not copy the weights from the stage workers (%s): the host "
                            "copy keeps the weights of the last completed call",

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.optim import offload, scaling
+from pipetorch.parallel import mapped
 
 __all__: list[str] = []
 
@@ -63,10 +64,16 @@ class Loader:
     """Puts items into the host's stage modules and optimiser, in place where it can."""
 
     def __init__(self, modules: Sequence[nn.Module],
-                 optimizer: torch.optim.Optimizer | None) -> None:
-        self.modules, self.optimizer = modules, optimizer
+                 optimizer: torch.optim.Optimizer | None, *,
+                 writer: mapped.Writer | None = None) -> None:
+        self.modules, self.optimizer, self.writer = modules, optimizer, writer
         self._tensors: dict[int, dict[str, torch.Tensor]] = {}
         self._params: dict[int, dict[str, nn.Parameter]] = {}
+
+    def finish(self) -> None:
+        """After the last item: the weights' file (if any) in place, mapped by the host."""
+        if self.writer is not None:
+            self.writer.finish()
 
     @torch.no_grad()
     def put(self, item: Item) -> None:
@@ -75,7 +82,11 @@ class Loader:
         if kind == "weight":
             if stage not in self._tensors:
                 self._tensors[stage] = dict([*module.named_parameters(), *module.named_buffers()])
-            self._tensors[stage][name].copy_(value)
+            target = self._tensors[stage][name]
+            if self.writer is not None and self.writer.takes(target):
+                self.writer.write(target, value)  # to the weights' file, not into memory
+            else:
+                target.copy_(value)
             return
         assert self.optimizer is not None
         if kind == "attributes":

@@ -69,7 +69,7 @@ class Trace:
     stage: int
     spans: list[Span] = field(default_factory=list)
     replica: int = 0
-    peak_memory: int | None = None  # the CUDA allocator's peak during the call (GPU only)
+    peak_memory: int | None = None  # the device's peak during the call: CUDA allocator / RSS
     transport: str = "gloo"  # how bundles crossed to the neighbours: "shm", "gloo" or "nccl"
 
 

@@ -12,6 +12,9 @@ pickled buffer costs each side a second copy of the whole message.
     [storage 0, chunk 0]       ------------> read into storage 0
     [storage 0, chunk 1] ...   ------------> ...
 
+A storage mapped from a file (parallel.mapped) goes as its file region instead: the receiver
+reads those bytes from the file, and the sender never touches them.
+
 Every read is bounded: `timeout` seconds without a byte arriving raises TimeoutError, and a
 sender that dies mid-message closes the pipe (EOFError).
 """
@@ -26,6 +29,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import torch
+
+from pipetorch.parallel import mapped
 
 __all__: list[str] = []
 
@@ -55,6 +60,9 @@ class _Pickler(pickle.Pickler):
             return None
         if untyped.device.type == "meta":
             return None
+        region = mapped.region_of(untyped)
+        if region is not None:  # a file's bytes: the receiver reads them from the file
+            return ("mapped", region, dtype)
         key = untyped._cdata
         if key not in self._seen:
             self._seen[key] = len(self.storages)
@@ -68,10 +76,16 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, sizes: list[int]) -> None:
         super().__init__(file)
         self.storages = [torch.UntypedStorage(size) for size in sizes]
+        self._read: dict[mapped.Region, torch.UntypedStorage] = {}
 
     def persistent_load(self, pid: Any) -> Any:
-        _, index, dtype = pid
-        untyped = self.storages[index]
+        kind, index, dtype = pid
+        if kind == "mapped":
+            if index not in self._read:
+                self._read[index] = mapped.read(index)
+            untyped = self._read[index]
+        else:
+            untyped = self.storages[index]
         if dtype is None:
             return untyped
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)

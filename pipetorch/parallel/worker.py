@@ -33,6 +33,7 @@ from pipetorch.parallel.routes import Constant, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, StageExecutor
 from pipetorch.parallel.tied import Tie, TiedGrads, new_groups
 from pipetorch.parallel.shm import new_link
+from pipetorch.parallel import resident
 from pipetorch.parallel.transport import backend_for, link_kind
 from pipetorch.partition.split import Source
 from pipetorch.parallel import devices as device_kinds
@@ -165,15 +166,20 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copy ends the H2D span
             torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            resident.reset_peak_rss()
         # host to device: the inputs' bytes from their arrival on the pipe to the device
         loaded = Span("H2D", None, arrival.start, time.monotonic_ns(),
                       sum(x.nbytes for x in call.inputs.values()))
         self.executor.run(self._plans[key], call, training=training)
         traces = self.executor.traces
         traces[0].spans.insert(0, loaded)
-        if self.device.type == "cuda":
-            for trace in traces:  # the device's peak, shown on each of its stages
-                trace.peak_memory = int(torch.cuda.max_memory_allocated(self.device))
+        # the device's peak, shown on each of its stages: the CUDA allocator's on a GPU, the
+        # worker process's resident peak (all it holds: weights, state, activations) on a CPU
+        peak = (int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda"
+                else resident.peak_rss())
+        for trace in traces:
+            trace.peak_memory = peak
         if training:
             self._snapshot(commit)
         outputs, self._growth = arena.pack_tree(self._outputs, self.executor.outputs)

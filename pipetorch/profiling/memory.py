@@ -362,7 +362,8 @@ def build(compiled: Any, *, training: bool, options: Any,
                 None if footprint is None else footprint.total.bytes) if training else 0,
             "peak_stashed_micro_batches": stashed,
             "recomputation": recomputation,
-            # this process's GPU, else the stage workers' (the worst replica's) GPU peak
+            # this process's GPU, else the stage worker's (the worst replica's) peak: its
+            # GPU's allocator, or on a CPU the worker process's resident memory
             "measured_peak": peak if peak is not None else
             getattr(engine, "peak_memory", {}).get(lane.stage),
         }

@@ -16,7 +16,7 @@ from pipetorch.profiling import estimate
 from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.partition import casting
-from pipetorch.runtime import weights
+from pipetorch.runtime import weight_files, weights
 from pipetorch.runtime.batching import split_micro_batches, to_device
 from pipetorch.partition.blocks import begin_blocks
 from pipetorch.partition.probe import Capture, probe, probe_by_export
@@ -132,6 +132,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
 
             engine = process_engine(
                 model, first, stages, batching=batching, optimizer=device_opt,
+                writer=weight_files.output_of(user_model) if model is user_model else None,
                 pipelined=strategy.pipelined, training=training, recomputation=recompute,
                 process=config.process, seed=config.seed, capture=graph,
                 compile_backend=backend, loss_index=capture.loss_index,

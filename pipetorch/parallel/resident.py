@@ -27,6 +27,20 @@ def rss(pid: int) -> int | None:
     return _status_bytes(pid, "VmRSS")
 
 
+def pss(pid: int) -> int | None:
+    """The process's proportional share of resident memory (Pss: a page shared by n
+    processes counts 1/n in each), None when unreadable; a tree's sum of these is what it
+    occupies, where a sum of RSS counts shared pages (libraries, shared memory) repeatedly."""
+    try:
+        with open(f"{_PROC}/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def peak_rss(pid: int | None = None) -> int | None:
     """The process's resident high-water mark (VmHWM) in bytes, None off Linux."""
     return _status_bytes(os.getpid() if pid is None else pid, "VmHWM")
@@ -70,9 +84,11 @@ def descendants(pid: int) -> list[int]:
 
 @dataclass
 class TreePeaks:
-    """Peak resident bytes seen, per phase: the whole tree, the root, each descendant."""
+    """Peak resident bytes seen, per phase: the whole tree (sum of RSS, and of Pss), the root,
+    each descendant."""
 
     tree: dict[str, int] = field(default_factory=dict)
+    tree_pss: dict[str, int] = field(default_factory=dict)  # the tree's sum of Pss
     root: dict[str, int] = field(default_factory=dict)
     processes: dict[str, dict[int, int]] = field(default_factory=dict)
 
@@ -109,9 +125,11 @@ class TreeSampler:
     def sample(self) -> None:
         sizes = {p: rss(p) for p in [self.pid, *descendants(self.pid)]}
         live = {p: s for p, s in sizes.items() if s is not None}
+        shares = sum(pss(p) or 0 for p in live)
         with self._lock:
             phase, peaks = self._phase, self.peaks
             peaks.tree[phase] = max(peaks.tree.get(phase, 0), sum(live.values()))
+            peaks.tree_pss[phase] = max(peaks.tree_pss.get(phase, 0), shares)
             peaks.root[phase] = max(peaks.root.get(phase, 0), live.get(self.pid, 0))
             own = peaks.processes.setdefault(phase, {})
             for p, s in live.items():

@@ -1,0 +1,224 @@
+"""Tensors mapped from safetensors files: a model's weights read lazily, written back stage by
+stage.
+
+A mapped tensor's bytes stay in the file until something reads them, so a model whose
+weights are mapped costs the host nothing until then. Each tensor gets a mapping of its own
+(from the page holding its first byte), registered as a `Region`: sending the tensor to a
+stage worker (parallel.stream) sends the region, and the worker reads those bytes from the
+file straight into its own memory. The host never reads them.
+
+    file:  [8-byte size][JSON header][ tensor a | tensor b | tensor c ... ]
+    host:               mapping of a ^   mapping of b ^ ...   (private: writes stay in memory)
+    worker of stage 1:  reads b's region into its own memory
+
+`Writer` writes a copy of the workers' weights to a new file (the source's layout, tensor by
+tensor, as they arrive) and then maps the host's tensors to it, so the host's copy of a model
+larger than its memory is that file.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__: list[str] = []
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class Region:
+    """Bytes of a file that a tensor's storage maps: [offset, offset + length)."""
+
+    path: str
+    offset: int
+    length: int
+    key: str  # the tensor's name in the file
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors file: where its bytes are, its dtype and shape."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offsets in the file
+    end: int
+
+
+_regions: dict[int, Region] = {}  # storage data pointer -> region, while the mapping lives
+
+
+class SafetensorsFile:
+    """A safetensors file's header, and its tensors mapped one by one."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        try:
+            with open(self.path, "rb") as file:
+                size, = struct.unpack("<Q", file.read(8))
+                header = json.loads(file.read(size))
+        except (OSError, ValueError, struct.error) as exc:
+            raise ValueError(f"{path} is not a readable safetensors file ({exc}); write one "
+                             "with safetensors.torch.save_file(model.state_dict(), path)") from exc
+        self.header_bytes = 8 + size
+        header.pop("__metadata__", None)
+        self.entries: dict[str, Entry] = {}
+        for key, info in header.items():
+            if info["dtype"] not in _DTYPES:
+                raise ValueError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which "
+                                 f"pipetorch cannot map (it maps {sorted(_DTYPES)})")
+            begin, end = info["data_offsets"]
+            self.entries[key] = Entry(_DTYPES[info["dtype"]], tuple(info["shape"]),
+                                      self.header_bytes + begin, self.header_bytes + end)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """`key`'s tensor, mapped privately (a write copies the page in memory; the file never
+        changes)."""
+        entry = self.entries[key]
+        count = (entry.end - entry.start) // max(1, torch.empty((), dtype=entry.dtype).element_size())
+        if entry.end == entry.start:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        offset = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            memory = mmap.mmap(fd, entry.end - offset, flags=mmap.MAP_PRIVATE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        finally:
+            os.close(fd)
+        flat = torch.frombuffer(memory, dtype=torch.uint8)
+        skip = entry.start - offset
+        if skip % torch.empty((), dtype=entry.dtype).element_size():
+            # an unaligned tensor (not written by safetensors): read into memory instead
+            return flat[skip:].clone().view(entry.dtype).view(entry.shape)
+        tensor = flat[skip:].view(entry.dtype)[:count].view(entry.shape)
+        pointer = flat.untyped_storage().data_ptr()
+        _regions[pointer] = Region(self.path, offset, entry.end - offset, key)
+        weakref.finalize(memory, _regions.pop, pointer, None)
+        return tensor
+
+
+def region_of(storage: torch.UntypedStorage) -> Region | None:
+    """The file region `storage` maps, None for any other storage."""
+    found = _regions.get(storage.data_ptr())
+    return found if found is not None and found.length == storage.nbytes() else None
+
+
+def read(region: Region) -> torch.UntypedStorage:
+    """A new storage in this process's memory holding `region`'s bytes (read, not mapped)."""
+    storage = torch.UntypedStorage(region.length)
+    view = memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+    fd = os.open(region.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < region.length:
+            got = os.preadv(fd, [view[done:]], region.offset + done)
+            if got == 0:
+                raise OSError(f"{region.path} ended before byte {region.offset + region.length} "
+                              f"(tensor {region.key!r}): was the file changed while in use?")
+            done += got
+    finally:
+        os.close(fd)
+    return storage
+
+
+class Writer:
+    """The workers' weights written to `output` as they arrive, then mapped by the host's
+    tensors in place of their old mappings (`finish`)."""
+
+    def __init__(self, output: str) -> None:
+        self.output = os.path.abspath(output)
+        self._partial = f"{self.output}.partial"
+        self._file: int | None = None
+        self._source: SafetensorsFile | None = None
+        self._written: dict[str, list[torch.Tensor]] = {}
+
+    def takes(self, target: torch.Tensor) -> bool:
+        """Whether `target` is a mapped tensor (its new value goes to the file)."""
+        return region_of(target.untyped_storage()) is not None
+
+    def write(self, target: torch.Tensor, value: torch.Tensor) -> None:
+        region = region_of(target.untyped_storage())
+        assert region is not None
+        if self._source is None:
+            self._begin(SafetensorsFile(region.path))
+        assert self._source is not None and self._file is not None
+        entry = self._source.entries[region.key]
+        data = value.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
+        if len(data) != entry.end - entry.start:
+            raise ValueError(f"{region.key}: {len(data)} bytes arrived for a tensor of "
+                             f"{entry.end - entry.start}")
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._file, memoryview(data)[done:], entry.start + done)
+        self._written.setdefault(region.key, []).append(target)
+
+    def _begin(self, source: SafetensorsFile) -> None:
+        """The new file: the source's header and layout; unwritten tensors keep its bytes."""
+        self._source = source
+        self._file = os.open(self._partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        with open(source.path, "rb") as original:
+            head = original.read(source.header_bytes)
+        os.pwrite(self._file, head, 0)
+        os.ftruncate(self._file, os.path.getsize(source.path))
+
+    def finish(self) -> None:
+        """Complete the file, put it in place, and map every written tensor to it."""
+        if self._source is None or self._file is None:
+            return
+        source, self._source = self._source, None
+        try:
+            with open(source.path, "rb") as original:
+                for key, entry in source.entries.items():
+                    if key not in self._written:  # not a weight of any stage: as it was
+                        original.seek(entry.start)
+                        os.pwrite(self._file, original.read(entry.end - entry.start), entry.start)
+        finally:
+            os.close(self._file)
+            self._file = None
+        os.replace(self._partial, self.output)
+        mapped = SafetensorsFile(self.output)
+        with torch.no_grad():
+            for key, targets in self._written.items():
+                for target in targets:
+                    target.data = mapped.tensor(key)
+        self._written.clear()
+
+
+def materialize(model: torch.nn.Module, path: str) -> list[str]:
+    """Give `model` (built on the meta device, or with any weights) the tensors of the
+    safetensors file `path`, mapped, under their names in the model's state_dict; the
+    Parameter objects stay the same (an optimiser built before keeps them). A tensor tied
+    under several names needs one of them in the file. Returns the names of the tensors the
+    file did not hold (buffers the model computes itself are fine)."""
+    source = SafetensorsFile(path)
+    names: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), (tensor, []))[1].append(name)
+    missing = []
+    for tensor, aliases in names.values():
+        name = next((n for n in aliases if n in source.entries), None)
+        if name is None:
+            missing.append(aliases[0])
+            continue
+        entry = source.entries[name]
+        if entry.shape != tuple(tensor.shape):
+            raise ValueError(f"{path}: {name!r} has shape {list(entry.shape)} in the file but "
+                             f"{list(tensor.shape)} in the model: build the model with the "
+                             "configuration the file was saved from")
+        mapped = source.tensor(name)
+        if mapped.dtype != tensor.dtype:  # a cast reads the bytes into memory
+            mapped = mapped.to(tensor.dtype)
+        value: Any = (torch.nn.Parameter(mapped, requires_grad=tensor.requires_grad)
+                      if isinstance(tensor, torch.nn.Parameter) else mapped)
+        torch.utils.swap_tensors(tensor, value)
+    return missing

@@ -1,0 +1,84 @@
+"""Messages with tensors over a pipe, storage by storage (parallel/stream.py)."""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipetorch.parallel import mapped, stream
+
+
+def pipe() -> tuple[Connection, Connection]:
+    a, b = socket.socketpair()
+    return Connection(a.detach()), Connection(b.detach())
+
+
+def round_trip(message):
+    sender, receiver = pipe()
+    thread = threading.Thread(target=stream.send, args=(sender, message))
+    thread.start()
+    got, nbytes = stream.receive(receiver, timeout=10)
+    thread.join()
+    return got, nbytes
+
+
+def test_tensors_views_parameters_and_modules_arrive_equal_and_share_as_they_did():
+    base = torch.randn(10, 10)
+    linear = torch.nn.Linear(300, 200)
+    message = {"base": base, "view": base[2:5], "linear": linear, "half": torch.randn(7).half(),
+               "empty": torch.empty(0), "meta": torch.empty(3, device="meta"),
+               "param": torch.nn.Parameter(torch.ones(2)), "big": torch.randn(5_000_000)}
+    got, nbytes = round_trip(message)
+    for key in ("base", "view", "half", "empty", "big"):
+        assert torch.equal(got[key], message[key]), key
+    assert torch.equal(got["linear"].weight, linear.weight)
+    # the view and its base still share one storage: tied weights stay tied
+    assert got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+    assert got["meta"].device.type == "meta" and got["meta"].shape == (3,)
+    assert isinstance(got["param"], torch.nn.Parameter) and got["param"].requires_grad
+    # each storage travels once (the view's bytes are the base's)
+    payload = sum(t.untyped_storage().nbytes() for t in (base, linear.weight, linear.bias,
+                                                        message["half"], message["param"],
+                                                        message["big"]))
+    assert payload <= nbytes < payload + 10_000
+
+
+def test_a_storage_larger_than_a_chunk_is_read_in_chunks_into_place():
+    big = torch.arange(stream.CHUNK // 4 * 2 + 3, dtype=torch.int32)  # 2 chunks and a bit
+    got, _ = round_trip([big])
+    assert torch.equal(got[0], big)
+
+
+def test_silence_raises_timeout_and_a_sender_gone_mid_message_raises_eof():
+    sender, receiver = pipe()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        stream.receive(receiver, timeout=0.5)
+    assert time.monotonic() - start < 5
+    # a skeleton announcing a storage whose bytes never come, then the sender closes
+    import pickle
+    sender.send_bytes(pickle.dumps(([1000], pickle.dumps("x"))))
+    sender.close()
+    with pytest.raises(EOFError):
+        stream.receive(receiver, timeout=5)
+
+
+def test_a_mapped_tensor_travels_as_its_file_region(tmp_path):
+    path = str(tmp_path / "w.safetensors")
+    weights = {"a": torch.randn(1000, 100), "b": torch.randn(3)}
+    save_file(weights, path)
+    source = mapped.SafetensorsFile(path)
+    a = source.tensor("a")
+    assert mapped.region_of(a.untyped_storage()) is not None
+    got, nbytes = round_trip({"a": a, "plain": torch.ones(4)})
+    assert torch.equal(got["a"], weights["a"])
+    assert nbytes < 10_000  # the 400 KB of `a` were read by the receiver from the file
+    assert mapped.region_of(got["a"].untyped_storage()) is None  # its own memory now
+    got["a"].add_(1)  # and writable
+    assert torch.equal(source.tensor("a"), weights["a"])  # the file never changes
