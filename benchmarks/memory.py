@@ -43,6 +43,18 @@ def _model(layers: int, width: int, dtype: str, *, meta: bool = False):  # noqa:
     return model.to(getattr(torch, dtype))
 
 
+def _weights_file(layers: int, width: int, dtype: str, kind: str = "initial") -> str:
+    folder = os.environ.get("MEMORY_BENCHMARK_FOLDER", "/tmp")
+    return os.path.join(folder, f"gpt2-{layers}x{width}-{dtype}-{kind}.safetensors")
+
+
+def _save_weights(layers: int, width: int, dtype: str) -> None:
+    """The plain model's initial weights, for the mapped setting (in a child, untimed)."""
+    from safetensors.torch import save_model
+
+    save_model(_model(layers, width, dtype), _weights_file(layers, width, dtype))
+
+
 def _inputs(call: int):  # noqa: ANN202
     import torch
 
@@ -69,7 +81,15 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
         import torch
 
         sampler.phase("model")
-        model = _model(layers, width, dtype)
+        if setting == "mapped":  # built without weights, mapped from the saved file
+            import pipetorch as poptorch
+
+            with poptorch.empty_weights():
+                model = _model(layers, width, dtype)
+            poptorch.map_weights(model, _weights_file(layers, width, dtype),
+                                 output=_weights_file(layers, width, dtype, "trained"))
+        else:
+            model = _model(layers, width, dtype)
         params = sum(p.numel() for p in model.parameters())
         device = os.environ.get("PIPETORCH_DEVICE", "cpu")
         extra: dict = {}
@@ -130,7 +150,7 @@ def _run(setting: str, args: argparse.Namespace) -> dict:
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         return {"failed": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]) if setting != "save" else {}
 
 
 def _workers(found: dict) -> list[int]:
@@ -143,8 +163,24 @@ def _workers(found: dict) -> list[int]:
     return [peaks[i] for i in sorted(peaks)][:2]
 
 
+def _row(name: str, runs: list[dict], plain: float, plain_pss: float) -> str:
+    """One setting's table row: medians over its repeats, ratios to plain PyTorch's."""
+    tree = statistics.median(max(r["tree"].values()) for r in runs)
+    tree_pss = statistics.median(max(r["tree_pss"].values()) for r in runs)
+    host = statistics.median(max(r["root"].values()) for r in runs)
+    before = statistics.median(r["root"].get("wrap", r["root"]["model"]) for r in runs)
+    workers = [statistics.median(w) for w in zip(*(_workers(r) for r in runs))]
+    return (f"| {name} | {tree / GB:.2f} GB | {tree / plain:.2f}x | {tree_pss / GB:.2f} GB "
+            f"({tree_pss / plain_pss:.2f}x) | {host / GB:.2f} GB (+{(host - before) / GB:.2f}) | "
+            + (" / ".join(f"{w / GB:.2f} GB ({w / plain:.2f}x)" for w in workers) or "-")
+            + " |")
+
+
 def report(args: argparse.Namespace) -> None:
     rows: dict[str, list[dict]] = {"plain": [], "pipetorch": []}
+    if args.mapped:
+        rows["mapped"] = []
+        _run("save", args)
     for _ in range(args.repeats):  # interleaved: plain, pipetorch, plain, ...
         for setting in rows:
             rows[setting].append(_run(setting, args))
@@ -154,44 +190,45 @@ def report(args: argparse.Namespace) -> None:
         print(f"{shape}: failed {failed}")
         return
     plain = statistics.median(max(r["tree"].values()) for r in rows["plain"])
-    pipe = rows["pipetorch"]
-    tree = statistics.median(max(r["tree"].values()) for r in pipe)
     plain_pss = statistics.median(max(r["tree_pss"].values()) for r in rows["plain"])
-    tree_pss = statistics.median(max(r["tree_pss"].values()) for r in pipe)
-    host = statistics.median(max(r["root"].values()) for r in pipe)
-    host_before = statistics.median(r["root"]["wrap"] for r in pipe)
-    workers = [statistics.median(w) for w in zip(*(_workers(r) for r in pipe))]
     params = rows["plain"][0]["params"]
     print(f"\n{shape} ({params / 1e6:.0f}M params), AdamW, GA {ACCUMULATION}, "
-          f"{CALLS} calls; medians of {args.repeats}")
-    print("| plain PyTorch | pipetorch whole tree | ratio | same in Pss (ratio) | "
-          "host (before wrap) | each worker (x plain) |")
+          f"{CALLS} calls; medians of {args.repeats}; peaks over all phases")
+    print("| setting | whole tree (RSS) | x plain | whole tree (Pss) | host (+ above its size "
+          "before wrapping) | each worker (x plain) |")
     print("|---|---|---|---|---|---|")
-    print(f"| {plain / GB:.2f} GB | {tree / GB:.2f} GB | {tree / plain:.2f}x | "
-          f"{plain_pss / GB:.2f} / {tree_pss / GB:.2f} GB ({tree_pss / plain_pss:.2f}x) | "
-          f"{host / GB:.2f} GB ({host_before / GB:.2f}) | "
-          + " / ".join(f"{w / GB:.2f} GB ({w / plain:.2f}x)" for w in workers) + " |")
-    print("\nPhase by phase (pipetorch, first repeat), GB: whole tree RSS / Pss, host, "
-          "largest worker")
-    first = pipe[0]
-    for phase, size in first["tree"].items():
-        worker = max(first["processes"].get(phase, [0]) or [0])
-        print(f"  {phase:24s} {size / GB:6.2f} {first['tree_pss'][phase] / GB:6.2f} "
-              f"{first['root'][phase] / GB:6.2f} {worker / GB:6.2f}")
+    for name, runs in rows.items():
+        print(_row(name, runs, plain, plain_pss))
+    for name, runs in rows.items():
+        if name == "plain":
+            continue
+        print(f"\nPhase by phase ({name}, first repeat), GB: whole tree RSS / Pss, host, "
+              "largest worker")
+        first = runs[0]
+        for phase, size in first["tree"].items():
+            worker = max(first["processes"].get(phase, [0]) or [0])
+            print(f"  {phase:24s} {size / GB:6.2f} {first['tree_pss'][phase] / GB:6.2f} "
+                  f"{first['root'][phase] / GB:6.2f} {worker / GB:6.2f}")
     if rows["plain"][0].get("cuda"):
         print("\nmax_memory_allocated: plain", rows["plain"][0]["cuda"], "pipetorch per stage",
-              pipe[0]["cuda"])
+              rows["pipetorch"][0]["cuda"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", choices=("plain", "pipetorch"))
+    parser.add_argument("--child", choices=("plain", "pipetorch", "mapped", "save"))
     parser.add_argument("--layers", type=int, action="append")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="4 layers of width 256")
+    parser.add_argument("--mapped", action="store_true",
+                        help="also a model built without weights, mapped from a file "
+                             "(poptorch.map_weights), trained weights written to a file")
     args = parser.parse_args()
+    if args.child == "save":
+        _save_weights(args.layers[0], args.width, args.dtype)
+        return
     if args.child:
         child(args.child, args.layers[0], args.width, args.dtype)
         return

@@ -1,0 +1,61 @@
+"""Host memory of a model split over workers, as ratios of the model's own size measured in
+this run: the host holds the user's model (PopTorch's host copy) and nothing of its size more;
+the optimiser's state comes to the host only when the optimiser is read."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import pipetorch as poptorch
+from pipetorch.parallel import resident
+
+pytestmark = pytest.mark.slow
+
+G = 4
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+        self.layers[2] = poptorch.BeginBlock(self.layers[2], ipu_id=1)
+
+    def forward(self, x, target):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x, torch.nn.functional.mse_loss(x, target)
+
+
+def train(width: int) -> tuple[Stack, torch.optim.Optimizer, poptorch.PoplarExecutor]:
+    torch.manual_seed(0)
+    model = Stack(width)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opts = poptorch.Options().showCompilationProgressBar(False)
+    opts.Training.gradientAccumulation(G)
+    wrapper = poptorch.trainingModel(model, opts, optimizer)
+    x, target = torch.randn(G * 2, width), torch.randn(G * 2, width)
+    for _ in range(2):
+        wrapper(x, target)
+    return model, optimizer, wrapper
+
+
+def test_the_host_keeps_one_copy_of_the_weights_and_the_state_only_when_read():
+    # A small model first: what compiling imports (torch.export, fx, dynamo: tens of MB) is
+    # then in memory before the measurement, as in any process that wrapped a model before.
+    train(8)[2].destroy()
+    size = 4 * (2048 * 2048 + 2048) * 4  # the measured model: 4 layers of 2048 x 2048, 67 MB
+    before = resident.rss(os.getpid())
+    model, optimizer, wrapper = train(2048)
+    trained = resident.rss(os.getpid()) - before - size  # the model itself is the host copy
+    model.layers[0].weight.sum()  # a touch of a weight: the trained weights, in place
+    touched = resident.rss(os.getpid()) - before - size
+    optimizer.state_dict()  # Adam's two moments per weight come to the host now
+    read = resident.rss(os.getpid()) - before - size
+    peaks = dict(wrapper._compiled.engine.peak_memory)  # each worker's resident peak (CPU)
+    wrapper.destroy()
+    assert trained < 0.5 * size, (trained, size)  # no second copy, no pickled payloads
+    assert touched < 0.5 * size, (touched, size)
+    assert 1.5 * size < read < 3.5 * size, (read, size)
+    assert sorted(peaks) == [0, 1] and all(peak > size / 2 for peak in peaks.values()), peaks
