@@ -169,7 +169,8 @@ def test_the_error_lists_devices_categories_and_ranked_remedies():
     assert ("opts.TensorLocations.setOptimizerLocation(poptorch.TensorLocationSettings()"
             ".useOnChipStorage(False))") in text
     assert "model.half()" in text and "gradientAccumulation(8)" in text
-    assert "measured by one forward of each stage" in text
+    # the method now names fake tensors: the estimate no longer runs forward on real ones
+    assert "found by one forward of each stage on fake tensors" in text
 
 
 def test_applying_a_remedy_that_fits_passes_the_check():
@@ -265,3 +266,30 @@ def test_the_stash_follows_the_pipeline_schedule():
     assert stash("interleaved_zero_bubble") == [4, 4, 2, 2]
     assert stash("auto") == [4, 4, 4, 4]
     assert in_flight(4, pipelined=False, micro_batches=8, training=True) == [1] * 4
+
+
+@pytest.mark.parametrize("stages", [STAGES, [StageSpec(0, 0, ())]], ids=["two-devices", "one"])
+def test_the_estimate_runs_no_forward_on_real_tensors(stages):
+    # Issue 29: the estimate ran every stage eagerly with autograd on the host CPU, keeping
+    # every stage's graph alive (tens of GB for a model that needs pipelining).
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+
+    from pipetorch.partition.split import CaptureOnce
+
+    model, x = ReluStages(), torch.randn(M, 6)
+    capture = CaptureOnce(model, ((x,), {}))
+    staged = capture.split(stages) if len(stages) > 1 else None
+    calls = []  # per forward: whether a real tensor came in
+
+    def record(module, args):
+        calls.append(any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+                         for t in tree_leaves(args)))
+
+    for module in [model, *(staged.modules if staged else ())]:
+        module.register_forward_pre_hook(record)
+    found = estimate_memory(model, ((x,), {}), stages, batching=Batching(1, 4, 1),
+                            optimizer=torch.optim.Adam(model.parameters()), pipelined=True,
+                            training=True, offload=False, recomputation=False, capture=capture)
+    assert calls and not any(calls), calls  # forward ran, on fake tensors only
+    assert found.devices[0].activations > 0 and "fake tensors" in found.method
