@@ -32,8 +32,9 @@ from pipetorch.errors import OutOfMemoryError
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.memory import (
     ZERO, Footprint, Size, faked, fake_tensors, kept_bytes, measure_forward, module_tensors,
-    optimiser_state_bytes, size_of, staged_footprints,
+    optimiser_state_bytes, replica_plan_length, size_of, staged_footprints,
 )
+from pipetorch.schedule.devices import engine_kind, owners_of, peak_stash
 
 __all__: list[str] = []
 
@@ -42,8 +43,8 @@ logger = logging.getLogger(__name__)
 CATEGORIES = ("parameters", "buffers", "gradients", "optimiser_state", "activations",
               "received")
 METHOD = ("activations and received values found by one forward of each stage on fake "
-          "tensors of the first micro-batch, x the micro-batches in flight at the schedule's peak; the rest "
-          "computed from tensor sizes")
+          "tensors of the first micro-batch, x the micro-batches in flight at the schedule's "
+          "peak; the rest computed from tensor sizes")
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class MemoryEstimate:
     batching: Any  # parallel.local.Batching
     micro_batch_size: int | None
     method: str = METHOD
+    kind: str = "pipelined"  # the plan kind the workers run (schedule.devices.engine_kind)
 
     def table(self, budgets: dict[int, int] | None = None) -> str:
         """The devices by category as text, with their budgets when given."""
@@ -178,15 +180,15 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
     finally:
         for module, mode in modes.items():
             module.training = mode
-    flights = in_flight(len(modules), pipelined=pipelined,
-                        micro_batches=_per_plan(batching, training), training=training,
-                        schedule=schedule, owners=_owners(ipu_of))
+    kind = engine_kind(pipelined, schedule)
+    flights = peak_stash(kind, len(modules), replica_plan_length(batching, training=training),
+                         owners_of(ipu_of), training=training)
     records = tuple(_stage_memory(j, ipu, module, footprint, flight, optimizer, training)
                     for j, (ipu, module, footprint, flight)
                     in enumerate(zip(ipu_of, modules, prints, flights)))
     setting = Setting(training, recomputation and training, offload and training)
     return MemoryEstimate(price(records, setting), records, setting, pipelined, batching,
-                          _batch_size(args, kwargs), method)
+                          _batch_size(args, kwargs), method, kind)
 
 
 def _sizing(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
@@ -247,33 +249,6 @@ def _whole(model: nn.Module, args: tuple, kwargs: dict, *, training: bool) -> Fo
     with fake_tensors() as mode:
         return measure_forward(forward, flat, module_tensors(model), training=training,
                                fake=faked(mode))[0]
-
-
-def _owners(ipus: list[int]) -> tuple[int, ...]:
-    from pipetorch.schedule.devices import owners_of
-
-    return owners_of(ipus)
-
-
-def _per_plan(batching: Any, training: bool) -> int:
-    """Micro-batches one run of a replica's plan covers: G (training) or D (inference)."""
-    return batching.gradient_accumulation if training else batching.device_iterations
-
-
-def in_flight(stages: int, *, pipelined: bool, micro_batches: int, training: bool,
-              schedule: str = "pipelined", owners: tuple[int, ...] | None = None) -> list[int]:
-    """Most micro-batches each stage holds for backward: the peak stash of the pipeline
-    `schedule` (an engine plan kind; 1F1B's is S - s on stage s) on the stages' devices
-    `owners` (one each by default) when pipelined over several stages, 1 when sharded or
-    alone, 0 in inference."""
-    if not training:
-        return [0] * stages
-    if stages == 1 or not pipelined:
-        return [1] * stages
-    from pipetorch.schedule import devices
-
-    return list(devices.peak_stash(schedule, stages, micro_batches,
-                                   owners or tuple(range(stages))))
 
 
 def _stage_memory(index: int, ipu: int, module: nn.Module, footprint: Footprint,
@@ -421,8 +396,7 @@ def _more_stages(estimate: MemoryEstimate) -> tuple[str, str, dict[int, int]]:
     accumulation = batching.gradient_accumulation
     if estimate.pipelined and setting.training:
         accumulation = max(accumulation, 2 * count - 1)
-    flights = in_flight(count, pipelined=estimate.pipelined, training=setting.training,
-                        micro_batches=accumulation)
+    flights = peak_stash(estimate.kind, count, accumulation, training=setting.training)
     halves = []
     for stage in stages:
         for part in (0, 1):

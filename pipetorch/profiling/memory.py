@@ -26,7 +26,6 @@ import torch.nn as nn
 
 from pipetorch.partition.split import Source
 from pipetorch.profiling.summary import is_local, lanes_of, stage_modules
-from pipetorch.profiling.timing import plan_micro_batches
 
 __all__: list[str] = []
 
@@ -294,18 +293,24 @@ def staged_footprints(staged: Any, args: tuple, kwargs: dict, *,
     return result
 
 
-def peak_stash(compiled: Any, *, training: bool) -> list[int]:
-    """Most micro-batches each lane holds for backward at once under its schedule."""
-    engine = compiled.engine
-    if not training:
-        return [0] * len(lanes_of(compiled))
-    if is_local(engine):
-        return [1]  # each micro-batch's backward follows its forward
-    from pipetorch.schedule import devices
+def replica_plan_length(batching: Any, *, training: bool) -> int:
+    """Micro-batches one run of a replica's plan covers: G (training) or D (inference)."""
+    return batching.gradient_accumulation if training else batching.device_iterations
 
-    per_plan = plan_micro_batches(engine.batching, training=True)
-    owners = getattr(engine, "owners", None) or tuple(range(len(compiled.stages)))
-    return list(devices.peak_stash(engine.schedule, len(compiled.stages), per_plan, owners))
+
+def stash_per_lane(compiled: Any, *, training: bool) -> list[int]:
+    """Most micro-batches each lane holds for backward at once: the schedule's peak stash
+    (`schedule.devices.peak_stash`) of the plan its engine runs; the local engine runs each
+    micro-batch's forward and backward in turn, as one sharded stage."""
+    from pipetorch.schedule.devices import peak_stash
+
+    engine = compiled.engine
+    per_plan = replica_plan_length(engine.batching, training=training)
+    if is_local(engine):
+        return list(peak_stash("sharded", 1, per_plan, training=training))
+    owners = getattr(engine, "owners", None)
+    return list(peak_stash(engine.schedule, len(compiled.stages), per_plan, owners,
+                           training=training))
 
 
 def _in_this_process_cuda(compiled: Any) -> torch.device | None:
@@ -348,7 +353,7 @@ def build(compiled: Any, *, training: bool, options: Any,
     peak = measured_peak(compiled)  # before the sizing forward below adds to it
     lanes = lanes_of(compiled)
     modules = stage_modules(compiled) or [engine.model]
-    held = peak_stash(compiled, training=training)
+    held = stash_per_lane(compiled, training=training)
     recomputation = training and recomputing(options)
     prints: list[Footprint | None] = [None] * len(lanes)
     if not training:

@@ -250,22 +250,52 @@ def test_memory_budget_defaults_to_none_and_freezes():
         opts.setMemoryBudget(5)
 
 
-def test_the_stash_follows_the_pipeline_schedule():
+def test_the_schedules_stash_follows_its_plan():
     """1F1B holds S - s micro-batches on stage s; ZB-H1 keeps each micro-batch until its
     deferred weight gradient, so later stages hold more; interleaved 1F1B's round-robin
     stages hold what their plan does; "auto" prices the most any pick would hold."""
-    from pipetorch.profiling.estimate import in_flight
+    from pipetorch.schedule.devices import peak_stash
 
-    def stash(kind, owners=(0, 1, 0, 1)):
-        return in_flight(4, pipelined=True, micro_batches=8, training=True, schedule=kind,
-                         owners=owners)
+    def stash(kind, owners=(0, 1, 0, 1), **training):
+        return peak_stash(kind, 4, 8, owners, **training)
 
-    assert in_flight(4, pipelined=True, micro_batches=8, training=True) == [4, 3, 2, 1]
-    assert stash("zero_bubble", owners=None) == [4, 4, 4, 4]
-    assert stash("interleaved") == [4, 3, 2, 1]  # device 0: 4 + 2 stage-sized stashes
-    assert stash("interleaved_zero_bubble") == [4, 4, 2, 2]
-    assert stash("auto") == [4, 4, 4, 4]
-    assert in_flight(4, pipelined=False, micro_batches=8, training=True) == [1] * 4
+    assert stash("pipelined", owners=None) == (4, 3, 2, 1)
+    assert stash("zero_bubble", owners=None) == (4, 4, 4, 4)
+    assert stash("interleaved") == (4, 3, 2, 1)  # device 0: 4 + 2 stage-sized stashes
+    assert stash("interleaved_zero_bubble") == (4, 4, 2, 2)
+    assert stash("auto") == (4, 4, 4, 4)
+    assert stash("sharded") == (1,) * 4
+    assert stash("pipelined", training=False) == (0,) * 4
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved",
+                                      "interleaved_zero_bubble"])
+def test_estimate_report_and_balancer_count_the_schedules_stash(schedule):
+    # Issue 29: four functions counted the micro-batches in flight, and the balancer assumed
+    # 1F1B whatever the schedule; all three now read the schedule's peak stash.
+    from types import SimpleNamespace
+
+    from helpers.models import MnistNetwork
+    from pipetorch.partition.balance import Segment, evaluate
+    from pipetorch.profiling.memory import stash_per_lane
+    from pipetorch.schedule.devices import engine_kind, peak_stash
+
+    owners, accumulation = (0, 1, 0, 1), 8
+    kind = engine_kind(True, schedule)
+    stages = [StageSpec(j, ipu, (f"B{j + 1}",)) for j, ipu in enumerate(owners)]
+    found = estimate_memory(MnistNetwork(), ((torch.randn(M, 1, 28, 28),), {}), stages,
+                            batching=Batching(1, accumulation, 1), optimizer=None,
+                            pipelined=True, training=True, offload=False,
+                            recomputation=False, schedule=schedule)
+    expected = peak_stash(kind, 4, accumulation, owners)
+    assert tuple(s.in_flight for s in found.stages) == expected
+    engine = SimpleNamespace(schedule=kind, batching=Batching(1, accumulation, 1), owners=owners)
+    report = stash_per_lane(SimpleNamespace(engine=engine, stages=stages), training=True)
+    assert tuple(report) == expected
+    # The balancer places one stage per device: the schedule on owners 0, 1, 2, 3.
+    unit = [Segment(f"s{j}", 1.0, activation_bytes=1) for j in range(4)]
+    placement = evaluate(unit, (0, 1, 2, 3), schedule=kind, micro_batches=accumulation)
+    assert tuple(s.peak_bytes for s in placement.stages) == peak_stash(kind, 4, accumulation)
 
 
 @pytest.mark.parametrize("stages", [STAGES, [StageSpec(0, 0, ())]], ids=["two-devices", "one"])
