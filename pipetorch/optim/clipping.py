@@ -25,19 +25,20 @@ _NORM = 2.0
 
 @dataclass
 class Terms:
-    """The per-tensor terms of the norm gathered so far, each under its (device, dtype)."""
+    """The per-tensor parts of the norm gathered so far, each under its (device, dtype): a
+    tensor's norm locally, its weighted squared norm on a stage worker (`across` its peers)."""
 
     across: peers.Peers | None
-    norms: list[tuple[tuple[torch.device, torch.dtype], torch.Tensor]] = field(
+    parts: list[tuple[tuple[torch.device, torch.dtype], torch.Tensor]] = field(
         default_factory=list)
 
     def add(self, grads: Sequence[torch.Tensor], ids: Sequence[int]) -> None:
         """Add the terms of `grads` (the gradients the update sees; `ids[i]` the user
         parameter of `grads[i]`, for a tied weight's share on a stage worker)."""
         if self.across is not None:
-            self.norms.extend(
-                ((g.device, g.dtype), g.detach().float().pow(2).sum() * self.across.shares.get(i, 1.0))
-                for g, i in zip(grads, ids))
+            shares = self.across.shares
+            self.parts.extend(((g.device, g.dtype), g.detach().float().pow(2).sum()
+                               * shares.get(i, 1.0)) for g, i in zip(grads, ids))
             return
         grouped = _group_tensors_by_device_and_dtype([list(grads)])  # type: ignore[list-item]
         for (device, dtype), ([tensors], _) in grouped.items():  # type: ignore[misc]
@@ -45,22 +46,22 @@ class Terms:
                 norms = list(torch._foreach_norm(tensors, _NORM))
             else:
                 norms = [torch.linalg.vector_norm(g, _NORM) for g in tensors]
-            self.norms.extend(((device, dtype), norm) for norm in norms)
+            self.parts.extend(((device, dtype), norm) for norm in norms)
 
     def coefficient(self, max_norm: float) -> torch.Tensor:
         """The factor every gradient is multiplied by: min(1, max_norm / (norm + 1e-6))."""
         if self.across is not None:
-            local = torch.stack([t for _, t in self.norms]).sum() if self.norms else torch.zeros(())
+            local = torch.stack([t for _, t in self.parts]).sum() if self.parts else torch.zeros(())
             total = self.across.reduce(local).sqrt()
             return (max_norm / (total + 1e-6)).clamp(max=1.0)
-        if not self.norms:
+        if not self.parts:
             return torch.tensor(1.0)
         # torch stacks the norms grouped by (device, dtype) in order of first appearance.
-        order = list(dict.fromkeys(key for key, _ in self.norms))
-        ranked = sorted(range(len(self.norms)), key=lambda i: order.index(self.norms[i][0]))
-        first_device = self.norms[0][0][0]
+        order = list(dict.fromkeys(key for key, _ in self.parts))
+        ranked = sorted(range(len(self.parts)), key=lambda i: order.index(self.parts[i][0]))
+        first_device = self.parts[0][0][0]
         total = torch.linalg.vector_norm(
-            torch.stack([self.norms[i][1].to(first_device) for i in ranked]), _NORM)
+            torch.stack([self.parts[i][1].to(first_device) for i in ranked]), _NORM)
         return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
