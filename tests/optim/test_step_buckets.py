@@ -111,3 +111,19 @@ def test_split_keeps_order_groups_and_a_large_parameter_alone():
     buckets = swap_buckets.split(groups, limit=16)  # two small parameters' float32 bytes
     assert [(b.group, [p.numel() for p in b.params]) for b in buckets] == [
         (0, [2, 2]), (0, [10]), (0, [2]), (1, [2])]
+
+
+def test_step_hooks_run_once_per_step_whatever_the_buckets():
+    # torch wraps a class's step() to run the instance's hooks once any plain instance of it
+    # exists; the update inside step() ran them again, and would have once per bucket
+    # (moving an offloaded state in and out for each).
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # hooks torch.optim.AdamW.step
+    model, optimizer = _model_and_optimizer()
+    calls = []
+    optimizer.register_step_pre_hook(lambda *_: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+    _backward(model, 0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(swap_buckets, "BUCKET_BYTES", 1)
+        optimizer.step()
+    assert calls == ["pre", "post"]

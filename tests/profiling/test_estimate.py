@@ -323,3 +323,21 @@ def test_the_estimate_runs_no_forward_on_real_tensors(stages):
                             training=True, offload=False, recomputation=False, capture=capture)
     assert calls and not any(calls), calls  # forward ran, on fake tensors only
     assert found.devices[0].activations > 0 and "fake tensors" in found.method
+
+
+def test_a_forward_fake_tensors_cannot_run_is_not_run_for_real(caplog):
+    class ReadsAValue(nn.Module):  # float() of a tensor needs its data: fake tensors refuse
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 8)
+
+        def forward(self, x):
+            return self.fc(x) * float(x.abs().sum() > 0)
+
+    model, calls = ReadsAValue(), []
+    model.register_forward_pre_hook(lambda module, args: calls.append(type(args[0]).__name__))
+    found = estimate(model, stages=[StageSpec(0, 0, ())], optimizer="sgd")
+    assert calls == ["FakeTensor"]
+    assert found.devices[0].activations == 0 and found.devices[0].received == 0
+    assert found.method.startswith("activations NOT counted: fake tensors could not run")
+    assert "activations are not counted" in caplog.text
