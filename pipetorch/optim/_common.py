@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 import torch
 
-from pipetorch.optim import attributes, ipu_param, ipu_state, peers, scaling
+from pipetorch.optim import (attributes, clipping, ipu_param, ipu_state, peers, scaling,
+                             swap_buckets)
 from pipetorch.optim.checks import check_flag, check_number  # noqa: F401 (optimisers import them here)
 
 __all__: list[str] = []
@@ -261,29 +262,52 @@ class PopTorchOptimizer(scaling.LossScaled):
             return loss
         loss_scaling = scaling.loss_scale(self)
         fresh_grads = loss_scaling != 1.0 or max_grad_norm != math.inf
-        swaps = [[self._swap_in(group, param, fresh_grads) for param in group["params"]]
-                 for group in self.param_groups]
-        originals = [group["params"] for group in self.param_groups]
-        try:
-            for group, group_swaps in zip(self.param_groups, swaps):
-                group["params"] = [swap.work for swap in group_swaps]
-            used = [s for gs in swaps for s in gs if s.work.grad is not None]
-            working = [s.work for s in used]
-            if loss_scaling != 1.0:
-                for param in working:
-                    param.grad.div_(loss_scaling)
-            if max_grad_norm != math.inf:
-                _clip_grad_norm(working, max_grad_norm, peers.current(),
-                                [id(s.param) for s in used])
-            self._update()
-        finally:
-            for group, params, group_swaps in zip(self.param_groups, originals, swaps):
-                group["params"] = params
-                for swap in group_swaps:
-                    self._swap_out(group, swap)
+        buckets = swap_buckets.split(self.param_groups)
+        coefficient = None
+        if max_grad_norm != math.inf:
+            coefficient = self._clip_coefficient(buckets, loss_scaling, max_grad_norm)
+        for bucket in buckets:
+            self._step_bucket(bucket, loss_scaling, fresh_grads, coefficient)
         if scaling.is_automatic(self):
             scaling.record_clean_step(self)
         return loss
+
+    def _step_bucket(self, bucket: swap_buckets.Bucket, loss_scaling: float, fresh_grads: bool,
+                     coefficient: torch.Tensor | None) -> None:
+        """Update one bucket's parameters: swap in, un-scale, clip, update, swap out."""
+        group = self.param_groups[bucket.group]
+        swaps = [self._swap_in(group, param, fresh_grads) for param in bucket.params]
+        originals = [g["params"] for g in self.param_groups]
+        try:
+            for index, g in enumerate(self.param_groups):  # the update sees this bucket only
+                g["params"] = [swap.work for swap in swaps] if index == bucket.group else []
+            grads = [swap.work.grad for swap in swaps if swap.work.grad is not None]
+            if loss_scaling != 1.0:
+                for grad in grads:
+                    grad.div_(loss_scaling)
+            if coefficient is not None:
+                clipping.scale(grads, coefficient, local=peers.current() is None)
+            self._update()
+        finally:
+            for g, params in zip(self.param_groups, originals):
+                g["params"] = params
+            for swap in swaps:
+                self._swap_out(group, swap)
+
+    def _clip_coefficient(self, buckets: list[swap_buckets.Bucket], loss_scaling: float,
+                          max_grad_norm: float) -> torch.Tensor:
+        """The factor that clips the un-scaled gradients the update will see to
+        `max_grad_norm`, their norm summed bucket by bucket (see `clipping`)."""
+        terms = clipping.Terms(peers.current())
+        for bucket in buckets:
+            group = self.param_groups[bucket.group]
+            used = [param for param in bucket.params if param.grad is not None]
+            grads = [self._working_grad(group, param) for param in used]
+            if loss_scaling != 1.0:
+                for grad in grads:
+                    grad.div_(loss_scaling)
+            terms.add(grads, [id(param) for param in used])
+        return terms.coefficient(max_grad_norm)
 
     def _skip_on_overflow(self) -> bool:
         """Automatic loss scaling: on inf/NaN gradients (on any stage or replica), drop
@@ -315,32 +339,58 @@ class PopTorchOptimizer(scaling.LossScaled):
             for group in own:
                 group["params"] = []
             try:
-                super().step()  # type: ignore[misc]
+                self._torch_step()
             finally:
                 for group, params in zip(own, hidden):
                     group["params"] = params
         for group in own:
             self._own_update(group)
 
+    def _torch_step(self) -> None:
+        """The torch parent's update, without the step hooks: once any plain instance of the
+        torch class exists, torch wraps that class's `step` to run the instance's hooks, which
+        `step()` (hooked itself) has run already, and would run again for every bucket."""
+        function = super().step.__func__  # type: ignore[misc]
+        if getattr(function, "hooked", False):
+            function = function.__wrapped__
+        function(self)
+
+    def _work_dtypes(self, group: dict[str, Any],
+                     param: torch.Tensor) -> tuple[torch.dtype, torch.dtype] | None:
+        """(gradient's rounding dtype, update's dtype) when `param` is updated through a
+        stand-in; None when the update sees the parameter itself."""
+        grad_dtype, formats = self._formats(group, param)
+        if (param.dtype not in LOW_PRECISION and grad_dtype == param.grad.dtype
+                and all(dtype == param.dtype and scale == 1.0
+                        for dtype, scale in formats.values())):
+            return None
+        # float32 at least: a float16 update loses small steps and overflows eps=1e-8.
+        return grad_dtype, torch.promote_types(param.dtype, torch.float32)
+
+    def _working_grad(self, group: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+        """A new tensor holding the gradient the update of `param` sees (before un-scaling)."""
+        dtypes = self._work_dtypes(group, param)
+        if dtypes is None:
+            return param.grad.clone()
+        grad_dtype, work_dtype = dtypes
+        return param.grad.to(grad_dtype).to(work_dtype, copy=True)
+
     def _swap_in(self, group: dict[str, Any], param: torch.Tensor, fresh_grad: bool) -> _Swap:
         grad = param.grad
         if grad is None:
             return _Swap(param, param, None)
-        grad_dtype, formats = self._formats(group, param)
-        if (param.dtype not in LOW_PRECISION and grad_dtype == grad.dtype
-                and all(dtype == param.dtype and scale == 1.0
-                        for dtype, scale in formats.values())):
+        dtypes = self._work_dtypes(group, param)
+        if dtypes is None:
             if fresh_grad:
-                param.grad = grad.clone()
+                param.grad = self._working_grad(group, param)
                 return _Swap(param, param, grad)
             return _Swap(param, param, None)
-        # float32 at least: a float16 update loses small steps and overflows eps=1e-8.
-        work_dtype = torch.promote_types(param.dtype, torch.float32)
-        work = torch.nn.Parameter(param.detach().to(work_dtype, copy=True))
-        work.grad = grad.to(grad_dtype).to(work_dtype, copy=True)
+        work = torch.nn.Parameter(param.detach().to(dtypes[1], copy=True))
+        work.grad = self._working_grad(group, param)
         state = self.state.get(param)  # left in place (and in order) until _swap_out
         if state:
-            self.state[work] = _load_state(state, formats, work_dtype)
+            _, formats = self._formats(group, param)
+            self.state[work] = _load_state(state, formats, dtypes[1])
         return _Swap(param, work, None)
 
     def _swap_out(self, group: dict[str, Any], swap: _Swap) -> None:
@@ -385,20 +435,3 @@ def _store_state(state: dict[str, Any], formats: StateFormats) -> dict[str, Any]
         if isinstance(state.get(key), torch.Tensor):
             stored[key] = (state[key] * scale).to(dtype) if scale != 1.0 else state[key].to(dtype)
     return stored
-
-
-def _clip_grad_norm(params: list[torch.Tensor], max_norm: float, across: peers.Peers | None,
-                    ids: list[int]) -> None:
-    """clip_grad_norm_ over the whole model; on a stage worker (`across` its peers) the norm
-    covers the parameters every stage holds, each user parameter `ids[i]` weighted by its
-    share (1 / copies for a weight tied across devices: it counts once)."""
-    if across is None:
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return
-    squares = [p.grad.detach().float().pow(2).sum() * across.shares.get(i, 1.0)
-               for p, i in zip(params, ids)]
-    local = torch.stack(squares).sum() if squares else torch.zeros(())
-    total = across.reduce(local).sqrt()
-    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for param in params:
-        param.grad.mul_(coefficient.to(param.grad.dtype))

@@ -2,7 +2,9 @@
 
 `offload_state(optimizer)` registers a step pre-hook that moves each parameter's state
 tensors to the parameter's device and a post-hook that moves them back to host memory
-(pinned when CUDA is available, so the next upload can overlap). Between steps the device
+(pinned when CUDA is available, so the next upload can overlap). Only the post-hook pins:
+an optimiser unpickled in a stage worker, before the worker has chosen its GPU, must not
+touch CUDA (pinning would open a context on cuda:0 in every worker). Between steps the device
 holds no optimiser state; the numbers are those of on-device state, bit for bit. Scalar
 state (Adam's `step` counter) stays where torch keeps it.
 
@@ -24,17 +26,31 @@ _classes: dict[type, type] = {}
 
 
 def _move(optimizer: torch.optim.Optimizer, *, to_host: bool) -> None:
+    """Every state tensor to its parameter's device, or (`to_host`) a pinned copy of it in host
+    memory when CUDA is available and a plain copy otherwise."""
     pin = to_host and torch.cuda.is_available()
     for param, state in optimizer.state.items():
-        for key, value in state.items():
-            if not isinstance(value, torch.Tensor) or not value.dim():
-                continue
+        for key, value in _state_tensors(state):
             if to_host:
                 # A copy, even from a CPU device: the device's tensor is freed.
                 host = torch.empty_like(value, device="cpu", pin_memory=pin)
                 state[key] = host.copy_(value)
             else:
                 state[key] = value.to(param.device, non_blocking=True, copy=True)
+
+
+def _leave_devices(optimizer: torch.optim.Optimizer) -> None:
+    """State tensors not in host memory copied there, unpinned; no CUDA call for the rest."""
+    for state in optimizer.state.values():
+        for key, value in _state_tensors(state):
+            if value.device.type != "cpu":
+                state[key] = value.to("cpu", copy=True)
+
+
+def _state_tensors(state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """(key, tensor) of a parameter's state that offload moves: not scalars such as `step`."""
+    return [(key, value) for key, value in state.items()
+            if isinstance(value, torch.Tensor) and value.dim()]
 
 
 def _stream_in(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -78,7 +94,7 @@ def offload_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.__class__ = _offloaded_class(base)
     setattr(optimizer, _HANDLES, (optimizer.register_step_pre_hook(_stream_in),
                                   optimizer.register_step_post_hook(_stream_out)))
-    _move(optimizer, to_host=True)
+    _leave_devices(optimizer)
 
 
 def is_offloaded(optimizer: torch.optim.Optimizer) -> bool:

@@ -17,6 +17,7 @@ from pipetorch.partition.probe import preserved
 from pipetorch.parallel.compiled import CompiledStage
 from pipetorch.parallel.recompute import stage_module
 from pipetorch.parallel.local import Batching
+from pipetorch.schedule.devices import engine_kind
 
 __all__: list[str] = []
 
@@ -64,13 +65,8 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
         staged = dataclasses.replace(
             staged, modules=[CompiledStage(m, compile_backend) for m in staged.modules])
     return ProcessEngine(model, staged, routes, specs, batching=batching, optimizer=optimizer,
-                         schedule=_schedule(pipelined, pipeline_schedule),
+                         schedule=engine_kind(pipelined, pipeline_schedule),
                          placements=place(stages, replicas=batching.replication_factor),
                          process=process, seed=seed, writer=writer)
 
 
-def _schedule(pipelined: bool, pipeline_schedule: str) -> str:
-    """The engine's plan kind: "sharded", or the pipelined one (1F1B is "pipelined")."""
-    if not pipelined:
-        return "sharded"
-    return "pipelined" if pipeline_schedule == "1f1b" else pipeline_schedule

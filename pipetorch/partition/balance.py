@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.partition.strategies import ExecutionStrategy, PipelinedExecution
 from pipetorch.partition.strategies import Stage as BlockStage
+from pipetorch.schedule.devices import peak_stash
 
 __all__: list[str] = []
 
@@ -113,9 +114,13 @@ def _attribute_path(dotted: str) -> str:
     return out
 
 
-def default_in_flight(stages: int) -> list[int]:
-    """1F1B's peak stash: stage s keeps S - s micro-batches' activations for backward."""
-    return [stages - s for s in range(stages)]
+def _in_flight(devices: int, *, schedule: str = "pipelined",
+              micro_batches: int | None = None) -> tuple[int, ...]:
+    """The micro-batches each device's stage holds for backward: the schedule's peak stash
+    (`schedule.devices.peak_stash`) of plan kind `schedule` with one stage per device, over
+    `micro_batches` (default: the smallest G `propose_gradient_accumulation` allows)."""
+    count = micro_batches or propose_gradient_accumulation(devices)
+    return peak_stash(schedule, devices, count, training=True)
 
 
 class _Costs:
@@ -146,18 +151,20 @@ def _prefix(values: list) -> list:
 
 
 def plan(segments: Sequence[Segment], devices: int, *,
-         budgets: int | Sequence[int] | None = None,
-         in_flight: Callable[[int], list[int]] = default_in_flight) -> Placement:
+         budgets: int | Sequence[int] | None = None, schedule: str = "pipelined",
+         micro_batches: int | None = None) -> Placement:
     """The placement of contiguous segments on `devices` devices minimising the slowest stage.
 
-    Every device gets at least one segment. Among optimal placements the one with the earliest
-    cuts is returned, so the result is deterministic. Raises `OutOfMemoryError` when no
-    placement fits `budgets` (bytes, one for all devices or one per device).
+    Every device gets at least one segment and holds its activations times its micro-batches
+    in flight under plan kind `schedule` over `micro_batches` (the schedule's peak stash).
+    Among optimal placements the one with the earliest cuts is returned, so the result is
+    deterministic. Raises `OutOfMemoryError` when no placement fits `budgets` (bytes, one for
+    all devices or one per device).
     """
     _check(segments, devices)
     costs = _Costs(segments)
     caps = _caps(budgets, devices)
-    flight = in_flight(devices)
+    flight = _in_flight(devices, schedule=schedule, micro_batches=micro_batches)
     starts = _solve(costs, devices, lambda d, i, j: (
         costs.seconds(i, j) if costs.peak(i, j, flight[d]) <= caps[d] else math.inf))
     if starts is None:
@@ -168,13 +175,15 @@ def plan(segments: Sequence[Segment], devices: int, *,
 
 
 def evaluate(segments: Sequence[Segment], starts: Sequence[int], *,
-             in_flight: Callable[[int], list[int]] = default_in_flight) -> Placement:
-    """The predicted costs of a given split (`starts[d]`: first segment on device d)."""
+             schedule: str = "pipelined", micro_batches: int | None = None) -> Placement:
+    """The predicted costs of a given split (`starts[d]`: first segment on device d), its
+    activations priced as in `plan`."""
     if list(starts) != sorted(set(starts)) or not starts or starts[0] != 0 \
             or starts[-1] >= len(segments):
         raise ValueError(f"starts {list(starts)} must rise from 0 and stay below the "
                          f"{len(segments)} segments")
-    return _placement(_Costs(segments), tuple(starts), in_flight(len(starts)))
+    flight = _in_flight(len(starts), schedule=schedule, micro_batches=micro_batches)
+    return _placement(_Costs(segments), tuple(starts), flight)
 
 
 def _check(segments: Sequence[Segment], devices: int) -> None:
@@ -221,7 +230,7 @@ def _solve(costs: _Costs, devices: int,
     return tuple(starts)
 
 
-def _placement(costs: _Costs, starts: tuple[int, ...], flight: list[int]) -> Placement:
+def _placement(costs: _Costs, starts: tuple[int, ...], flight: Sequence[int]) -> Placement:
     ends = starts[1:] + (len(costs.segments),)
     stages = tuple(
         Stage(d, tuple(s.name for s in costs.segments[i:j]), costs.seconds(i, j),

@@ -8,11 +8,12 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from pipetorch.partition.balance import Placement, default_in_flight, plan
+from pipetorch.partition.balance import Placement, plan
 from pipetorch.partition.blocks import BeginBlock, removeBlocks
 from pipetorch.partition.candidates import ordered_candidates
 from pipetorch.partition.strategies import ExecutionStrategy
 from pipetorch.profiling.costs import cost_table
+from pipetorch.schedule.devices import engine_kind
 
 __all__ = ["balance"]
 
@@ -46,9 +47,11 @@ def balance(model: nn.Module, *sample_inputs: Any, devices: int,
             f"{type(model).__name__}'s blocks are Block scopes {names}: their placement is an "
             "execution strategy, not BeginBlock annotations; pass options=opts to set it there, "
             "or apply=False and opts.setExecutionStrategy(placement.strategy())")
+    schedule, micro_batches = _schedule_of(options)
     placement = _plan(model, names, sample_inputs, kwargs, devices=devices, scopes=scopes,
                       memory_budget=memory_budget, repeats=repeats, threads=threads,
-                      optimizer_slots=optimizer_slots, link_bytes_per_s=link_bytes_per_s)
+                      optimizer_slots=optimizer_slots, link_bytes_per_s=link_bytes_per_s,
+                      schedule=schedule, micro_batches=micro_batches)
     if apply and scopes:
         options.setExecutionStrategy(placement.strategy(type(options.execution_strategy)))
     elif apply:
@@ -58,7 +61,8 @@ def balance(model: nn.Module, *sample_inputs: Any, devices: int,
 
 def balanced_strategy(model: nn.Module, args: tuple, kwargs: dict[str, Any], *,
                       devices: int, strategy: ExecutionStrategy,
-                      memory_budget: int | None = None) -> ExecutionStrategy:
+                      memory_budget: int | None = None, schedule: str = "pipelined",
+                      micro_batches: int | None = None) -> ExecutionStrategy:
     """opts.autoBalance inside compile: balance `model`, and the strategy to run it with.
 
     A model with BeginBlock modules or none gets BeginBlock annotations and keeps `strategy`;
@@ -66,7 +70,8 @@ def balanced_strategy(model: nn.Module, args: tuple, kwargs: dict[str, Any], *,
     """
     names, scopes = _ordered(model, args, kwargs)
     placement = _plan(model, names, args, kwargs, devices=devices, scopes=scopes,
-                      memory_budget=memory_budget)
+                      memory_budget=memory_budget, schedule=schedule,
+                      micro_batches=micro_batches)
     if scopes:
         return placement.strategy(type(strategy))
     apply_placement(model, placement)
@@ -82,6 +87,16 @@ def apply_placement(model: nn.Module, placement: Placement) -> nn.Module:
     return model
 
 
+def _schedule_of(options: Any) -> tuple[str, int | None]:
+    """The plan kind and G that `options` train with, for the activations in flight; without
+    options (or with G unset: 1 cannot train pipelined) 1F1B over the smallest G it allows."""
+    if options is None:
+        return "pipelined", None
+    training = options.Training
+    kind = engine_kind(options.execution_strategy.pipelined, training.pipeline_schedule)
+    return kind, training.gradient_accumulation if training.gradient_accumulation > 1 else None
+
+
 def _ordered(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[list[str], bool]:
     """The candidates in execution order, and whether they are block ids; the forward that
     finds them must not change the model (BatchNorm statistics)."""
@@ -92,7 +107,8 @@ def _ordered(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[lis
 def _plan(model: nn.Module, names: list[str], args: tuple, kwargs: dict[str, Any], *,
           devices: int, scopes: bool, memory_budget: int | Sequence[int] | None,
           repeats: int = 5, threads: int | None = None, optimizer_slots: int = 2,
-          link_bytes_per_s: float | None = None) -> Placement:
+          link_bytes_per_s: float | None = None, schedule: str = "pipelined",
+          micro_batches: int | None = None) -> Placement:
     """Profile the candidates and plan; the profiling steps leave the model as it was."""
     previous = torch.get_num_threads()
     if threads is not None:
@@ -106,7 +122,8 @@ def _plan(model: nn.Module, names: list[str], args: tuple, kwargs: dict[str, Any
                                link_bytes_per_s=link_bytes_per_s, scopes=scopes)
     finally:
         torch.set_num_threads(previous)
-    placement = plan(table, devices, budgets=memory_budget, in_flight=default_in_flight)
+    placement = plan(table, devices, budgets=memory_budget, schedule=schedule,
+                     micro_batches=micro_batches)
     lines = placement.strategy_lines() if scopes else placement.begin_block_lines()
     logger.info("Balanced placement:\n%s\nEquivalent %s lines:\n%s", placement.table(),
                 "execution strategy" if scopes else "BeginBlock", "\n".join(lines))

@@ -3,9 +3,10 @@
 At compile time, before any worker starts, `estimate_memory` sizes what each logical device
 (ipu_id) holds at its peak: parameters, buffers, gradients, optimiser state (in host memory
 when offloaded), the activations kept for backward and the values received, each x the
-micro-batches in flight at the schedule's peak. Activations are measured by one forward of
-each stage on the first micro-batch under saved-tensor hooks (`memory.Footprint`); everything
-else is computed from tensor sizes. `check_budget` raises `OutOfMemoryError` when a device is
+micro-batches in flight at the schedule's peak. Activations are found by one forward of each
+captured stage on fake tensors of the first micro-batch under saved-tensor hooks
+(`memory.Footprint`): the host never runs the model; everything else is computed from tensor
+sizes. `check_budget` raises `OutOfMemoryError` when a device is
 over, listing every device by category and the remedies ranked by what each saves on the
 worst device, each computed by re-pricing this estimate:
 
@@ -20,6 +21,7 @@ worst device, each computed by re-pricing this estimate:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,17 +31,20 @@ import torch.nn as nn
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.memory import (
-    Footprint, Size, kept_bytes, measure_forward, optimiser_state_bytes, size_of,
-    staged_footprints, weight_storages,
+    ZERO, Footprint, Size, faked, fake_tensors, kept_bytes, measure_forward, module_tensors,
+    optimiser_state_bytes, replica_plan_length, size_of, staged_footprints,
 )
+from pipetorch.schedule.devices import engine_kind, owners_of, peak_stash
 
 __all__: list[str] = []
 
+logger = logging.getLogger(__name__)
+
 CATEGORIES = ("parameters", "buffers", "gradients", "optimiser_state", "activations",
               "received")
-METHOD = ("activations and received values measured by one forward of each stage on the "
-          "first micro-batch, x the micro-batches in flight at the schedule's peak; the rest "
-          "computed from tensor sizes")
+METHOD = ("activations and received values found by one forward of each stage on fake "
+          "tensors of the first micro-batch, x the micro-batches in flight at the schedule's "
+          "peak; the rest computed from tensor sizes")
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,7 @@ class MemoryEstimate:
     batching: Any  # parallel.local.Batching
     micro_batch_size: int | None
     method: str = METHOD
+    kind: str = "pipelined"  # the plan kind the workers run (schedule.devices.engine_kind)
 
     def table(self, budgets: dict[int, int] | None = None) -> str:
         """The devices by category as text, with their budgets when given."""
@@ -164,36 +170,62 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
     if training and optimizer is not None:
         _check_optimizer(model, optimizer)
     args, kwargs = first
-    ipus = sorted({s.ipu_id for s in stages})
     modes = {m: m.training for m in model.modules()}
     try:
         with preserved(model), ops.running_on_device(), ops.recomputing():
             model.train(training)
-            if len(ipus) == 1:  # the stages run one after another in one process
-                modules, prints = [model], [_whole(model, args, kwargs, training=training)]
-                ipu_of = [ipus[0]]
-            else:
-                from pipetorch.partition.split import CaptureOnce
-
-                capture = capture if capture is not None else CaptureOnce(model, first)
-                staged = capture.split(stages)
-                modules = list(staged.modules)
-                prints = capture.remember(
-                    ("footprints", tuple(stages), training),
-                    lambda: staged_footprints(staged, args, kwargs, training=training))
-                ipu_of = [s.ipu_id for s in stages]
+            modules, ipu_of, sizing = _sizing(model, first, stages, training=training,
+                                              capture=capture)
+            prints, method = _footprints(sizing, len(modules))
     finally:
         for module, mode in modes.items():
             module.training = mode
-    flights = in_flight(len(modules), pipelined=pipelined,
-                        micro_batches=_per_plan(batching, training), training=training,
-                        schedule=schedule, owners=_owners(ipu_of))
+    kind = engine_kind(pipelined, schedule)
+    flights = peak_stash(kind, len(modules), replica_plan_length(batching, training=training),
+                         owners_of(ipu_of), training=training)
     records = tuple(_stage_memory(j, ipu, module, footprint, flight, optimizer, training)
                     for j, (ipu, module, footprint, flight)
                     in enumerate(zip(ipu_of, modules, prints, flights)))
     setting = Setting(training, recomputation and training, offload and training)
     return MemoryEstimate(price(records, setting), records, setting, pipelined, batching,
-                          _batch_size(args, kwargs))
+                          _batch_size(args, kwargs), method, kind)
+
+
+def _sizing(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
+            training: bool, capture: Any
+            ) -> tuple[list[nn.Module], list[int], Callable[[], list[Footprint]]]:
+    """(the stages' modules, their devices, what sizes their Footprints): the whole model on
+    one device, else the capture's stages (their footprints remembered by the capture)."""
+    ipus = sorted({s.ipu_id for s in stages})
+    args, kwargs = first
+    if len(ipus) == 1:  # the stages run one after another in one process
+        return [model], ipus, lambda: [_whole(model, args, kwargs, training=training)]
+    from pipetorch.partition.split import CaptureOnce
+
+    capture = capture if capture is not None else CaptureOnce(model, first)
+    staged = capture.split(stages)
+
+    def sizing() -> list[Footprint]:
+        return capture.remember(("footprints", tuple(stages), training),
+                                lambda: staged_footprints(staged, args, kwargs,
+                                                          training=training))
+
+    return list(staged.modules), [s.ipu_id for s in stages], sizing
+
+
+def _footprints(sizing: Callable[[], list[Footprint]], count: int
+                ) -> tuple[list[Footprint], str]:
+    """The stages' Footprints and the estimate's method; where fake tensors cannot run a
+    stage (an op without a fake kernel), no activations, said in the method and the log,
+    rather than running the model on the host."""
+    try:
+        return sizing(), METHOD
+    except Exception as error:  # noqa: BLE001 - whatever fake tensors raise
+        logger.warning("Memory estimate: fake tensors could not run forward (%s: %s); "
+                       "activations are not counted", type(error).__name__, error)
+        return [Footprint(ZERO, ZERO, ZERO)] * count, (
+            f"activations NOT counted: fake tensors could not run forward "
+            f"({type(error).__name__}: {error}); the rest computed from tensor sizes")
 
 
 def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -207,40 +239,16 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
 
 
 def _whole(model: nn.Module, args: tuple, kwargs: dict, *, training: bool) -> Footprint:
+    """The Footprint of the whole model's forward, run on fake tensors."""
     flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
 
     def forward(*leaves: Any) -> Any:
         a, k = torch.utils._pytree.tree_unflatten(list(leaves), spec)
         return model(*a, **k)
 
-    return measure_forward(forward, flat, weight_storages(model), training=training)[0]
-
-
-def _owners(ipus: list[int]) -> tuple[int, ...]:
-    from pipetorch.schedule.devices import owners_of
-
-    return owners_of(ipus)
-
-
-def _per_plan(batching: Any, training: bool) -> int:
-    """Micro-batches one run of a replica's plan covers: G (training) or D (inference)."""
-    return batching.gradient_accumulation if training else batching.device_iterations
-
-
-def in_flight(stages: int, *, pipelined: bool, micro_batches: int, training: bool,
-              schedule: str = "pipelined", owners: tuple[int, ...] | None = None) -> list[int]:
-    """Most micro-batches each stage holds for backward: the peak stash of the pipeline
-    `schedule` (an engine plan kind; 1F1B's is S - s on stage s) on the stages' devices
-    `owners` (one each by default) when pipelined over several stages, 1 when sharded or
-    alone, 0 in inference."""
-    if not training:
-        return [0] * stages
-    if stages == 1 or not pipelined:
-        return [1] * stages
-    from pipetorch.schedule import devices
-
-    return list(devices.peak_stash(schedule, stages, micro_batches,
-                                   owners or tuple(range(stages))))
+    with fake_tensors() as mode:
+        return measure_forward(forward, flat, module_tensors(model), training=training,
+                               fake=faked(mode))[0]
 
 
 def _stage_memory(index: int, ipu: int, module: nn.Module, footprint: Footprint,
@@ -388,8 +396,7 @@ def _more_stages(estimate: MemoryEstimate) -> tuple[str, str, dict[int, int]]:
     accumulation = batching.gradient_accumulation
     if estimate.pipelined and setting.training:
         accumulation = max(accumulation, 2 * count - 1)
-    flights = in_flight(count, pipelined=estimate.pipelined, training=setting.training,
-                        micro_batches=accumulation)
+    flights = peak_stash(estimate.kind, count, accumulation, training=setting.training)
     halves = []
     for stage in stages:
         for part in (0, 1):

@@ -6,8 +6,9 @@ optimiser state from the optimiser's state tensors (or, before the first step re
 host copy, from the state one step creates on stand-ins of the parameters' dtypes), counted
 in host memory instead of the device's when it is offloaded
 (`setOptimizerLocation(useOnChipStorage(False))`); and the activations kept for backward,
-measured by one forward of each stage under saved-tensor hooks (`Footprint`): the values the
-stage received, the tensors autograd saved and the values it produced, each storage once.
+found by one forward of each stage on fake tensors under saved-tensor hooks (`Footprint`):
+the values the stage received, the tensors autograd saved and the values it produced, each
+storage once.
 At the schedule's peak a stage holds all three for each stashed micro-batch
 (`schedule.checks`' peak stash); with recomputation only what it received and produced,
 plus one micro-batch's saved tensors while its backward recomputes them (`kept_bytes`).
@@ -25,7 +26,6 @@ import torch.nn as nn
 
 from pipetorch.partition.split import Source
 from pipetorch.profiling.summary import is_local, lanes_of, stage_modules
-from pipetorch.profiling.timing import plan_micro_batches
 
 __all__: list[str] = []
 
@@ -136,13 +136,23 @@ class Footprint(NamedTuple):
         return self.received + self.saved + self.outputs
 
 
-def measure_forward(forward: Callable[..., Any], values: list[Any], weights: set[int], *,
-                    training: bool) -> tuple[Footprint, Any]:
-    """Run `forward(*values)` once (with gradients when `training`) and size its Footprint.
+def measure_forward(forward: Callable[..., Any], values: list[Any],
+                    weights: list[torch.Tensor], *, training: bool,
+                    fake: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> tuple[Footprint, Any]:
+    """Run `forward(*values)` once (with gradients when `training`) and size its Footprint;
+    `weights` are the module's parameters and buffers, never counted as activations.
 
     Tensor values are given to forward as fresh copies, as a stage worker receives them, so
-    views of a larger batch count only their own bytes. Returns the Footprint and the output.
+    views of a larger batch count only their own bytes. With `fake` (a FakeTensorMode's
+    `from_tensor`, the mode active) the values and weights are fake tensors: storages and
+    saved tensors as a real run makes them, and nothing computed. Returns the Footprint and the
+    output.
     """
+    if fake is not None:
+        values = [fake(v) if isinstance(v, torch.Tensor) else v for v in values]
+        weights = [fake(w) for w in weights]
+    weight_keys = {_key(w) for w in weights}
     values = [_received(v) for v in values]
     storages: dict[int, Size] = {}
     received = {_key(t) for t in _tensors(values)}
@@ -152,7 +162,7 @@ def measure_forward(forward: Callable[..., Any], values: list[Any], weights: set
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = _key(tensor)
-        if key not in weights and key not in received:
+        if key not in weight_keys and key not in received:
             saved.add(key)
             storages.setdefault(key, _sized(tensor, tensor.untyped_storage().nbytes()))
         return tensor
@@ -163,7 +173,7 @@ def measure_forward(forward: Callable[..., Any], values: list[Any], weights: set
     produced = set()
     for t in _tensors(output):
         key = _key(t)
-        if key not in weights and key not in received:
+        if key not in weight_keys and key not in received:
             produced.add(key)
             storages.setdefault(key, _sized(t, t.untyped_storage().nbytes()))
     saved -= produced  # a produced value stays for backward even when recomputing
@@ -172,6 +182,21 @@ def measure_forward(forward: Callable[..., Any], values: list[Any], weights: set
         return sum((storages[k] for k in keys), ZERO)
 
     return Footprint(total(received), total(saved), total(produced)), output
+
+
+def fake_tensors() -> Any:
+    """A FakeTensorMode that turns the real tensors an op meets (weights) into fake ones;
+    `from_tensor` of it gives the fake tensor of a real one, the same for every call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # imports sympy: only when sizing
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def faked(mode: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`mode.from_tensor` for real tensors; fake tensors (earlier stages' outputs) as they are."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return lambda t: t if isinstance(t, FakeTensor) else mode.from_tensor(t)
 
 
 def kept_bytes(footprint: Footprint, in_flight: int, *, training: bool,
@@ -188,13 +213,14 @@ def kept_bytes(footprint: Footprint, in_flight: int, *, training: bool,
     return (footprint.saved + footprint.outputs).scaled(in_flight), received
 
 
-def weight_storages(module: nn.Module) -> set[int]:
-    """Storage keys of a module's parameters and buffers (never counted as activations)."""
-    return {_key(t) for t in [*module.parameters(), *module.buffers()]}
+def module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """A module's parameters and buffers (model state: never counted as activations)."""
+    return [*module.parameters(), *module.buffers()]
 
 
 def _key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    # The storage object's identity: a fake tensor's (meta) storage has no data pointer.
+    return tensor.untyped_storage()._cdata
 
 
 def _received(value: Any) -> Any:
@@ -231,7 +257,7 @@ def footprints(compiled: Any, sample: tuple[tuple, dict]) -> list[Footprint]:
                     return engine.forward(*a, **k)
 
                 with within(engine.casting):  # forward (and backward) cast as they run
-                    return [measure_forward(whole, flat, weight_storages(engine.model),
+                    return [measure_forward(whole, flat, module_tensors(engine.model),
                                             training=True)[0]]
             return staged_footprints(engine.staged, args, kwargs, training=True)
     finally:
@@ -241,39 +267,50 @@ def footprints(compiled: Any, sample: tuple[tuple, dict]) -> list[Footprint]:
 
 def staged_footprints(staged: Any, args: tuple, kwargs: dict, *,
                       training: bool) -> list[Footprint]:
-    """Each stage's Footprint, running the stages in order on one micro-batch. A stage
-    receives the host inputs it reads and the bundle from the stage before it, which holds
-    the values it relays (`parallel.routes`) as well as those it reads."""
+    """Each stage's Footprint, running the captured stages in order on fake tensors of one
+    micro-batch: nothing is computed and no graph holds real memory. A stage receives the
+    host inputs it reads and the bundle from the stage before it, which holds the values it
+    relays (`parallel.routes`) as well as those it reads. Raises what fake tensors raise on a
+    graph they cannot run (an op without a fake kernel)."""
     from pipetorch.parallel.routes import routes_of
 
-    inputs = staged.flatten_inputs(*args, **kwargs)
-    produced: dict[Any, Any] = {}
-    result = []
-    for j, (module, io, route) in enumerate(zip(staged.modules, staged.io,
-                                                routes_of(staged))):
-        values = [inputs[s[1]] if s.kind == "input" else produced[s] for s in io.inputs]
-        relayed = [produced[s] for s in route.receive if s not in io.inputs]
-        footprint, outputs = measure_forward(lambda *v, m=module: m(*v), values,
-                                             weight_storages(module), training=training)
-        extra = size_of(_tensors(relayed))
-        result.append(footprint._replace(received=footprint.received + extra))
-        for k, value in enumerate(outputs):
-            produced[Source.stage(j, k)] = value
+    with fake_tensors() as mode:
+        fake = faked(mode)
+        inputs = staged.flatten_inputs(*args, **kwargs)
+        produced: dict[Any, Any] = {}
+        result = []
+        for j, (module, io, route) in enumerate(zip(staged.modules, staged.io,
+                                                    routes_of(staged))):
+            values = [inputs[s[1]] if s.kind == "input" else produced[s] for s in io.inputs]
+            relayed = [produced[s] for s in route.receive if s not in io.inputs]
+            footprint, outputs = measure_forward(lambda *v, m=module: m(*v), values,
+                                                 module_tensors(module), training=training,
+                                                 fake=fake)
+            extra = size_of(_tensors(relayed))
+            result.append(footprint._replace(received=footprint.received + extra))
+            for k, value in enumerate(outputs):
+                produced[Source.stage(j, k)] = value
     return result
 
 
-def peak_stash(compiled: Any, *, training: bool) -> list[int]:
-    """Most micro-batches each lane holds for backward at once under its schedule."""
-    engine = compiled.engine
-    if not training:
-        return [0] * len(lanes_of(compiled))
-    if is_local(engine):
-        return [1]  # each micro-batch's backward follows its forward
-    from pipetorch.schedule import devices
+def replica_plan_length(batching: Any, *, training: bool) -> int:
+    """Micro-batches one run of a replica's plan covers: G (training) or D (inference)."""
+    return batching.gradient_accumulation if training else batching.device_iterations
 
-    per_plan = plan_micro_batches(engine.batching, training=True)
-    owners = getattr(engine, "owners", None) or tuple(range(len(compiled.stages)))
-    return list(devices.peak_stash(engine.schedule, len(compiled.stages), per_plan, owners))
+
+def stash_per_lane(compiled: Any, *, training: bool) -> list[int]:
+    """Most micro-batches each lane holds for backward at once: the schedule's peak stash
+    (`schedule.devices.peak_stash`) of the plan its engine runs; the local engine runs each
+    micro-batch's forward and backward in turn, as one sharded stage."""
+    from pipetorch.schedule.devices import peak_stash
+
+    engine = compiled.engine
+    per_plan = replica_plan_length(engine.batching, training=training)
+    if is_local(engine):
+        return list(peak_stash("sharded", 1, per_plan, training=training))
+    owners = getattr(engine, "owners", None)
+    return list(peak_stash(engine.schedule, len(compiled.stages), per_plan, owners,
+                           training=training))
 
 
 def _in_this_process_cuda(compiled: Any) -> torch.device | None:
@@ -316,7 +353,7 @@ def build(compiled: Any, *, training: bool, options: Any,
     peak = measured_peak(compiled)  # before the sizing forward below adds to it
     lanes = lanes_of(compiled)
     modules = stage_modules(compiled) or [engine.model]
-    held = peak_stash(compiled, training=training)
+    held = stash_per_lane(compiled, training=training)
     recomputation = training and recomputing(options)
     prints: list[Footprint | None] = [None] * len(lanes)
     if not training:
@@ -326,7 +363,8 @@ def build(compiled: Any, *, training: bool, options: Any,
     else:
         activations_method = (
             "measured: the tensors one micro-batch's forward receives, saves for backward and "
-            "produces, x the schedule's peak stashed micro-batches" + (
+            "produces (stage workers' stages run on fake tensors), x the schedule's peak "
+            "stashed micro-batches" + (
                 "; with recomputation only the received and produced ones are stashed, plus "
                 "one micro-batch's saved tensors recomputed during its backward"
                 if recomputation else ""))

@@ -188,11 +188,14 @@ def _auto_balance(model: nn.Module, args: tuple, kwargs: dict, config: RunConfig
     """opts.autoBalance: place the model's stages by measured cost before capturing it; the
     strategy to run with (the options' own, or its kind over the balanced Block scopes)."""
     from pipetorch.profiling.balancing import balanced_strategy
+    from pipetorch.schedule.devices import engine_kind
 
     budget = config.memory_budget
     return balanced_strategy(model, args, kwargs, devices=config.balance_devices,
                              strategy=config.strategy,
-                             memory_budget=budget if isinstance(budget, int) else None)
+                             memory_budget=budget if isinstance(budget, int) else None,
+                             schedule=engine_kind(config.strategy.pipelined, config.schedule),
+                             micro_batches=config.batching.gradient_accumulation)
 
 
 def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec],

@@ -169,12 +169,25 @@ def runs(kind: str, owners: Sequence[int], micro_batches: int) -> str:
     return kind
 
 
+def engine_kind(pipelined: bool, pipeline_schedule: str) -> str:
+    """The plan kind the stage workers run: "sharded", or the pipelined one
+    (Training.pipelineSchedule; its "1f1b" is "pipelined")."""
+    if not pipelined:
+        return "sharded"
+    return "pipelined" if pipeline_schedule == "1f1b" else pipeline_schedule
+
+
 def peak_stash(kind: str, stages: int, micro_batches: int,
-               owners: Sequence[int]) -> tuple[int, ...]:
-    """Most micro-batches each stage holds for backward at once when training under plan
-    kind `kind` ("auto": the most of any schedule it may pick)."""
+               owners: Sequence[int] | None = None, *, training: bool = True
+               ) -> tuple[int, ...]:
+    """Most micro-batches each stage holds for backward at once: the peak stash of the device
+    plan the workers run for plan kind `kind` (`engine_kind`; "auto": the most of any
+    schedule it may pick) with stage s on device `owners[s]` (one each by default); 0 in
+    inference. The one count of micro-batches in flight: the memory estimate, the memory
+    report and the balancer all price activations with it."""
+    owners = tuple(range(stages)) if owners is None else tuple(owners)
     kinds = ["pipelined", "zero_bubble", *INTERLEAVED] if kind == "auto" else [kind]
-    peaks = [check_devices(device_plan(k, stages, micro_batches, owners, training=True),
+    peaks = [check_devices(device_plan(k, stages, micro_batches, owners, training=training),
                            owners).peak_stash for k in kinds]
     return tuple(max(column) for column in zip(*peaks))
 

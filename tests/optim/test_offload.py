@@ -150,3 +150,33 @@ def test_on_cuda_the_state_waits_in_pinned_host_memory():
     assert between == [{"cpu"}] * STEPS
     assert inside == [set()] + [{"cuda"}] * (STEPS - 1)  # no state before the first step
     assert_equal_weights(model, other)
+
+
+def test_unpickling_an_offloaded_optimiser_neither_pins_nor_asks_cuda(monkeypatch):
+    # Issue 29: a stage worker unpickled its offloaded optimiser before set_device, and the
+    # unpickling pinned the state: a CUDA context on cuda:0 in every worker.
+    model, optimizer, *_ = pair(MAKERS["torch.Adam"])
+    offload_state(optimizer)
+    train(model, optimizer, 1)
+    pickled = pickle.dumps(optimizer)
+    calls = []
+    real_empty_like = torch.empty_like
+
+    def empty_like(*args, pin_memory=False, **kwargs):  # a CPU-only torch cannot pin
+        calls.append(f"empty_like(pin_memory={pin_memory})")
+        return real_empty_like(*args, **kwargs)
+
+    def is_available():
+        calls.append("cuda.is_available")
+        return True
+
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: calls.append("pin_memory"))
+    copy = pickle.loads(pickled)
+    assert is_offloaded(copy) and calls == []
+    params = [p for group in copy.param_groups for p in group["params"]]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    copy.step()  # the first step's post-hook pins, once CUDA is the worker's
+    assert "empty_like(pin_memory=True)" in calls

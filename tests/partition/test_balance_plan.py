@@ -6,14 +6,14 @@ import random
 import pytest
 
 from pipetorch.errors import OutOfMemoryError
-from pipetorch.partition.balance import (Segment, default_in_flight, plan,
-                                         propose_gradient_accumulation)
+from pipetorch.partition.balance import Segment, plan, propose_gradient_accumulation
+from pipetorch.schedule.devices import peak_stash
 
 
 def _brute(segments, devices, caps):
     """Earliest-cuts placement among those with the least slowest stage, by enumeration."""
     n = len(segments)
-    flight = default_in_flight(devices)
+    flight = peak_stash("pipelined", devices, propose_gradient_accumulation(devices))
     plans = []
     for cuts in itertools.combinations(range(1, n), devices - 1):
         starts = (0,) + cuts

@@ -169,7 +169,8 @@ def test_the_error_lists_devices_categories_and_ranked_remedies():
     assert ("opts.TensorLocations.setOptimizerLocation(poptorch.TensorLocationSettings()"
             ".useOnChipStorage(False))") in text
     assert "model.half()" in text and "gradientAccumulation(8)" in text
-    assert "measured by one forward of each stage" in text
+    # the method now names fake tensors: the estimate no longer runs forward on real ones
+    assert "found by one forward of each stage on fake tensors" in text
 
 
 def test_applying_a_remedy_that_fits_passes_the_check():
@@ -249,19 +250,94 @@ def test_memory_budget_defaults_to_none_and_freezes():
         opts.setMemoryBudget(5)
 
 
-def test_the_stash_follows_the_pipeline_schedule():
+def test_the_schedules_stash_follows_its_plan():
     """1F1B holds S - s micro-batches on stage s; ZB-H1 keeps each micro-batch until its
     deferred weight gradient, so later stages hold more; interleaved 1F1B's round-robin
     stages hold what their plan does; "auto" prices the most any pick would hold."""
-    from pipetorch.profiling.estimate import in_flight
+    from pipetorch.schedule.devices import peak_stash
 
-    def stash(kind, owners=(0, 1, 0, 1)):
-        return in_flight(4, pipelined=True, micro_batches=8, training=True, schedule=kind,
-                         owners=owners)
+    def stash(kind, owners=(0, 1, 0, 1), **training):
+        return peak_stash(kind, 4, 8, owners, **training)
 
-    assert in_flight(4, pipelined=True, micro_batches=8, training=True) == [4, 3, 2, 1]
-    assert stash("zero_bubble", owners=None) == [4, 4, 4, 4]
-    assert stash("interleaved") == [4, 3, 2, 1]  # device 0: 4 + 2 stage-sized stashes
-    assert stash("interleaved_zero_bubble") == [4, 4, 2, 2]
-    assert stash("auto") == [4, 4, 4, 4]
-    assert in_flight(4, pipelined=False, micro_batches=8, training=True) == [1] * 4
+    assert stash("pipelined", owners=None) == (4, 3, 2, 1)
+    assert stash("zero_bubble", owners=None) == (4, 4, 4, 4)
+    assert stash("interleaved") == (4, 3, 2, 1)  # device 0: 4 + 2 stage-sized stashes
+    assert stash("interleaved_zero_bubble") == (4, 4, 2, 2)
+    assert stash("auto") == (4, 4, 4, 4)
+    assert stash("sharded") == (1,) * 4
+    assert stash("pipelined", training=False) == (0,) * 4
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "interleaved",
+                                      "interleaved_zero_bubble"])
+def test_estimate_report_and_balancer_count_the_schedules_stash(schedule):
+    # Issue 29: four functions counted the micro-batches in flight, and the balancer assumed
+    # 1F1B whatever the schedule; all three now read the schedule's peak stash.
+    from types import SimpleNamespace
+
+    from helpers.models import MnistNetwork
+    from pipetorch.partition.balance import Segment, evaluate
+    from pipetorch.profiling.memory import stash_per_lane
+    from pipetorch.schedule.devices import engine_kind, peak_stash
+
+    owners, accumulation = (0, 1, 0, 1), 8
+    kind = engine_kind(True, schedule)
+    stages = [StageSpec(j, ipu, (f"B{j + 1}",)) for j, ipu in enumerate(owners)]
+    found = estimate_memory(MnistNetwork(), ((torch.randn(M, 1, 28, 28),), {}), stages,
+                            batching=Batching(1, accumulation, 1), optimizer=None,
+                            pipelined=True, training=True, offload=False,
+                            recomputation=False, schedule=schedule)
+    expected = peak_stash(kind, 4, accumulation, owners)
+    assert tuple(s.in_flight for s in found.stages) == expected
+    engine = SimpleNamespace(schedule=kind, batching=Batching(1, accumulation, 1), owners=owners)
+    report = stash_per_lane(SimpleNamespace(engine=engine, stages=stages), training=True)
+    assert tuple(report) == expected
+    # The balancer places one stage per device: the schedule on owners 0, 1, 2, 3.
+    unit = [Segment(f"s{j}", 1.0, activation_bytes=1) for j in range(4)]
+    placement = evaluate(unit, (0, 1, 2, 3), schedule=kind, micro_batches=accumulation)
+    assert tuple(s.peak_bytes for s in placement.stages) == peak_stash(kind, 4, accumulation)
+
+
+@pytest.mark.parametrize("stages", [STAGES, [StageSpec(0, 0, ())]], ids=["two-devices", "one"])
+def test_the_estimate_runs_no_forward_on_real_tensors(stages):
+    # Issue 29: the estimate ran every stage eagerly with autograd on the host CPU, keeping
+    # every stage's graph alive (tens of GB for a model that needs pipelining).
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+
+    from pipetorch.partition.split import CaptureOnce
+
+    model, x = ReluStages(), torch.randn(M, 6)
+    capture = CaptureOnce(model, ((x,), {}))
+    staged = capture.split(stages) if len(stages) > 1 else None
+    calls = []  # per forward: whether a real tensor came in
+
+    def record(module, args):
+        calls.append(any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+                         for t in tree_leaves(args)))
+
+    for module in [model, *(staged.modules if staged else ())]:
+        module.register_forward_pre_hook(record)
+    found = estimate_memory(model, ((x,), {}), stages, batching=Batching(1, 4, 1),
+                            optimizer=torch.optim.Adam(model.parameters()), pipelined=True,
+                            training=True, offload=False, recomputation=False, capture=capture)
+    assert calls and not any(calls), calls  # forward ran, on fake tensors only
+    assert found.devices[0].activations > 0 and "fake tensors" in found.method
+
+
+def test_a_forward_fake_tensors_cannot_run_is_not_run_for_real(caplog):
+    class ReadsAValue(nn.Module):  # float() of a tensor needs its data: fake tensors refuse
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 8)
+
+        def forward(self, x):
+            return self.fc(x) * float(x.abs().sum() > 0)
+
+    model, calls = ReadsAValue(), []
+    model.register_forward_pre_hook(lambda module, args: calls.append(type(args[0]).__name__))
+    found = estimate(model, stages=[StageSpec(0, 0, ())], optimizer="sgd")
+    assert calls == ["FakeTensor"]
+    assert found.devices[0].activations == 0 and found.devices[0].received == 0
+    assert found.method.startswith("activations NOT counted: fake tensors could not run")
+    assert "activations are not counted" in caplog.text
