@@ -12,11 +12,10 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.testing import assert_close
 
 import pipetorch as poptorch
-from helpers.models import regression_data
+from helpers.models import Regressor, regression_data
 from pipetorch.optim import scaling
 
 OPTIMIZERS = [poptorch.optim.SGD, poptorch.optim.Adam, poptorch.optim.AdamW,
@@ -34,17 +33,6 @@ class SumOfSquares(nn.Module):
     def forward(self, x):
         out = self.lin(x)
         return out, poptorch.identity_loss(out.float().pow(2).sum(), reduction="sum")
-
-
-class Regressor(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(3, 2)
-
-    def forward(self, x, y):
-        out = self.lin(x)
-        return out, F.mse_loss(out, y)
 
 
 def als_options():

@@ -7,28 +7,15 @@ import logging
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.optim.lr_scheduler import ExponentialLR
 from torch.testing import assert_close
 
 import pipetorch as poptorch
-from helpers.models import regression_data
+from helpers.models import Regressor, regression_data
 from helpers.reference import assert_same_weights, plain_steps
 from pipetorch.optim import scaling
 
 ALS_KEY = "automaticLossScalingSettings.enabled"
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(3, 2)
-
-    def forward(self, x, y):
-        out = self.lin(x)
-        return out, F.mse_loss(out, y)
 
 
 def _data(steps=3, seed=1):
@@ -44,7 +31,7 @@ POPTORCH = [poptorch.optim.SGD, poptorch.optim.Adam, poptorch.optim.AdamW,
 def test_state_dict_holds_ipu_state_and_ipu_param_once_compiled(cls):
     # PopTorch's test_read_ipu_state: both None before compiling, filled by compile().
     lr, wd, ls = 0.05, 0.025, 0.75
-    model = Net()
+    model = Regressor()
     optimizer = cls(model.parameters(), lr=lr, weight_decay=wd, loss_scaling=ls)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
     state = optimizer.state_dict()
@@ -72,7 +59,7 @@ def test_state_dict_holds_ipu_state_and_ipu_param_once_compiled(cls):
 
 def test_the_compiled_state_is_the_one_torch_starts_from():
     # Reading the state before the first step and writing it back changes no number.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data()
     optimizer = poptorch.optim.Adam(model.parameters(), lr=0.01)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
@@ -89,7 +76,7 @@ def test_the_compiled_state_is_the_one_torch_starts_from():
 
 def test_written_ipu_state_and_ipu_param_read_back_and_drive_the_next_step():
     # PopTorch's test_write_ipu_state: random values written, read back, then used.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data(2)
     optimizer = poptorch.optim.Adam(model.parameters(), lr=0.01)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
@@ -125,7 +112,7 @@ def test_written_ipu_state_and_ipu_param_read_back_and_drive_the_next_step():
 def test_a_checkpoint_restores_the_learning_rate_and_the_state(tmp_path):
     # PopTorch's test_write_ipu_state_from_checkpoint, here rewinding a running model's
     # optimiser to the checkpoint, against plain PyTorch doing the same.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data(4)
     optimizer = poptorch.optim.Adam(model.parameters(), lr=1.0)
     scheduler = ExponentialLR(optimizer, 0.5)
@@ -163,7 +150,7 @@ def test_a_checkpoint_restores_the_learning_rate_and_the_state(tmp_path):
 
 
 def test_ipu_param_values_must_fit_pipetorchs_param_groups():
-    model = Net()
+    model = Regressor()
     optimizer = poptorch.optim.RMSprop(model.parameters(), lr=0.01)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
     wrapped.compile(*_data(1)[0])
@@ -179,7 +166,7 @@ def test_ipu_param_values_must_fit_pipetorchs_param_groups():
 def test_a_loaded_ipu_param_keeps_the_groups_exact_values():
     # ipu_param holds float32 scalars: loading a checkpoint turned lr 0.01 into
     # 0.009999999776, and a resumed run no longer repeated the saved one's losses.
-    model = Net()
+    model = Regressor()
     optimizer = poptorch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.9))
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
     wrapped(*_data(1)[0])
@@ -204,8 +191,8 @@ class PopTorchStyleAdamW(poptorch.optim.Optimizer, torch.optim.AdamW):
 
 def test_poptorch_optim_optimizer_is_the_base_and_subclasses_in_its_style_train():
     assert all(issubclass(cls, poptorch.optim.Optimizer) for cls in POPTORCH)
-    assert not isinstance(torch.optim.SGD(Net().parameters(), lr=0.1), poptorch.optim.Optimizer)
-    model, reference = Net(), Net()
+    assert not isinstance(torch.optim.SGD(Regressor().parameters(), lr=0.1), poptorch.optim.Optimizer)
+    model, reference = Regressor(), Regressor()
     data = _data()
     optimizer = PopTorchStyleAdamW(model.parameters(), lr=0.01, loss_scaling=64.0)
     assert optimizer.loss_scaling == 64.0 and optimizer.max_grad_norm == float("inf")
@@ -229,9 +216,9 @@ def test_poptorch_optim_optimizer_is_the_base_and_subclasses_in_its_style_train(
 def test_arguments_passed_explicitly_are_variable(cls, args):
     # PopTorch's test_variable_default: its default values, passed explicitly, are variable;
     # left out, they are constant (and so they are for torch's own optimiser).
-    given = cls(Net().parameters(), lr=1.0, **args).variable_attrs
-    left_out = cls(Net().parameters(), lr=1.0).variable_attrs
-    torch_opt = getattr(torch.optim, cls.__name__)(Net().parameters(), lr=1.0, **args)
+    given = cls(Regressor().parameters(), lr=1.0, **args).variable_attrs
+    left_out = cls(Regressor().parameters(), lr=1.0).variable_attrs
+    torch_opt = getattr(torch.optim, cls.__name__)(Regressor().parameters(), lr=1.0, **args)
     for name in args:
         assert not given.isConstant(name), name
         assert left_out.isConstant(name), name
@@ -242,7 +229,7 @@ def test_arguments_passed_explicitly_are_variable(cls, args):
 
 def test_loss_scaling_passed_explicitly_may_change_through_set_optimizer():
     # PopTorch's test_optimizer_const: loss_scaling=1.0 given, then 2.0 via setOptimizer.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data()
     optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=1.0)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
@@ -265,7 +252,7 @@ def test_loss_scaling_passed_explicitly_may_change_through_set_optimizer():
 
 def test_poptorchs_private_names_mark_everything_variable():
     # PopTorch's own tests do this to make every attribute variable.
-    optimizer = poptorch.optim.SGD(Net().parameters(), lr=0.1)
+    optimizer = poptorch.optim.SGD(Regressor().parameters(), lr=0.1)
     attrs = optimizer.variable_attrs
     assert attrs.isConstant("momentum")
     attrs._variable_attributes = copy.deepcopy(attrs._allowed_attributes)
@@ -293,7 +280,7 @@ def _train_once(optimizer, model):
 def test_overridden_step_and_zero_grad_are_named_in_a_warning_once(caplog):
     logger = "pipetorch.runtime.optimizer"
     with caplog.at_level(logging.WARNING, logger=logger):
-        model = Net()
+        model = Regressor()
         _train_once(LoggingSGD(model.parameters(), lr=0.1), model)
         _train_once(LoggingSGD(model.parameters(), lr=0.1), model)  # once per message
         _train_once(ZeroingAdam(model.parameters(), lr=0.1), model)
@@ -307,7 +294,7 @@ def test_overridden_step_and_zero_grad_are_named_in_a_warning_once(caplog):
 
 def test_step_hooks_and_other_optimiser_types_are_named_in_a_warning(caplog):
     logger = "pipetorch.runtime.optimizer"
-    model = Net()
+    model = Regressor()
     hooked = poptorch.optim.Adam(model.parameters(), lr=0.1)
     hooked.register_step_post_hook(lambda *args: None)
     with caplog.at_level(logging.WARNING, logger=logger):
@@ -338,7 +325,7 @@ def test_automatic_loss_scaling_reads_back_under_poptorchs_popart_option():
 def test_the_popart_option_turns_automatic_loss_scaling_on():
     # PopTorch's setAutomaticLossScaling only sets this PopART option: setting it directly
     # is the same, and the optimiser then reports lossScaleUpdateFactor.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data()
     opts = poptorch.Options()
     opts._Popart.set(ALS_KEY, True)

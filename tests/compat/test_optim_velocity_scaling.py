@@ -7,23 +7,10 @@ scaling follow a new loss scaling. The combined variant uses velocity_scaling as
 """
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.testing import assert_close
 
 import pipetorch as poptorch
-from helpers.models import regression_data
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(3, 2)
-
-    def forward(self, x, y):
-        out = self.lin(x)
-        return out, F.mse_loss(out, y)
+from helpers.models import Regressor, regression_data
 
 
 def velocity_scalings(optimizer):
@@ -33,7 +20,7 @@ def velocity_scalings(optimizer):
 
 
 def test_the_separate_variant_matches_velocity_scaling_to_loss_scaling():
-    model = Net()
+    model = Regressor()
     optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, loss_scaling=2.0,
                                    use_combined_accum=False)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
@@ -52,7 +39,7 @@ def test_the_separate_variant_matches_velocity_scaling_to_loss_scaling():
 
 @pytest.mark.parametrize("use_combined_accum, want", [(True, 3.0), (False, 2.0)])
 def test_velocity_scaling_is_the_groups_only_in_the_combined_variant(use_combined_accum, want):
-    model = Net()
+    model = Regressor()
     optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, loss_scaling=2.0,
                                    velocity_scaling=3.0, use_combined_accum=use_combined_accum)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
@@ -65,13 +52,13 @@ def test_velocity_scaling_is_the_groups_only_in_the_combined_variant(use_combine
 def test_the_velocity_scaling_reported_does_not_change_the_numbers():
     # The separate variant's numbers stay torch's SGD with momentum whatever the scaling.
     data = regression_data(3, inputs=3, outputs=2, seed=0)
-    plain = Net()
+    plain = Regressor()
     reference = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     for x, y in data:
         reference.zero_grad()
         plain(x, y)[1].backward()
         reference.step()
-    model = Net()
+    model = Regressor()
     wrapped = poptorch.trainingModel(model, optimizer=poptorch.optim.SGD(
         model.parameters(), lr=0.1, momentum=0.9, loss_scaling=2.0, use_combined_accum=False))
     for x, y in data:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import pipetorch as poptorch
 
@@ -172,3 +173,17 @@ def regression_data(steps: int, *, inputs: int, outputs: int, seed: int, rows: i
     gen = torch.Generator().manual_seed(seed)
     return [(torch.randn(rows, inputs, generator=gen), torch.randn(rows, outputs, generator=gen))
             for _ in range(steps)]
+
+
+class Regressor(nn.Module):
+    """One Linear(3, 2) seeded the same every time, with an MSE loss (regression_data's
+    shapes): the model of the optimiser compatibility tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x, y):
+        out = self.lin(x)
+        return out, F.mse_loss(out, y)
