@@ -10,8 +10,8 @@ import torch.nn as nn
 from pipetorch.parallel import pool
 from pipetorch.parallel.engine import ProcessEngine
 from pipetorch.parallel.placement import place
-from pipetorch.parallel.routes import routes_of, value_specs
-from pipetorch.partition.split import CaptureOnce
+from pipetorch.parallel.routes import Route, routes_of, value_specs
+from pipetorch.partition.split import CaptureOnce, StagedModel
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.partition.probe import preserved
 from pipetorch.parallel.compiled import CompiledStage
@@ -45,6 +45,22 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     "interleaved_zero_bubble" or "auto").
     """
     pool.prestart()  # the workers' zygote imports torch while this process splits the model
+    staged, routes, specs = stage_graphs(
+        model, first, stages, training=training, recomputation=recomputation,
+        capture=capture, compile_backend=compile_backend, loss_index=loss_index)
+    return ProcessEngine(model, staged, routes, specs, batching=batching, optimizer=optimizer,
+                         schedule=_schedule(pipelined, pipeline_schedule),
+                         placements=place(stages, replicas=batching.replication_factor),
+                         process=process, seed=seed)
+
+
+def stage_graphs(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
+                 training: bool, recomputation: bool, capture: CaptureOnce | None = None,
+                 compile_backend: str | None = None, loss_index: int | None = None
+                 ) -> tuple[StagedModel, list[Route], dict]:
+    """`model` split into `stages` for the input signature of `first` (one micro-batch): the
+    stage modules as workers run them, their routes, and the specs of the values crossing
+    stages (see `process_engine` for the arguments)."""
     args, kwargs = first
     capture = capture if capture is not None else CaptureOnce(model, first)
     staged = capture.split(stages)
@@ -61,10 +77,7 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     if compile_backend is not None:
         staged = dataclasses.replace(
             staged, modules=[CompiledStage(m, compile_backend) for m in staged.modules])
-    return ProcessEngine(model, staged, routes, specs, batching=batching, optimizer=optimizer,
-                         schedule=_schedule(pipelined, pipeline_schedule),
-                         placements=place(stages, replicas=batching.replication_factor),
-                         process=process, seed=seed)
+    return staged, routes, specs
 
 
 def _schedule(pipelined: bool, pipeline_schedule: str) -> str:
