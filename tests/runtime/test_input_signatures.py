@@ -16,6 +16,7 @@ from pipetorch.errors import InputMismatchError
 from pipetorch.parallel.engine import ProcessEngine
 from pipetorch.parallel.local import LocalEngine
 from pipetorch.parallel.signatures import bind, skeleton
+from pipetorch.runtime.artefact import saved_inputs
 
 LENGTHS = (16, 24, 16, 32, 24)
 B = 2
@@ -170,3 +171,22 @@ def test_a_skeleton_holds_no_weights_and_binds_to_the_held_ones():
     assert all(p.device.type == "meta" for p in bare.parameters())
     bound = bind(bare, held)
     assert [id(p) for p in bound.parameters()] == [id(p) for p in held.parameters()]
+
+
+def test_save_after_another_signature_writes_the_first_one(request, tmp_path):
+    # The saved graph is the first call's; its signature (not the last call's) goes with it.
+    torch.manual_seed(0)
+    net = TokenTagger(1)
+    model = poptorch.inferenceModel(net, options(1))
+    request.addfinalizer(model.destroy)
+    first, other = token_batch(B, 16)[0], token_batch(B, 24)[0]
+    model(first)
+    model(other)
+    model.save(str(tmp_path / "model.pex"))
+    args, _ = saved_inputs(tmp_path / "model.pex")
+    assert args[0].shape == first.shape
+    loaded = poptorch.load(str(tmp_path / "model.pex"))
+    request.addfinalizer(loaded.destroy)
+    net.eval()
+    with torch.no_grad():
+        assert_close(loaded(first), net(first))
