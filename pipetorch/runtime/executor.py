@@ -260,7 +260,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 lambda: self._first_micro_batch(args, kwargs), None):
             key, synthetic = add_signature(compiled, args, kwargs,
                                            config=run_config(self._options),
-                                           training=self._training)
+                                           training=self._training, device=self._device)
         assert key == len(self._signatures)
         self._signatures.append((signature, synthetic))
         compiled.engine.use(key)

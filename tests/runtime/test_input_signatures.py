@@ -190,3 +190,17 @@ def test_save_after_another_signature_writes_the_first_one(request, tmp_path):
     net.eval()
     with torch.no_grad():
         assert_close(loaded(first), net(first))
+
+
+def test_a_new_signature_over_the_memory_budget_is_refused_and_the_others_still_run(request):
+    from pipetorch.errors import OutOfMemoryError
+
+    opts = options(1).setMemoryBudget(200_000)  # sequences of 16 fit, of 4096 do not
+    model = poptorch.trainingModel(TokenTagger(1), opts)
+    request.addfinalizer(model.destroy)
+    model(*token_batch(B, 16))
+    with pytest.raises(OutOfMemoryError):
+        model(*token_batch(B, 4096))
+    model(*token_batch(B, 16))
+    model(*token_batch(B, 24))
+    assert len(model._signatures) == 2
