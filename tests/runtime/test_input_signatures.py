@@ -204,3 +204,23 @@ def test_a_new_signature_over_the_memory_budget_is_refused_and_the_others_still_
     model(*token_batch(B, 16))
     model(*token_batch(B, 24))
     assert len(model._signatures) == 2
+
+
+@pytest.mark.slow
+def test_replicas_train_over_lengths_as_plain_pytorch(request):
+    """Two replicas (a worker each): every worker gets each signature, the all-reduce too."""
+    torch.manual_seed(0)
+    net = TokenTagger(1)
+    plain = copy.deepcopy(net)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opts = options(1).replicationFactor(2)
+    model = poptorch.trainingModel(net, opts, optimizer=poptorch.optim.SGD(
+        net.parameters(), lr=0.1, momentum=0.9))
+    request.addfinalizer(model.destroy)
+    for call, length in enumerate(LENGTHS):
+        ids, labels = token_batch(2 * B, length, seed=call)
+        loss = model(ids, labels)[1].as_subclass(torch.Tensor)
+        want = plain_call(plain, plain_opt, ids, labels, G=2)  # replica 1's micro-batch last
+        assert_close(loss[1], want, msg=f"call {call} ({length})")
+    assert len(model._compiled.engine.worker_pids) == 2
+    assert_same_weights(net, plain)
