@@ -266,9 +266,10 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         compiled.engine.use(key)
         compiled.synthetic, self._signature = synthetic, signature
         logger.warning(
-            "Input signature %d added (%s): captured and split for it in %.2fs; it runs on the "
-            "same devices, weights and optimiser state (Options.inputSignatures)",
-            key + 1, problem, time.perf_counter() - start)
+            "Input signature %d added in %.2fs (captured and split for this call's inputs, "
+            "which differ from the last call's: %s); it runs on the same devices, weights and "
+            "optimiser state (Options.inputSignatures)", key + 1, time.perf_counter() - start,
+            problem)
 
     def _bound(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call as forward's full argument list, defaults filled in, as PopTorch's
