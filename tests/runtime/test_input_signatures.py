@@ -224,3 +224,35 @@ def test_replicas_train_over_lengths_as_plain_pytorch(request):
         assert_close(loss[1], want, msg=f"call {call} ({length})")
     assert len(model._compiled.engine.worker_pids) == 2
     assert_same_weights(net, plain)
+
+
+class LengthPlaced(torch.nn.Module):
+    """`mid` runs on device 0 for long sequences and on device 1 for short ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 8)
+        self.mid, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, ids):
+        with poptorch.Block("a", ipu_id=0):
+            h = self.embed(ids)
+            if ids.shape[1] > 20:
+                h = self.mid(h)
+        with poptorch.Block("b", ipu_id=1):
+            if ids.shape[1] <= 20:
+                h = self.mid(h)
+            return self.head(h)
+
+
+@pytest.mark.slow
+def test_a_signature_that_moves_weights_to_another_device_is_refused(request):
+    from pipetorch.errors import CompileError
+
+    model = poptorch.inferenceModel(LengthPlaced(), options(2, D=2))
+    request.addfinalizer(model.destroy)
+    short = token_batch(2 * B, 16)[0]
+    want = model(short)
+    with pytest.raises(CompileError, match=r"splits the model differently.*mid\.weight"):
+        model(token_batch(2 * B, 24)[0])
+    assert_close(model(short), want)  # the first signature still runs
