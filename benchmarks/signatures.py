@@ -9,8 +9,8 @@ gradient accumulation 4, micro-batch 2, AdamW) on calls of sequence lengths 16, 
 24, and prints each call's seconds: a call with a new length pays its capture and split
 (the first call also starts the workers); a repeated length runs at once. It then builds a
 second wrapper with the same executable cache folder (POPTORCH_CACHE_DIR) and runs the same
-calls: the captures come from the cache. (On one device a new signature is probed by one
-eager forward, cache or not.) Timings on a shared machine vary by tens of percent: compare
+calls: the captures come from the cache. A repeat includes telling the workers to switch
+signatures (one round trip). Timings on a shared machine vary by tens of percent: compare
 the kinds of call, not single numbers.
 """
 from __future__ import annotations
