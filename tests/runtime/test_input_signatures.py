@@ -256,3 +256,11 @@ def test_a_signature_that_moves_weights_to_another_device_is_refused(request):
     with pytest.raises(CompileError, match=r"splits the model differently.*mid\.weight"):
         model(token_batch(2 * B, 24)[0])
     assert_close(model(short), want)  # the first signature still runs
+
+
+def test_synthetic_data_follows_the_signature_of_the_call(request):
+    opts = options(1).enableSyntheticData(True)
+    model = poptorch.inferenceModel(TokenTagger(1), opts)
+    request.addfinalizer(model.destroy)
+    for length in (16, 24, 16):
+        assert model(token_batch(B, length)[0]).shape == (B, length, 20)
