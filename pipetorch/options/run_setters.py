@@ -48,6 +48,7 @@ class RunSetters(OptionGroup):
         "max_repeat_logs": 4,
         "updatable_named_buffers": [],
         "check_non_finite": False,  # pipetorch extension: checkNonFinite()
+        "input_signatures": "one",  # pipetorch extension: inputSignatures("several")
     }
     _env_profiling_dir: str | None = None
 
@@ -83,6 +84,8 @@ class RunSetters(OptionGroup):
         "updatable_named_buffers", "Buffers copyNamedBuffersToDevice() sends to the device.")
     check_non_finite = readback(
         "check_non_finite", "Whether calls check inputs, outputs and weights for NaN/Inf.")
+    input_signatures = readback(
+        "input_signatures", "How many input signatures a wrapper runs: 'one' or 'several'.")
 
     @property
     def execution_strategy(self) -> Any:
@@ -300,4 +303,25 @@ class RunSetters(OptionGroup):
         Precision.enableFloatingPointExceptions, stays a no-op here.
         """
         self._set(check_non_finite=check.boolean("checkNonFinite", "enabled", enabled))
+        return self
+
+    def inputSignatures(self, signatures: str) -> Options:
+        """pipetorch extension: how many input signatures (shapes, dtypes, structure of a
+        call's arguments) one wrapper runs.
+
+        "one" (the default, PopTorch's behaviour): a call whose inputs differ from the first
+        call's raises InputMismatchError. "several": each new signature (a sequence length
+        16, then 24) is captured and split once more, on its first call, and the wrapper
+        keeps every signature's stage graphs; all of them run on the same workers with the
+        same weights and optimiser state, so training calls of any signature update one
+        model, as plain PyTorch does. The first call of each new signature logs a warning
+        with what adding it cost.
+        """
+        if not isinstance(signatures, str):
+            raise check.type_error("inputSignatures", "signatures", signatures,
+                                   "'one' or 'several'")
+        if signatures not in ("one", "several"):
+            raise check.value_error("inputSignatures", "signatures", signatures,
+                                    "'one' (PopTorch's single signature) or 'several'")
+        self._set(input_signatures=signatures)
         return self

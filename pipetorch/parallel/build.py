@@ -10,8 +10,8 @@ import torch.nn as nn
 from pipetorch.parallel import mapped, pool
 from pipetorch.parallel.engine import ProcessEngine
 from pipetorch.parallel.placement import place
-from pipetorch.parallel.routes import routes_of, value_specs
-from pipetorch.partition.split import CaptureOnce
+from pipetorch.parallel.routes import Route, routes_of, value_specs
+from pipetorch.partition.split import CaptureOnce, StagedModel
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.partition.probe import preserved
 from pipetorch.parallel.compiled import CompiledStage
@@ -48,6 +48,22 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     `writer` takes copies to the host of a mapped model's weights (runtime.weight_files).
     """
     pool.prestart()  # the workers' zygote imports torch while this process splits the model
+    staged, routes, specs = stage_graphs(
+        model, first, stages, training=training, recomputation=recomputation,
+        capture=capture, compile_backend=compile_backend, loss_index=loss_index)
+    return ProcessEngine(model, staged, routes, specs, batching=batching, optimizer=optimizer,
+                         schedule=engine_kind(pipelined, pipeline_schedule),
+                         placements=place(stages, replicas=batching.replication_factor),
+                         process=process, seed=seed, writer=writer)
+
+
+def stage_graphs(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
+                 training: bool, recomputation: bool, capture: CaptureOnce | None = None,
+                 compile_backend: str | None = None, loss_index: int | None = None
+                 ) -> tuple[StagedModel, list[Route], dict]:
+    """`model` split into `stages` for the input signature of `first` (one micro-batch): the
+    stage modules as workers run them, their routes, and the specs of the values crossing
+    stages (see `process_engine` for the arguments)."""
     args, kwargs = first
     capture = capture if capture is not None else CaptureOnce(model, first)
     staged = capture.split(stages)
@@ -64,9 +80,6 @@ def process_engine(model: nn.Module, first: tuple[tuple, dict], stages: list[Sta
     if compile_backend is not None:
         staged = dataclasses.replace(
             staged, modules=[CompiledStage(m, compile_backend) for m in staged.modules])
-    return ProcessEngine(model, staged, routes, specs, batching=batching, optimizer=optimizer,
-                         schedule=engine_kind(pipelined, pipeline_schedule),
-                         placements=place(stages, replicas=batching.replication_factor),
-                         process=process, seed=seed, writer=writer)
+    return staged, routes, specs
 
 

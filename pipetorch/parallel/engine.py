@@ -39,7 +39,7 @@ import torch.nn as nn
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import arena, mapped, pool, shm, snapshot, wire
+from pipetorch.parallel import arena, mapped, pool, shm, signatures, snapshot, wire
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
@@ -99,6 +99,11 @@ class ProcessEngine:
         # random numbers is left as it is)
         self.seed = seed if seed is not None else torch.initial_seed()
         self.staged, self.routes = staged, list(routes)
+        # every input signature's stages (Options.inputSignatures); the workers start with
+        # signature 0's, which carry the weights, and run `self.signature`'s
+        self._signatures: list[tuple[StagedModel, list[Route], dict]] = [
+            (staged, self.routes, specs)]
+        self.signature = 0
         self.input_device = torch.device("cpu")
         self.last_trace: list[Trace] = []
         # stage -> its worker's peak: the CUDA allocator's on a GPU, resident memory on a CPU
@@ -145,12 +150,13 @@ class ProcessEngine:
             self.peers.append(self._start(placement))
         # per worker: its inputs out, its outputs back (shared memory, see arena.py)
         self._arenas = [(arena.Arena(), arena.Arena()) for _ in self.peers]
+        staged, routes, specs = self._signatures[0]
         for peer, placement in zip(self.peers, self.placements):
-            stages = tuple(DeviceStage(self.staged.modules[s], self.routes[s],
-                                       self.staged.io[s].inputs) for s in placement.stages)
+            stages = tuple(DeviceStage(staged.modules[s], routes[s], staged.io[s].inputs)
+                           for s in placement.stages)
             optimizer = (stage_optimizer(self.optimizer, nn.ModuleList(s.module for s in stages))
                          if self.optimizer else None)
-            setup = Setup(stages, optimizer, self.specs, self.schedule, self.owners, devices,
+            setup = Setup(stages, optimizer, specs, self.schedule, self.owners, devices,
                           self.ties)
             launch = Launch(placement, meeting,
                             self.process_id * self.replicas + placement.replica, self.timeout,
@@ -170,8 +176,46 @@ class ProcessEngine:
                     "model, or run every stage in this process with PIPETORCH_EXECUTION=local"
                 ) from exc
         self._gather("start-up")
+        for key in range(1, len(self._signatures)):  # a restart: every signature again
+            self._send_signature(key)
+        if self.signature:
+            self._use(self.signature)
         logger.info("Started %d device worker(s): %s", len(self.peers),
                     ", ".join(p.describe() for p in self.peers))
+
+    # -- input signatures (Options.inputSignatures("several")) -------------------------------
+    def add_signature(self, staged: StagedModel, routes: Sequence[Route],
+                      specs: dict[Source, TensorSpec | Constant]) -> int:
+        """Send every worker the stages of another input signature, as graphs bound there to
+        the weights it holds (no weights cross); its number for `use`."""
+        self._revive()
+        self._check_alive()
+        signatures.check_same_stages(self._signatures[0][0], staged)
+        self._signatures.append((staged, list(routes), specs))
+        self._send_signature(len(self._signatures) - 1)
+        return len(self._signatures) - 1
+
+    def _send_signature(self, key: int) -> None:
+        staged, routes, specs = self._signatures[key]
+        for peer, placement in zip(self.peers, self.placements):
+            stages = tuple(DeviceStage(signatures.skeleton(staged.modules[s]), routes[s],
+                                       staged.io[s].inputs) for s in placement.stages)
+            self._send(peer, ("signature", (key, stages, specs)))
+        self._gather("adding an input signature")
+
+    def use(self, key: int) -> None:
+        """Run input signature `key`'s stages from the next call on (one round trip)."""
+        if key != self.signature:
+            self._revive()
+            self._check_alive()
+            self._use(key)
+
+    def _use(self, key: int) -> None:
+        for peer in self.peers:
+            self._send(peer, ("use", key))
+        self._gather("a change of input signature")
+        self.signature = key
+        self.staged, self.routes, self.specs = self._signatures[key]
 
     def release(self) -> None:
         """detachFromDevice: bring weights and optimiser state home, then stop the workers."""

@@ -95,6 +95,21 @@ class LocalEngine:
         self.last_trace: list = []  # the executor's spans are not reported for one device
         self.input_device = next((t.device for t in [*model.parameters(), *model.buffers()]),
                                  torch.device("cpu"))
+        # every input signature's stage over the one model and optimiser (inputSignatures)
+        self._signatures = [(stage, loss_index, casting, self._executors)]
+        self.signature = 0
+
+    def add_signature(self, stage: "FlatStage", *, loss_index: int | None,
+                      casting: Casting | None) -> int:
+        """Another input signature's flat stage (its structure, loss and casts) over this
+        engine's model and optimiser; its number for `use`."""
+        self._signatures.append((stage, loss_index, casting, {}))
+        return len(self._signatures) - 1
+
+    def use(self, key: int) -> None:
+        """Run input signature `key` from the next call on."""
+        self._stage, self.loss_index, self.casting, self._executors = self._signatures[key]
+        self.signature = key
 
     @property
     def forward(self) -> Callable[..., Any]:

@@ -26,7 +26,7 @@ from pipetorch import environment
 from pipetorch.optim import offload
 from pipetorch.optim.peers import Peers
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import arena, compiled, snapshot, wire
+from pipetorch.parallel import arena, compiled, signatures, snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel import shm
 from pipetorch.parallel.routes import Constant, TensorSpec
@@ -135,16 +135,27 @@ class Worker:
                       self.tied.shares())
         kind = link_kind([torch.device(d) for d in setup.devices],
                          one_host=len(setup.devices) == meeting.world_size)
-        link = new_link(kind, prefix=shm.segment_prefix(launch.host_pid, meeting.prefix),
-                        rank=rank, device=self.device, wire_device=wire_device,
-                        timeout=launch.timeout, offset=meeting.rank(launch.replica, 0),
-                        replica_group=groups[setup.device], backend=backend)
-        self.executor = StageExecutor(setup.stages, setup.specs, link=link, device=self.device,
-                                      optimizer=self.optimizer, owners=setup.owners,
-                                      replica=launch.placement.replica,
-                                      tied=self.tied or None, peers=peers)
-        link.open(self.executor.channels(self._transfers()))
+        prefix = shm.segment_prefix(launch.host_pid, meeting.prefix)
         self._plans: dict[tuple[int, bool], list] = {}
+
+        def executor(stages: tuple[DeviceStage, ...], specs: dict, signature: int
+                     ) -> StageExecutor:
+            # each input signature has its own bundle sizes: its own link (and ring names)
+            link = new_link(kind, prefix=prefix + (f"s{signature}-" if signature else ""),
+                            rank=rank, device=self.device, wire_device=wire_device,
+                            timeout=launch.timeout, offset=meeting.rank(launch.replica, 0),
+                            replica_group=groups[setup.device], backend=backend)
+            made = StageExecutor(stages, specs, link=link, device=self.device,
+                                 optimizer=self.optimizer, owners=setup.owners,
+                                 replica=launch.placement.replica,
+                                 tied=self.tied or None, peers=peers)
+            link.open(made.channels(self._transfers()))
+            return made
+
+        self._executor_for = executor
+        self.executor = executor(setup.stages, setup.specs, 0)
+        # input signature -> its stages (sharing modules[s]'s weights), specs and executor
+        self._signatures = {0: (setup.stages, setup.specs, self.executor)}
         if self.optimizer is not None:
             # torch.optim imports torch._dynamo on the first zero_grad/step (seconds): pay it
             # while compiling, not inside the first training call.
@@ -262,6 +273,26 @@ class Worker:
         self.setup = dataclasses.replace(self.setup, schedule=payload)
         self._plans.clear()
 
+    def _signature(self, payload: tuple[int, tuple[DeviceStage, ...], dict]) -> None:
+        """Another input signature's stages, as graphs bound to the weights held here
+        (Options.inputSignatures("several"))."""
+        key, stages, specs = payload
+        bound = tuple(dataclasses.replace(
+            s, module=signatures.bind(s.module, self.modules[s.route.index]).to(self.device))
+            for s in stages)
+        self._signatures[key] = (bound, specs, self._executor_for(bound, specs, key))
+
+    def _use(self, key: int) -> None:
+        """Run the stages of input signature `key` from the next call on."""
+        stages, specs, self.executor = self._signatures[key]
+        self.setup = dataclasses.replace(self.setup, stages=stages, specs=specs)
+        self.reads = sorted({i for s in stages for i in s.route.host_inputs})
+
+    def close(self) -> None:
+        """Release every signature's link."""
+        for _, _, executor in self._signatures.values():
+            executor.link.close()
+
     def _stop(self, payload: None) -> None:
         return None
 
@@ -325,7 +356,7 @@ def main(conn: Connection, host: int | None = None) -> None:
     finally:
         record.unlink(missing_ok=True)
         if worker is not None:
-            worker.executor.link.close()
+            worker.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -52,7 +52,7 @@ FORMAT = 2  # 2: the probe's findings are stored too
 
 # Where files go and how compilation looks do not change what is captured.
 _UNKEYED_OPTIONS = ("executable_cache_dir", "profiling_dir", "log_dir",
-                    "show_compilation_progress_bar", "model_name")
+                    "show_compilation_progress_bar", "model_name", "input_signatures")
 
 
 def capture_key(model: nn.Module, args: tuple, kwargs: dict,

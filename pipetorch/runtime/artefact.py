@@ -119,7 +119,8 @@ def save(wrapper: Any, path: str | Path) -> None:
     payload = {
         "graph": module, "layout": _portable(traced.layout), "output_spec": traced.output_spec,
         "options": wrapper.options, "training": wrapper.training,
-        "signature": wrapper._signature,
+        # the graph is the first call's: its signature, whichever one ran last
+        "signature": wrapper._signatures[0][0] if wrapper._signatures else wrapper._signature,
         "optimizer": _optimizer_record(wrapper) if wrapper.training else None,
     }
     try:

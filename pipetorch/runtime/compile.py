@@ -161,6 +161,55 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
     return Compiled(engine, stages, capture, devices, seconds, synthetic, graph)
 
 
+def add_signature(compiled: Compiled, args: tuple, kwargs: dict, *, config: RunConfig,
+                  training: bool, device: torch.device) -> tuple[int, list | None]:
+    """Prepare `compiled`'s engine for one more input signature (Options.inputSignatures):
+    forward captured (or read from the executable cache) and split into the same stages for
+    these inputs, checked against the memory budget, and run by the same engine on the same
+    weights and optimiser state. Returns the signature's number for `engine.use` and its
+    synthetic inputs (enableSyntheticData)."""
+    engine, batching = compiled.engine, config.batching
+    model = engine.model  # the host copy (workers), or the device copy (one device)
+    local = isinstance(engine, LocalEngine)
+    modes = {m: m.training for m in model.modules()}
+    micro = split_micro_batches(args, kwargs, device_iterations=batching.device_iterations,
+                                gradient_accumulation=batching.gradient_accumulation,
+                                replication_factor=batching.replication_factor)
+    try:
+        first = to_device(micro[0], engine.input_device)
+        cast = casting.for_forward(model, *first, config.precision)
+        stored = _stored(model, *first, config, training=training)
+        traced = None
+        if stored is not None:
+            capture = stored.probe
+        elif local:
+            capture = probe(model, *first, training=training, casting=cast)
+        else:
+            capture, traced = _probe_by_export(model, first, training=training, casting=cast)
+        graph = CaptureOnce(model, first, cache_dir=config.cache_dir, settings=config.settings,
+                            casting=cast, probe=capture, stored=stored, traced=traced)
+        with casting.within(cast):  # a longer sequence needs more memory than the first
+            _check_memory(model, first, compiled.stages, config, optimizer=engine.optimizer,
+                          pipelined=config.strategy.pipelined, training=training,
+                          device=device, capture=graph)
+        if local:
+            key = engine.add_signature(FlatStage(engine.forward, first, capture.output),
+                                       loss_index=capture.loss_index, casting=cast)
+        else:
+            from pipetorch.parallel.build import stage_graphs
+
+            staged, routes, specs = stage_graphs(
+                model, first, compiled.stages, training=training,
+                recomputation=training and config.recomputation, capture=graph,
+                compile_backend=config.compile_backend, loss_index=capture.loss_index)
+            key = engine.add_signature(staged, routes, specs)
+        graph.save()
+    finally:
+        for module, training_mode in modes.items():  # capturing set the wrapper's mode
+            module.training = training_mode
+    return key, _synthetic_like(micro, engine.input_device) if config.synthetic else None
+
+
 def _host_copy_is_users(model: nn.Module, config: RunConfig) -> bool:
     """Whether the user's model can be the engine's host copy: its stages run in workers
     (known before forward runs), its tensors are in host memory, and nothing runs it

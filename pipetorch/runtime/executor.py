@@ -35,7 +35,7 @@ from pipetorch.runtime.checks import (
     check_return_periods, check_trainable, device_mismatch_explained, forward_errors_explained,
     held, resolve_mean_strategy, warn_non_finite_weights,
 )
-from pipetorch.runtime.compile import Compiled, compile_model
+from pipetorch.runtime.compile import Compiled, add_signature, compile_model
 from pipetorch.runtime.config import run_config
 from pipetorch.parallel.devices import default_device
 from pipetorch.parallel.local import LocalEngine
@@ -123,7 +123,9 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         self._user_optimizer = optimizer
         self._device = default_device()
         self._compiled: Compiled | None = None
-        self._signature: Signature | None = None
+        self._signature: Signature | None = None  # the signature the engine runs now
+        # every signature compiled for (inputSignatures("several")), with its synthetic inputs
+        self._signatures: list[tuple[Signature, list | None]] = []
         self._sync: weights.HostSync | None = None
         self._uploaded_generation = -1
         self._attached = True
@@ -145,11 +147,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         signature = Signature.of(args, kwargs, self._params)
         problem = self._signature.mismatch(signature) if self._signature else None
         if problem:
-            raise InputMismatchError(
-                f"This model was compiled for other inputs: {problem}. A wrapped model runs one "
-                "input signature: call it with the arguments, shapes and dtypes of its first "
-                "call; for new inputs build a new trainingModel/inferenceModel, or call "
-                "destroy() first")
+            self._switch_signature(args, kwargs, signature, problem)
         o = self._options
         if o.check_non_finite:
             check_finite_inputs(input_names(args, kwargs, self._params),
@@ -226,9 +224,52 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             compiled.engine.infer(micro, collector)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Prepare the model for these inputs without running it."""
+        """Prepare the model for these inputs without running it (with
+        Options.inputSignatures("several"), for one more signature when already compiled)."""
         args, kwargs = self._cast_inputs(*self._bound(args, kwargs))
-        self._compile(args, kwargs, Signature.of(args, kwargs, self._params))
+        signature = Signature.of(args, kwargs, self._params)
+        problem = self._signature.mismatch(signature) if self._signature else None
+        if problem and self._options.input_signatures == "several":
+            self._switch_signature(args, kwargs, signature, problem)
+            return
+        self._compile(args, kwargs, signature)
+
+    def _switch_signature(self, args: tuple, kwargs: dict, signature: Signature,
+                          problem: str) -> None:
+        """Run `signature` from this call on: PopTorch's InputMismatchError by default; with
+        Options.inputSignatures("several"), that signature's stages on the same engine (made
+        on its first call, logged with the time it took)."""
+        if self._options.input_signatures != "several":
+            raise InputMismatchError(
+                f"This model was compiled for other inputs: {problem}. A wrapped model runs one "
+                "input signature: call it with the arguments, shapes and dtypes of its first "
+                "call; for new inputs build a new trainingModel/inferenceModel, or call "
+                "destroy() first (pipetorch's Options.inputSignatures(\"several\") lets one "
+                "wrapper run several)")
+        compiled = self._compiled
+        assert compiled is not None
+        for key, (known, synthetic) in enumerate(self._signatures):
+            if known.mismatch(signature) is None:
+                compiled.engine.use(key)
+                compiled.synthetic, self._signature = synthetic, known
+                return
+        names = self._check_inputs(args, kwargs)
+        start = time.perf_counter()
+        with device_mismatch_explained(self._device), forward_errors_explained(
+                names, pytree.tree_leaves((args, kwargs)),
+                lambda: self._first_micro_batch(args, kwargs), None):
+            key, synthetic = add_signature(compiled, args, kwargs,
+                                           config=run_config(self._options),
+                                           training=self._training, device=self._device)
+        assert key == len(self._signatures)
+        self._signatures.append((signature, synthetic))
+        compiled.engine.use(key)
+        compiled.synthetic, self._signature = synthetic, signature
+        logger.warning(
+            "Input signature %d added in %.2fs (captured and split for this call's inputs, "
+            "which differ from the last call's: %s); it runs on the same devices, weights and "
+            "optimiser state (Options.inputSignatures)", key + 1, time.perf_counter() - start,
+            problem)
 
     def _bound(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call as forward's full argument list, defaults filled in, as PopTorch's
@@ -292,6 +333,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 self._user_model, args, kwargs, config=run_config(self._options),
                 training=self._training, optimizer=self._user_optimizer, device=self._device)
         self._signature = signature
+        self._signatures = [(signature, self._compiled.synthetic)]
         o, engine = self._options, self._compiled.engine
         try:
             self._anchors = Anchors(
@@ -547,6 +589,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             if self._anchors is not None:
                 self._anchors.remove()
             self._compiled, self._signature, self._sync, self._anchors = None, None, None, None
+            self._signatures = []
             self._buffer_ids = None
             if self._training and _training_wrappers.get(self._user_model) is not None:
                 if _training_wrappers[self._user_model]() is self:

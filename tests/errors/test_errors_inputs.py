@@ -14,7 +14,8 @@ from helpers.models import TinyMLP
 ERROR_CASES = "tests/errors/error_cases.py"
 SIGNATURE_FIX = ("A wrapped model runs one input signature: call it with the arguments, shapes "
                  "and dtypes of its first call; for new inputs build a new "
-                 "trainingModel/inferenceModel, or call destroy() first")
+                 "trainingModel/inferenceModel, or call destroy() first (pipetorch's "
+                 "Options.inputSignatures(\"several\") lets one wrapper run several)")
 
 
 def quiet():

@@ -187,3 +187,32 @@ class Regressor(nn.Module):
     def forward(self, x, y):
         out = self.lin(x)
         return out, F.mse_loss(out, y)
+
+
+class TokenTagger(nn.Module):
+    """A token classifier of any sequence length: embedding and a layer (device 0), the head
+    and the loss on device 1 when `devices` is 2; (logits, loss) with labels, logits without."""
+
+    def __init__(self, devices: int = 1, *, vocab: int = 20, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+        if devices == 2:
+            poptorch.BeginBlock(self.head, ipu_id=1)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None):
+        hidden = torch.tanh(self.mix(self.embed(ids)))
+        # mixing along the sequence: a wrong length would change the numbers, not just shapes
+        hidden = hidden + hidden.mean(dim=1, keepdim=True)
+        logits = self.head(hidden)
+        if labels is None:
+            return logits
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def token_batch(n: int, length: int, *, vocab: int = 20, seed: int = 0):
+    """n random token sequences of `length` and per-token labels."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, vocab, (n, length), generator=g),
+            torch.randint(0, vocab, (n, length), generator=g))

@@ -70,11 +70,12 @@ def bert_tutorial(devices: int) -> HFCase:
     return HFCase(f"bert-tutorial-{devices}", model, devices, qa_inputs, loss_at=0)
 
 
-def gpt2(devices: int, *, tied: bool = False) -> HFCase:
-    """GPT2LMHeadModel with a block per group of layers; embeddings untied unless `tied`."""
+def gpt2(devices: int, *, tied: bool = False, positions: int = SEQ) -> HFCase:
+    """GPT2LMHeadModel with a block per group of layers; embeddings untied unless `tied`;
+    sequences up to `positions` long."""
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0,
+        vocab_size=VOCAB, n_positions=positions, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied, use_cache=False)
     model = transformers.GPT2LMHeadModel(config)
     starts = {2: [2], 4: [1, 2, 3]}[devices]
