@@ -20,13 +20,13 @@ from typing import Any, Callable
 import torch
 
 from pipetorch.optim import scaling
+from pipetorch.optim.device_link import _LINK, Link, linked_names, push, sync
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
 LOSS_SCALE_FACTOR = "lossScaleUpdateFactor"
-_LINK = "_pipetorch_ipu_link"
 _PENDING = "_pipetorch_pending_ipu_state"
 # torch state key -> PopART prefix, per optimiser family (found through the class's MRO).
 _PREFIXES = {
@@ -37,26 +37,6 @@ _PREFIXES = {
     "RMSprop": {"square_avg": "Accl1", "momentum_buffer": "Accl2", "grad_avg": "Accl3",
                 "step": "Step"},
 }
-
-
-class Link:
-    """How a host optimiser reaches its compiled model: parameter names and a sync."""
-
-    def __init__(self, names: dict[int, str], sync: Callable[[], None],
-                 push: Callable[[], None]) -> None:
-        self.names = names
-        self._sync, self._push = weakref.WeakMethod(sync), weakref.WeakMethod(push)
-        self.hook: Any = None  # the optimiser's state_dict pre-hook (a RemovableHandle)
-
-    def sync(self) -> None:
-        method = self._sync()
-        if method is not None:
-            method()
-
-    def push(self) -> None:
-        method = self._push()
-        if method is not None:
-            method()
 
 
 def _prefixes(optimizer: torch.optim.Optimizer) -> dict[str, str]:
@@ -92,26 +72,6 @@ def unlink(optimizer: torch.optim.Optimizer) -> None:
 def _sync_before_reading(optimizer: torch.optim.Optimizer) -> None:
     """state_dict() pre-hook (module level: hooks are never pickled, but stay plain)."""
     sync(optimizer)
-
-
-def linked_names(optimizer: torch.optim.Optimizer) -> dict[int, str] | None:
-    """Parameter id -> name in the compiled model, None before a trainingModel compiled."""
-    found: Link | None = optimizer.__dict__.get(_LINK)
-    return None if found is None else found.names
-
-
-def sync(optimizer: torch.optim.Optimizer) -> None:
-    """Bring the device's latest state and hyper-parameters to `optimizer` (if compiled)."""
-    found: Link | None = optimizer.__dict__.get(_LINK)
-    if found is not None:
-        found.sync()
-
-
-def push(optimizer: torch.optim.Optimizer) -> None:
-    """Make `optimizer`'s state and hyper-parameters the device's (if compiled)."""
-    found: Link | None = optimizer.__dict__.get(_LINK)
-    if found is not None:
-        found.push()
 
 
 def read(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pipetorch.optim import peers
+from pipetorch.optim import device_link, peers
 from pipetorch.optim.checks import check_number
 
 __all__ = ["enable_automatic_loss_scaling", "disable_automatic_loss_scaling",
@@ -54,9 +54,7 @@ def _dynamic(optimizer: torch.optim.Optimizer) -> DynamicScale | None:
 
 def _synced(optimizer: torch.optim.Optimizer) -> DynamicScale | None:
     """The state, after bringing the device's to a user's optimiser of a compiled model."""
-    from pipetorch.optim import ipu_state  # it imports this module
-
-    ipu_state.sync(optimizer)
+    device_link.sync(optimizer)
     return _dynamic(optimizer)
 
 
