@@ -124,6 +124,30 @@ def test_the_poptorch_only_lamb_takes_an_incomplete_state_and_moves_on():
     assert s1["Accl1___lin.bias"].abs().sum() > 0  # its first step moved it off zero
 
 
+def test_an_incomplete_ipu_param_changes_only_the_groups_it_names():
+    # PopTorch's test_write_ipu_state(incomplete_state=True) for the hyper-parameters: with
+    # one param group per parameter, a learning rate left out keeps its value.
+    model, reference = Net(), Net()
+    data = _data(3)
+    groups = lambda m: [{"params": [m.lin.weight]}, {"params": [m.lin.bias]}]  # noqa: E731
+    optimizer = poptorch.optim.Adam(groups(model), lr=0.01)
+    wrapped = poptorch.trainingModel(model, optimizer=optimizer)
+    wrapped.compile(*data[0])
+    s0 = optimizer.state_dict()
+    del s0["ipu_param"]["learningRate___specific___lin.weight"]
+    s0["ipu_param"]["learningRate___specific___lin.bias"] = torch.tensor(0.05)
+    optimizer.load_state_dict(s0)
+    for x, y in data:
+        wrapped(x, y)
+    s1 = optimizer.state_dict()["ipu_param"]
+    assert_close(s1["learningRate___specific___lin.weight"], torch.tensor(0.01))
+    assert_close(s1["learningRate___specific___lin.bias"], torch.tensor(0.05))
+    plain = torch.optim.Adam(groups(reference), lr=0.01)
+    plain.param_groups[1]["lr"] = 0.05
+    plain_steps(reference, plain, data)
+    assert_same_weights(model, reference)
+
+
 # --- writing it before the model compiles ----------------------------------------------
 def test_a_checkpoint_loaded_before_compiling_reaches_the_device():
     # PopTorch's test_write_ipu_state_before_override: a destroyed model's state, loaded into
