@@ -274,8 +274,11 @@ class _PopartOptions(OptionGroup):
         """
         key = check.text("_Popart.set", "key", key)
         if not isinstance(value, _POPART_VALUE_TYPES):
-            raise check.type_error("_Popart.set", "value", value,
-                                   "a bool, int, float, str, list, set or dict")
+            error = check.type_error("_Popart.set", "value", value,
+                                     "a bool, int, float, str, list, set or dict")
+            # PopTorch's words for it (it finds out only when the model compiles)
+            raise TypeError(f"{error} (Unknown value type {type(value).__name__} for option "
+                            f"{key})")
         self._check_not_frozen()
         if key == "autoRecomputation":
             self._set_recomputation(value)
