@@ -222,6 +222,33 @@ def test_an_empty_state_dict_is_refused_with_poptorchs_message():
         optimizer.load_state_dict({})
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "before-compiling"])
+@pytest.mark.parametrize("value, error, message", [
+    (torch.zeros(5), ValueError, r"has shape \(5,\) but the optimiser state of lin\.weight "
+                                 r"has shape \(2, 3\): nothing was set"),
+    (torch.zeros(2, 3, dtype=torch.int64), TypeError, "must be a floating-point tensor"),
+], ids=["shape", "dtype"])
+def test_a_state_the_update_cannot_use_is_refused_and_nothing_is_set(compiled, value, error,
+                                                                      message):
+    model, reference = Net(), Net()
+    data = _data(2)
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=0.02)
+    wrapped = poptorch.trainingModel(model, optimizer=optimizer)
+    good = torch.full((2,), 0.3)
+    if compiled:
+        wrapped.compile(*data[0])
+        with pytest.raises(error, match=message):
+            optimizer.write_ipu_state({"Accl1___lin.bias": good, "Accl1___lin.weight": value})
+    else:  # found when the model compiles, and the model can still compile and train
+        optimizer.write_ipu_state({"Accl1___lin.bias": good, "Accl1___lin.weight": value})
+        with pytest.raises(error, match=message):
+            wrapped(*data[0])
+    for x, y in data:
+        wrapped(x, y)
+    plain_steps(reference, torch.optim.Adam(reference.parameters(), lr=0.02), data)
+    assert_same_weights(model, reference)  # the bias's good moment was not set either
+
+
 # --- reading it: detached, offline, cached ---------------------------------------------
 @pytest.mark.parametrize("cls", [poptorch.optim.SGD, torch.optim.SGD], ids=["poptorch", "torch"])
 def test_the_state_read_when_detached_is_the_trained_one_and_attach_sends_it_back(cls, caplog):
