@@ -299,17 +299,21 @@ def _as_tensor_list(op: str, what: str, values: Any) -> list[torch.Tensor]:
     return list(values)
 
 
+class _LoopInputError(TypeError, ValueError):
+    """PopTorch's ValueError for for_loop's inputs, a TypeError too (what it is)."""
+
+
 def _loop_inputs(inputs: Any) -> list[torch.Tensor]:
     """for_loop's inputs as a list, refused with PopTorch's ValueErrors (a single tensor is
     accepted too, as a list of one)."""
     if isinstance(inputs, torch.Tensor):
         return [inputs]
     if not isinstance(inputs, (list, tuple)):
-        raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "
+        raise _LoopInputError("poptorch.for_loop expects input tensors (inputs) to be a list of "
                          f"tensors. (Object is not list) Got {type(inputs).__name__}.")
     for index, value in enumerate(inputs):
         if not isinstance(value, torch.Tensor):
-            raise ValueError(
+            raise _LoopInputError(
                 "poptorch.for_loop expects input tensors (inputs) to be a list of tensors. "
                 f"(Object contained in list at index {index} is not torch.tensor) Got "
                 f"{type(value).__name__}.")
