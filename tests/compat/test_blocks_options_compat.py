@@ -329,3 +329,27 @@ def test_an_executable_compiled_offline_loads_and_runs(tmp_path):
     again = poptorch.load(str(path), edit_opts_fn=lambda o: o.useOfflineIpuTarget())
     with pytest.raises(AssertionError, match="offline device"):
         again(x, y)
+
+
+# --- hardware queries without IPU hardware ---------------------------------------------------
+def test_hardware_queries_say_there_is_no_ipu_as_poptorch_does_without_one():
+    # PopTorch's tests guard hardware runs with ipuHardwareIsAvailable() and read the target
+    # version with ipuHardwareVersion(), which asserts when there is no IPU.
+    assert poptorch.ipuHardwareIsAvailable() is False
+    assert poptorch.ipuHardwareIsAvailable(4) is False
+    with pytest.raises(AssertionError, match="No IPU hardware available on this system"):
+        poptorch.ipuHardwareVersion()
+    with pytest.raises(poptorch.errors.IpuOnlyError):
+        poptorch.ipuHardwareVersion()
+    with pytest.raises(ValueError, match="num_ipus must be an int >= 1"):
+        poptorch.ipuHardwareIsAvailable(0)
+
+
+def test_cycle_count_without_ipu_hardware_after_a_logged_run():
+    # PopTorch's test_log_cycle_count needs hardware; here the run works and cycleCount()
+    # says by name that there are no IPU cycles to count.
+    wrapped = poptorch.inferenceModel(Add(), poptorch.Options().logCycleCount(True))
+    assert torch.equal(wrapped(torch.tensor([1]), torch.tensor([2])), torch.tensor([3]))
+    with pytest.raises(poptorch.errors.IpuOnlyError, match=r"cycleCount\(\).*getComputeLatency"):
+        wrapped.cycleCount()
+    assert all(t >= 0 for t in wrapped.getComputeLatency())
