@@ -409,3 +409,20 @@ def test_set_optimizer_needing_another_strategy_after_compiling_is_refused():
     with pytest.raises(ValueError, match="MeanReductionStrategy.Running but the executable "
                                          "is already compiled"):
         wrapped.setOptimizer(optimizer)
+
+
+def test_set_optimizer_before_compiling_may_still_change_the_strategy():
+    # PopTorch changes the strategy while the executable is not compiled yet; a choice the
+    # user made stays unless float16 accumulators need Running.
+    opts = poptorch.Options()
+    opts.Training.setMeanAccumulationAndReplicationReductionStrategy(
+        poptorch.MeanReductionStrategy.PostAndLoss)
+    model = Net()
+    wrapped = poptorch.trainingModel(model, opts)
+    wrapped.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.1))
+    strategy = lambda: wrapped.options.Training.meanAccumulationAndReplicationReductionStrategy  # noqa: E731
+    assert strategy() == poptorch.MeanReductionStrategy.PostAndLoss
+    wrapped.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.1, accum_type=torch.half))
+    assert strategy() == poptorch.MeanReductionStrategy.Running
+    wrapped.compile(*_data(1)[0])
+    assert strategy() == poptorch.MeanReductionStrategy.Running
