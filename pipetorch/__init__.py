@@ -64,6 +64,8 @@ _LAZY.update({
     "RecoverableError": "pipetorch.errors",
     "UnrecoverableError": "pipetorch.errors",
     "MatMulSerializationMode": "pipetorch.enums",
+    "ipuHardwareIsAvailable": "pipetorch.runtime.counters",
+    "ipuHardwareVersion": "pipetorch.runtime.counters",
     **{op: "pipetorch.tensor_ops" for op in (
         "dynamic_slice", "dynamic_update", "serializedMatMul", "set_overlap_for_input",
         "set_overlap_for_output", "ctc_beam_search_decoder", "custom_op")},

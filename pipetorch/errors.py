@@ -4,6 +4,7 @@ from __future__ import annotations
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
            "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",
            "UnrecoverableError", "InputMismatchError", "InputArgumentError", "AlreadyWrappedError", "ConfigFileError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
+           "OfflineDeviceError",
            "createPoptorchError"]
 
 
@@ -105,6 +106,11 @@ def createPoptorchError(msg: str) -> Error:
     error.message = msg  # type: ignore[attr-defined]
     error.location = ""  # type: ignore[attr-defined]
     return error
+
+
+class OfflineDeviceError(Error, AssertionError):
+    """A model wrapped with ConnectionType.Never (useOfflineIpuTarget) asked to run: it may
+    compile, never run (PopTorch raises an AssertionError)."""
 
 
 class IpuOnlyError(Error, NotImplementedError):

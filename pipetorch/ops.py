@@ -299,6 +299,27 @@ def _as_tensor_list(op: str, what: str, values: Any) -> list[torch.Tensor]:
     return list(values)
 
 
+class _LoopInputError(TypeError, ValueError):
+    """PopTorch's ValueError for for_loop's inputs, a TypeError too (what it is)."""
+
+
+def _loop_inputs(inputs: Any) -> list[torch.Tensor]:
+    """for_loop's inputs as a list, refused with PopTorch's ValueErrors (a single tensor is
+    accepted too, as a list of one)."""
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    if not isinstance(inputs, (list, tuple)):
+        raise _LoopInputError("poptorch.for_loop expects input tensors (inputs) to be a list of "
+                         f"tensors. (Object is not list) Got {type(inputs).__name__}.")
+    for index, value in enumerate(inputs):
+        if not isinstance(value, torch.Tensor):
+            raise _LoopInputError(
+                "poptorch.for_loop expects input tensors (inputs) to be a list of tensors. "
+                f"(Object contained in list at index {index} is not torch.tensor) Got "
+                f"{type(value).__name__}.")
+    return list(inputs)
+
+
 def for_loop(count: int, body: Callable[..., Union[torch.Tensor, Sequence[torch.Tensor]]],
              inputs: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
     """Run `body(*inputs)` `count` times, each time on the previous outputs.
@@ -310,7 +331,7 @@ def for_loop(count: int, body: Callable[..., Union[torch.Tensor, Sequence[torch.
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(f"poptorch.for_loop expects count to be an int >= 0, got {count!r}.")
-    values = _as_tensor_list("for_loop", "inputs", inputs)
+    values = _loop_inputs(inputs)
     # Inputs are passed by value in PopTorch: the body must not see the caller's tensors.
     values = [t.clone() for t in values]
     shapes = [tuple(t.shape) for t in values]

@@ -201,6 +201,12 @@ class PopTorchOptimizer(scaling.LossScaled):
         super().add_param_group(param_group)  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load_state_dict, then "ipu_state" / "ipu_param" if there (PopTorch's
+        checkpoint). A plain torch optimiser's state (trained on a CPU, say) loads too, and
+        reaches the device when the model compiles (PopTorch refuses it: "Only IPU optimizer
+        states can be loaded onto the IPU")."""
+        if not state_dict:
+            raise RuntimeError("Cannot load optimizer state dictionary because it is empty.")
         state_dict = dict(state_dict)
         ipu = state_dict.pop("ipu_state", None)
         params = state_dict.pop("ipu_param", None)

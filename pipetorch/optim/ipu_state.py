@@ -116,6 +116,7 @@ def _apply(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> 
     prefixes = _prefixes(optimizer)
     by_name = {found.names[id(p)]: (p, g) for g in optimizer.param_groups for p in g["params"]
                if id(p) in found.names}
+    _check_shapes(state, by_name, prefixes)
     unknown, missing = [], []
     for key, value in state.items():
         if key == LOSS_SCALE_FACTOR:
@@ -141,6 +142,24 @@ def _apply(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> 
     if missing:
         logger.warning("ipu_state sets no state for %d parameter(s) (%s): they keep theirs",
                        len(missing), ", ".join(missing[:4]))
+
+
+def _check_shapes(state: dict[str, torch.Tensor], by_name: dict[str, Any],
+                  prefixes: dict[str, str]) -> None:
+    """Refuse, before anything is set, a tensor the update could not use: a moment of
+    another shape than its parameter, a step count of more than one number."""
+    step = prefixes.get("step")
+    for key, value in state.items():
+        prefix, _, name = key.partition("___")
+        if name not in by_name or key == LOSS_SCALE_FACTOR:
+            continue
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            raise TypeError(f"ipu_state[{key!r}] must be a floating-point tensor, got "
+                            f"{getattr(value, 'dtype', type(value).__name__)}")
+        want = () if prefix == step else tuple(by_name[name][0].shape)
+        if tuple(value.shape) != want and not (prefix == step and value.numel() == 1):
+            raise ValueError(f"ipu_state[{key!r}] has shape {tuple(value.shape)} but the "
+                             f"optimiser state of {name} has shape {want}: nothing was set")
 
 
 def _uses(group: dict, key: str) -> bool:

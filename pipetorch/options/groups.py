@@ -41,9 +41,10 @@ class _TrainingOptions(OptionGroup):
         "When the mean is taken (numerically equal here).")
     @property
     def meanAccumulationAndReplicationReductionStrategy(self) -> MeanReductionStrategy:
-        """The strategy in use (PopTorch's attribute). Unless set, a wrapped training model
-        with float16 accumulators (`accum_type=torch.float16`, no combined accumulators)
-        uses Running, anything else Post, as PopTorch decides at compile."""
+        """The strategy in use (PopTorch's attribute). A wrapped training model with float16
+        accumulators (`accum_type=torch.float16`, no combined accumulators) uses Running,
+        even over a strategy set by the user; anything else keeps the one set, or Post, as
+        PopTorch decides at compile (setOptimizer cannot change it afterwards)."""
         return self._values["mean_accumulation_and_replication_reduction_strategy"]
 
     auto_loss_scaling = readback("auto_loss_scaling", "Whether automatic loss scaling is on.")
@@ -274,8 +275,11 @@ class _PopartOptions(OptionGroup):
         """
         key = check.text("_Popart.set", "key", key)
         if not isinstance(value, _POPART_VALUE_TYPES):
-            raise check.type_error("_Popart.set", "value", value,
-                                   "a bool, int, float, str, list, set or dict")
+            error = check.type_error("_Popart.set", "value", value,
+                                     "a bool, int, float, str, list, set or dict")
+            # PopTorch's words for it (it finds out only when the model compiles)
+            raise TypeError(f"{error} (Unknown value type {type(value).__name__} for option "
+                            f"{key})")
         self._check_not_frozen()
         if key == "autoRecomputation":
             self._set_recomputation(value)

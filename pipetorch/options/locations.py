@@ -99,6 +99,27 @@ def _snapshot_of(setter: str, location: Any) -> dict[str, Any]:
     return dict(location._values)
 
 
+# TensorLocationSettings' values under the names PopTorch's `location_<kind>` dicts use
+_POPTORCH_NAMES = {
+    "use_on_chip_storage": "onChip",
+    "min_elements_for_off_chip": "minElementsForOffChip",
+    "min_elements_for_replicated_tensor_sharding": "minElementsForReplicatedTensorSharding",
+    "use_replicated_tensor_sharding": "useReplicatedTensorSharding",
+    "use_io_tiles_to_load": "useIOTilesToLoad",
+    "use_io_tiles_to_store": "useIOTilesToStore",
+}
+
+
+def _poptorch_dict(kind: str) -> property:
+    def get(self: _TensorLocationOptions) -> dict[str, Any]:
+        snapshot = self._values[f"{kind}_location"] or {}
+        return {_POPTORCH_NAMES[k]: v for k, v in snapshot.items() if v is not None}
+
+    return property(get, doc=f"PopTorch's `location_{kind}`: the settings given to "
+                             f"set{kind.capitalize()}Location by PopTorch's names "
+                             "(onChip, useReplicatedTensorSharding, ...); {} if unset.")
+
+
 def _location(kind: str) -> property:
     def get(self: _TensorLocationOptions) -> TensorLocationSettings | None:
         snapshot = self._values[f"{kind}_location"]
@@ -123,6 +144,10 @@ class _TensorLocationOptions(OptionGroup):
     optimizer_location = _location("optimizer")
     accumulator_location = _location("accumulator")
     num_io_tiles = readback("num_io_tiles", "IPU tiles reserved for IO (no-op here).")
+    location_activation = _poptorch_dict("activation")
+    location_weight = _poptorch_dict("weight")
+    location_optimizer = _poptorch_dict("optimizer")
+    location_accumulator = _poptorch_dict("accumulator")
 
     def setActivationLocation(self, location: TensorLocationSettings) -> _TensorLocationOptions:
         """Where activations are stored (no-op here)."""

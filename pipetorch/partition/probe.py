@@ -75,8 +75,10 @@ def preserved(model: nn.Module) -> Iterator[list[str]]:
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     mutated: list[str] = []
+    changed: tuple[list[str], list[str]] = ([], [])
     try:
         yield mutated
+        changed = _replaced_buffers(model, buffers)
     finally:
         # Kernels such as batch_norm update running statistics without bumping the version
         # counter, so values are compared too.
@@ -88,6 +90,35 @@ def preserved(model: nn.Module) -> Iterator[list[str]]:
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+    _refuse_replaced_buffers(*changed)
+
+
+def _refuse_replaced_buffers(removed: list[str], reassigned: list[str]) -> None:
+    """PopTorch's errors for a buffer forward removed or reassigned."""
+    if removed:
+        raise CompileError(
+            f"Buffer {removed[0]} is removed from the model when calling the forward method. "
+            "The device keeps the buffers the model has when it is wrapped: leave them in "
+            "place (the model's buffers were restored)")
+    if reassigned:
+        name = reassigned[0]
+        raise CompileError(
+            f"Buffer {name} is reassigned within the model when calling the forward method. "
+            f"This is not supported. Consider using self.{name}.copy_(src) to copy data from "
+            "a source tensor, where src is the name of the source tensor.")
+
+
+def _replaced_buffers(model: nn.Module, before: dict[str, torch.Tensor]
+                      ) -> tuple[list[str], list[str]]:
+    """(removed, reassigned) buffer names after forward ran, each put back as it was before
+    (PopTorch refuses both: the device holds the buffers the model was compiled with)."""
+    now = dict(model.named_buffers())
+    removed = [name for name in before if name not in now]
+    reassigned = [name for name in before if name in now and now[name] is not before[name]]
+    for name in removed + reassigned:
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = before[name]
+    return removed, reassigned
 
 
 def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
@@ -126,8 +157,10 @@ def probe_by_export(model: nn.Module, args: tuple, kwargs: dict, *, training: bo
         seen.update(recorder=recorder, calls=calls, output=output)
         return output
 
+    before = dict(model.named_buffers())
     with ops.running_on_device(), ops.quiet():
         traced = export.export_blocks(model, args, kwargs, casting=casting, watch=watch)
+    _refuse_replaced_buffers(*_replaced_buffers(model, before))
     written = written_attributes(traced.module.graph)
     changed = [name for name, _ in model.named_buffers() if name in written]
     found = _findings(seen["recorder"], seen["calls"], seen["output"], changed,

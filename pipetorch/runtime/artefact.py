@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 import pipetorch
 from pipetorch import ops
+from pipetorch.enums import ConnectionType
 from pipetorch.errors import ConfigError, Error
 from pipetorch.partition import blocks
 from pipetorch.partition.cache import read_checked, unpickle, write_checked
@@ -205,6 +206,9 @@ def read_executable(path: str | Path, edit_opts_fn: Any = None) -> dict[str, Any
     if payload["training"]:
         optimizer = _rebuild_optimizer(payload["optimizer"], model.net)
     options = payload["options"]
+    if options.connection_type == ConnectionType.Never:
+        # compiled offline (useOfflineIpuTarget) to be loaded and run: now it may run
+        options = options.clone().connectionType(ConnectionType.Always)
     if edit_opts_fn is not None:
         options = options.clone()
         edit_opts_fn(options)

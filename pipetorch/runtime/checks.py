@@ -60,18 +60,40 @@ def device_mismatch_explained(device: torch.device) -> Iterator[None]:
             "create it with device=x.device") from exc
 
 
-def resolve_mean_strategy(optimizer: torch.optim.Optimizer, *options: Any) -> None:
-    """PopTorch picks Running for float16 accumulators (unless combined), else Post, when
-    the user did not choose; the choice is readable on the user's options afterwards."""
-    if options[0].Training._strategy_chosen:
-        return
+def _wants_running(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether PopTorch needs the Running mean strategy for `optimizer`: float16
+    accumulators (accum_type), unless its combined accumulators only support Post."""
     group = optimizer.param_groups[0] if optimizer.param_groups else {}
     accum = group.get("accum_type", getattr(optimizer, "accum_type", None))
     combined = group.get("use_combined_accum", getattr(optimizer, "use_combined_accum", False))
-    strategy = (MeanReductionStrategy.Running if accum == torch.float16 and not combined
-                else MeanReductionStrategy.Post)
+    return accum == torch.float16 and not combined
+
+
+def resolve_mean_strategy(optimizer: torch.optim.Optimizer, *options: Any) -> None:
+    """PopTorch picks Running for float16 accumulators (unless combined), even over a
+    strategy the user chose, else keeps the user's choice or Post; the choice is readable on
+    the user's options afterwards."""
+    if _wants_running(optimizer):
+        strategy = MeanReductionStrategy.Running
+    elif options[0].Training._strategy_chosen:
+        return
+    else:
+        strategy = MeanReductionStrategy.Post
     for o in options:  # frozen by now: this is the compile-time decision, not a user edit
         o.Training._values["mean_accumulation_and_replication_reduction_strategy"] = strategy
+
+
+def check_mean_strategy_kept(optimizer: torch.optim.Optimizer, options: Any) -> None:
+    """setOptimizer on a compiled model: an optimiser that needs the Running strategy cannot
+    replace one compiled with another (PopTorch's ValueError)."""
+    strategy = options.Training.meanAccumulationAndReplicationReductionStrategy
+    if _wants_running(optimizer) and strategy != MeanReductionStrategy.Running:
+        raise ValueError(
+            "Invalid optimizer: the new optimizer would require changing options.Training."
+            "meanAccumulationAndReplicationReductionStrategy to "
+            "poptorch.MeanReductionStrategy.Running but the executable is already compiled "
+            f"with {strategy}. Keep the compiled accum_type (float16 accumulators need "
+            "Running), or build a new trainingModel")
 
 
 def check_return_periods(options: Any) -> None:

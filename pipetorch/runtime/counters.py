@@ -116,3 +116,23 @@ class PerfCounters:
     def getIpuHostLatency(self) -> tuple[float, float, float]:
         """(min, max, mean) seconds to bring the outputs to the host."""
         return latency(self.getPerfCounters(), "output", min, "output_complete", max)
+
+
+def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
+    """PopTorch's check for `num_ipus` physical IPUs: always False, pipetorch runs on CPUs
+    and GPUs (a script that falls back to `useIpuModel(True)` then takes its fallback)."""
+    if isinstance(num_ipus, bool) or not isinstance(num_ipus, int) or num_ipus < 1:
+        raise ValueError(f"ipuHardwareIsAvailable: num_ipus must be an int >= 1, got {num_ipus!r}")
+    return False
+
+
+class _NoIpuError(IpuOnlyError, AssertionError):
+    """No IPU to ask: an IpuOnlyError, and the AssertionError PopTorch raises here."""
+
+
+def ipuHardwareVersion() -> int:
+    """PopTorch's IPU hardware version; with no IPU in the system, PopTorch's AssertionError
+    (`useOfflineIpuTarget()` without an argument targets a Mk2 IPU, version 2)."""
+    raise _NoIpuError("No IPU hardware available on this system: pipetorch runs on CPUs and "
+                       "GPUs. Pass the version to useOfflineIpuTarget(2) (Mk2) or (21) (Bow) "
+                       "yourself")

@@ -20,7 +20,9 @@ from torch.utils import _pytree as pytree
 from pipetorch import extensions, log_level
 from pipetorch.errors import (
     AlreadyWrappedError, ConfigError, DeviceError, InputArgumentError, InputMismatchError,
+    OfflineDeviceError,
 )
+from pipetorch.enums import ConnectionType
 from pipetorch.optim import attributes, ipu_param, ipu_state, scaling
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, weights, wrapping
@@ -33,7 +35,7 @@ from pipetorch.runtime.batching import (
 from pipetorch.runtime.checks import (
     NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs, check_optimizer_params,
     check_return_periods, check_trainable, device_mismatch_explained, forward_errors_explained,
-    held, resolve_mean_strategy, warn_non_finite_weights,
+    check_mean_strategy_kept, held, resolve_mean_strategy, warn_non_finite_weights,
 )
 from pipetorch.runtime.compile import Compiled, add_signature, compile_model
 from pipetorch.runtime.config import run_config
@@ -155,6 +157,11 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                                     o.device_iterations * o.Training.gradient_accumulation
                                     * o.replication_factor))
         compiled = self._compiled or self._compile(args, kwargs, signature)
+        if self._offline():
+            raise OfflineDeviceError(
+                "Trying to run a model on an offline device (ConnectionType.Never, set by "
+                "Options.useOfflineIpuTarget() or connectionType()): such a model compiles "
+                "(compile(), compileAndExport()) but never runs. Remove the option to run it")
         check_buffers(self._user_model, self._buffer_ids)
         if not self._training:
             self._refresh_from_host()
@@ -423,10 +430,13 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         """The device's optimiser state into the user's optimiser, stage by stage, when the
         user reads it (state_dict(), ipu_state) after training calls."""
         compiled = self._compiled
-        if (not self._state_stale or compiled is None or compiled.engine.optimizer is None
-                or self._user_optimizer is None):
+        if compiled is None or compiled.engine.optimizer is None or self._user_optimizer is None:
+            return
+        if not self._state_stale:
+            logger.debug("Using cached optimiser state dict")
             return
         self._state_stale = False  # first: loading the state reads the optimiser again
+        logger.debug("Writing optimiser state tensors from IPU to host.")
         compiled.engine.pull(optimizer_state=True)
         copy_state_to_host(compiled.engine.optimizer, self._user_optimizer)
 
@@ -486,8 +496,11 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         if not self._training:
             raise ConfigError("setOptimizer is for trainingModel wrappers; this is an inferenceModel")
         check_optimizer_params(optimizer, self._user_model, where="setOptimizer")
+        if self._compiled is None:
+            resolve_mean_strategy(optimizer, self._options)  # compiled later: may still change
         if self._compiled is not None and self._compiled.engine.optimizer is not None:
             assert self._optimizer_record is not None
+            check_mean_strategy_kept(optimizer, self._options)
             attributes.check_replacement(self._optimizer_record, optimizer)
             copy_hyperparameters(optimizer, self._compiled.engine.optimizer)
             self._compiled.engine.set_hyperparameters()
@@ -502,10 +515,16 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 self._link_optimizer(optimizer)
         self._user_optimizer = optimizer
 
+    def _offline(self) -> bool:
+        return self._options.connection_type == ConnectionType.Never
+
     def _link_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """`optimizer.state_dict()["ipu_state"]` and write_ipu_state reach this model."""
+        """`optimizer.state_dict()["ipu_state"]` and write_ipu_state reach this model (not
+        an offline one: it has no device state, so they stay None, as in PopTorch)."""
         self._optimizer_record = attributes.record(
             optimizer, automatic_loss_scaling=self._options.Training.auto_loss_scaling)
+        if self._offline():
+            return
         ipu_param.link(optimizer, self._user_model, sync=self._flush_host,
                        push=self._push_optimizer_state)
 
@@ -519,6 +538,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         """The user's optimiser state (written by write_ipu_state) becomes the device's."""
         if self._compiled is not None and self._compiled.engine.optimizer is not None:
             assert self._user_optimizer is not None
+            logger.debug("Writing optimiser state tensors from host to IPU memory")
             copy_state_to_device(self._user_optimizer, self._compiled.engine)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
