@@ -45,7 +45,7 @@ def test_quick_run_prints_every_setting_with_ratios(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {m.group(1): m for m in re.finditer(
-        r"^\| (plain|pipetorch|mapped) \| ([\d.]+) GB \| ([\d.]+)x \|", done.stdout, re.M)}
+        r"^\| (plain|pipetorch|mapped) \| ([\d.]+) GB \(([\d.]+)x\) \|", done.stdout, re.M)}
     assert set(rows) == {"plain", "pipetorch", "mapped"}, done.stdout
     assert float(rows["plain"].group(3)) == 1.0
     assert "Phase by phase (mapped" in done.stdout and "host copy" in done.stdout
