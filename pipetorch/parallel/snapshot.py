@@ -52,10 +52,10 @@ def items(stage: int, state: StageState) -> Iterator[Item]:
     """`state` value by value, so a copy to the host holds one tensor at a time in transit."""
     weights, optimizer_state, attributes = state
     for name, tensor in weights.items():
-        yield stage, "weight", name, "", tensor
+        yield stage, "weight", name, "", _compact(tensor)
     for name, values in optimizer_state.items():
         for key, value in values.items():
-            yield stage, "state", name, key, value
+            yield stage, "state", name, key, _compact(value)
     if attributes:
         yield stage, "attributes", "", "", attributes
 
@@ -105,6 +105,15 @@ class Loader:
                 return
             value = value.to(home)
         held[key] = value
+
+
+def _compact(value: Any) -> Any:
+    """A tensor that is a view of a larger storage (flat parameter buffers) as a copy of its
+    own bytes: a message sends whole storages."""
+    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > \
+            value.numel() * value.element_size():
+        return value.clone()
+    return value
 
 
 def load_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None,
