@@ -110,10 +110,17 @@ class Loader:
 def _compact(value: Any) -> Any:
     """A tensor that is a view of a larger storage (flat parameter buffers) as a copy of its
     own bytes: a message sends whole storages."""
-    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > \
-            value.numel() * value.element_size():
-        return value.clone()
+    if isinstance(value, torch.Tensor):
+        own = value.numel() * value.element_size()
+        if value.untyped_storage().nbytes() > 2 * own + (1 << 16):  # a page's slack is fine
+            return value.clone()
     return value
+
+
+def count(state: StageState) -> int:
+    """How many items `items` yields for `state`."""
+    weights, optimizer_state, attributes = state
+    return len(weights) + sum(len(v) for v in optimizer_state.values()) + bool(attributes)
 
 
 def load_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None,

@@ -17,7 +17,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -101,7 +101,7 @@ class Worker:
         self.launch, self.setup, self.conn = launch, setup, conn
         self._inputs, self._outputs = arena.Arena(), arena.Arena()  # shared with the host
         self._growth: arena.Packed | None = None  # outputs' new arena, sent after the reply
-        self._stream: list[snapshot.Item] = []  # a copy to the host's values, after the reply
+        self._stream: Iterator[snapshot.Item] = iter(())  # values sent after the reply
         # the host inputs the device's stages read, in the order the host lays them out
         self.reads = sorted({i for s in setup.stages for i in s.route.host_inputs})
         self.device = torch.device(launch.placement.device)
@@ -201,8 +201,9 @@ class Worker:
         if self._growth is not None:
             self._outputs.send_growth(self.conn, self._growth)
             self._growth = None
-        while self._stream:  # one value at a time: the host copies each into place
-            wire.send(self.conn, self._stream.pop(0))
+        for item in self._stream:  # one value at a time: the host copies each into place
+            wire.send(self.conn, item)
+        self._stream = iter(())
 
     def _plan(self, micro_batches: int, training: bool) -> list[Action]:
         count = self.setup.stages[0].route.stages
@@ -237,10 +238,11 @@ class Worker:
     def _pull(self, optimizer_state: bool) -> int:
         """The number of values that follow the reply: every stage's weights, and with
         `optimizer_state` its optimiser state too."""
-        self._stream = [item for stage, module in self.modules.items()
-                        for item in snapshot.items(stage, snapshot.stage_state(
-                            module, self.optimizer, tensors=optimizer_state))]
-        return len(self._stream)
+        states = {stage: snapshot.stage_state(module, self.optimizer, tensors=optimizer_state)
+                  for stage, module in self.modules.items()}
+        self._stream = (item for stage, state in states.items()
+                        for item in snapshot.items(stage, state))
+        return sum(snapshot.count(state) for state in states.values())
 
     def _grads(self, payload: None) -> dict[int, dict[str, torch.Tensor]]:
         """The last optimiser step's gradients of each stage (Gradient___ anchors), on the CPU."""
