@@ -22,6 +22,8 @@ which assigns `.grad` itself).
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -45,6 +47,18 @@ def arming(actions: Sequence[Action]) -> dict[int, int]:
     return {n: stage for stage, n in last.items()}
 
 
+@dataclass(frozen=True)
+class Started:
+    """One bucket's all-reduce as it started: inside action `at` ("hook"), at its end
+    ("sweep") or at ALL_REDUCE ("step"); `start` in monotonic ns."""
+
+    bucket: int
+    at: int
+    by: str
+    start: int
+    nbytes: int
+
+
 class EarlyReduce:
     """The buckets of one device's early path, their hooks, and the all-reduces in flight.
 
@@ -63,9 +77,7 @@ class EarlyReduce:
             for piece in bucket:
                 self.member.setdefault(id(piece.tensor), []).append(k)
         self.hooked: set[int] = set()  # stages whose hooks are armed now
-        # each start of the step: (bucket, index of the action it started in or after, by
-        # "hook" inside that action, "sweep" at its end, or "step" at ALL_REDUCE)
-        self.started: list[tuple[int, int, str]] = []
+        self.started: list[Started] = []  # this step's starts, in order
         self._at, self._by = -1, "step"
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in order]
         self.begin()
@@ -132,5 +144,7 @@ class EarlyReduce:
         pieces = [Piece(piece.tensor.grad, piece.start, piece.stop)
                   for piece in self.layout[k] if piece.tensor.grad is not None]
         if pieces:
-            self._flights.append(self.link.start_all_reduce(pieces))
-            self.started.append((k, self._at, self._by))
+            flight = self.link.start_all_reduce(pieces)
+            self._flights.append(flight)
+            self.started.append(Started(k, self._at, self._by, time.monotonic_ns(),
+                                        flight.flat.numel() * flight.flat.element_size()))

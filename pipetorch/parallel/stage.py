@@ -73,6 +73,10 @@ class Trace:
     replica: int = 0
     peak_memory: int | None = None  # the device's peak during the call: CUDA allocator / RSS
     transport: str = "gloo"  # how bundles crossed to the neighbours: "shm", "gloo" or "nccl"
+    # replica all-reduces started before the step (parallel/overlap.py), each as an "AR" span
+    # from its start to the end of the step's AR that waited for it; micro_batch: that of the
+    # backward it started in or after
+    early_reduces: list[Span] = field(default_factory=list)
 
 
 def _bundle(sources: tuple[Source, ...], specs: dict[Source, Spec], *,
@@ -206,6 +210,7 @@ class StageExecutor:
         self._split = {(a.stage, a.micro_batch) for a in actions
                        if a.kind is Kind.BACKWARD_WEIGHT}
         early = self._early_now = self._early_path(actions) if training else None
+        self._actions = actions
         arms = arming(actions) if early is not None else {}
         with ops.running_on_device(), torch.set_grad_enabled(training):
             for iteration in range(call.iterations):
@@ -251,6 +256,19 @@ class StageExecutor:
                                           uses[id(p)] == 1 and id(p) not in tied]
                                       for s, params in held}, self.link)
         return self.early
+
+    def _trace_early(self, early: EarlyReduce) -> None:
+        """The step's buckets started before its AR, on the traces of the stages whose
+        actions started them."""
+        end = time.monotonic_ns()
+        base = self.current[1] if self.current is not None else 0
+        for started in early.started:
+            if started.by == "step":
+                continue
+            action = self._actions[started.at]
+            micro = base + action.micro_batch if action.micro_batch is not None else None
+            self.held[action.stage].trace.early_reduces.append(
+                Span(Kind.ALL_REDUCE.value, micro, started.start, end, started.nbytes))
 
     def _hooks_fire(self, action: Action) -> bool:
         """Whether a weight's post-accumulate-grad hook in `action` means its gradient is
@@ -344,6 +362,7 @@ class StageExecutor:
         params = {id(p): p for h in self.held.values() for p in h.module.parameters()}
         if self._early_now is not None:  # most started during the backward: wait for them
             self._early_now.finish()
+            self._trace_early(self._early_now)
             params = {k: p for k, p in params.items() if k not in self._early_now.params}
         self.link.all_reduce([p.grad for p in params.values() if p.grad is not None])
 

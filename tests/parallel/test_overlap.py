@@ -127,8 +127,8 @@ def test_buckets_start_inside_each_stages_last_backward_in_order(monkeypatch):
         assert action == actions[n] and action.kind is Kind.BACKWARD
         assert spans == sum(1 for a in actions[:n] if a.stage == action.stage) + len(
             [a for a in actions if a.stage == action.stage])  # one step's spans before
-    assert [k for k, _, by in early.started] == list(range(len(early.layout)))
-    assert {by for _, _, by in early.started} == {"hook"}
+    assert [s.bucket for s in early.started] == list(range(len(early.layout)))
+    assert {s.by for s in early.started} == {"hook"}
     # later stages first: stage 2's last B starts the first bucket, stage 0's the last ones
     assert last[0][0].stage == 2 and last[-1][0].stage == 0
     # without overlap, every bucket waits for the step's AR
@@ -142,9 +142,9 @@ def test_zero_bubble_buckets_start_when_each_stages_last_w_ends(monkeypatch):
     assert_same(weights, want)
     # W assigns .grad itself (no hook fires): a stage's buckets start as its last W ends
     early = executor.early
-    assert {by for _, _, by in early.started} == {"sweep"}
-    assert [k for k, _, _ in early.started] == list(range(len(early.layout)))
-    assert {actions[at].kind for _, at, _ in early.started} == {Kind.BACKWARD_WEIGHT}
+    assert {s.by for s in early.started} == {"sweep"}
+    assert [s.bucket for s in early.started] == list(range(len(early.layout)))
+    assert {actions[s.at].kind for s in early.started} == {Kind.BACKWARD_WEIGHT}
     assert all(action.kind is Kind.BACKWARD_WEIGHT for action, _, _ in calls)
 
 

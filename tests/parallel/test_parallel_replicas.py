@@ -65,9 +65,10 @@ class Wide(nn.Module):
 
 
 @pytest.mark.slow
-def test_replicas_whose_gradients_span_several_buckets_match_plain_pytorch(request):
+def test_replicas_whose_gradients_span_several_buckets_match_plain_pytorch(request, monkeypatch):
     # the all-reduce joined each dtype's gradients into one buffer (1x extra memory); in
     # buckets of 25 MiB the first weight is sliced across two and must sum the same
+    monkeypatch.setenv("PIPETORCH_OVERLAP", "1")
     torch.manual_seed(0)
     R, D, G = 2, 1, 2
     case = mnist_case(2)
@@ -85,6 +86,14 @@ def test_replicas_whose_gradients_span_several_buckets_match_plain_pytorch(reque
     gradients = sum(p.numel() * p.element_size() for p in plain.parameters())
     assert reduced == [2 * gradients] * R  # sent and received, every byte once
     assert_same_state(wrapper.model, plain)
+    # each bucket's all-reduce started inside the step's last backward (parallel/overlap.py)
+    for trace in wrapper._compiled.engine.last_trace:
+        last_backward = [s for s in trace.spans if s.kind == "B"][-1]
+        assert last_backward.micro_batch == D * G - 1
+        assert len(trace.early_reduces) == 2  # 52 MB of gradients in 25 MiB buckets
+        for span in trace.early_reduces:
+            assert last_backward.start < span.start < last_backward.end, (span, last_backward)
+            assert span.micro_batch == D * G - 1 and span.nbytes > 0
 
 
 @pytest.mark.slow
