@@ -19,6 +19,11 @@ could fire before its gradient is final, or would not fire at all, is only swept
 become ready at the end of its last weight-gradient action (a recomputed stage, whose
 checkpoints may accumulate a weight twice in one backward; a compiled one; a zero-bubble W,
 which assigns `.grad` itself).
+
+Memory: a bucket that is one slice of one gradient is reduced where it lies; any other
+bucket in flight holds its own buffer until ALL_REDUCE, so up to 1x the gradients more at
+the end of the step (as DistributedDataParallel's buckets), where summing at the step reuses
+one bucket's buffer.
 """
 from __future__ import annotations
 
@@ -79,6 +84,7 @@ class EarlyReduce:
         self.hooked: set[int] = set()  # stages whose hooks are armed now
         self.started: list[Started] = []  # this step's starts, in order
         self._at, self._by = -1, "step"
+        # kept for the executor's life: a hook does nothing unless its stage is armed
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in order]
         self.begin()
 
@@ -115,10 +121,6 @@ class EarlyReduce:
         flights, self._flights = self._flights, []
         for flight in flights:
             self.link.finish_all_reduce(flight)
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
 
     def _hook(self, param: torch.Tensor) -> None:
         if self.hooked and self.stage_of[id(param)] in self.hooked:
