@@ -1,7 +1,8 @@
 """Replicas' all-reduce overlapped with the last backward: step time with and without it.
 
-Two replicas (gloo, one worker process per replica and stage) train an MLP whose ~100 MB of
-fp32 gradients fill four 25 MiB buckets, on 1 stage and on 2 stages (pipelined). Each row is
+Two replicas (gloo, one worker process per replica and stage) train an MLP of 6 equal layers
+whose 96 MiB of fp32 gradients fill four 25 MiB buckets, on 1 stage and on 2 stages
+(pipelined). Each row is
 run with PIPETORCH_OVERLAP=0 (every bucket summed at the step, after the whole backward) and
 =1 (a bucket's all-reduce starts as soon as the step's last backward finished its gradients,
 parallel/overlap.py). Numbers, from the workers' traces of the timed calls, per worker and
@@ -27,23 +28,29 @@ import torch.nn.functional as F
 
 import pipetorch as poptorch
 
-REPLICAS, ACCUMULATION, MICRO_BATCH = 2, 4, 16
+REPLICAS, ACCUMULATION, MICRO_BATCH = 2, 4, 32
 
 
 class Mlp(nn.Module):
-    """in -> wide -> wide -> in -> 10; with `split`, the second half on a second device."""
+    """`depth` square layers then a 10-way head; with `split`, the second half of the layers
+    on a second device. Equal layers let a bucket start while the layers before it still run
+    their backward."""
 
-    def __init__(self, width: int, inputs: int, *, split: bool) -> None:
+    def __init__(self, width: int, depth: int, *, split: bool) -> None:
         super().__init__()
         self.split = split
-        self.a, self.b = nn.Linear(inputs, width), nn.Linear(width, width)
-        self.c, self.head = nn.Linear(width, inputs), nn.Linear(inputs, 10)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 10)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor):  # type: ignore[no-untyped-def]
+        half = len(self.layers) // 2
         with poptorch.Block("first", ipu_id=0):
-            h = torch.relu(self.b(torch.relu(self.a(x))))
+            for layer in self.layers[:half]:
+                x = torch.relu(layer(x))
         with poptorch.Block("second", ipu_id=1 if self.split else 0):
-            out = self.head(torch.relu(self.c(h)))
+            for layer in self.layers[half:]:
+                x = torch.relu(layer(x))
+            out = self.head(x)
             return out, F.cross_entropy(out, labels)
 
 
@@ -55,30 +62,30 @@ class Row:
     buckets: float   # early all-reduces per worker and step (0 without overlap)
 
 
-def trainer(width: int, inputs: int, *, split: bool, overlap: bool):  # type: ignore[no-untyped-def]
+def trainer(width: int, depth: int, *, split: bool, overlap: bool):  # type: ignore[no-untyped-def]
     """A compiled training model whose workers run with PIPETORCH_OVERLAP=`overlap`."""
     os.environ["PIPETORCH_OVERLAP"] = "1" if overlap else "0"  # the workers started now read it
     torch.manual_seed(0)
-    model = Mlp(width, inputs, split=split)
+    model = Mlp(width, depth, split=split)
     opts = poptorch.Options().replicationFactor(REPLICAS)
     opts.Training.gradientAccumulation(ACCUMULATION)
     opts.showCompilationProgressBar(False)
     training = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.01))
-    training.compile(*data_for(inputs))
+    training.compile(*data_for(width))
     return training
 
 
-def data_for(inputs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def data_for(width: int) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(1)
     count = REPLICAS * ACCUMULATION * MICRO_BATCH
-    return torch.randn(count, inputs), torch.randint(0, 10, (count,))
+    return torch.randn(count, width), torch.randint(0, 10, (count,))
 
 
-def measure(width: int, inputs: int, *, split: bool, calls: int) -> dict[bool, Row]:
+def measure(width: int, depth: int, *, split: bool, calls: int) -> dict[bool, Row]:
     """Both settings, compiled side by side and called in turn (a busy machine's drift falls
     on both alike)."""
-    data = data_for(inputs)
-    models = {overlap: trainer(width, inputs, split=split, overlap=overlap)
+    data = data_for(width)
+    models = {overlap: trainer(width, depth, split=split, overlap=overlap)
               for overlap in (False, True)}
     seconds: dict[bool, list[float]] = {False: [], True: []}
     traces: dict[bool, list] = {False: [], True: []}
@@ -125,15 +132,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small model, 1 timed call")
     parser.add_argument("--calls", type=int, default=5, help="timed calls per row")
     args = parser.parse_args()
-    width, inputs, calls = (512, 256, 1) if args.quick else (4096, 1024, args.calls)
-    size = sum(p.numel() for p in Mlp(width, inputs, split=False).parameters()) * 4
+    width, depth, calls = (256, 4, 1) if args.quick else (2048, 6, args.calls)
+    size = sum(p.numel() for p in Mlp(width, depth, split=False).parameters()) * 4
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; R={REPLICAS} replicas over gloo, "
-          f"G={ACCUMULATION} x B={MICRO_BATCH}; MLP width {width}: {size / 2**20:.0f} MiB of "
+          f"G={ACCUMULATION} x B={MICRO_BATCH}; MLP of {depth} x {width}: {size / 2**20:.0f} MiB of "
           f"fp32 gradients; median of {calls} call(s) each after a warm-up.")
     print(f"{'row':<28}{'call s':>9}{'step ms':>10}{'AR wait ms':>12}{'early':>7}")
     for split in (False, True):
         name = f"R=2 x {2 if split else 1} stage{'s' if split else ''}"
-        rows = measure(width, inputs, split=split, calls=calls)
+        rows = measure(width, depth, split=split, calls=calls)
         for overlap, row in rows.items():
             print(f"{name + (', overlap' if overlap else ', at the step'):<28}{row.call_s:>9.3f}"
                   f"{row.step_ms:>10.1f}{row.wait_ms:>12.1f}{row.buckets:>7.1f}")
