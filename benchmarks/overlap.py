@@ -2,14 +2,14 @@
 
 Two replicas (gloo, one worker process per replica and stage) train an MLP of 6 equal layers
 whose 96 MiB of fp32 gradients fill four 25 MiB buckets, on 1 stage and on 2 stages
-(pipelined). Each row is
-run with PIPETORCH_OVERLAP=0 (every bucket summed at the step, after the whole backward) and
-=1 (a bucket's all-reduce starts as soon as the step's last backward finished its gradients,
-parallel/overlap.py). Numbers, from the workers' traces of the timed calls, per worker and
-optimiser step: the step (first action to the end of STEP), and the time spent at the "AR"
-action (starting what is left and waiting for every bucket). The host call's median seconds
-is printed as well. Both settings are compiled side by side and called in turn, so a busy
-machine's drift falls on both alike. Ratios are overlap / no overlap: below 1 is faster.
+(pipelined). Each row is run with PIPETORCH_OVERLAP=0 (every bucket summed at the step,
+after the whole backward) and =1 (a bucket's all-reduce starts as soon as the step's last
+backward finished its gradients, parallel/overlap.py). Numbers, from the workers' traces of
+the timed calls, per worker and optimiser step: the step (first action to the end of STEP),
+and the time spent at the "AR" action (starting what is left and waiting for every bucket).
+The host call's median seconds is printed as well. Both settings run on the same workers,
+call after call, so a busy machine's drift falls on both alike. Ratios are overlap / no
+overlap: below 1 is faster.
 
     python benchmarks/overlap.py            # about a minute on 2 cores
     python benchmarks/overlap.py --quick    # a smaller model, 1 timed call (a smoke test)
@@ -62,9 +62,8 @@ class Row:
     buckets: float   # early all-reduces per worker and step (0 without overlap)
 
 
-def trainer(width: int, depth: int, *, split: bool, overlap: bool):  # type: ignore[no-untyped-def]
-    """A compiled training model whose workers run with PIPETORCH_OVERLAP=`overlap`."""
-    os.environ["PIPETORCH_OVERLAP"] = "1" if overlap else "0"  # the workers started now read it
+def trainer(width: int, depth: int, *, split: bool):  # type: ignore[no-untyped-def]
+    """A compiled training model of 2 replicas."""
     torch.manual_seed(0)
     model = Mlp(width, depth, split=split)
     opts = poptorch.Options().replicationFactor(REPLICAS)
@@ -82,24 +81,24 @@ def data_for(width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def measure(width: int, depth: int, *, split: bool, calls: int) -> dict[bool, Row]:
-    """Both settings, compiled side by side and called in turn (a busy machine's drift falls
-    on both alike)."""
+    """Both settings on the same workers, call after call (PIPETORCH_OVERLAP is read at each
+    call), so a busy machine's drift falls on both alike."""
     data = data_for(width)
-    models = {overlap: trainer(width, depth, split=split, overlap=overlap)
-              for overlap in (False, True)}
+    training = trainer(width, depth, split=split)
     seconds: dict[bool, list[float]] = {False: [], True: []}
     traces: dict[bool, list] = {False: [], True: []}
     try:
-        for overlap, training in models.items():
-            training(*data)  # warm-up
-        for _ in range(calls):
-            for overlap, training in models.items():
-                seconds[overlap].append(_timed(lambda: training(*data)))
-                traces[overlap] += training._compiled.engine.last_trace
+        for turn in range(calls + 1):  # the first turn warms both up
+            for overlap in (False, True):
+                os.environ["PIPETORCH_OVERLAP"] = "1" if overlap else "0"
+                took = _timed(lambda: training(*data))
+                if turn:
+                    seconds[overlap].append(took)
+                    traces[overlap] += training._compiled.engine.last_trace
     finally:
-        for training in models.values():
-            training.destroy()
-    return {overlap: _row(seconds[overlap], traces[overlap]) for overlap in models}
+        training.destroy()
+        os.environ.pop("PIPETORCH_OVERLAP", None)
+    return {overlap: _row(seconds[overlap], traces[overlap]) for overlap in (False, True)}
 
 
 def _timed(call) -> float:  # type: ignore[no-untyped-def]
@@ -135,8 +134,9 @@ def main() -> None:
     width, depth, calls = (256, 4, 1) if args.quick else (2048, 6, args.calls)
     size = sum(p.numel() for p in Mlp(width, depth, split=False).parameters()) * 4
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; R={REPLICAS} replicas over gloo, "
-          f"G={ACCUMULATION} x B={MICRO_BATCH}; MLP of {depth} x {width}: {size / 2**20:.0f} MiB of "
-          f"fp32 gradients; median of {calls} call(s) each after a warm-up.")
+          f"G={ACCUMULATION} x B={MICRO_BATCH}; MLP of {depth} x {width}: "
+          f"{size / 2**20:.0f} MiB of fp32 gradients; median of {calls} call(s) each after a "
+          "warm-up.")
     print(f"{'row':<28}{'call s':>9}{'step ms':>10}{'AR wait ms':>12}{'early':>7}")
     for split in (False, True):
         name = f"R=2 x {2 if split else 1} stage{'s' if split else ''}"

@@ -27,6 +27,7 @@ one bucket's buffer.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -84,6 +85,7 @@ class EarlyReduce:
         self.hooked: set[int] = set()  # stages whose hooks are armed now
         self.started: list[Started] = []  # this step's starts, in order
         self._at, self._by = -1, "step"
+        self._lock = threading.Lock()  # autograd may run a CPU and a GPU weight's hooks at once
         # kept for the executor's life: a hook does nothing unless its stage is armed
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in order]
         self.begin()
@@ -124,7 +126,8 @@ class EarlyReduce:
 
     def _hook(self, param: torch.Tensor) -> None:
         if self.hooked and self.stage_of[id(param)] in self.hooked:
-            self._ready(param)
+            with self._lock:
+                self._ready(param)
 
     def _ready(self, param: torch.Tensor) -> None:
         key = id(param)

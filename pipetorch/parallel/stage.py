@@ -10,7 +10,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.nn as nn
 
-from pipetorch import environment, ops
+from pipetorch import ops
 from pipetorch.errors import DeviceError
 from pipetorch.losses import for_backward
 from pipetorch.optim.peers import Peers, during
@@ -41,6 +41,7 @@ class Call:
     micro_batches: int               # micro-batches per run of the plan
     wanted: frozenset[int]           # micro-batches whose outputs go back to the host
     scale: float = 1.0               # the loss's multiplier before loss scaling: 1/(G*R) for a mean
+    overlap: bool = True             # replicas' all-reduce may start in the last backward
 
 
 @dataclass
@@ -209,7 +210,8 @@ class StageExecutor:
         # the backwards a later W completes: those B computes the input's gradient only
         self._split = {(a.stage, a.micro_batch) for a in actions
                        if a.kind is Kind.BACKWARD_WEIGHT}
-        early = self._early_now = self._early_path(actions) if training else None
+        early = self._early_now = (self._early_path(actions)
+                                   if training and call.overlap else None)
         self._actions = actions
         arms = arming(actions) if early is not None else {}
         with ops.running_on_device(), torch.set_grad_enabled(training):
@@ -244,9 +246,9 @@ class StageExecutor:
     # -- the replicas' all-reduce started early (parallel/overlap.py) ----------------------
     def _early_path(self, actions: list[Action]) -> EarlyReduce | None:
         """The early all-reduce when `actions` sum gradients over replicas through a
-        torch.distributed link and PIPETORCH_OVERLAP allows it; else None."""
-        if (not any(a.kind is Kind.ALL_REDUCE for a in actions)
-                or not isinstance(self.link, PeerLink) or not environment.get("overlap")):
+        torch.distributed link; else None."""
+        if not any(a.kind is Kind.ALL_REDUCE for a in actions) or not isinstance(self.link,
+                                                                                 PeerLink):
             return None
         if self.early is None:
             held = [(s, list(h.module.parameters())) for s, h in self.held.items()]

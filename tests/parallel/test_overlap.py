@@ -69,11 +69,10 @@ def with_all_reduce(actions):
     return [*actions[:at], Action(Kind.ALL_REDUCE, actions[at].stage), *actions[at:]]
 
 
-def train(schedule, *, overlap, share=False, checkpointed=(), monkeypatch):
+def train(schedule, *, overlap, share=False, checkpointed=()):
     """Three stages held by one device (those in `checkpointed` under activation
     checkpointing), trained for D steps with doubled gradients; returns the model's weights,
     the executor, its actions and the all-reduces seen."""
-    monkeypatch.setenv("PIPETORCH_OVERLAP", "1" if overlap else "0")
     torch.manual_seed(0)
     model = Wide(share)
     x, y = torch.randn(D * G * B, 8), torch.randint(0, 3, (D * G * B,))
@@ -91,7 +90,8 @@ def train(schedule, *, overlap, share=False, checkpointed=(), monkeypatch):
     actions = with_all_reduce(merge(plan(schedule, 3, G, training=True), (0, 0, 0))[0])
     reduce = Doubling()
     reduce.executor = executor
-    call = Call({0: x.reshape(D * G, B, 8), 1: y.reshape(D * G, B)}, D, G, frozenset(), 1 / G)
+    call = Call({0: x.reshape(D * G, B, 8), 1: y.reshape(D * G, B)}, D, G, frozenset(), 1 / G,
+                overlap=overlap)
     with mock.patch.object(dist, "all_reduce", reduce):
         executor.run(actions, call, training=True)
     return copy.deepcopy(model.state_dict()), executor, actions, reduce.calls
@@ -116,9 +116,9 @@ def test_arming_picks_each_stages_last_weight_gradient_action_before_the_step():
         assert n == last_weight_gradient(actions, stage) and actions[n].kind is Kind.BACKWARD_WEIGHT
 
 
-def test_buckets_start_inside_each_stages_last_backward_in_order(monkeypatch):
-    weights, executor, actions, calls = train("pipelined", overlap=True, monkeypatch=monkeypatch)
-    want, _, _, at_step = train("pipelined", overlap=False, monkeypatch=monkeypatch)
+def test_buckets_start_inside_each_stages_last_backward_in_order():
+    weights, executor, actions, calls = train("pipelined", overlap=True)
+    want, _, _, at_step = train("pipelined", overlap=False)
     assert_same(weights, want)  # every element summed once, after its last accumulation
     early = executor.early
     assert len(early.layout) > 10 and len(calls) == D * len(early.layout)
@@ -138,10 +138,9 @@ def test_buckets_start_inside_each_stages_last_backward_in_order(monkeypatch):
     assert {action.kind for action, _, _ in at_step} == {Kind.ALL_REDUCE}
 
 
-def test_zero_bubble_buckets_start_when_each_stages_last_w_ends(monkeypatch):
-    weights, executor, actions, calls = train("zero_bubble", overlap=True,
-                                              monkeypatch=monkeypatch)
-    want, _, _, _ = train("zero_bubble", overlap=False, monkeypatch=monkeypatch)
+def test_zero_bubble_buckets_start_when_each_stages_last_w_ends():
+    weights, executor, actions, calls = train("zero_bubble", overlap=True)
+    want, _, _, _ = train("zero_bubble", overlap=False)
     assert_same(weights, want)
     # W assigns .grad itself (no hook fires): a stage's buckets start as its last W ends
     early = executor.early
@@ -151,10 +150,9 @@ def test_zero_bubble_buckets_start_when_each_stages_last_w_ends(monkeypatch):
     assert all(action.kind is Kind.BACKWARD_WEIGHT for action, _, _ in calls)
 
 
-def test_a_weight_two_stages_of_the_device_share_is_summed_at_the_step(monkeypatch):
-    weights, executor, _, calls = train("pipelined", overlap=True, share=True,
-                                        monkeypatch=monkeypatch)
-    want, _, _, _ = train("pipelined", overlap=False, share=True, monkeypatch=monkeypatch)
+def test_a_weight_two_stages_of_the_device_share_is_summed_at_the_step():
+    weights, executor, _, calls = train("pipelined", overlap=True, share=True)
+    want, _, _, _ = train("pipelined", overlap=False, share=True)
     assert_same(weights, want)
     shared = [p for p in executor.held[1].module.parameters()
               if any(p is q for q in executor.held[2].module.parameters())]
@@ -164,12 +162,11 @@ def test_a_weight_two_stages_of_the_device_share_is_summed_at_the_step(monkeypat
     assert {action.kind for action, _, _ in calls} == {Kind.BACKWARD, Kind.ALL_REDUCE}
 
 
-def test_a_checkpointed_stage_starts_its_buckets_when_its_last_backward_ends(monkeypatch):
+def test_a_checkpointed_stage_starts_its_buckets_when_its_last_backward_ends():
     # a recomputed stage's hooks are not trusted (a weight in two checkpointed segments would
     # accumulate twice in one backward): its buckets wait for the end of its last B
-    weights, executor, actions, _ = train("pipelined", overlap=True, checkpointed=(1,),
-                                          monkeypatch=monkeypatch)
-    want, _, _, _ = train("pipelined", overlap=False, checkpointed=(1,), monkeypatch=monkeypatch)
+    weights, executor, actions, _ = train("pipelined", overlap=True, checkpointed=(1,))
+    want, _, _, _ = train("pipelined", overlap=False, checkpointed=(1,))
     assert_same(weights, want)
     early = executor.early
     by_stage = {}

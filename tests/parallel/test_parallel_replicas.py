@@ -94,6 +94,13 @@ def test_replicas_whose_gradients_span_several_buckets_match_plain_pytorch(reque
         for span in trace.early_reduces:
             assert last_backward.start < span.start < last_backward.end, (span, last_backward)
             assert span.micro_batch == D * G - 1 and span.nbytes > 0
+    # PIPETORCH_OVERLAP is read at each call: the same workers now sum at the step
+    monkeypatch.setenv("PIPETORCH_OVERLAP", "0")
+    batch = case.data(D * G * R * B, seed=CALLS)
+    assert_same_result(wrapper(*batch), plain_call(plain, plain_optimizer, batch, D=D, G=G, R=R,
+                                                   mode="All"), what="a call without overlap")
+    assert not any(trace.early_reduces for trace in wrapper._compiled.engine.last_trace)
+    assert_same_state(wrapper.model, plain)
 
 
 @pytest.mark.slow
