@@ -19,7 +19,9 @@ split at layer4 (2 stages x 2 replicas = 4 worker processes, cores // 4 threads 
 The all-reduce fraction comes from the workers' traces (every timed call): for each worker and
 optimiser step, the time of its "AR" span (the replicas' gradients summed with
 torch.distributed; it includes waiting for the other replica to arrive) over the step's time,
-from its first action to the end of its "STEP"; averaged over workers and steps.
+from its first action to the end of its "STEP"; averaged over workers and steps. With
+PIPETORCH_OVERLAP=1 (the default) most buckets start during the last backward and "AR" is
+only what is left and the wait (benchmarks/overlap.py compares both).
 
     python benchmarks/replicas.py             # full run (about 2 minutes on 2 cores)
     python benchmarks/replicas.py --quick     # tiny model, 1 timed call (a smoke test)

@@ -95,6 +95,11 @@ class Environment:
     snapshots: bool = _choice("1", {
         "1": "workers keep a copy of the state after each call, for the model if one dies",
         "0": "no copy (for very large models)"}, convert=lambda value: value == "1")
+    overlap: bool = _choice("1", {
+        "1": "replicas start summing a bucket of gradients as soon as the step's last backward "
+             "finished it",
+        "0": "replicas sum the gradients after the whole backward, at the optimiser step"},
+        convert=lambda value: value == "1")
     worker_pool: str = _choice("1", {
         "1": "fork workers from a warm process started by the first wrapper",
         "early": "start that process at `import pipetorch`",

@@ -325,6 +325,7 @@ class ProcessEngine:
         steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
         wanted = frozenset(j for j in range(steps) if collector.wants(j))
         commit = self._commits + 1
+        overlap = environment.get("overlap")  # read per call: a change between calls counts
         for n, (peer, placement) in enumerate(zip(self.peers, self.placements)):
             reads = sorted({i for s in placement.stages for i in self.routes[s].host_inputs})
             mine = flat[placement.replica::replicas]
@@ -333,7 +334,7 @@ class ProcessEngine:
             with torch.no_grad():
                 for i, view in zip(reads, views):
                     torch.stack([f[i] for f in mine], out=view)  # straight into shared memory
-            call = Call({}, iterations, per_iteration, wanted, scale)
+            call = Call({}, iterations, per_iteration, wanted, scale, overlap)
             self._send(peer, ("run", (call, training, commit, packed)))
             self._send(peer, packed, shared=self._arenas[n][0])
         arrivals: list[wire.Transfer] = []

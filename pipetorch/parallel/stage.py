@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -15,6 +16,7 @@ from pipetorch.losses import for_backward
 from pipetorch.optim.peers import Peers, during
 from pipetorch.optim.scaling import loss_scale
 from pipetorch.parallel.host_copies import HostCopies
+from pipetorch.parallel.overlap import EarlyReduce, arming
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.tied import TiedGrads
 from pipetorch.parallel.transport import BundleLayout, ChannelSpec, PeerLink, Tag, channel
@@ -39,6 +41,7 @@ class Call:
     micro_batches: int               # micro-batches per run of the plan
     wanted: frozenset[int]           # micro-batches whose outputs go back to the host
     scale: float = 1.0               # the loss's multiplier before loss scaling: 1/(G*R) for a mean
+    overlap: bool = True             # replicas' all-reduce may start in the last backward
 
 
 @dataclass
@@ -71,6 +74,10 @@ class Trace:
     replica: int = 0
     peak_memory: int | None = None  # the device's peak during the call: CUDA allocator / RSS
     transport: str = "gloo"  # how bundles crossed to the neighbours: "shm", "gloo" or "nccl"
+    # replica all-reduces started before the step (parallel/overlap.py), each as an "AR" span
+    # from its start to the end of the step's AR that waited for it; micro_batch: that of the
+    # backward it started in or after
+    early_reduces: list[Span] = field(default_factory=list)
 
 
 def _bundle(sources: tuple[Source, ...], specs: dict[Source, Spec], *,
@@ -154,6 +161,8 @@ class StageExecutor:
             Kind.STEP: self._step,
         }
         self.current: tuple[Action, int] | None = None  # for error messages
+        self.early: EarlyReduce | None = None  # built by the first run that all-reduces
+        self._early_now: EarlyReduce | None = None  # in use by this run
 
     def channels(self, actions: list[Action]) -> list[ChannelSpec]:
         """Every direction of traffic with another worker that `actions` use, with its largest
@@ -201,6 +210,10 @@ class StageExecutor:
         # the backwards a later W completes: those B computes the input's gradient only
         self._split = {(a.stage, a.micro_batch) for a in actions
                        if a.kind is Kind.BACKWARD_WEIGHT}
+        early = self._early_now = (self._early_path(actions)
+                                   if training and call.overlap else None)
+        self._actions = actions
+        arms = arming(actions) if early is not None else {}
         with ops.running_on_device(), torch.set_grad_enabled(training):
             for iteration in range(call.iterations):
                 base = iteration * call.micro_batches
@@ -208,12 +221,18 @@ class StageExecutor:
                     self.optimizer.zero_grad(set_to_none=True)
                     # automatic loss scaling changes the scale between optimiser steps
                     self._scale = call.scale * loss_scale(self.optimizer)
-                for action in actions:
+                if early is not None:
+                    early.begin()
+                for n, action in enumerate(actions):
                     self.current = (action, base)
                     micro = base + action.micro_batch if action.micro_batch is not None else -1
                     sent, received = self.link.bytes_sent, self.link.bytes_received
                     start = time.monotonic_ns()
+                    if early is not None and n in arms:
+                        early.arm(action.stage, n, hooks=self._hooks_fire(action))
                     self._handlers[action.kind](micro, action)
+                    if early is not None and n in arms:
+                        early.sweep(action.stage)
                     nbytes = self.link.bytes_sent - sent + self.link.bytes_received - received
                     self.held[action.stage].trace.spans.append(
                         Span(action.kind.value, micro if micro >= 0 else None, start,
@@ -223,6 +242,41 @@ class StageExecutor:
         self._to_host.ready()  # once per call: the outputs' copies ran beside the schedule
         assert not any(h.forwards or h.received or h.deferred for h in self.held.values()) \
             and not self._handovers, "a schedule left work undone"
+
+    # -- the replicas' all-reduce started early (parallel/overlap.py) ----------------------
+    def _early_path(self, actions: list[Action]) -> EarlyReduce | None:
+        """The early all-reduce when `actions` sum gradients over replicas through a
+        torch.distributed link; else None."""
+        if not any(a.kind is Kind.ALL_REDUCE for a in actions) or not isinstance(self.link,
+                                                                                 PeerLink):
+            return None
+        if self.early is None:
+            held = [(s, list(h.module.parameters())) for s, h in self.held.items()]
+            uses = Counter(id(p) for _, params in held for p in params)
+            tied = set(self.tied.shares()) if self.tied else set()
+            self.early = EarlyReduce({s: [p for p in params if p.requires_grad and
+                                          uses[id(p)] == 1 and id(p) not in tied]
+                                      for s, params in held}, self.link)
+        return self.early
+
+    def _trace_early(self, early: EarlyReduce) -> None:
+        """The step's buckets started before its AR, on the traces of the stages whose
+        actions started them."""
+        end = time.monotonic_ns()
+        base = self.current[1] if self.current is not None else 0
+        for started in early.started:
+            if started.by == "step":
+                continue
+            action = self._actions[started.at]
+            micro = base + action.micro_batch if action.micro_batch is not None else None
+            self.held[action.stage].trace.early_reduces.append(
+                Span(Kind.ALL_REDUCE.value, micro, started.start, end, started.nbytes))
+
+    def _hooks_fire(self, action: Action) -> bool:
+        """Whether a weight's post-accumulate-grad hook in `action` means its gradient is
+        final: a B of a stage autograd runs once (not recomputed nor compiled); W assigns
+        `.grad` without hooks."""
+        return action.kind is Kind.BACKWARD and self.held[action.stage].splits
 
     # -- compute ----------------------------------------------------------------------------
     def _forward(self, m: int, action: Action) -> None:
@@ -308,6 +362,10 @@ class StageExecutor:
         """Sum the gradients of every held stage over the replicas of this device (a weight
         two of its stages share, once)."""
         params = {id(p): p for h in self.held.values() for p in h.module.parameters()}
+        if self._early_now is not None:  # most started during the backward: wait for them
+            self._early_now.finish()
+            self._trace_early(self._early_now)
+            params = {k: p for k, p in params.items() if k not in self._early_now.params}
         self.link.all_reduce([p.grad for p in params.values() if p.grad is not None])
 
     def _tied_reduce(self, m: int, action: Action) -> None:

@@ -105,6 +105,16 @@ class ChannelSpec:
     nbytes: int
 
 
+@dataclass
+class InFlight:
+    """An all-reduce of one bucket that was started and not yet waited for."""
+
+    work: Any               # torch.distributed's Work
+    flat: torch.Tensor      # the bucket's elements as they cross (summed in place)
+    bucket: list[Piece]
+    who: str                # named in a timeout's message
+
+
 class PeerLink:
     """Point-to-point bundles between this worker and the other workers of its replica.
 
@@ -165,18 +175,32 @@ class PeerLink:
         named `who` in a timeout's message), one bucket (`buckets.BUCKET_BYTES`) at a time
         through one reused buffer per dtype: the extra memory is one bucket, not a copy of
         every tensor."""
-        process_group = self.replica_group if group is None else group
         scratch: dict[torch.dtype, torch.Tensor] = {}
         for bucket in buckets(tensors, self.bucket_bytes):
-            flat = self._gather(bucket, scratch)
-            self._wait(dist.all_reduce(flat, group=process_group, async_op=True), who)
-            at = 0
-            for piece in bucket:
-                piece.write(flat[at:at + piece.numel])
-                at += piece.numel
-            nbytes = flat.numel() * flat.element_size()
-            self.bytes_sent += nbytes
-            self.bytes_received += nbytes
+            self.finish_all_reduce(self.start_all_reduce(bucket, group=group, who=who,
+                                                         scratch=scratch))
+
+    def start_all_reduce(self, bucket: list[Piece], *, group: Any = None,
+                         who: str = "the other replicas",
+                         scratch: dict[torch.dtype, torch.Tensor] | None = None) -> InFlight:
+        """Start summing one bucket over the replicas (or `group`); `finish_all_reduce` waits
+        and writes the sums back. Without `scratch` the bucket gets a buffer of its own, so
+        several can be in flight at once."""
+        flat = self._gather(bucket, {} if scratch is None else scratch)
+        process_group = self.replica_group if group is None else group
+        return InFlight(dist.all_reduce(flat, group=process_group, async_op=True), flat,
+                        bucket, who)
+
+    def finish_all_reduce(self, flight: InFlight) -> None:
+        """Wait for `flight` and write its sums into the bucket's tensors."""
+        self._wait(flight.work, flight.who)
+        at = 0
+        for piece in flight.bucket:
+            piece.write(flight.flat[at:at + piece.numel])
+            at += piece.numel
+        nbytes = flight.flat.numel() * flight.flat.element_size()
+        self.bytes_sent += nbytes
+        self.bytes_received += nbytes
 
     def _gather(self, bucket: list[Piece], scratch: dict[torch.dtype, torch.Tensor]
                 ) -> torch.Tensor:

@@ -173,7 +173,7 @@ class Worker:
             self._plans[key] = self._plan(call.micro_batches, training)
         inputs = zip(self.reads, self._inputs.unpack(self.conn, packed))
         call = Call({i: x.to(self.device, non_blocking=True) for i, x in inputs},
-                    call.iterations, call.micro_batches, call.wanted, call.scale)
+                    call.iterations, call.micro_batches, call.wanted, call.scale, call.overlap)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copy ends the H2D span
             torch.cuda.reset_peak_memory_stats(self.device)

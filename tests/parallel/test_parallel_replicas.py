@@ -65,9 +65,10 @@ class Wide(nn.Module):
 
 
 @pytest.mark.slow
-def test_replicas_whose_gradients_span_several_buckets_match_plain_pytorch(request):
+def test_replicas_whose_gradients_span_several_buckets_match_plain_pytorch(request, monkeypatch):
     # the all-reduce joined each dtype's gradients into one buffer (1x extra memory); in
     # buckets of 25 MiB the first weight is sliced across two and must sum the same
+    monkeypatch.setenv("PIPETORCH_OVERLAP", "1")
     torch.manual_seed(0)
     R, D, G = 2, 1, 2
     case = mnist_case(2)
@@ -84,6 +85,21 @@ def test_replicas_whose_gradients_span_several_buckets_match_plain_pytorch(reque
                if s.kind == "AR"]
     gradients = sum(p.numel() * p.element_size() for p in plain.parameters())
     assert reduced == [2 * gradients] * R  # sent and received, every byte once
+    assert_same_state(wrapper.model, plain)
+    # each bucket's all-reduce started inside the step's last backward (parallel/overlap.py)
+    for trace in wrapper._compiled.engine.last_trace:
+        last_backward = [s for s in trace.spans if s.kind == "B"][-1]
+        assert last_backward.micro_batch == D * G - 1
+        assert len(trace.early_reduces) == 2  # 52 MB of gradients in 25 MiB buckets
+        for span in trace.early_reduces:
+            assert last_backward.start < span.start < last_backward.end, (span, last_backward)
+            assert span.micro_batch == D * G - 1 and span.nbytes > 0
+    # PIPETORCH_OVERLAP is read at each call: the same workers now sum at the step
+    monkeypatch.setenv("PIPETORCH_OVERLAP", "0")
+    batch = case.data(D * G * R * B, seed=CALLS)
+    assert_same_result(wrapper(*batch), plain_call(plain, plain_optimizer, batch, D=D, G=G, R=R,
+                                                   mode="All"), what="a call without overlap")
+    assert not any(trace.early_reduces for trace in wrapper._compiled.engine.last_trace)
     assert_same_state(wrapper.model, plain)
 
 
@@ -162,3 +178,37 @@ def test_two_replicas_equal_one_replica_with_the_batch_doubled():
         wrapper.destroy()
         trained.append(model)
     assert_same_state(trained[1], trained[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, count, ipus, G", [
+    pytest.param("zero_bubble", 2, (0, 1), 4, id="zero-bubble"),
+    pytest.param("interleaved", 4, (0, 1, 0, 1), 8, id="interleaved"),
+])
+def test_replicas_with_early_all_reduce_match_plain_pytorch(request, monkeypatch, schedule,
+                                                            count, ipus, G):
+    # the early all-reduce starts a stage's buckets at the end of its last W (zero-bubble),
+    # and for two stages per device in one order on every replica (interleaved)
+    monkeypatch.setenv("PIPETORCH_OVERLAP", "1")
+    R, D = 2, 2
+    case = mnist_case(count)
+    case.stages = tuple(stage.ipu(ipu) for stage, ipu in zip(case.stages, ipus))
+    plain = twin(case.model)
+    opts = options(case, sharded=False, D=D, G=G, R=R)
+    opts.Training.pipelineSchedule(schedule)
+    wrapper = cleaned(request, poptorch.trainingModel(case.model, opts, optimizer=sgd(case.model)))
+    plain_optimizer = sgd(plain)
+    for call in range(CALLS):
+        batch = case.data(D * G * R * B, seed=call)
+        assert_same_result(wrapper(*batch), plain_call(plain, plain_optimizer, batch, D=D, G=G,
+                                                       R=R, mode="All"), what=f"call {call}")
+    assert_same_state(wrapper.model, plain)
+    traces = wrapper._compiled.engine.last_trace
+    assert {(t.stage, t.replica) for t in traces} == {(s, r) for s in range(count)
+                                                      for r in range(R)}
+    early = {}  # (replica, device) -> buckets started before the step's AR, over the call
+    for trace in traces:
+        key = (trace.replica, ipus[trace.stage])
+        early[key] = early.get(key, 0) + len(trace.early_reduces)
+        assert all(span.micro_batch is not None for span in trace.early_reduces)
+    assert len(early) == R * 2 and min(early.values()) >= D, early
