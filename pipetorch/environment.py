@@ -95,11 +95,12 @@ class Environment:
     snapshots: bool = _choice("1", {
         "1": "workers keep a copy of the state after each call, for the model if one dies",
         "0": "no copy (for very large models)"}, convert=lambda value: value == "1")
-    overlap: bool = _choice("1", {
+    overlap: str = _choice("auto", {
+        "auto": "`1` between GPUs (NCCL), `0` on CPUs (gloo sums on the cores the backward "
+                "needs, and buckets in flight hold up to a second copy of the gradients)",
         "1": "replicas start summing a bucket of gradients as soon as the step's last backward "
              "finished it",
-        "0": "replicas sum the gradients after the whole backward, at the optimiser step"},
-        convert=lambda value: value == "1")
+        "0": "replicas sum the gradients after the whole backward, at the optimiser step"})
     worker_pool: str = _choice("1", {
         "1": "fork workers from a warm process started by the first wrapper",
         "early": "start that process at `import pipetorch`",

@@ -325,7 +325,7 @@ class ProcessEngine:
         steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
         wanted = frozenset(j for j in range(steps) if collector.wants(j))
         commit = self._commits + 1
-        overlap = environment.get("overlap")  # read per call: a change between calls counts
+        overlap = self._overlap()  # read per call: a change between calls counts
         for n, (peer, placement) in enumerate(zip(self.peers, self.placements)):
             reads = sorted({i for s in placement.stages for i in self.routes[s].host_inputs})
             mine = flat[placement.replica::replicas]
@@ -343,6 +343,14 @@ class ProcessEngine:
         if training:
             self._commits = commit
         return replies, arrivals, flat, wanted
+
+    def _overlap(self) -> bool:
+        """Whether replicas start their gradient buckets during the last backward
+        (PIPETORCH_OVERLAP; `auto`: between GPUs)."""
+        setting = environment.get("overlap")
+        if setting == "auto":
+            return all(torch.device(p.device).type == "cuda" for p in self.placements)
+        return setting == "1"
 
     def _collect(self, replies: list[Any], arrivals: list[wire.Transfer], flat: list,
                  wanted: frozenset[int], collector: OutputCollector) -> None:
