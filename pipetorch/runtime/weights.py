@@ -142,7 +142,10 @@ def device_copy(model: nn.Module, device: torch.device) -> nn.Module:
 
 @torch.no_grad()
 def copy_state(source: nn.Module, target: nn.Module) -> None:
-    """Copy parameters and buffers in place, keeping the target's tensor objects."""
+    """Copy parameters and buffers in place, keeping the target's tensor objects (nothing to
+    do when the engine's host copy is the user's model itself)."""
+    if source is target:
+        return
     src = dict(source.named_parameters(remove_duplicate=False))
     src.update(source.named_buffers(remove_duplicate=False))
     for name, tensor in [*target.named_parameters(remove_duplicate=False),
