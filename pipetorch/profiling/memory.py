@@ -32,7 +32,8 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 COMPUTED = "computed from tensor sizes (no allocator statistics on the CPU)"
-MEASURED = ("peak measured with torch.cuda.max_memory_allocated; the parts computed from "
+MEASURED = ("peak measured with torch.cuda.max_memory_allocated (on a CPU: each stage "
+            "worker's resident peak, everything its process holds); the parts computed from "
             "tensor sizes")
 
 

@@ -59,3 +59,23 @@ def test_the_host_keeps_one_copy_of_the_weights_and_the_state_only_when_read():
     assert touched < 0.5 * size, (touched, size)
     assert 1.5 * size < read < 3.5 * size, (read, size)
     assert sorted(peaks) == [0, 1] and all(peak > size / 2 for peak in peaks.values()), peaks
+
+
+def test_the_memory_report_shows_each_cpu_workers_resident_peak(tmp_path):
+    # It showed "-" for stage workers on a CPU: only a GPU's allocator was read.
+    torch.manual_seed(0)
+    model = Stack(256)
+    opts = poptorch.Options().showCompilationProgressBar(False).enableProfiling(str(tmp_path))
+    opts.Training.gradientAccumulation(G)
+    wrapper = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    wrapper(torch.randn(G * 2, 256), torch.randn(G * 2, 256))
+    peaks = dict(wrapper._compiled.engine.peak_memory)
+    wrapper.destroy()
+    import json
+    report = json.loads((tmp_path / "training" / "memory.json").read_text())
+    measured = [d["measured_peak"] for d in report["devices"]]
+    assert measured == [peaks[0], peaks[1]]
+    # a worker holds at least its stage's weights and gradients, and an interpreter
+    assert all(peak > d["parameters"] + d["gradients"] for peak, d in zip(measured,
+                                                                          report["devices"]))
+    assert "resident peak" in report["method"]
