@@ -107,6 +107,18 @@ POPART = {
 }
 
 
+class WithLoss(nn.Module):
+    """`inner`'s output and its MSE against `y`."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, y):
+        out = self.inner(x)
+        return out, F.mse_loss(out, y)
+
+
 def test_poptorchs_popart_options_are_kept_and_the_model_trains_like_torch():
     opts = poptorch.Options()
     for key, value in POPART.items():
@@ -117,15 +129,6 @@ def test_poptorchs_popart_options_are_kept_and_the_model_trains_like_torch():
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     plain = copy.deepcopy(model)
-
-    class WithLoss(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x, y):
-            out = self.inner(x)
-            return out, F.mse_loss(out, y)
 
     wrapped = poptorch.trainingModel(WithLoss(model), opts,
                                      torch.optim.SGD(model.parameters(), lr=0.1))
@@ -272,15 +275,6 @@ def test_running_statistics_train_like_torch():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     plain = copy.deepcopy(model)
-
-    class WithLoss(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x, y):
-            out = self.inner(x)
-            return out, F.mse_loss(out, y)
 
     wrapped = poptorch.trainingModel(WithLoss(model),
                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

@@ -8,13 +8,12 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.optim.lr_scheduler import ExponentialLR
 from torch.testing import assert_close
 
 import pipetorch as poptorch
 from pipetorch import log_level
-from helpers.models import regression_data
+from helpers.models import Regressor, regression_data
 from helpers.reference import assert_same_weights, plain_steps
 
 LOG = "pipetorch.runtime.executor"
@@ -37,17 +36,6 @@ FAMILIES = [  # (pipetorch optimiser, plain torch optimiser, arguments)
 def _fresh_repeat_counts(monkeypatch):
     # maxRepeatLogs mutes a message after 4 copies per process: count from 0 in each test
     monkeypatch.setattr(log_level._repeat_filter, "_seen", {})
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(3, 2)
-
-    def forward(self, x, y):
-        out = self.lin(x)
-        return out, F.mse_loss(out, y)
 
 
 def _data(steps=3, seed=1):
@@ -75,7 +63,7 @@ def test_an_incomplete_state_written_after_compiling_merges_and_trains_like_torc
         cls, plain_cls, kwargs):
     # PopTorch's test_write_ipu_state(incomplete_state=True): one tensor left out, the others
     # random; the left-out one keeps the device's value, the rest are the written ones.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data()
     optimizer = cls(model.parameters(), **kwargs)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
@@ -108,7 +96,7 @@ def test_an_incomplete_state_written_after_compiling_merges_and_trains_like_torc
 
 
 def test_the_poptorch_only_lamb_takes_an_incomplete_state_and_moves_on():
-    model = Net()
+    model = Regressor()
     optimizer = poptorch.optim.LAMB(model.parameters(), lr=0.01)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
     wrapped.compile(*_data(1)[0])
@@ -127,7 +115,7 @@ def test_the_poptorch_only_lamb_takes_an_incomplete_state_and_moves_on():
 def test_an_incomplete_ipu_param_changes_only_the_groups_it_names():
     # PopTorch's test_write_ipu_state(incomplete_state=True) for the hyper-parameters: with
     # one param group per parameter, a learning rate left out keeps its value.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data(3)
     groups = lambda m: [{"params": [m.lin.weight]}, {"params": [m.lin.bias]}]  # noqa: E731
     optimizer = poptorch.optim.Adam(groups(model), lr=0.01)
@@ -152,7 +140,7 @@ def test_an_incomplete_ipu_param_changes_only_the_groups_it_names():
 def test_a_checkpoint_loaded_before_compiling_reaches_the_device():
     # PopTorch's test_write_ipu_state_before_override: a destroyed model's state, loaded into
     # a new optimiser, is what the new model compiles with; training goes on like torch.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data(4)
     optimizer = poptorch.optim.Adam(model.parameters(), lr=0.02)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
@@ -176,7 +164,7 @@ def test_a_checkpoint_loaded_before_compiling_reaches_the_device():
 def test_an_incomplete_checkpoint_loaded_before_compiling(caplog):
     # Only the weight's moments are in the checkpoint: the bias starts from zeros, as a
     # fresh parameter does on the IPU, and the model says which parameters got no state.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data(3)
     optimizer = poptorch.optim.Adam(model.parameters(), lr=0.02)
     checkpoint = optimizer.state_dict()
@@ -200,7 +188,7 @@ def test_an_incomplete_checkpoint_loaded_before_compiling(caplog):
 def test_a_cpu_trained_optimisers_state_carries_on_on_the_device():
     # PopTorch refuses this ("Only IPU optimizer states can be loaded onto the IPU."); here a
     # torch optimiser's state is the device's state, so training just goes on.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data(4)
     cpu = torch.optim.Adam(model.parameters(), lr=0.02)
     plain_steps(model, cpu, data[:2])
@@ -216,7 +204,7 @@ def test_a_cpu_trained_optimisers_state_carries_on_on_the_device():
 
 
 def test_an_empty_state_dict_is_refused_with_poptorchs_message():
-    optimizer = poptorch.optim.Adam(Net().parameters())
+    optimizer = poptorch.optim.Adam(Regressor().parameters())
     with pytest.raises(RuntimeError, match="Cannot load optimizer state dictionary because it "
                                            "is empty."):
         optimizer.load_state_dict({})
@@ -230,7 +218,7 @@ def test_an_empty_state_dict_is_refused_with_poptorchs_message():
 ], ids=["shape", "dtype"])
 def test_a_state_the_update_cannot_use_is_refused_and_nothing_is_set(compiled, value, error,
                                                                       message):
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data(2)
     optimizer = poptorch.optim.Adam(model.parameters(), lr=0.02)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
@@ -253,7 +241,7 @@ def test_a_state_the_update_cannot_use_is_refused_and_nothing_is_set(compiled, v
 @pytest.mark.parametrize("cls", [poptorch.optim.SGD, torch.optim.SGD], ids=["poptorch", "torch"])
 def test_the_state_read_when_detached_is_the_trained_one_and_attach_sends_it_back(cls, caplog):
     # PopTorch's test_read_ipu_state_on_detach, with momentum so there is state to read.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data(4)
     optimizer = cls(model.parameters(), lr=0.05, momentum=0.9)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
@@ -282,7 +270,7 @@ def test_the_state_read_when_detached_is_the_trained_one_and_attach_sends_it_bac
 
 def test_reading_twice_without_a_call_between_uses_the_cached_state(caplog, monkeypatch):
     # PopTorch's test_read_ipu_state_cached: one copy from the device per round of calls.
-    model = Net()
+    model = Regressor()
     optimizer = poptorch.optim.Adam(model.parameters(), lr=0.01)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
     wrapped(*_data(1)[0])
@@ -305,7 +293,7 @@ def test_reading_twice_without_a_call_between_uses_the_cached_state(caplog, monk
 
 def test_an_offline_model_compiles_has_no_device_state_and_refuses_to_run():
     # PopTorch's test_read_ipu_state_offline: the state of an offline model reads as empty.
-    model = Net()
+    model = Regressor()
     optimizer = poptorch.optim.SGD(model.parameters(), lr=0.0)
     opts = poptorch.Options().useOfflineIpuTarget()
     wrapped = poptorch.trainingModel(model, opts, optimizer=optimizer)
@@ -321,7 +309,7 @@ def test_an_offline_model_compiles_has_no_device_state_and_refuses_to_run():
 def test_an_lr_scheduler_through_set_optimizer_trains_like_torch_and_rewinds(caplog):
     # PopTorch's test_LR_scheduler: the new lr reaches the device through setOptimizer; a
     # state read earlier, loaded back, is written to the device before the next call.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data(5)
     optimizer = poptorch.optim.Adam(model.parameters(), lr=0.5)
     scheduler = ExponentialLR(optimizer, 0.5)
@@ -375,7 +363,7 @@ def _frozen_post_options():
 def test_set_optimizer_with_frozen_options_keeps_the_compiled_strategy():
     # PopTorch's test_setOptimizer_frozen_options_ok: float16 accumulators make the executable
     # use Running even over the user's Post; a new lr then goes through.
-    model, reference = Net(), Net()
+    model, reference = Regressor(), Regressor()
     data = _data(3)
     optimizer = poptorch.optim.SGD(model.parameters(), lr=0.5, accum_type=torch.half)
     wrapped = poptorch.trainingModel(model, _frozen_post_options(), optimizer=optimizer)
@@ -393,12 +381,12 @@ def test_set_optimizer_with_frozen_options_keeps_the_compiled_strategy():
     plain_steps(reference, plain, data[1:])
     for name, param in reference.named_parameters():  # float16 gradients: to their precision
         assert_close(model.get_parameter(name), param, rtol=2e-3, atol=2e-3, msg=name)
-    assert not torch.allclose(model.lin.weight, Net().lin.weight, atol=1e-2)  # it trained
+    assert not torch.allclose(model.lin.weight, Regressor().lin.weight, atol=1e-2)  # it trained
 
 
 def test_set_optimizer_needing_another_strategy_after_compiling_is_refused():
     # PopTorch's test_setOptimizer_frozen_options_broken.
-    model = Net()
+    model = Regressor()
     optimizer = poptorch.optim.Adam(model.parameters(), lr=0.5)
     wrapped = poptorch.trainingModel(model, _frozen_post_options(), optimizer=optimizer)
     wrapped.compile(*_data(1)[0])
@@ -417,7 +405,7 @@ def test_set_optimizer_before_compiling_may_still_change_the_strategy():
     opts = poptorch.Options()
     opts.Training.setMeanAccumulationAndReplicationReductionStrategy(
         poptorch.MeanReductionStrategy.PostAndLoss)
-    model = Net()
+    model = Regressor()
     wrapped = poptorch.trainingModel(model, opts)
     wrapped.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=0.1))
     strategy = lambda: wrapped.options.Training.meanAccumulationAndReplicationReductionStrategy  # noqa: E731
