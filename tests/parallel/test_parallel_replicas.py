@@ -23,6 +23,15 @@ def sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
+def train_like_plain(wrapper, plain, plain_optimizer, case, *, D, G, R, mode) -> None:
+    """CALLS training calls of `wrapper` and of the plain loop on the same batches, each
+    call's result compared."""
+    for call in range(CALLS):
+        batch = case.data(D * G * R * B, seed=call)
+        expected = plain_call(plain, plain_optimizer, batch, D=D, G=G, R=R, mode=mode)
+        assert_same_result(wrapper(*batch), expected, what=f"call {call}")
+
+
 @pytest.mark.slow
 # R=2 x 2 stages pipelined: tests/parallel/test_parallel_weights.py (also against the local engine)
 @pytest.mark.parametrize("count, sharded, D, G, mode", [
@@ -38,11 +47,7 @@ def test_replicas_match_plain_pytorch(request, count, sharded, D, G, mode):
     opts = options(case, sharded=sharded, D=D, G=G, R=R, mode=mode)
     wrapper = cleaned(request, poptorch.trainingModel(case.model, opts, optimizer=sgd(case.model)))
     plain_optimizer = sgd(plain)
-    for call in range(CALLS):
-        batch = case.data(D * G * R * B, seed=call)
-        got = wrapper(*batch)
-        expected = plain_call(plain, plain_optimizer, batch, D=D, G=G, R=R, mode=mode)
-        assert_same_result(got, expected, what=f"call {call}")
+    train_like_plain(wrapper, plain, plain_optimizer, case, D=D, G=G, R=R, mode=mode)
     assert_in_processes(wrapper, count * R)
     engine = wrapper._compiled.engine
     reduces = [(t.stage, t.replica, s) for t in engine.last_trace for s in t.spans if s.kind == "AR"]
@@ -77,10 +82,7 @@ def test_replicas_whose_gradients_span_several_buckets_match_plain_pytorch(reque
     opts = options(case, sharded=False, D=D, G=G, R=R)
     wrapper = cleaned(request, poptorch.trainingModel(case.model, opts, optimizer=sgd(case.model)))
     plain_optimizer = sgd(plain)
-    for call in range(CALLS):
-        batch = case.data(D * G * R * B, seed=call)
-        assert_same_result(wrapper(*batch), plain_call(plain, plain_optimizer, batch, D=D, G=G,
-                                                       R=R, mode="All"), what=f"call {call}")
+    train_like_plain(wrapper, plain, plain_optimizer, case, D=D, G=G, R=R, mode="All")
     reduced = [s.nbytes for t in wrapper._compiled.engine.last_trace for s in t.spans
                if s.kind == "AR"]
     gradients = sum(p.numel() * p.element_size() for p in plain.parameters())
@@ -198,10 +200,7 @@ def test_replicas_with_early_all_reduce_match_plain_pytorch(request, monkeypatch
     opts.Training.pipelineSchedule(schedule)
     wrapper = cleaned(request, poptorch.trainingModel(case.model, opts, optimizer=sgd(case.model)))
     plain_optimizer = sgd(plain)
-    for call in range(CALLS):
-        batch = case.data(D * G * R * B, seed=call)
-        assert_same_result(wrapper(*batch), plain_call(plain, plain_optimizer, batch, D=D, G=G,
-                                                       R=R, mode="All"), what=f"call {call}")
+    train_like_plain(wrapper, plain, plain_optimizer, case, D=D, G=G, R=R, mode="All")
     assert_same_state(wrapper.model, plain)
     traces = wrapper._compiled.engine.last_trace
     assert {(t.stage, t.replica) for t in traces} == {(s, r) for s in range(count)
