@@ -107,6 +107,19 @@ POPART = {
 }
 
 
+def train_both(wrapped, plain: nn.Module, *, rows: int, inputs: int, outputs: int) -> None:
+    """Three training calls of `wrapped` and three SGD steps (lr 0.1) of `plain` on the
+    same random data."""
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(rows, inputs, generator=gen), torch.randn(rows, outputs, generator=gen)
+        wrapped(x, y)
+        optimizer.zero_grad()
+        F.mse_loss(plain(x), y).backward()
+        optimizer.step()
+
+
 class WithLoss(nn.Module):
     """`inner`'s output and its MSE against `y`."""
 
@@ -132,14 +145,7 @@ def test_poptorchs_popart_options_are_kept_and_the_model_trains_like_torch():
 
     wrapped = poptorch.trainingModel(WithLoss(model), opts,
                                      torch.optim.SGD(model.parameters(), lr=0.1))
-    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
-    for seed in range(3):
-        gen = torch.Generator().manual_seed(seed)
-        x, y = torch.randn(4, 3, generator=gen), torch.randn(4, 2, generator=gen)
-        wrapped(x, y)
-        optimizer.zero_grad()
-        F.mse_loss(plain(x), y).backward()
-        optimizer.step()
+    train_both(wrapped, plain, rows=4, inputs=3, outputs=2)
     assert_close(model.weight, plain.weight)
 
 
@@ -278,14 +284,7 @@ def test_running_statistics_train_like_torch():
 
     wrapped = poptorch.trainingModel(WithLoss(model),
                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
-    for seed in range(3):
-        gen = torch.Generator().manual_seed(seed)
-        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 4, generator=gen)
-        wrapped(x, y)
-        optimizer.zero_grad()
-        F.mse_loss(plain(x), y).backward()
-        optimizer.step()
+    train_both(wrapped, plain, rows=8, inputs=4, outputs=4)
     for name, value in plain.state_dict().items():
         assert_close(model.state_dict()[name], value, msg=name)
 
