@@ -14,13 +14,13 @@ reads as the zeros (and step 0) the first update starts from.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any, Callable
 
 import torch
 
 from pipetorch.optim import scaling
-from pipetorch.optim.device_link import _LINK, Link, linked_names, push, sync
+# linked_names, push and sync are also called through this module (ipu_param, optim._common)
+from pipetorch.optim.device_link import _LINK, Link, linked_names, push, sync  # noqa: F401
 
 __all__: list[str] = []
 

@@ -18,7 +18,6 @@ import contextlib
 import os
 from typing import Iterator
 
-import torch
 import torch.nn as nn
 
 from pipetorch.errors import ConfigError
