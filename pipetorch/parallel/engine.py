@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
-from pipetorch.parallel import placement as places
+from pipetorch.parallel import generation, placement as places
 from pipetorch.parallel import arena, mapped, pool, shm, signatures, snapshot, wire
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
@@ -134,6 +134,7 @@ class ProcessEngine:
         self._segments: list[str] = []  # each launch's shared-memory name prefix
         self._finalizer = weakref.finalize(self, _shutdown, self.peers, self._folder,
                                            segments=self._segments)
+        self._skeleton: generation.Skeleton | None = None  # generate()'s model, once sent
         self._launch()
 
     def _launch(self) -> None:
@@ -180,6 +181,8 @@ class ProcessEngine:
             self._send_signature(key)
         if self.signature:
             self._use(self.signature)
+        if self._skeleton is not None:
+            self._send_skeleton()
         logger.info("Started %d device worker(s): %s", len(self.peers),
                     ", ".join(p.describe() for p in self.peers))
 
@@ -216,6 +219,37 @@ class ProcessEngine:
         self._gather("a change of input signature")
         self.signature = key
         self.staged, self.routes, self.specs = self._signatures[key]
+
+    # -- generate() in the stages (parallel.generation) --------------------------------------
+    def start_generation(self, found: generation.Skeleton) -> None:
+        """Send every worker the model's code without weights, bound there to its stages'
+        weights (once: the workers keep it)."""
+        self._revive()
+        self._check_alive()
+        if self._skeleton is None:
+            self._skeleton = found
+            self._send_skeleton()
+
+    def _send_skeleton(self) -> None:
+        for peer in self.peers:
+            self._send(peer, ("generator", self._skeleton))
+        self._gather("preparing generate()")
+
+    def decode(self, steps: Sequence[generation.Step]) -> list[generation.StepResult]:
+        """One generation step: replica r's workers run `steps[r]`'s lanes through its stages;
+        every worker's StepResult, replica-major."""
+        self._revive()
+        self._check_alive()
+        for peer in self.peers:
+            self._send(peer, ("decode", steps[peer.replica]))
+        return self._gather("a generation step")
+
+    def end_generation(self) -> None:
+        """generate() returned: the workers drop their key/value caches."""
+        if self.peers and not self._lost:
+            for peer in self.peers:
+                self._send(peer, ("decoded", None))
+            self._gather("the end of generate()")
 
     def release(self) -> None:
         """detachFromDevice: bring weights and optimiser state home, then stop the workers."""

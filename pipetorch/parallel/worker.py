@@ -26,7 +26,7 @@ from pipetorch import environment
 from pipetorch.optim import offload
 from pipetorch.optim.peers import Peers
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import arena, compiled, signatures, snapshot, wire
+from pipetorch.parallel import arena, compiled, generation, signatures, snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel import shm
 from pipetorch.parallel.routes import Constant, TensorSpec
@@ -137,6 +137,8 @@ class Worker:
                          one_host=len(setup.devices) == meeting.world_size)
         prefix = shm.segment_prefix(launch.host_pid, meeting.prefix)
         self._plans: dict[tuple[int, bool], list] = {}
+        self._wire_device = wire_device
+        self._generation: generation.Generation | None = None  # generate() in the stages
 
         def executor(stages: tuple[DeviceStage, ...], specs: dict, signature: int
                      ) -> StageExecutor:
@@ -289,6 +291,26 @@ class Worker:
         stages, specs, self.executor = self._signatures[key]
         self.setup = dataclasses.replace(self.setup, stages=stages, specs=specs)
         self.reads = sorted({i for s in stages for i in s.route.host_inputs})
+
+    def _generator(self, payload: generation.Skeleton) -> None:
+        """Hold the model's code with this worker's weights bound in it, to run its stages
+        eagerly for generate() (parallel.generation)."""
+        meeting, launch = self.launch.rendezvous, self.launch
+        held = {s: dict([*module.named_parameters(remove_duplicate=False),
+                         *module.named_buffers(remove_duplicate=False)])
+                for s, module in self.modules.items()}
+        self._generation = generation.Generation(
+            payload, held, ranks=tuple(meeting.rank(launch.replica, d) for d in self.setup.owners),
+            rank=meeting.rank(launch.replica, self.setup.device), device=self.device,
+            wire_device=self._wire_device)
+
+    def _decode(self, payload: generation.Step) -> generation.StepResult:
+        assert self._generation is not None, "a generation step before the model's skeleton"
+        return self._generation.step(payload)
+
+    def _decoded(self, payload: None) -> None:
+        if self._generation is not None:
+            self._generation.end()
 
     def close(self) -> None:
         """Release every signature's link."""

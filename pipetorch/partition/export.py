@@ -74,7 +74,7 @@ class _Bound(nn.Module):
         return self._watch(run)
 
 
-def _is_cache(value: Any) -> bool:
+def is_cache(value: Any) -> bool:
     """Whether `value` is a HuggingFace key/value cache (transformers' `Cache` classes)."""
     cache_utils = sys.modules.get("transformers.cache_utils")
     return cache_utils is not None and isinstance(value, getattr(cache_utils, "Cache", ()))
@@ -88,7 +88,7 @@ def without_caches(model: nn.Module, output: Any) -> Any:
     ModelOutput leaves out). In inference a cache is what generation reads next, and its
     tensors cannot be split across devices: CompileError saying to turn it off.
     """
-    caches = [leaf for leaf in pytree.tree_leaves(output) if _is_cache(leaf)]
+    caches = [leaf for leaf in pytree.tree_leaves(output) if is_cache(leaf)]
     if not caches:
         return output
     name = type(model).__name__
@@ -101,7 +101,7 @@ def without_caches(model: nn.Module, output: Any) -> Any:
             "(poptorch.removeBlocks)")
     logger.info("%s returns its key/value cache, %s (config.use_cache=True); training never "
                 "reads it, so the split model returns None in its place", name, kind)
-    return pytree.tree_map(lambda leaf: None if _is_cache(leaf) else leaf, output)
+    return pytree.tree_map(lambda leaf: None if is_cache(leaf) else leaf, output)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copyreg
+import functools
 import datetime
 import inspect
 import logging
@@ -641,7 +642,53 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_user_model" not in self.__dict__:
             raise AttributeError(name)
-        return getattr(self._user_model, name)
+        found = getattr(self._user_model, name)
+        if name == "generate":  # HuggingFace's: each of its forwards on the device
+            return functools.wraps(found)(functools.partial(PoplarExecutor._generate, self))
+        return found
+
+    def _generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's generate() (HuggingFace), every forward it calls run on the device:
+        in the stages, each stage's worker keeping the key/value cache of its own layers."""
+        if self._training:
+            raise ConfigError(
+                "generate() runs on a poptorch.inferenceModel: wrap the model with "
+                "poptorch.inferenceModel(model, opts) (it follows the weights this "
+                "trainingModel trains) and call its generate()")
+        if not self._attached:
+            raise DeviceError("The model is detached from its device: call attachToDevice() first")
+        compiled = self._compiled or self._compile_for_generation(args, kwargs)
+        self._refresh_from_host()
+        engine = compiled.engine
+        if isinstance(engine, LocalEngine):  # one device: the device copy runs all of it
+            args, kwargs = to_device((args, kwargs), engine.input_device)
+            return engine.model.generate(*args, **kwargs)
+        from pipetorch.runtime import generation
+
+        o = self._options
+        with device_mismatch_explained(self._device):
+            return generation.generate(self._user_model, engine, compiled.stages,
+                                       lanes=o.device_iterations * o.replication_factor,
+                                       args=args, kwargs=kwargs)
+
+    def _compile_for_generation(self, args: tuple, kwargs: dict) -> Compiled:
+        """Compile for generate()'s first call: forward on the prompts (one row per device
+        iteration and replica), without its key/value cache, to split the model."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor):
+            raise InputArgumentError(
+                "generate() compiles the model from its prompts: pass them as a tensor of "
+                "token ids, generate(input_ids, ...), or call the model once first")
+        o = self._options
+        rows = o.device_iterations * o.replication_factor
+        first = {"input_ids": ids[:1].expand(rows, -1).contiguous(), "use_cache": False}
+        config = getattr(self._user_model, "config", None)
+        if getattr(config, "is_encoder_decoder", False):
+            start = getattr(config, "decoder_start_token_id", None) or 0
+            first["decoder_input_ids"] = torch.full((rows, 1), start, dtype=ids.dtype)
+        call_args, call_kwargs = self._cast_inputs(*self._bound((), first))
+        return self._compile(call_args, call_kwargs,
+                             Signature.of(call_args, call_kwargs, self._params))
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # isinstance(wrapped, type(model)) holds, as in PopTorch

@@ -1,0 +1,126 @@
+"""One stage of a model's forward run eagerly in its worker, as Python code (generation):
+the whole forward runs, the modules of earlier stages are skipped, and the stage is entered
+and left at its BeginBlock modules.
+
+    stage 0's worker:  embed  h0  h1 | h2 -> leaves: h2's inputs go to stage 1
+    stage 1's worker:  (skip) --  -- | h2 <- enters with those inputs,  h3  ln_f  lm_head
+
+Entering replaces the first module's inputs with the ones the previous stage computed; the
+code around the layers (masks, positions, rotary tables) runs in every worker, on the values
+each worker's key/value cache reports (see kv_cache). This is how HuggingFace's `generate()`
+runs in the stages with each worker keeping the cache of its own layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from pipetorch.errors import CompileError
+from pipetorch.partition import blocks
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The inputs of the next stage's first module, as this stage computed them."""
+
+    args: tuple
+    kwargs: dict
+
+
+class _Leave(BaseException):
+    """Raised at the next stage's first module (BaseException: no `except Exception` in a
+    model's forward catches it)."""
+
+    def __init__(self, boundary: Boundary) -> None:
+        super().__init__()
+        self.boundary = boundary
+
+
+class EagerStage:
+    """Stage `index` of `model` (a copy whose other stages' parameters are on the meta device)."""
+
+    def __init__(self, model: nn.Module, index: int, stage_of_block: dict[str, int]) -> None:
+        self.model, self.index, self.stage_of_block = model, index, stage_of_block
+        self._entry: Boundary | None = None
+        self._inside = False
+        starts = blocks.begin_blocks(model)
+        mine = [name for name, (uid, _) in starts.items() if stage_of_block.get(uid) == index]
+        if index > 0 and not mine:
+            raise CompileError(
+                f"generate() runs stage {index} from the module that begins its first block "
+                "(BeginBlock), and none does: its blocks start inside forward (Block scopes). "
+                "Split the model with BeginBlock on its layers to generate through the stages")
+        # modules holding the stage's first module run in every stage: their code leads to it
+        leading = {".".join(name.split(".")[:i]) for name in mine
+                   for i in range(len(name.split(".")) + 1)}
+        _after_unpickled_hooks(model)
+        for name, module in model.named_modules():
+            if name in starts:
+                module.register_forward_pre_hook(self._crossing, with_kwargs=True)
+            if name not in leading and any(True for _ in module.parameters()):
+                module.forward = self._skippable(module, module.forward)
+
+    def run(self, path: str, args: tuple, kwargs: dict, entry: Boundary | None) -> Any:
+        """Call the module at `path` (the model: "") with `args`; the stage's result, or the
+        Boundary where the next stage begins. `entry`: the previous stage's Boundary (None for
+        stage 0, which starts at the beginning)."""
+        self._entry, self._inside = entry, entry is None
+        try:
+            with blocks.recording(), torch.no_grad():
+                result = self.model.get_submodule(path)(*args, **kwargs)
+        except _Leave as leave:
+            return leave.boundary
+        finally:
+            self._entry = None
+        if not self._inside:
+            raise CompileError(
+                f"Stage {self.index}'s first module never ran during this call of "
+                f"{path or type(self.model).__name__}: the stages' order in forward differs "
+                "from their order in the split")
+        return result
+
+    def _crossing(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """After BeginBlock's own hook: leave for a later stage, or enter this one."""
+        recorder = blocks.active_recorder()
+        current = recorder.current() if recorder is not None else None
+        stage = self.stage_of_block.get(current, 0) if current is not None else 0
+        if stage > self.index and self._inside:
+            raise _Leave(Boundary(args, kwargs))
+        if stage == self.index and not self._inside:
+            assert self._entry is not None
+            self._inside = True
+            return self._entry.args, self._entry.kwargs
+        return None
+
+    def _skippable(self, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def run_or_skip(*args: Any, **kwargs: Any) -> Any:
+            if self._inside:
+                return forward(*args, **kwargs)
+            return _skipped(module, args, kwargs)
+
+        return run_or_skip
+
+
+def _after_unpickled_hooks(model: nn.Module) -> None:
+    """Number new hooks after the model's own: hooks are kept by number, the numbers restart
+    in each process, and a model unpickled here (a worker) brings its hooks' numbers along,
+    so the next hook registered could replace BeginBlock's."""
+    used = [key for module in model.modules()
+            for hooks in (module._forward_pre_hooks, module._forward_hooks) for key in hooks]
+    RemovableHandle.next_id = max([RemovableHandle.next_id, *(k + 1 for k in used)])
+
+
+def _skipped(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """What a module of an earlier stage gives in place of its result: values never used,
+    only shaped like them (the next stage's inputs come from the previous stage)."""
+    first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+    if isinstance(module, nn.Embedding) and first is not None:
+        return torch.zeros(*first.shape, module.embedding_dim, dtype=module.weight.dtype,
+                           device=first.device)
+    return first  # a layer keeps its input's shape (decoder layers return hidden states)

@@ -1,0 +1,168 @@
+"""Generation in the stage workers: each worker runs its stages of a model's forward eagerly
+(parallel.eager_stage) for every sequence lane of a step, keeping each lane's key/value cache
+of its own layers between steps (parallel.kv_cache), and hands the next stage its inputs
+through torch.distributed (parallel.hops).
+
+One host step (one forward of HuggingFace's generate loop) is split into lanes, groups of
+sequences; a worker runs lane after lane, so while stage 1 runs lane 0, stage 0 runs lane 1:
+
+    stage 0:  L0  L1  L2  L3
+    stage 1:      L0  L1  L2  L3     -> logits of each lane to the host
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from pipetorch.parallel import kv_cache
+from pipetorch.parallel.eager_stage import Boundary, EagerStage
+from pipetorch.parallel.hops import Hops
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """The model without its parameters (on the meta device; buffers kept), and every name of
+    each parameter and buffer mapped to its first (a tied weight has several)."""
+
+    model: nn.Module
+    first_names: dict[str, str]
+    stage_of_block: dict[str, int]
+
+
+def skeleton(model: nn.Module, stage_of_block: dict[str, int]) -> Skeleton:
+    """`model`'s structure and code for the workers: no parameter's bytes are copied."""
+    memo: dict[int, Any] = {}
+    first: dict[int, str] = {}
+    names: dict[str, str] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        names[name] = first.setdefault(id(tensor), name)
+    for _, p in model.named_parameters(remove_duplicate=False):
+        memo.setdefault(id(p), nn.Parameter(torch.empty_like(p, device="meta"),
+                                            requires_grad=p.requires_grad))
+    return Skeleton(copy.deepcopy(model, memo), names, dict(stage_of_block))
+
+
+def bind(found: Skeleton, held: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
+    """The skeleton's model with the tensors a worker holds (by any of their names) in place
+    of their meta copies, and its other buffers on `device`."""
+    mine = {found.first_names.get(name, name): tensor for name, tensor in held.items()}
+    model = found.model
+    for prefix, module in model.named_modules():
+        for registry in (module._parameters, module._buffers):
+            for name, value in registry.items():
+                full = f"{prefix}.{name}" if prefix else name
+                tensor = mine.get(found.first_names.get(full, full))
+                if tensor is not None:
+                    registry[name] = tensor
+                elif value is not None and value.device.type != "meta":
+                    registry[name] = value.to(device)
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One host step: call the module at `path` on each lane's arguments (caches replaced by
+    CacheSlot), with the cache layer shapes every worker reported after the last step."""
+
+    session: int
+    path: str
+    lanes: dict[int, tuple[tuple, dict]]
+    shapes: dict[int, kv_cache.Shapes]
+    template: Any = None  # an empty cache to copy for each new lane (the step's first)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The lanes a worker finished, and the cache layers it holds after the step."""
+
+    outputs: dict[int, Any] = field(default_factory=dict)
+    shapes: dict[int, kv_cache.Shapes] = field(default_factory=dict)
+
+
+class _Skip:
+    """Sent to the next stage for a lane an earlier stage finished (an encoder's call)."""
+
+
+class Generation:
+    """A worker's stages, run eagerly for generation; `ranks[s]` is stage s's worker."""
+
+    def __init__(self, found: Skeleton, stages: dict[int, dict[str, torch.Tensor]], *,
+                 ranks: tuple[int, ...], rank: int, device: torch.device,
+                 wire_device: torch.device) -> None:
+        self.stages = {s: EagerStage(bind(copy.deepcopy(found), held, device), s,
+                                     found.stage_of_block)
+                       for s, held in sorted(stages.items())}
+        self.ranks, self.rank, self.device = ranks, rank, device
+        self.hops = Hops(wire_device)
+        self.session = -1
+        self.caches: dict[tuple[int, int], Any] = {}  # (stage, lane) -> its cache
+        self._local: list[Any] = []  # values for this worker's own next stage
+
+    def step(self, step: Step) -> StepResult:
+        if step.session != self.session:
+            self.caches.clear()
+            self.session = step.session
+        result = StepResult()
+        try:
+            for s, stage in self.stages.items():
+                for lane, (args, kwargs) in sorted(step.lanes.items()):
+                    self._run(s, stage, lane, step, args, kwargs, result)
+        finally:
+            self.hops.wait()
+        return result
+
+    def end(self) -> None:
+        """Drop every lane's cache (the host's generate() returned)."""
+        self.caches.clear()
+        self.session = -1
+
+    def _run(self, s: int, stage: EagerStage, lane: int, step: Step, args: tuple,
+             kwargs: dict, result: StepResult) -> None:
+        last = s == len(self.ranks) - 1
+        entry = self._receive(s - 1) if s > 0 else None
+        if isinstance(entry, _Skip):
+            if not last:
+                self._send(_Skip(), s + 1)
+            return
+        cache = self._cache(s, lane, step) if kv_cache.has_slot((args, kwargs)) else None
+        if cache is not None:
+            kv_cache.mirror(cache, step.shapes.get(lane, {}))
+        args, kwargs = kv_cache.fill((args, kwargs), cache)
+        if entry is not None:
+            entry = Boundary(*kv_cache.fill((entry.args, entry.kwargs), cache))
+        out = stage.run(step.path, args, kwargs, entry)
+        if isinstance(out, Boundary):
+            self._send(Boundary(*kv_cache.strip((out.args, out.kwargs))), s + 1)
+        else:
+            result.outputs[lane] = kv_cache.strip(out)
+            if not last:
+                self._send(_Skip(), s + 1)
+        if cache is not None:
+            result.shapes.setdefault(lane, {}).update(kv_cache.held_shapes(cache))
+
+    def _cache(self, s: int, lane: int, step: Step) -> Any:
+        key = (s, lane)
+        if key not in self.caches:
+            if step.template is None:
+                raise RuntimeError(f"Lane {lane} of stage {s} has no key/value cache yet and "
+                                   "the step brought no empty one to copy")
+            self.caches[key] = copy.deepcopy(step.template)
+        return self.caches[key]
+
+    def _send(self, value: Any, stage: int) -> None:
+        if self.ranks[stage] == self.rank:
+            self._local.append(value)
+        else:
+            self.hops.send(value, self.ranks[stage])
+
+    def _receive(self, stage: int) -> Any:
+        if self.ranks[stage] == self.rank:
+            return self._local.pop(0)
+        return self.hops.receive(self.ranks[stage], self.device)

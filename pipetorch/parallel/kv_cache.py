@@ -1,0 +1,95 @@
+"""HuggingFace key/value caches split by stage: each worker's cache holds its own layers' keys
+and values, and mirrors (meta tensors, no memory) of the lengths the other stages' layers have.
+
+A model's forward reads the cache before its layers run: `get_seq_length()` gives the
+positions of the new tokens, `get_mask_sizes()` the attention mask's width, both read from the
+first layer. In a worker whose stage starts at layer 2, layers 0 and 1 never run, so their
+entries would say "empty" and the positions and masks computed in the forward would be wrong
+for the layers the worker does run. After every step each worker reports the shapes of the
+layers it holds (`held_shapes`); before the next, every other worker mirrors them (`mirror`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from pipetorch.partition.export import is_cache
+
+__all__: list[str] = []
+
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]  # layer key -> its keys' shape, dtype
+
+# the sub-caches of an encoder-decoder cache (transformers' EncoderDecoderCache)
+_PARTS = ("self_attention_cache", "cross_attention_cache")
+
+
+@dataclass(frozen=True)
+class CacheSlot:
+    """Where a key/value cache was in a call's arguments: each worker puts its own there."""
+
+
+def strip(tree: Any) -> Any:
+    """`tree` with every cache replaced by a CacheSlot (caches never cross processes)."""
+    return pytree.tree_map(lambda v: CacheSlot() if is_cache(v) else v, tree, is_leaf=is_cache)
+
+
+def fill(tree: Any, cache: Any) -> Any:
+    """`tree` with every CacheSlot replaced by `cache`."""
+    return pytree.tree_map(lambda v: cache if isinstance(v, CacheSlot) else v, tree,
+                           is_leaf=lambda v: isinstance(v, CacheSlot))
+
+
+def has_slot(tree: Any) -> bool:
+    """Whether `tree` has a CacheSlot."""
+    return any(isinstance(v, CacheSlot) for v in pytree.tree_leaves(
+        tree, is_leaf=lambda v: isinstance(v, CacheSlot)))
+
+
+def find(tree: Any) -> Any:
+    """The first cache in `tree`, or None."""
+    return next((v for v in pytree.tree_leaves(tree, is_leaf=is_cache) if is_cache(v)), None)
+
+
+def _layers(cache: Any, prefix: str = "") -> dict[str, Any]:
+    """The cache's layers by key ("3", "self_attention_cache.3")."""
+    found: dict[str, Any] = {}
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, list):
+        found.update((f"{prefix}{i}", layer) for i, layer in enumerate(layers))
+    for part in _PARTS:
+        sub = getattr(cache, part, None)
+        if sub is not None:
+            found.update(_layers(sub, f"{prefix}{part}."))
+    return found
+
+
+def _held(layer: Any) -> bool:
+    keys = getattr(layer, "keys", None)
+    return (bool(getattr(layer, "is_initialized", False)) and isinstance(keys, torch.Tensor)
+            and keys.device.type != "meta" and keys.numel() > 0)
+
+
+def held_shapes(cache: Any) -> Shapes:
+    """The shapes of the layers this worker computed (not its mirrors)."""
+    return {key: (tuple(layer.keys.shape), layer.keys.dtype)
+            for key, layer in _layers(cache).items() if _held(layer)}
+
+
+def mirror(cache: Any, shapes: Shapes) -> None:
+    """Make the layers of `shapes` that this worker does not hold report those lengths."""
+    for key, layer in _layers(cache).items():
+        if key not in shapes or _held(layer):
+            continue
+        if type(layer).__name__ != "DynamicLayer":
+            raise NotImplementedError(
+                f"generate() through the stages keeps each stage's key/value cache in a "
+                f"DynamicCache; this model's cache has {type(layer).__name__} layers "
+                "(cache_implementation other than 'dynamic', or sliding-window attention). "
+                "Generate with the default cache, or on one device")
+        shape, dtype = shapes[key]
+        layer.keys = torch.empty(shape, dtype=dtype, device="meta")
+        layer.values = torch.empty(shape, dtype=dtype, device="meta")
+        layer.dtype, layer.device, layer.is_initialized = dtype, torch.device("meta"), True
