@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import logging
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -227,6 +228,14 @@ class ProcessEngine:
         self._revive()
         self._check_alive()
         if self._skeleton is None:
+            try:  # before anything is written to a worker's pipe
+                pickle.dumps(found)
+            except Exception as exc:
+                raise CompileError(
+                    "generate() sends the model's code (without its weights) to the stage "
+                    f"workers, and pickling it failed with {type(exc).__name__}: {exc}. Hooks "
+                    "or attributes holding lambdas or local functions cannot cross processes: "
+                    "remove them from the model, or generate on one device") from exc
             self._skeleton = found
             self._send_skeleton()
 

@@ -98,7 +98,8 @@ def without_caches(model: nn.Module, output: Any) -> Any:
             f"{name}'s forward returns a {kind} (its key/value cache, `past_key_values`), "
             "which cannot be split into stages: set `model.config.use_cache = False` (or pass "
             "use_cache=False to forward), or run the model on one device without blocks "
-            "(poptorch.removeBlocks)")
+            "(poptorch.removeBlocks). To generate text, call the inferenceModel's generate(): "
+            "it runs in the stages, each keeping the cache of its own layers")
     logger.info("%s returns its key/value cache, %s (config.use_cache=True); training never "
                 "reads it, so the split model returns None in its place", name, kind)
     return pytree.tree_map(lambda leaf: None if is_cache(leaf) else leaf, output)

@@ -1,0 +1,174 @@
+"""HuggingFace generate() on an inferenceModel split over two devices: the same tokens as
+plain HuggingFace, computed in the stage workers, each keeping its own layers' cache."""
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pipetorch as poptorch
+from pipetorch.errors import ConfigError
+from parallel.parallel_cases import assert_in_processes, cleaned, one_thread_everywhere
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.slow, pytest.mark.transformers]
+
+VOCAB, NEW = 96, 32
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(request, monkeypatch):
+    one_thread_everywhere(request, monkeypatch)
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=4,
+                                     n_head=2, initializer_range=0.3)
+    model = transformers.GPT2LMHeadModel(config)
+    model.transformer.h[2] = poptorch.BeginBlock(model.transformer.h[2], ipu_id=1)
+    return model
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=4, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=64,
+                                      initializer_range=0.3)
+    model = transformers.LlamaForCausalLM(config)
+    model.model.layers[2] = poptorch.BeginBlock(model.model.layers[2], ipu_id=1)
+    return model
+
+
+def t5() -> nn.Module:
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                   num_decoder_layers=2, num_heads=2, decoder_start_token_id=0,
+                                   pad_token_id=0, initializer_factor=3.0)
+    model = transformers.T5ForConditionalGeneration(config)
+    model.decoder = poptorch.BeginBlock(model.decoder, ipu_id=1)  # encoder | decoder
+    return model
+
+
+def prompts(seed: int = 0) -> dict[str, torch.Tensor]:
+    """4 prompts of 9, 5, 7 and 3 tokens, left-padded with 0 as generate() wants them."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (4, 9), generator=g)
+    mask = torch.ones_like(ids)
+    for row, length in enumerate((9, 5, 7, 3)):
+        mask[row, :9 - length] = 0
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+def inference(model: nn.Module, lanes: int = 2) -> poptorch.PoplarExecutor:
+    opts = poptorch.Options().deviceIterations(lanes).showCompilationProgressBar(False)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.SameAsIpu))
+    return poptorch.inferenceModel(model, opts)
+
+
+class _Record:
+    """A forward pre-hook noting that its module ran (a copy in a worker notes it there)."""
+
+    def __init__(self, name: str, ran: list[str]) -> None:
+        self.name, self.ran = name, ran
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        self.ran.append(self.name)
+
+
+def host_calls(model: nn.Module) -> list[str]:
+    """Names of the model's modules that run in this process from now on."""
+    ran: list[str] = []
+    for name, module in model.named_modules():
+        if name.endswith((".0", ".2")) or name == "lm_head":
+            module.register_forward_pre_hook(_Record(name, ran))
+    return ran
+
+
+def same_as_plain(wrapper: poptorch.PoplarExecutor, model: nn.Module, **settings) -> torch.Tensor:
+    inputs = prompts()
+    if not wrapper.isCompiled():  # compiling captures forward here, once
+        wrapper.generate(**inputs, max_new_tokens=1, pad_token_id=0)
+    torch.manual_seed(7)
+    want = model.generate(**inputs, max_new_tokens=NEW, pad_token_id=0, **settings)
+    ran = host_calls(model)
+    torch.manual_seed(7)
+    got = wrapper.generate(**inputs, max_new_tokens=NEW, pad_token_id=0, **settings)
+    assert ran == [], f"ran in the user's process: {sorted(set(ran))}"
+    assert torch.equal(got, want), f"{settings}\n{got}\n{want}"
+    return got
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+def test_causal_lm_generates_in_the_stages_like_plain_hf(request, build: Callable):
+    torch.manual_seed(0)
+    model = build().eval()
+    assert model.config.use_cache  # the config as it comes
+    wrapper = cleaned(request, inference(model))
+    greedy = same_as_plain(wrapper, model, do_sample=False)
+    assert greedy.shape == (4, 9 + NEW) and len(set(greedy[:, 9:].flatten().tolist())) > 8
+    same_as_plain(wrapper, model, do_sample=True, top_k=20, temperature=1.5)
+    assert_in_processes(wrapper, 2)
+
+
+def test_four_lanes_and_an_end_token(request):
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    first = model.generate(**prompts(), max_new_tokens=NEW, pad_token_id=0, do_sample=False)
+    eos = int(first[1, 9 + 4])  # row 1 stops after 5 new tokens, the others later or never
+    wrapper = cleaned(request, inference(model, lanes=4))
+    got = same_as_plain(wrapper, model, do_sample=False, eos_token_id=eos)
+    assert (got[1, 9 + 5:] == 0).all()  # padded after its end token, as HuggingFace does
+
+
+def test_encoder_decoder_generates_in_the_stages_like_plain_hf(request):
+    torch.manual_seed(0)
+    model = t5().eval()
+    wrapper = cleaned(request, inference(model))
+    same_as_plain(wrapper, model, do_sample=False)
+    same_as_plain(wrapper, model, do_sample=True, top_k=20)
+
+
+def test_generation_follows_the_training_wrappers_weights(request):
+    torch.manual_seed(0)
+    model = gpt2()
+    model.config.use_cache = False  # training reads no cache
+    opts = poptorch.Options().deviceIterations(2).showCompilationProgressBar(False)
+    opts.Training.gradientAccumulation(3)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.SameAsIpu))
+    trainer = cleaned(request, poptorch.trainingModel(
+        model, opts, optimizer=torch.optim.SGD(model.parameters(), lr=0.5)))
+    generator = cleaned(request, inference(model))
+    settings = dict(max_new_tokens=12, pad_token_id=0, do_sample=False, use_cache=True)
+    before = generator.generate(**prompts(), **settings)
+    ids = torch.randint(3, VOCAB, (12, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        trainer(input_ids=ids, labels=ids)
+    after = generator.generate(**prompts(), **settings)
+    trainer.copyWeightsToHost()
+    model.eval()
+    assert torch.equal(after, model.generate(**prompts(), **settings))
+    assert not torch.equal(after, before)  # the trained weights made other tokens
+
+
+def test_one_device_generates_on_its_device_copy(request):
+    torch.manual_seed(0)
+    model = poptorch.removeBlocks(gpt2()).eval()
+    wrapper = cleaned(request, inference(model, lanes=1))
+    inputs = prompts()
+    want = model.generate(**inputs, max_new_tokens=8, pad_token_id=0, do_sample=False)
+    assert torch.equal(wrapper.generate(**inputs, max_new_tokens=8, pad_token_id=0,
+                                        do_sample=False), want)
+
+
+def test_what_generate_cannot_do_through_the_stages_is_refused(request):
+    model = gpt2().eval()
+    trainer = cleaned(request, poptorch.trainingModel(model))
+    with pytest.raises(ConfigError, match="inferenceModel"):
+        trainer.generate(**prompts(), max_new_tokens=2)
+    trainer.destroy()
+    wrapper = cleaned(request, inference(model))
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        wrapper.generate(**prompts(), max_new_tokens=2, output_hidden_states=True,
+                         return_dict_in_generate=True)
