@@ -7,9 +7,10 @@
 Rows, all in one run, repeated in interleaved rounds (A B C ... A B C ...), medians reported:
 plain HuggingFace generate() with 1 and with 2 threads, for 1 sequence and for a batch; and
 pipetorch's inferenceModel over 2 devices (BeginBlock on the middle layer) for 1 sequence
-(ShardedExecution) and for the batch (PipelinedExecution) with its lanes in flight (`deviceIterations`, default 4). Greedy decoding of
-`--new` tokens after prompts of `--prompt` tokens; the time to the first token is a
-generate() of one new token. The same tokens are checked between plain and pipetorch.
+(ShardedExecution) and for the batch (PipelinedExecution) with its lanes in flight
+(`deviceIterations`: 2 and 4 by default, a row each). Greedy decoding of `--new` tokens after
+prompts of `--prompt` tokens; the time to the first token is a generate() of one new token.
+The same tokens are checked between plain and pipetorch.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4, help="sequences generated together")
-    parser.add_argument("--lanes", type=int, default=4, help="lanes in flight (deviceIterations)")
+    parser.add_argument("--lanes", type=int, nargs="+", default=[2, 4],
+                        help="lanes in flight (deviceIterations), a row each")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
@@ -75,7 +77,7 @@ def main() -> None:
     plain = _model(args.layers, args.width, split=False)
     split = _model(args.layers, args.width, split=True)
     wrappers = {}
-    for lanes in (1, args.lanes):
+    for lanes in (1, *args.lanes):
         opts = poptorch.Options().deviceIterations(lanes).showCompilationProgressBar(False)
         strategy = poptorch.PipelinedExecution if lanes > 1 else poptorch.ShardedExecution
         opts.setExecutionStrategy(strategy(poptorch.AutoStage.SameAsIpu))
@@ -87,9 +89,10 @@ def main() -> None:
         "pipetorch 2 devices, 1 sequence": (wrappers[1].generate, one, None),
         f"plain HF, 1 thread, {args.batch} sequences": (plain.generate, batch, 1),
         f"plain HF, 2 threads, {args.batch} sequences": (plain.generate, batch, 2),
-        f"pipetorch 2 devices, {args.batch} sequences, {min(args.lanes, args.batch)} lanes":
-            (wrappers[args.lanes].generate, batch, None),
     }
+    for lanes in args.lanes:
+        rows[f"pipetorch 2 devices, {args.batch} sequences, {min(lanes, args.batch)} lanes"] = (
+            wrappers[lanes].generate, batch, None)
     for generate, ids, threads in rows.values():  # compile, start workers, warm up
         _seconds(generate, ids, 2, threads)
     runs: dict[str, list[float]] = {name: [] for name in rows}
@@ -104,8 +107,8 @@ def main() -> None:
         wrapper.destroy()
 
     names = list(rows)
-    same = (torch.equal(outputs[names[0]], outputs[names[2]])
-            and torch.equal(outputs[names[3]], outputs[names[5]]))
+    same = torch.equal(outputs[names[0]], outputs[names[2]]) and all(
+        torch.equal(outputs[names[3]], outputs[name]) for name in names[5:])
     print(f"GPT-2 shape: {args.layers} layers of width {args.width}, vocabulary {VOCABULARY}; "
           f"prompts of {args.prompt} tokens, {args.new} new tokens, greedy; "
           f"medians of {args.rounds} interleaved rounds; same tokens: {same}")

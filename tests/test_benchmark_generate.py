@@ -20,6 +20,7 @@ def test_quick_run_prints_every_row_and_the_same_tokens() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "same tokens: True" in proc.stdout, proc.stdout
     for row in ("plain HF, 1 thread, 1 sequence", "plain HF, 2 threads, 4 sequences",
-                "pipetorch 2 devices, 1 sequence", "pipetorch 2 devices, 4 sequences, 4 lanes"):
+                "pipetorch 2 devices, 1 sequence", "pipetorch 2 devices, 4 sequences, 2 lanes",
+                "pipetorch 2 devices, 4 sequences, 4 lanes"):
         assert re.search(rf"^{re.escape(row)}\s+[\d.]+\s+[\d.]+x\s+[\d.]+x\s+[\d.]+$",
                          proc.stdout, re.M), proc.stdout

@@ -16,8 +16,10 @@ writes the host's one Parameter from each of them, the copies being equal.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import itertools
 import logging
 import os
 import pickle
@@ -28,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections import defaultdict
@@ -136,6 +139,7 @@ class ProcessEngine:
         self._finalizer = weakref.finalize(self, _shutdown, self.peers, self._folder,
                                            segments=self._segments)
         self._skeleton: generation.Skeleton | None = None  # generate()'s model, once sent
+        self._decoding = _Decoding(len(self.placements))  # generation steps in flight
         self._launch()
 
     def _launch(self) -> None:
@@ -245,13 +249,36 @@ class ProcessEngine:
         self._gather("preparing generate()")
 
     def decode(self, steps: Sequence[generation.Step]) -> list[generation.StepResult]:
-        """One generation step: replica r's workers run `steps[r]`'s lanes through its stages;
-        every worker's StepResult, replica-major."""
-        self._revive()
-        self._check_alive()
-        for peer in self.peers:
-            self._send(peer, ("decode", steps[peer.replica]))
-        return self._gather("a generation step")
+        """One generation step of every replica: replica r's workers run `steps[r]`'s lanes
+        through its stages; the StepResults of every worker involved."""
+        tickets = [self.submit(r, step) for r, step in enumerate(steps) if step.lanes]
+        return [result for ticket in tickets for result in self.collect(ticket)]
+
+    def submit(self, replica: int, step: generation.Step) -> int:
+        """Send replica `replica`'s workers `step` (they run steps in the order sent, so
+        steps from several threads follow one another); its ticket for `collect`."""
+        with self._decoding.sending:
+            self._revive()
+            self._check_alive()
+            ticket = next(self._decoding.tickets)
+            for n in range(replica * self.devices, (replica + 1) * self.devices):
+                self._send(self.peers[n], ("decode", step))
+                self._decoding.awaiting[n].append(ticket)
+            return ticket
+
+    def collect(self, ticket: int) -> list[generation.StepResult]:
+        """The StepResults of a submitted step, reading the workers' replies in order (one
+        thread at a time; replies to other threads' steps are kept for them)."""
+        decoding = self._decoding
+        with decoding.reading:
+            for n, awaiting in decoding.awaiting.items():
+                while ticket in awaiting:
+                    head = awaiting[0]
+                    decoding.replies.setdefault(head, {})[n] = self._gather(
+                        "a generation step", [self.peers[n]])[0]
+                    awaiting.popleft()
+            replies = decoding.replies.pop(ticket)
+        return [replies[n] for n in sorted(replies)]
 
     def end_generation(self) -> None:
         """generate() returned: the workers drop their key/value caches."""
@@ -666,6 +693,17 @@ def measured_costs(traces: Sequence[Trace]) -> dict[str, tuple[int, ...]] | None
         return tuple(max(1, round(v / unit)) for v in values)
     return dict(forward=ticks(forward), backward=ticks([b for b, _ in parts]),  # type: ignore
                 weight=ticks([w for _, w in parts]), whole=ticks(whole))
+
+
+class _Decoding:
+    """Generation steps sent and not yet collected: per worker, their tickets in order."""
+
+    def __init__(self, workers: int) -> None:
+        self.tickets = itertools.count()
+        self.awaiting: dict[int, collections.deque[int]] = {
+            n: collections.deque() for n in range(workers)}
+        self.replies: dict[int, dict[int, generation.StepResult]] = {}
+        self.sending, self.reading = threading.Lock(), threading.Lock()
 
 
 def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE,

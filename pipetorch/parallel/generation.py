@@ -110,16 +110,15 @@ class Generation:
             self.caches.clear()
             self.session = step.session
         result = StepResult()
-        try:
-            for s, stage in self.stages.items():
-                for lane, (args, kwargs) in sorted(step.lanes.items()):
-                    self._run(s, stage, lane, step, args, kwargs, result)
-        finally:
-            self.hops.wait()
+        self.hops.reap()  # sends still in flight may finish while the next stage computes
+        for s, stage in self.stages.items():
+            for lane, (args, kwargs) in sorted(step.lanes.items()):
+                self._run(s, stage, lane, step, args, kwargs, result)
         return result
 
     def end(self) -> None:
         """Drop every lane's cache (the host's generate() returned)."""
+        self.hops.wait()
         self.caches.clear()
         self.session = -1
 

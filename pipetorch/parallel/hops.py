@@ -83,6 +83,11 @@ class Hops:
 
         return _Unpickler(io.BytesIO(body.cpu().numpy().tobytes()), tensor).load()
 
+    def reap(self) -> None:
+        """Forget the sends that finished (their buffers are free again)."""
+        self._pending = [(work, buffer) for work, buffer in self._pending
+                         if not work.is_completed()]
+
     def wait(self) -> None:
         """Finish every send started."""
         for work, _ in self._pending:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -34,23 +35,110 @@ _WHOLE_MODEL = ("output_attentions", "output_hidden_states")
 def generate(model: nn.Module, engine: ProcessEngine, stages: list[StageSpec], *,
              lanes: int, args: tuple, kwargs: dict) -> Any:
     """`model.generate(*args, **kwargs)` with every forward it calls run in `engine`'s stages."""
-    for name in _WHOLE_MODEL:
-        if kwargs.get(name) or getattr(getattr(model, "generation_config", None), name, False):
-            raise ValueError(
-                f"generate({name}=True) is not supported through the stages: each stage sees "
-                "only its own layers. Generate without it, or on one device")
+    _check_supported(model, kwargs)
     stage_of_block = {block: spec.index for spec in stages for block in spec.block_ids}
     engine.start_generation(skeleton(model, stage_of_block))
     steps = _Steps(engine, next(_sessions), lanes=lanes)
     try:
         with _routed(model, steps):
+            if _lanes_apart(model, lanes, args, kwargs):
+                return _generate_apart(model, steps, args, kwargs)
             return model.generate(*args, **kwargs)
     finally:
         engine.end_generation()
 
 
+def _check_supported(model: nn.Module, kwargs: dict) -> None:
+    """Refuse what needs every layer in one place, or reorders the cache on the host."""
+    config = getattr(model, "generation_config", None)
+
+    def setting(name: str) -> Any:
+        return kwargs.get(name, getattr(config, name, None))
+
+    for name in _WHOLE_MODEL:
+        if setting(name):
+            raise ValueError(
+                f"generate({name}=True) is not supported through the stages: each stage sees "
+                "only its own layers. Generate without it, or on one device")
+    searches = {"num_beams": (setting("num_beams") or 1) > 1,
+                "assistant_model": kwargs.get("assistant_model") is not None,
+                "prompt_lookup_num_tokens": setting("prompt_lookup_num_tokens") is not None,
+                "penalty_alpha": (setting("penalty_alpha") or 0) > 0}
+    for name, asked in searches.items():
+        if asked:
+            raise ValueError(
+                f"generate({name}=...) rearranges or trims the key/value cache between steps, "
+                "which the stages keep apart: greedy decoding and sampling run through the "
+                "stages; run this search on one device (poptorch.removeBlocks)")
+
+
+def _lanes_apart(model: nn.Module, lanes: int, args: tuple, kwargs: dict) -> bool:
+    """Whether each lane can run its own generation loop: greedy decoding of a tensor, whose
+    rows do not depend on one another (sampling draws for the whole batch at once, so it
+    keeps one loop to draw HuggingFace's numbers)."""
+    config = getattr(model, "generation_config", None)
+    sampling = kwargs.get("do_sample", getattr(config, "do_sample", False))
+    apart = not sampling and not kwargs.get("return_dict_in_generate", getattr(
+        config, "return_dict_in_generate", False)) and kwargs.get("streamer") is None
+    return apart and lanes > 1 and _batch_size((args, kwargs)) > 1
+
+
+def _generate_apart(model: nn.Module, steps: "_Steps", args: tuple, kwargs: dict) -> Any:
+    """Greedy generation with each lane's loop in its own thread: a lane's next step goes to
+    stage 0 as soon as its token is known, while the other lanes are in later stages."""
+    batch = _batch_size((args, kwargs))
+    rows = torch.arange(batch).tensor_split(min(batch, steps.lanes))
+    found: dict[int, Any] = {}
+    failed: list[BaseException] = []
+
+    def run(lane: int, part: torch.Tensor) -> None:
+        _current.lane = lane
+        try:
+            lane_args, lane_kwargs = _rows((args, kwargs), batch, int(part[0]), len(part))
+            found[lane] = model.generate(*lane_args, **lane_kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            failed.append(exc)
+
+    threads = [threading.Thread(target=run, args=(lane, part), name=f"pipetorch-lane-{lane}",
+                                daemon=True) for lane, part in enumerate(rows)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failed:
+        raise failed[0]
+    return _padded([found[lane] for lane in range(len(rows))], _pad_token(model, kwargs))
+
+
+def _pad_token(model: nn.Module, kwargs: dict) -> int:
+    """What HuggingFace writes after a sequence's end: pad_token_id, else the end token."""
+    config = getattr(model, "generation_config", None)
+    pad = kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+    if pad is None:
+        pad = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0]
+    return 0 if pad is None else int(pad)
+
+
+def _padded(parts: list[torch.Tensor], pad: int) -> torch.Tensor:
+    """The lanes' sequences as one batch: a lane whose sequences all ended early is padded
+    to the longest, as HuggingFace pads a sequence that ended before the others."""
+    longest = max(part.shape[1] for part in parts)
+    return torch.cat([torch.nn.functional.pad(part, (0, longest - part.shape[1]), value=pad)
+                      for part in parts])
+
+
+class _Current(threading.local):
+    lane: int | None = None  # the lane whose generation loop runs in this thread
+
+
+_current = _Current()
+
+
 class _Steps:
-    """Runs one forward call of the generation loop in the stages, lane by lane."""
+    """Runs one forward call of the generation loop in the stages: all lanes of the batch,
+    or (in a lane's own thread) that lane."""
 
     def __init__(self, engine: ProcessEngine, session: int, *, lanes: int) -> None:
         self.engine, self.session, self.lanes = engine, session, lanes
@@ -59,20 +147,29 @@ class _Steps:
     def __call__(self, path: str, args: tuple, kwargs: dict) -> Any:
         host_cache = kv_cache.find((args, kwargs))
         call = kv_cache.strip((args, kwargs))
+        lane = _current.lane
+        if lane is not None:
+            out = self._run({lane: call}, path, host_cache)[lane]
+            return kv_cache.fill(out, host_cache)
         batch = _batch_size(call)
         rows = torch.arange(batch).tensor_split(min(batch, self.lanes))
+        outputs = self._run({lane: _rows(call, batch, int(part[0]), len(part))
+                             for lane, part in enumerate(rows)}, path, host_cache)
+        return kv_cache.fill(_joined([outputs[lane] for lane in range(len(rows))]), host_cache)
+
+    def _run(self, calls: dict[int, Any], path: str, host_cache: Any) -> dict[int, Any]:
+        """Each lane's call on its replica (lane % replicas); their outputs by lane."""
         replicas = self.engine.replicas
-        per_replica: list[dict[int, tuple[tuple, dict]]] = [{} for _ in range(replicas)]
-        for lane, part in enumerate(rows):
-            per_replica[lane % replicas][lane] = _rows(call, batch, int(part[0]), len(part))
         steps = [Step(self.session, path, mine, {i: self.shapes.get(i, {}) for i in mine},
-                      template=host_cache) for mine in per_replica]
+                      template=host_cache)
+                 for mine in ({lane: c for lane, c in calls.items() if lane % replicas == r}
+                              for r in range(replicas))]
         outputs: dict[int, Any] = {}
         for result in self.engine.decode(steps):
             outputs.update(result.outputs)
             for lane, shapes in result.shapes.items():
                 self.shapes.setdefault(lane, {}).update(shapes)
-        return kv_cache.fill(_joined([outputs[lane] for lane in range(len(rows))]), host_cache)
+        return outputs
 
 
 def _batch_size(call: Any) -> int:

@@ -172,3 +172,17 @@ def test_what_generate_cannot_do_through_the_stages_is_refused(request):
     with pytest.raises(ValueError, match="output_hidden_states"):
         wrapper.generate(**prompts(), max_new_tokens=2, output_hidden_states=True,
                          return_dict_in_generate=True)
+    # beam search reorders the cache on the host, where no stage's cache is
+    with pytest.raises(ValueError, match="num_beams.*one device"):
+        wrapper.generate(**prompts(), max_new_tokens=2, num_beams=2)
+
+
+def test_replicas_generate_their_lanes_like_plain_hf(request):
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    opts = poptorch.Options().replicationFactor(2).showCompilationProgressBar(False)
+    opts.setExecutionStrategy(poptorch.ShardedExecution(poptorch.AutoStage.SameAsIpu))
+    wrapper = cleaned(request, poptorch.inferenceModel(model, opts))
+    same_as_plain(wrapper, model, do_sample=False)  # lane 0 on replica 0, lane 1 on replica 1
+    same_as_plain(wrapper, model, do_sample=True)
+    assert_in_processes(wrapper, 4)
