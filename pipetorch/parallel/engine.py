@@ -35,7 +35,7 @@ import time
 import weakref
 from collections import defaultdict
 from multiprocessing.connection import Connection
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -226,12 +226,13 @@ class ProcessEngine:
         self.staged, self.routes, self.specs = self._signatures[key]
 
     # -- generate() in the stages (parallel.generation) --------------------------------------
-    def start_generation(self, found: generation.Skeleton) -> None:
-        """Send every worker the model's code without weights, bound there to its stages'
-        weights (once: the workers keep it)."""
+    def start_generation(self, make: Callable[[], generation.Skeleton]) -> None:
+        """Send every worker the model's code without weights (`make()`), bound there to its
+        stages' weights (once: the workers keep it)."""
         self._revive()
         self._check_alive()
         if self._skeleton is None:
+            found = make()
             try:  # before anything is written to a worker's pipe
                 pickle.dumps(found)
             except Exception as exc:

@@ -37,7 +37,7 @@ def generate(model: nn.Module, engine: ProcessEngine, stages: list[StageSpec], *
     """`model.generate(*args, **kwargs)` with every forward it calls run in `engine`'s stages."""
     _check_supported(model, kwargs)
     stage_of_block = {block: spec.index for spec in stages for block in spec.block_ids}
-    engine.start_generation(skeleton(model, stage_of_block))
+    engine.start_generation(lambda: skeleton(model, stage_of_block))
     steps = _Steps(engine, next(_sessions), lanes=lanes)
     try:
         with _routed(model, steps):
@@ -143,6 +143,7 @@ class _Steps:
     def __init__(self, engine: ProcessEngine, session: int, *, lanes: int) -> None:
         self.engine, self.session, self.lanes = engine, session, lanes
         self.shapes: dict[int, kv_cache.Shapes] = {}  # lane -> its cache's layers, all workers
+        self.cached: set[int] = set()  # lanes whose workers hold their cache
 
     def __call__(self, path: str, args: tuple, kwargs: dict) -> Any:
         host_cache = kv_cache.find((args, kwargs))
@@ -160,8 +161,12 @@ class _Steps:
     def _run(self, calls: dict[int, Any], path: str, host_cache: Any) -> dict[int, Any]:
         """Each lane's call on its replica (lane % replicas); their outputs by lane."""
         replicas = self.engine.replicas
+        # a lane's workers copy the (empty) host cache once, at its first step with one
+        fresh = host_cache is not None and not self.cached.issuperset(calls)
+        if host_cache is not None:
+            self.cached.update(calls)
         steps = [Step(self.session, path, mine, {i: self.shapes.get(i, {}) for i in mine},
-                      template=host_cache)
+                      template=host_cache if fresh else None)
                  for mine in ({lane: c for lane, c in calls.items() if lane % replicas == r}
                               for r in range(replicas))]
         outputs: dict[int, Any] = {}
