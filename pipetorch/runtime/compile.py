@@ -11,7 +11,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from pipetorch.errors import CompileError, ConfigError, Error
-from pipetorch.partition import plan
+from pipetorch.partition import checks
 from pipetorch.profiling import estimate
 from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import StageSpec
@@ -96,10 +96,10 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
             capture = probe(model, first_args, first_kwargs, training=training, casting=cast)
         bar.update()
         stages = strategy.resolve(capture.blocks, preamble=capture.ops_before_blocks)
-        plan.check_batching(stages, pipelined=strategy.pipelined, training=training,
+        checks.check_batching(stages, pipelined=strategy.pipelined, training=training,
                             gradient_accumulation=batching.gradient_accumulation,
                             device_iterations=batching.device_iterations)
-        devices = plan.device_count(stages, replication_factor=batching.replication_factor,
+        devices = checks.device_count(stages, replication_factor=batching.replication_factor,
                                     auto_round=config.auto_round)
         bar.update()
         in_processes = _in_processes(len({s.ipu_id for s in stages}), config)
