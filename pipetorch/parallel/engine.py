@@ -44,6 +44,7 @@ from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import generation, placement as places
 from pipetorch.parallel import arena, mapped, pool, shm, signatures, snapshot, wire
+from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
@@ -89,11 +90,13 @@ class ProcessEngine:
     of replica r; `owners[s]` is the device of stage s.
     """
 
-    def __init__(self, model: nn.Module, staged: StagedModel, routes: Sequence[Route],
-                 specs: dict[Source, TensorSpec | Constant], *, batching: Batching,
-                 optimizer: torch.optim.Optimizer | None, schedule: str,
-                 placements: Sequence[places.Placement], process: tuple[int, int] = (0, 1),
+    def __init__(self, model: nn.Module, plan: CompilePlan, *, batching: Batching,
+                 optimizer: torch.optim.Optimizer | None, process: tuple[int, int] = (0, 1),
                  seed: int | None = None, writer: mapped.Writer | None = None) -> None:
+        assert plan.graphs is not None, "stage workers run the plan's stage graphs"
+        staged, routes, specs = plan.graphs.staged, plan.graphs.routes, plan.graphs.specs
+        schedule, placements = plan.schedule, plan.placements
+        self.plan = plan  # what compiling decided; the fields below change as the engine runs
         self.model, self.optimizer, self.batching = model, optimizer, batching
         self.writer = writer  # where copies to the host of a mapped model's weights go
         self.process_id, self.num_processes = process
@@ -115,8 +118,7 @@ class ProcessEngine:
         self.timeout = environment.get("timeout")
         self.specs, self.placements = specs, list(placements)
         self.devices = len(self.placements) // self.replicas  # workers per replica
-        self.owners = tuple(next(d for d, p in enumerate(self.placements) if s in p.stages)
-                            for s in range(len(self.routes)))
+        self.owners = plan.owners
         self.auto = schedule == "auto"  # Training.pipelineSchedule("auto"): the simulator
         self.predicted_bubble: float | None = None  # picks, again after the first call
         self._measured = False

@@ -183,7 +183,7 @@ class CaptureOnce:
                  casting: Callable[[], ContextManager[Any]] | None = None,
                  probe: Any = None, stored: Any = None, traced: Traced | None = None) -> None:
         self.model, self.first, self.cache_dir, self.settings = model, first, cache_dir, settings
-        self.casting, self.probe = casting, probe
+        self.casting, self.probe, self._stored = casting, probe, stored
         self._traced = stored.traced if stored is not None else traced
         self._memo: dict[Any, Any] = dict(stored.memo) if stored is not None else {}
         self._staged: dict[tuple[StageSpec, ...], StagedModel] = {}
@@ -203,6 +203,14 @@ class CaptureOnce:
             self.seconds = time.perf_counter() - start
             self._unsaved = True
         return self._traced
+
+    def moved(self, model: nn.Module, first: tuple[tuple, dict]) -> "CaptureOnce":
+        """This capture's findings for `model` and `first` on another device (this model
+        moved there, or a copy of it), before anything was derived from it: the executable
+        cache's entry is kept; a graph captured here is not, and is captured again when
+        needed."""
+        return CaptureOnce(model, first, cache_dir=self.cache_dir, settings=self.settings,
+                           casting=self.casting, probe=self.probe, stored=self._stored)
 
     def split(self, stages: list[StageSpec]) -> StagedModel:
         """`split_stages` of the capture into `stages`, cut once."""

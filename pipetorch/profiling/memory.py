@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.partition.split import Source
-from pipetorch.profiling.summary import is_local, lanes_of, stage_modules
+from pipetorch.profiling.summary import lanes_of, stage_modules
 
 __all__: list[str] = []
 
@@ -247,7 +247,7 @@ def footprints(compiled: Any, sample: tuple[tuple, dict]) -> list[Footprint]:
     try:
         with preserved(engine.model), ops.running_on_device():
             engine.model.train(True)
-            if is_local(engine):
+            if compiled.plan.local:
                 device = engine.input_device
                 args, kwargs = torch.utils._pytree.tree_map(
                     lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
@@ -300,25 +300,17 @@ def replica_plan_length(batching: Any, *, training: bool) -> int:
 
 
 def stash_per_lane(compiled: Any, *, training: bool) -> list[int]:
-    """Most micro-batches each lane holds for backward at once: the schedule's peak stash
-    (`schedule.devices.peak_stash`) of the plan its engine runs; the local engine runs each
-    micro-batch's forward and backward in turn, as one sharded stage."""
-    from pipetorch.schedule.devices import peak_stash
-
+    """Most micro-batches each lane holds for backward at once: the plan's in-flight count
+    (`CompilePlan.in_flight`) for the schedule its engine runs now."""
     engine = compiled.engine
     per_plan = replica_plan_length(engine.batching, training=training)
-    if is_local(engine):
-        return list(peak_stash("sharded", 1, per_plan, training=training))
-    owners = getattr(engine, "owners", None)
-    return list(peak_stash(engine.schedule, len(compiled.stages), per_plan, owners,
-                           training=training))
+    return list(compiled.plan.in_flight(per_plan, training=training, schedule=engine.schedule))
 
 
 def _in_this_process_cuda(compiled: Any) -> torch.device | None:
     """The GPU the local engine runs on, when it runs on one (workers' GPUs are elsewhere)."""
-    engine = compiled.engine
-    device = getattr(engine, "input_device", None)
-    if not is_local(engine) or device is None or device.type != "cuda":
+    device = getattr(compiled.engine, "input_device", None)
+    if not compiled.plan.local or device is None or device.type != "cuda":
         return None
     return device if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.profiling.timing import CallRecord, timing_summary
 
 __all__: list[str] = []
@@ -29,19 +30,15 @@ class Lane:
         return f"IPU {self.ipu} · {where} · {self.device}"
 
 
-def is_local(engine: Any) -> bool:
-    """Whether every stage runs in this process (the reference LocalEngine)."""
-    return getattr(engine, "schedule", "local") == "local"
-
-
 def lanes_of(compiled: Any) -> list[Lane]:
-    """The lanes: one per stage (on its device worker), or a single one for the local engine."""
-    engine = compiled.engine
-    if is_local(engine):
-        device = getattr(engine, "input_device", torch.device("cpu"))
-        return [Lane(None, compiled.stages[0].ipu_id if compiled.stages else 0, str(device),
+    """The lanes of `compiled`'s plan: one per stage (on its device worker), or a single one
+    for the local engine."""
+    plan: CompilePlan = compiled.plan
+    if plan.local:
+        device = getattr(compiled.engine, "input_device", torch.device("cpu"))
+        return [Lane(None, plan.stages[0].ipu_id if plan.stages else 0, str(device),
                      torch.get_num_threads())]
-    lanes = [Lane(s, p.ipu, p.device, p.threads) for p in engine.placements if p.replica == 0
+    lanes = [Lane(s, p.ipu, p.device, p.threads) for p in plan.placements if p.replica == 0
              for s in p.stages]
     return sorted(lanes, key=lambda lane: lane.stage)
 
@@ -52,10 +49,10 @@ def count_parameters(module: nn.Module) -> int:
 
 def stage_modules(compiled: Any) -> list[nn.Module] | None:
     """Each stage's module (owning its parameters), or None when the stages share one model."""
-    engine = compiled.engine
-    if not is_local(engine):
-        return list(engine.staged.modules)
-    return [engine.model] if len(compiled.stages) == 1 else None
+    engine, plan = compiled.engine, compiled.plan
+    if not plan.local:
+        return list(engine.staged.modules)  # the input signature in use (inputSignatures)
+    return [engine.model] if len(plan.stages) == 1 else None
 
 
 def build(compiled: Any, calls: Sequence[CallRecord], *, training: bool, options: Any,
@@ -64,11 +61,11 @@ def build(compiled: Any, calls: Sequence[CallRecord], *, training: bool, options
 
     `totals` counts every call: calls, items, ns, and first_items / first_ns of the first one.
     """
-    engine, batching = compiled.engine, compiled.engine.batching
+    engine, batching, plan = compiled.engine, compiled.engine.batching, compiled.plan
     modules = stage_modules(compiled)
     stages = [{"index": s.index, "ipu": s.ipu_id, "blocks": list(s.block_ids),
                "parameters": count_parameters(modules[i]) if modules else None}
-              for i, s in enumerate(compiled.stages)]
+              for i, s in enumerate(plan.stages)]
     lanes = lanes_of(compiled)
     schedule = engine.schedule
     calls_total, items, seconds = totals["calls"], totals["items"], totals["ns"] * 1e-9
@@ -78,10 +75,10 @@ def build(compiled: Any, calls: Sequence[CallRecord], *, training: bool, options
         "format": FORMAT,
         "model": type(engine.model).__name__,
         "mode": "training" if training else "inference",
-        "engine": "local" if is_local(engine) else "processes",
+        "engine": "local" if plan.local else "processes",
         "schedule": schedule,
         "execution_strategy": type(strategy).__name__ if strategy is not None else None,
-        "devices": compiled.devices,
+        "devices": plan.devices,
         "replicas": batching.replication_factor,
         "lanes": [{"stage": lane.stage, "ipu": lane.ipu, "device": lane.device,
                    "threads": lane.threads, "label": lane.label} for lane in lanes],
@@ -106,9 +103,9 @@ def build(compiled: Any, calls: Sequence[CallRecord], *, training: bool, options
             "steady_items_per_second": _rate(items - totals["first_items"],
                                              totals["ns"] - totals["first_ns"]),
         },
-        "timing": timing_summary(calls, stages=1 if is_local(engine) else len(compiled.stages),
+        "timing": timing_summary(calls, stages=1 if plan.local else len(plan.stages),
                                  schedule=schedule, batching=batching, training=training,
-                                 owners=getattr(engine, "owners", None)),
+                                 owners=None if plan.local else plan.owners),
         # Training.pipelineSchedule("auto"): the simulator's pick and the bubble it predicted
         "schedule_chosen": ({"predicted_bubble": engine.predicted_bubble}
                             if getattr(engine, "auto", False) else None),

@@ -1,4 +1,5 @@
-"""Preparing a model for its device: capture, partition, validate, place weights and optimiser."""
+"""Compiling a model for its devices: capture forward, partition it into stages, plan where
+and how they run (validated against the options), then start the engine the plan names."""
 from __future__ import annotations
 
 import logging
@@ -11,17 +12,19 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from pipetorch.errors import CompileError, ConfigError, Error
-from pipetorch.partition import plan
 from pipetorch.profiling import estimate
 from pipetorch.partition.split import CaptureOnce
-from pipetorch.partition.strategies import StageSpec
-from pipetorch.partition import casting
+from pipetorch.partition.strategies import ExecutionStrategy, StageSpec
+from pipetorch.partition import casting, checks
+from pipetorch.partition.casting import Casting
 from pipetorch.runtime import weight_files, weights
 from pipetorch.runtime.batching import split_micro_batches, to_device
 from pipetorch.partition.blocks import begin_blocks
 from pipetorch.partition.probe import Capture, probe, probe_by_export
 from pipetorch.partition.suspects import suspect
 from pipetorch.enums import AutoStage
+from pipetorch.parallel.build import plan_stages, stage_graphs
+from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.compiled import CompiledStage
 from pipetorch.parallel.local import FlatStage, LocalEngine, ReplicaBuffers
 from pipetorch.runtime.weights import held
@@ -32,18 +35,30 @@ __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
+CPU = torch.device("cpu")
+
 
 @dataclass
 class Compiled:
-    """Everything a wrapper needs to run host calls."""
+    """Everything a wrapper needs to run host calls: the engine, the plan it started from and
+    what capturing forward found."""
 
     engine: Any  # LocalEngine or parallel.engine.ProcessEngine
-    stages: list[StageSpec]
+    plan: CompilePlan
     capture: Capture
-    devices: int
     seconds: float
     synthetic: list[tuple[tuple, dict]] | None = None
     graph: CaptureOnce | None = None  # the whole-model capture, made when first needed
+
+    @property
+    def stages(self) -> tuple[StageSpec, ...]:
+        """The plan's stages."""
+        return self.plan.stages
+
+    @property
+    def devices(self) -> int:
+        """The logical devices the plan needs."""
+        return self.plan.devices
 
 
 def _synthetic_like(micro_batches: list[tuple[tuple, dict]], device: torch.device) -> list:
@@ -68,87 +83,62 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
     batching = config.batching
     bar = tqdm(total=4, desc="Graph compilation", unit="step", leave=False,
                disable=not config.progress_bar)
-    shared = _host_copy_is_users(user_model, config)
     modes = {m: m.training for m in user_model.modules()}
     try:
-        # Workers each receive their own stage: the host copy is then the user's model itself
-        # (PopTorch's host copy), never a second one. One device keeps a private copy on it.
-        model = user_model if shared else weights.device_copy(user_model, device)
+        # Capture: forward once, on the host copy (on the CPU when workers are known to run
+        # the stages, else on `device`).
+        model, host = _host_copy(user_model, config, device=device)
         micro = split_micro_batches(args, kwargs, device_iterations=batching.device_iterations,
                                     gradient_accumulation=batching.gradient_accumulation,
                                     replication_factor=batching.replication_factor)
-        first_args, first_kwargs = to_device(micro[0], torch.device("cpu") if shared else device)
-        cast = casting.for_forward(model, first_args, first_kwargs, config.precision)
+        first = to_device(micro[0], host)
+        cast = casting.for_forward(model, *first, config.precision)
         strategy = config.strategy
         if config.balance_devices:
             with casting.within(cast):
-                strategy = _auto_balance(model, first_args, first_kwargs, config)
-        stored = _stored(model, first_args, first_kwargs, config, training=training)
-        traced = None
-        if stored is not None:
-            capture = stored.probe
-        elif _in_processes(_declared_devices(model, strategy), config):
-            # Split for sure: the capture the split needs is the only forward run.
-            model = model.to("cpu")  # the host copy; each worker moves its stage to its device
-            capture, traced = _probe_by_export(model, to_device(micro[0], torch.device("cpu")),
-                                               training=training, casting=cast)
-        else:
-            capture = probe(model, first_args, first_kwargs, training=training, casting=cast)
+                strategy = _auto_balance(model, *first, config)
+        workers = _in_processes(_declared_devices(model, strategy), config)
+        if _host(workers, device) != host:  # opts.autoBalance measured its copy on `device`
+            model, first = _on_host(model, user_model, micro[0], workers=workers, device=device)
+        graph = capture_forward(model, first, config, training=training, casting=cast,
+                                export=workers)
         bar.update()
-        stages = strategy.resolve(capture.blocks, preamble=capture.ops_before_blocks)
-        plan.check_batching(stages, pipelined=strategy.pipelined, training=training,
-                            gradient_accumulation=batching.gradient_accumulation,
-                            device_iterations=batching.device_iterations)
-        devices = plan.device_count(stages, replication_factor=batching.replication_factor,
-                                    auto_round=config.auto_round)
+        # Partition: the strategy's stages of the blocks forward entered.
+        stages, devices = _partition(graph.probe, strategy, config, training=training)
         bar.update()
+        # Plan: where the stages run, checked against the memory budget, then the engine.
         in_processes = _in_processes(len({s.ipu_id for s in stages}), config)
-        if model is user_model and not in_processes:  # one device after all: its own copy
-            model = weights.device_copy(user_model, device)
-        # The host copy stays on the CPU when workers run the stages (each moves its own).
-        host = torch.device("cpu") if in_processes else device
-        model = model.to(host)
-        first = to_device(micro[0], host)
-        replica_buffers = _replica_buffers(model, capture, config)
-        engine: Any
+        if in_processes != workers:  # forward entered blocks its annotations did not declare
+            model, first = _on_host(model, user_model, micro[0], workers=in_processes,
+                                    device=device)
+            graph = graph.moved(model, first)
+        replica_buffers = _replica_buffers(model, graph.probe, config)
         bar.update()
         device_opt = (device_optimizer(optimizer, user_model, model,
                                        auto_loss_scaling=config.auto_loss_scaling,
                                        offload=config.offload) if training else None)
-        # One capture for the estimate and the split, from the executable cache if enabled.
-        # (A capture made for workers but not used by them was made on the CPU copy: not
-        # reused for a model that stays on `device`.)
-        graph = CaptureOnce(model, first, cache_dir=config.cache_dir, settings=config.settings,
-                            casting=cast, probe=capture, stored=stored,
-                            traced=traced if in_processes else None)
         with casting.within(cast):
             _check_memory(model, first, stages, config, optimizer=device_opt,
                           pipelined=strategy.pipelined, training=training, device=device,
                           capture=graph)
         recompute = training and config.recomputation
-        backend = config.compile_backend
-        if in_processes:
-            from pipetorch.parallel.build import process_engine
-
-            engine = process_engine(
-                model, first, stages, batching=batching, optimizer=device_opt,
-                writer=weight_files.output_of(user_model) if model is user_model else None,
-                pipelined=strategy.pipelined, training=training, recomputation=recompute,
-                process=config.process, seed=config.seed, capture=graph,
-                compile_backend=backend, loss_index=capture.loss_index,
-                pipeline_schedule=config.schedule)
+        plan = plan_stages(model, first, stages, devices=devices, in_processes=in_processes,
+                           replicas=batching.replication_factor, pipelined=strategy.pipelined,
+                           pipeline_schedule=config.schedule, training=training,
+                           recomputation=recompute, capture=graph,
+                           compile_backend=config.compile_backend,
+                           loss_index=graph.probe.loss_index)
+        if plan.local:
+            engine: Any = _local_engine(model, micro[0], graph.probe, config, training=training,
+                                        optimizer=device_opt, casting=cast,
+                                        replica_buffers=replica_buffers)
         else:
-            forward: Any = model
-            if training and (capture.uses_recomputation or recompute):
-                from pipetorch.parallel.recompute import stage_module
+            from pipetorch.parallel.engine import ProcessEngine
 
-                forward = stage_module(model, checkpoint=recompute)
-            if backend is not None:
-                forward = CompiledStage(forward, backend)
-            engine = LocalEngine(model, FlatStage(forward, micro[0], capture.output),
-                                 optimizer=device_opt, batching=batching,
-                                 replica_buffers=replica_buffers, loss_index=capture.loss_index,
-                                 casting=cast)
+            engine = ProcessEngine(
+                model, plan, batching=batching, optimizer=device_opt, process=config.process,
+                seed=config.seed,
+                writer=weight_files.output_of(user_model) if model is user_model else None)
         graph.save()  # the capture and what was measured from it, for the next run
         bar.update()
     finally:
@@ -157,8 +147,9 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
             module.training = training_mode
     synthetic = _synthetic_like(micro, engine.input_device) if config.synthetic else None
     seconds = time.perf_counter() - start
-    logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices, seconds)
-    return Compiled(engine, stages, capture, devices, seconds, synthetic, graph)
+    logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices,
+                seconds)
+    return Compiled(engine, plan, graph.probe, seconds, synthetic, graph)
 
 
 def add_signature(compiled: Compiled, args: tuple, kwargs: dict, *, config: RunConfig,
@@ -168,9 +159,9 @@ def add_signature(compiled: Compiled, args: tuple, kwargs: dict, *, config: RunC
     these inputs, checked against the memory budget, and run by the same engine on the same
     weights and optimiser state. Returns the signature's number for `engine.use` and its
     synthetic inputs (enableSyntheticData)."""
-    engine, batching = compiled.engine, config.batching
+    engine, batching, local = compiled.engine, config.batching, compiled.plan.local
     model = engine.model  # the host copy (workers), or the device copy (one device)
-    local = isinstance(engine, LocalEngine)
+    stages = list(compiled.stages)
     modes = {m: m.training for m in model.modules()}
     micro = split_micro_batches(args, kwargs, device_iterations=batching.device_iterations,
                                 gradient_accumulation=batching.gradient_accumulation,
@@ -178,31 +169,21 @@ def add_signature(compiled: Compiled, args: tuple, kwargs: dict, *, config: RunC
     try:
         first = to_device(micro[0], engine.input_device)
         cast = casting.for_forward(model, *first, config.precision)
-        stored = _stored(model, *first, config, training=training)
-        traced = None
-        if stored is not None:
-            capture = stored.probe
-        elif local:
-            capture = probe(model, *first, training=training, casting=cast)
-        else:
-            capture, traced = _probe_by_export(model, first, training=training, casting=cast)
-        graph = CaptureOnce(model, first, cache_dir=config.cache_dir, settings=config.settings,
-                            casting=cast, probe=capture, stored=stored, traced=traced)
+        graph = capture_forward(model, first, config, training=training, casting=cast,
+                                export=not local)
         with casting.within(cast):  # a longer sequence needs more memory than the first
-            _check_memory(model, first, compiled.stages, config, optimizer=engine.optimizer,
+            _check_memory(model, first, stages, config, optimizer=engine.optimizer,
                           pipelined=config.strategy.pipelined, training=training,
                           device=device, capture=graph)
         if local:
-            key = engine.add_signature(FlatStage(engine.forward, first, capture.output),
-                                       loss_index=capture.loss_index, casting=cast)
+            key = engine.add_signature(FlatStage(engine.forward, first, graph.probe.output),
+                                       loss_index=graph.probe.loss_index, casting=cast)
         else:
-            from pipetorch.parallel.build import stage_graphs
-
-            staged, routes, specs = stage_graphs(
-                model, first, compiled.stages, training=training,
+            graphs = stage_graphs(
+                model, first, stages, training=training,
                 recomputation=training and config.recomputation, capture=graph,
-                compile_backend=config.compile_backend, loss_index=capture.loss_index)
-            key = engine.add_signature(staged, routes, specs)
+                compile_backend=config.compile_backend, loss_index=graph.probe.loss_index)
+            key = engine.add_signature(graphs.staged, graphs.routes, graphs.specs)
         graph.save()
     finally:
         for module, training_mode in modes.items():  # capturing set the wrapper's mode
@@ -210,15 +191,94 @@ def add_signature(compiled: Compiled, args: tuple, kwargs: dict, *, config: RunC
     return key, _synthetic_like(micro, engine.input_device) if config.synthetic else None
 
 
-def _host_copy_is_users(model: nn.Module, config: RunConfig) -> bool:
-    """Whether the user's model can be the engine's host copy: its stages run in workers
-    (known before forward runs), its tensors are in host memory, and nothing runs it
-    eagerly before the split (opts.autoBalance measures a copy)."""
-    if config.balance_devices or not _in_processes(_declared_devices(model, config.strategy),
-                                                     config):
-        return False
+def capture_forward(model: nn.Module, first: tuple[tuple, dict], config: RunConfig, *,
+                    training: bool, casting: Casting | None, export: bool) -> CaptureOnce:
+    """`model`'s forward captured for `first` (one micro-batch on the model's device), with
+    what the probe found in it; the one place deciding how: from the executable cache's entry
+    when it holds one (forward runs zero times), else by torch.export when `export` (the
+    stages run in workers: the split needs that capture, the only forward run), else by one
+    eager forward (partition.probe)."""
+    stored = _stored(model, *first, config, training=training)
+    traced = None
+    if stored is not None:
+        found = stored.probe
+    elif export:
+        found, traced = _probe_by_export(model, first, training=training, casting=casting)
+    else:
+        found = probe(model, *first, training=training, casting=casting)
+    return CaptureOnce(model, first, cache_dir=config.cache_dir, settings=config.settings,
+                       casting=casting, probe=found, stored=stored, traced=traced)
+
+
+def _partition(found: Capture, strategy: ExecutionStrategy, config: RunConfig, *,
+               training: bool) -> tuple[list[StageSpec], int]:
+    """The stages `strategy` makes of the blocks forward entered, checked against the
+    batching, and the logical devices they need."""
+    batching = config.batching
+    stages = strategy.resolve(found.blocks, preamble=found.ops_before_blocks)
+    checks.check_batching(stages, pipelined=strategy.pipelined, training=training,
+                          gradient_accumulation=batching.gradient_accumulation,
+                          device_iterations=batching.device_iterations)
+    return stages, checks.device_count(stages, replication_factor=batching.replication_factor,
+                                       auto_round=config.auto_round)
+
+
+def _host_copy(user_model: nn.Module, config: RunConfig, *,
+               device: torch.device) -> tuple[nn.Module, torch.device]:
+    """The engine's host copy and the device it is on. Where workers run the stages (known
+    before forward runs) it is the user's model itself when that is in host memory (PopTorch's
+    host copy: never a second one), else a private copy on the CPU (each worker moves its own
+    stage); otherwise a private copy on `device`, as for opts.autoBalance, which measures its
+    copy there."""
+    workers = not config.balance_devices and _in_processes(
+        _declared_devices(user_model, config.strategy), config)
+    if workers and _in_host_memory(user_model):
+        return user_model, CPU
+    host = _host(workers, device)
+    return weights.device_copy(user_model, host), host
+
+
+def _in_host_memory(model: nn.Module) -> bool:
+    """Whether every parameter and buffer of `model` is in host memory (read without the
+    accessors that would fetch the device's weights first)."""
     return all(t.device.type == "cpu" for t in [*held(model, "_parameters").values(),
-                                                 *held(model, "_buffers").values()])
+                                                *held(model, "_buffers").values()])
+
+
+def _host(workers: bool, device: torch.device) -> torch.device:
+    """Where the host copy lives: the CPU when workers run the stages, else `device`."""
+    return CPU if workers else device
+
+
+def _on_host(model: nn.Module, user_model: nn.Module, micro: tuple[tuple, dict], *,
+             workers: bool, device: torch.device) -> tuple[nn.Module, tuple[tuple, dict]]:
+    """The host copy moved to where the stages run, learnt after it was made, and the
+    micro-batch `micro` there: the CPU for workers, else `device` (a private copy there when
+    the host copy was the user's model)."""
+    host = _host(workers, device)
+    if model is user_model and not workers:
+        model = weights.device_copy(user_model, device)
+    return model.to(host), to_device(micro, host)
+
+
+def _local_engine(model: nn.Module, micro: tuple[tuple, dict], found: Capture,
+                  config: RunConfig, *, training: bool,
+                  optimizer: torch.optim.Optimizer | None, casting: Casting | None,
+                  replica_buffers: ReplicaBuffers | None) -> LocalEngine:
+    """The engine running `model` (on its device) in this process: forward recomputed
+    (recomputationCheckpoint, Training.setRecomputation) and compiled (compileStages) as the
+    options ask."""
+    recompute = training and config.recomputation
+    forward: Any = model
+    if training and (found.uses_recomputation or recompute):
+        from pipetorch.parallel.recompute import stage_module
+
+        forward = stage_module(model, checkpoint=recompute)
+    if config.compile_backend is not None:
+        forward = CompiledStage(forward, config.compile_backend)
+    return LocalEngine(model, FlatStage(forward, micro, found.output), optimizer=optimizer,
+                       batching=config.batching, replica_buffers=replica_buffers,
+                       loss_index=found.loss_index, casting=casting)
 
 
 def _stored(model: nn.Module, args: tuple, kwargs: dict, config: RunConfig, *,
@@ -263,7 +323,7 @@ def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[Stag
 
 
 def _probe_by_export(model: nn.Module, first: tuple[tuple, dict], *, training: bool,
-                     casting: Any) -> tuple[Capture, Any]:
+                     casting: Casting | None) -> tuple[Capture, Any]:
     """probe_by_export; where torch.export fails, or the capture shows a mistake only a real
     kernel notices (partition.suspects), an eager run says whether forward itself fails (then
     with its own error, as PyTorch raises it, retold by runtime.checks)."""

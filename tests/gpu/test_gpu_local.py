@@ -184,11 +184,11 @@ def test_the_memory_report_holds_the_allocators_peak_on_the_gpu(monkeypatch, tmp
 
 
 def test_an_over_budget_gpu_configuration_is_refused_before_any_worker_starts(monkeypatch):
-    from pipetorch.parallel import build
+    from pipetorch.parallel import pool
 
     on_gpu(monkeypatch, gpus=1)
     started = []
-    monkeypatch.setattr(build, "process_engine", lambda *a, **k: started.append(1))
+    monkeypatch.setattr(pool, "prestart", lambda *a, **k: started.append(1))
     model, _ = mnist_pair()
     opts = options().setMemoryBudget(1024)  # far below the weights alone
     opts.setExecutionStrategy(poptorch.PipelinedExecution(

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
+from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.placement import Placement
 from pipetorch.parallel.stage import Span, Trace
 from pipetorch.partition.strategies import StageSpec
@@ -60,11 +61,11 @@ def process_compiled(schedule: str = "pipelined", *, gradient_accumulation: int 
     engine = SimpleNamespace(
         model=model, optimizer=opt,
         batching=Batching(device_iterations, gradient_accumulation, 1),
-        staged=SimpleNamespace(modules=[model.a, model.b]), schedule=schedule,
-        placements=[Placement((0,), 0, "cpu", 1), Placement((1,), 1, "cpu", 1)], last_trace=[],
+        staged=SimpleNamespace(modules=[model.a, model.b]), schedule=schedule, last_trace=[],
         input_device=torch.device("cpu"), casting=None)
-    stages = [StageSpec(0, 0, ("B1",)), StageSpec(1, 1, ("B2",))]
-    return Compiled(engine, stages, None, 2, 1.25)
+    stages = (StageSpec(0, 0, ("B1",)), StageSpec(1, 1, ("B2",)))
+    placements = (Placement((0,), 0, "cpu", 1), Placement((1,), 1, "cpu", 1))
+    return Compiled(engine, CompilePlan(stages, 2, schedule, placements), None, 1.25)
 
 
 def local_compiled() -> Compiled:
@@ -74,7 +75,7 @@ def local_compiled() -> Compiled:
         model=model, forward=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         batching=Batching(1, 1, 1), schedule="local", last_trace=[],
         input_device=torch.device("cpu"), casting=None)
-    return Compiled(engine, [StageSpec(0, 0, ("B1", "B2"))], None, 1, 0.5)
+    return Compiled(engine, CompilePlan((StageSpec(0, 0, ("B1", "B2")),), 1), None, 0.5)
 
 
 def options(strategy: object = None) -> SimpleNamespace:

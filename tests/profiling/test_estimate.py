@@ -276,6 +276,8 @@ def test_estimate_report_and_balancer_count_the_schedules_stash(schedule):
     from types import SimpleNamespace
 
     from helpers.models import MnistNetwork
+    from pipetorch.parallel.compile_plan import CompilePlan
+    from pipetorch.parallel.placement import Placement
     from pipetorch.partition.balance import Segment, evaluate
     from pipetorch.profiling.memory import stash_per_lane
     from pipetorch.schedule.devices import engine_kind, peak_stash
@@ -289,8 +291,11 @@ def test_estimate_report_and_balancer_count_the_schedules_stash(schedule):
                             recomputation=False, schedule=schedule)
     expected = peak_stash(kind, 4, accumulation, owners)
     assert tuple(s.in_flight for s in found.stages) == expected
-    engine = SimpleNamespace(schedule=kind, batching=Batching(1, accumulation, 1), owners=owners)
-    report = stash_per_lane(SimpleNamespace(engine=engine, stages=stages), training=True)
+    engine = SimpleNamespace(schedule=kind, batching=Batching(1, accumulation, 1))
+    placements = (Placement((0, 2), 0, "cpu", 1), Placement((1, 3), 1, "cpu", 1))
+    plan = CompilePlan(tuple(stages), 2, kind, placements)
+    assert plan.owners == owners
+    report = stash_per_lane(SimpleNamespace(engine=engine, plan=plan), training=True)
     assert tuple(report) == expected
     # The balancer places one stage per device: the schedule on owners 0, 1, 2, 3.
     unit = [Segment(f"s{j}", 1.0, activation_bytes=1) for j in range(4)]

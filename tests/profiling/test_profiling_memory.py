@@ -124,6 +124,7 @@ def staged_report(*, offload, recomputation):
     the compile-time estimate of the same configuration."""
     from types import SimpleNamespace
 
+    from pipetorch.parallel.compile_plan import CompilePlan
     from pipetorch.parallel.placement import Placement
     from pipetorch.partition.split import split_stages
     from pipetorch.partition.strategies import StageSpec
@@ -139,12 +140,13 @@ def staged_report(*, offload, recomputation):
     batching = Batching(1, 4, 1)
     engine = SimpleNamespace(
         model=model, optimizer=adam, batching=batching, schedule="pipelined",
-        staged=split_stages(model, (x,), {}, stages), last_trace=[],
-        placements=[Placement((0,), 0, "cpu", 1), Placement((1,), 1, "cpu", 1)])
+        staged=split_stages(model, (x,), {}, stages), last_trace=[])
+    plan = CompilePlan(tuple(stages), 2, "pipelined",
+                       (Placement((0,), 0, "cpu", 1), Placement((1,), 1, "cpu", 1)))
     location = poptorch.TensorLocationSettings().useOnChipStorage(not offload)
     options = SimpleNamespace(TensorLocations=SimpleNamespace(optimizer_location=location),
                               Training=SimpleNamespace(recomputation=recomputation))
-    report = build(Compiled(engine, stages, None, 2, 0.1), training=True, options=options,
+    report = build(Compiled(engine, plan, None, 0.1), training=True, options=options,
                    sample=((x,), {}))
     estimate = estimate_memory(model, ((x,), {}), stages, batching=batching, optimizer=adam,
                                pipelined=True, training=True, offload=offload,
