@@ -15,7 +15,7 @@ from pipetorch.errors import CompileError, ConfigError, Error
 from pipetorch.profiling import estimate
 from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import ExecutionStrategy, StageSpec
-from pipetorch.partition import casting, checks
+from pipetorch.partition import casting, stage_rules
 from pipetorch.partition.casting import Casting
 from pipetorch.runtime import weight_files, weights
 from pipetorch.runtime.batching import split_micro_batches, to_device
@@ -216,10 +216,10 @@ def _partition(found: Capture, strategy: ExecutionStrategy, config: RunConfig, *
     batching, and the logical devices they need."""
     batching = config.batching
     stages = strategy.resolve(found.blocks, preamble=found.ops_before_blocks)
-    checks.check_batching(stages, pipelined=strategy.pipelined, training=training,
+    stage_rules.check_batching(stages, pipelined=strategy.pipelined, training=training,
                           gradient_accumulation=batching.gradient_accumulation,
                           device_iterations=batching.device_iterations)
-    return stages, checks.device_count(stages, replication_factor=batching.replication_factor,
+    return stages, stage_rules.device_count(stages, replication_factor=batching.replication_factor,
                                        auto_round=config.auto_round)
 
 

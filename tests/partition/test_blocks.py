@@ -5,7 +5,7 @@ import torch.nn as nn
 
 import pipetorch as poptorch
 from pipetorch.errors import ConfigError
-from pipetorch.partition import blocks, checks
+from pipetorch.partition import blocks, stage_rules
 from pipetorch.partition.blocks import BlockInfo
 from pipetorch.partition.strategies import StageSpec
 
@@ -132,24 +132,24 @@ def test_mixed_strategy_arguments_are_a_type_error():
 def test_pipelined_training_needs_enough_accumulation():
     stages = [StageSpec(i, i, (f"B{i}",)) for i in range(4)]
     with pytest.raises(ConfigError, match=r"gradientAccumulation \(3\) must be >= 2\*stages-1 \(7\).*4 stages"):
-        checks.check_batching(stages, pipelined=True, training=True, gradient_accumulation=3, device_iterations=1)
-    checks.check_batching(stages, pipelined=False, training=True, gradient_accumulation=3, device_iterations=1)
+        stage_rules.check_batching(stages, pipelined=True, training=True, gradient_accumulation=3, device_iterations=1)
+    stage_rules.check_batching(stages, pipelined=False, training=True, gradient_accumulation=3, device_iterations=1)
 
 
 def test_pipelined_inference_needs_enough_iterations():
     stages = [StageSpec(i, i, (f"B{i}",)) for i in range(2)]
     with pytest.raises(ConfigError, match=r"deviceIterations \(1\) must be >= the number of stages \(2\)"):
-        checks.check_batching(stages, pipelined=True, training=False, gradient_accumulation=1, device_iterations=1)
+        stage_rules.check_batching(stages, pipelined=True, training=False, gradient_accumulation=1, device_iterations=1)
 
 
 def test_device_count_power_of_two_and_limit(monkeypatch):
     three = [StageSpec(i, i, (str(i),)) for i in range(3)]
     with pytest.raises(ConfigError, match=r"needs 3 devices.*autoRoundNumIPUs"):
-        checks.device_count(three, replication_factor=1, auto_round=False)
-    assert checks.device_count(three, replication_factor=1, auto_round=True) == 4
+        stage_rules.device_count(three, replication_factor=1, auto_round=False)
+    assert stage_rules.device_count(three, replication_factor=1, auto_round=True) == 4
     monkeypatch.setenv("PIPETORCH_MAX_DEVICES", "4")
     with pytest.raises(ConfigError, match=r"needs 8 devices but at most 4.*PIPETORCH_MAX_DEVICES"):
-        checks.device_count(three[:2], replication_factor=4, auto_round=False)
+        stage_rules.device_count(three[:2], replication_factor=4, auto_round=False)
 
 
 def test_ops_before_a_begin_block_on_ipu_1_run_on_ipu_0():

@@ -1,4 +1,4 @@
-"""Checks that a set of stages can run with the chosen batching and number of devices."""
+"""The rules a set of stages must follow: batching that feeds every stage, and the devices they need."""
 from __future__ import annotations
 
 import logging
