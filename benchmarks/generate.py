@@ -6,9 +6,10 @@
 
 Rows, all in one run, repeated in interleaved rounds (A B C ... A B C ...), medians reported:
 plain HuggingFace generate() with 1 and with 2 threads, for 1 sequence and for a batch; and
-pipetorch's inferenceModel over 2 devices (BeginBlock on the middle layer) for 1 sequence
-(ShardedExecution) and for the batch (PipelinedExecution) with its lanes in flight
-(`deviceIterations`: 2 and 4 by default, a row each). Greedy decoding of `--new` tokens after
+pipetorch's inferenceModel over 2 devices (BeginBlock where the layers and the vocabulary
+head balance the weights each device reads per token) for 1 sequence (ShardedExecution) and
+for the batch (PipelinedExecution) with its lanes in flight (`deviceIterations`: 2 and 4 by
+default, a row each). Greedy decoding of `--new` tokens after
 prompts of `--prompt` tokens; the time to the first token is a generate() of one new token.
 The same tokens are checked between plain and pipetorch.
 """
@@ -34,8 +35,10 @@ def _model(layers: int, width: int, split: bool) -> torch.nn.Module:
         vocab_size=VOCABULARY, n_positions=1024, n_embd=width, n_layer=layers,
         n_head=max(1, width // 64), bos_token_id=0, eos_token_id=None)).eval()
     if split:
-        middle = layers // 2
-        model.transformer.h[middle] = poptorch.BeginBlock(model.transformer.h[middle], ipu_id=1)
+        # balanced by weights read per token: the vocabulary head (V x W) runs in stage 1, a
+        # layer reads about 12 W^2
+        at = min(layers - 1, max(1, round(layers / 2 + VOCABULARY / (24 * width))))
+        model.transformer.h[at] = poptorch.BeginBlock(model.transformer.h[at], ipu_id=1)
     return model
 
 
