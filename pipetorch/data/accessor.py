@@ -143,6 +143,23 @@ class AsynchronousDataAccessor:
                                   load_indefinitely, early_preload, os.getpid())
         self._start(strategy, settings)
         _LIVE.add(self)
+        self._wait_started()
+
+    def _wait_started(self) -> None:
+        """Wait for the loader's first batch (it shapes the ring), as PopTorch's constructor does.
+
+        A dataset that fails on its first batch is therefore reported here, with PopTorch's
+        words ("worker thread failed to start"), rather than at the first `next()`.
+        """
+        pid = self._process.pid
+        try:
+            self._connect()
+        except LoaderError as error:
+            started = LoaderError(f"The AsynchronousDataAccessor worker thread failed to start "
+                                  f"(pipetorch's worker is loader process {pid}): {error}")
+            started.__cause__ = error.__cause__
+            self._failure = started
+            raise started from error.__cause__
 
     # -- process lifetime -------------------------------------------------------------
 

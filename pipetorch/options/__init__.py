@@ -1,6 +1,7 @@
 """PopTorch's Options object and TensorLocationSettings."""
 from __future__ import annotations
 
+from pipetorch.errors import ConfigFileError  # noqa: F401  (poptorch.options.ConfigFileError)
 from pipetorch.options.locations import TensorLocationSettings
 from pipetorch.options.distributed import _DistributedOptions  # noqa: F401  (PopTorch's names)
 from pipetorch.options.groups import (  # noqa: F401

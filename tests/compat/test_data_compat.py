@@ -82,6 +82,29 @@ def test_a_dataset_that_raises_in_async_mode_reports_its_type_message_and_line()
     loader.terminate()
 
 
+class RaisesFirst(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        raise KeyError(f"no record {index}")
+
+
+@pytest.mark.parametrize("make", ["DataLoader", "AsynchronousDataAccessor"])
+def test_a_dataset_failing_its_first_batch_fails_when_the_accessor_starts(make):
+    # PopTorch's accessor waits for its worker's first batch when it is made: a dataset that
+    # cannot produce it is reported there ("worker thread failed to start"), not at next().
+    sync = poptorch.DataLoader(poptorch.Options(), RaisesFirst(), batch_size=2)
+    with pytest.raises(poptorch.Error, match="(?s)worker thread failed to start.*"
+                                             "KeyError: 'no record 0'") as info:
+        if make == "DataLoader":
+            poptorch.DataLoader(poptorch.Options(), RaisesFirst(), batch_size=2,
+                                mode=poptorch.DataLoaderMode.Async)
+        else:
+            poptorch.AsynchronousDataAccessor(sync)
+    assert isinstance(info.value.__cause__, KeyError)
+
+
 _INTERRUPTED = textwrap.dedent("""
     import faulthandler, signal, time, torch
     import pipetorch as poptorch

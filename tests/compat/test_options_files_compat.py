@@ -54,6 +54,12 @@ def test_a_syntax_error_in_the_file_is_poptorchs_config_file_error(tmp_path):
     assert opts.device_iterations == 1  # nothing applied
 
 
+def test_config_file_error_is_also_found_in_the_options_module():
+    # PopTorch scripts catch it as poptorch.options.ConfigFileError.
+    import pipetorch.options
+    assert pipetorch.options.ConfigFileError is poptorch.ConfigFileError
+
+
 def test_an_unknown_option_in_the_file_names_file_line_and_valid_options(tmp_path):
     path = write(tmp_path, "deviceIterations(4)\ndeviceIteration(3)\n")
     with pytest.raises(poptorch.ConfigFileError,

@@ -146,10 +146,13 @@ def test_dataset_exception_reaches_the_user_with_its_traceback(num_workers):
         assert isinstance(info.value.__cause__, AssertionError)
 
 
-def test_exception_in_the_first_batch():
-    loader = async_loader(BrokenDataset(10, fail_at=0), batch_size=2)
-    with pytest.raises(LoaderError, match="AssertionError: Broken dataset at item 0"):
-        next(iter(loader))
+def test_exception_in_the_first_batch_is_raised_when_the_loader_starts():
+    # PopTorch's accessor waits for its worker's first batch: a dataset failing there is
+    # "worker thread failed to start", raised when the DataLoader/accessor is made.
+    with pytest.raises(LoaderError, match="(?s)worker thread failed to start.*"
+                                          "AssertionError: Broken dataset at item 0") as info:
+        async_loader(BrokenDataset(10, fail_at=0), batch_size=2)
+    assert isinstance(info.value.__cause__, AssertionError)
 
 
 def test_loader_process_that_dies_is_detected_quickly():
