@@ -25,7 +25,7 @@ def unset(monkeypatch):
 
 def test_unset_variables_give_the_fields_defaults(unset):
     assert environment.read() == Environment()
-    assert Environment().timeout == 600.0 and Environment().snapshots is True
+    assert Environment().timeout == 600.0 and Environment().snapshots == "auto"
 
 
 @pytest.mark.parametrize("name, raw, value", [
@@ -35,7 +35,8 @@ def test_unset_variables_give_the_fields_defaults(unset):
     ("execution", "LOCAL", "local"),
     ("timeout", "2.5", 2.5),
     ("transport", "gloo", "gloo"),
-    ("snapshots", "0", False),
+    ("snapshots", "0", "0"),
+    ("snapshots", "1", "1"),
     ("worker_pool", "early", "early"),
     ("compile", "1", "inductor"),
     ("compile", "0", None),
@@ -57,7 +58,7 @@ def test_a_set_variable_is_parsed_to_its_fields_type(unset, name, raw, value):
     ("timeout", "-1", "must be a positive number of seconds"),
     ("timeout", "", "must be a positive number of seconds"),
     ("transport", "ucx", r"must be shm \(.*\) or gloo \("),
-    ("snapshots", "off", r"must be 1 \(.*\) or 0 \("),
+    ("snapshots", "off", r"must be auto \(.*\), 1 \(.*\) or 0 \("),
     ("worker_pool", "2", r"must be 1 \(.*\), early \(.*\) or 0 \("),
     ("compile", "no-such-backend", r"names no torch.compile backend; use 1 \(inductor\), 0"),
     ("max_devices", "many", "must be a positive whole number"),

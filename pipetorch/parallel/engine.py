@@ -102,6 +102,8 @@ class ProcessEngine:
         self.process_id, self.num_processes = process
         self.replicas = batching.replication_factor  # this process's replicas
         self._commits = 0  # calls (and pushes) that changed the weights, since the launch
+        self._saved = 0  # the last of them whose state the workers wrote (0: none)
+        self._snapshots = snapshot.SnapshotPolicy(environment.get("snapshots"))
         # randomSeed, else torch's (so torch.manual_seed repeats runs; the user's stream of
         # random numbers is left as it is)
         self.seed = seed if seed is not None else torch.initial_seed()
@@ -152,8 +154,8 @@ class ProcessEngine:
                                   timeout=self.timeout)
         self._segments.append(shm.segment_prefix(os.getpid(), meeting.prefix))
         devices = tuple(p.device for p in self.placements)
-        keep = self.optimizer is not None and environment.get("snapshots")
-        self._commits = 0
+        keep = self.optimizer is not None and self._snapshots.setting != "0"
+        self._commits = self._saved = 0
         for placement in self.placements:
             self.peers.append(self._start(placement))
         # per worker: its inputs out, its outputs back (shared memory, see arena.py)
@@ -398,7 +400,9 @@ class ProcessEngine:
         steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
         wanted = frozenset(j for j in range(steps) if collector.wants(j))
         commit = self._commits + 1
+        save = training and self._snapshots.wanted()
         overlap = self._overlap()  # read per call: a change between calls counts
+        start = time.perf_counter()
         for n, (peer, placement) in enumerate(zip(self.peers, self.placements)):
             reads = sorted({i for s in placement.stages for i in self.routes[s].host_inputs})
             mine = flat[placement.replica::replicas]
@@ -408,13 +412,18 @@ class ProcessEngine:
                 for i, view in zip(reads, views):
                     torch.stack([f[i] for f in mine], out=view)  # straight into shared memory
             call = Call({}, iterations, per_iteration, wanted, scale, overlap)
-            self._send(peer, ("run", (call, training, commit, packed)))
+            self._send(peer, ("run", (call, training, commit if save else None, packed)))
             self._send(peer, packed, shared=self._arenas[n][0])
         arrivals: list[wire.Transfer] = []
         replies = self._gather("a training call" if training else "an inference call",
                                transfers=arrivals)
         if training:
             self._commits = commit
+            written = [t.snapshot for _, traces, _ in replies for t in traces if t.snapshot]
+            if written:
+                self._saved = commit
+            self._snapshots.called(time.perf_counter() - start, (
+                max(s for s, _ in written), sum(b for _, b in written)) if written else None)
         return replies, arrivals, flat, wanted
 
     def _overlap(self) -> bool:
@@ -510,12 +519,18 @@ class ProcessEngine:
         completed call (nothing to do if none completed since the launch or the last pull)."""
         if self._commits == 0 or self.optimizer is None:
             return
-        saved = [snapshot.read(self._folder, r.index, self._commits) for r in self.routes]
-        if any(s is None for s in saved):
+        saved = [snapshot.read(self._folder, r.index, self._saved) for r in self.routes]
+        if self._saved == 0 or any(s is None for s in saved):
             logger.warning("The state after the last completed call was not saved "
                            "(PIPETORCH_SNAPSHOTS=0?): the host copy keeps the weights of the "
                            "last copy to the host")
             return
+        if self._saved < self._commits:
+            logger.warning(
+                "The model returns to the state the workers wrote %d call(s) before the last "
+                "completed one (PIPETORCH_SNAPSHOTS=auto writes once writing costs at most a "
+                "tenth of the training time; =1 writes after every call)",
+                self._commits - self._saved)
         for route, stage in zip(self.routes, saved):
             snapshot.load_stage_state(self.staged.modules[route.index], self.optimizer, stage)
 
@@ -530,7 +545,8 @@ class ProcessEngine:
             states = {stage: snapshot.stage_state(self.staged.modules[stage], optimizer)
                       for stage in peer.stages}
             self._send(peer, ("push", (states, commit)))
-        self._gather("copyWeightsToDevice")
+        if any(self._gather("copyWeightsToDevice")):
+            self._saved = commit
         self._commits = commit
 
     def rng_state(self, states: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:

@@ -1,10 +1,12 @@
-"""A stage's weights and optimiser state: read in a worker, and kept on disk after each call.
+"""A stage's weights and optimiser state: read in a worker, and kept on disk after calls.
 
-After every call that changes weights (a training call, copyWeightsToDevice) each stage of
-replica 0 writes its state to a file named for the call's parity. If a worker dies in call
-c + 1, the files of parity c still hold every stage's state after call c, so the user's model
-keeps the weights of the last completed call. Writes go to a temporary name first and are
-renamed into place, so a worker killed mid-write never leaves a torn file behind.
+After a call that changes weights (a training call the host's SnapshotPolicy picks, and every
+copyWeightsToDevice) each stage of replica 0 writes its state to a file named for the call's
+parity. If a worker dies later, the files hold every stage's state after the last call
+written, so the user's model returns to it: the last completed call while writing is cheap
+(PIPETORCH_SNAPSHOTS=auto writes after every call until a write costs more than a tenth of the
+training between writes). Writes go to a temporary name first and are renamed into place, so a
+worker killed mid-write never leaves a torn file behind (the previous file stays).
 """
 from __future__ import annotations
 
@@ -129,6 +131,43 @@ def load_stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None,
     loader = Loader([module], optimizer)
     for item in items(0, stage):
         loader.put(item)
+
+
+# PIPETORCH_SNAPSHOTS=auto: a state this small is written after every call; a larger one once
+# the training since the last write took RATIO times as long as that write
+SMALL, RATIO = 256 << 20, 9.0
+
+
+class SnapshotPolicy:
+    """Which training calls the workers write their state after (PIPETORCH_SNAPSHOTS)."""
+
+    def __init__(self, setting: str) -> None:
+        self.setting = setting
+        self.last: tuple[float, int] | None = None  # the last write: (seconds, bytes)
+        self.trained = 0.0  # seconds of training calls since the last write
+
+    def wanted(self) -> bool:
+        """Whether the next training call ends with a write."""
+        if self.setting != "auto":
+            return self.setting == "1"
+        if self.last is None:
+            return True
+        seconds, nbytes = self.last
+        return nbytes <= SMALL or self.trained >= RATIO * seconds
+
+    def called(self, seconds: float, written: tuple[float, int] | None) -> None:
+        """A training call took `seconds`, ending with a write of (seconds, bytes) or not."""
+        if written is None:
+            self.trained += seconds
+        else:
+            self.last, self.trained = written, 0.0
+
+
+def nbytes(state: StageState) -> int:
+    """The bytes of `state`'s tensors."""
+    weights, optimizer_state, _ = state
+    values = [*weights.values(), *(v for s in optimizer_state.values() for v in s.values())]
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def path(folder: str, stage: int, commit: int) -> str:

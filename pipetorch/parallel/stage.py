@@ -78,6 +78,7 @@ class Trace:
     # from its start to the end of the step's AR that waited for it; micro_batch: that of the
     # backward it started in or after
     early_reduces: list[Span] = field(default_factory=list)
+    snapshot: tuple[float, int] | None = None  # the state written after the call: (s, bytes)
 
 
 def _bundle(sources: tuple[Source, ...], specs: dict[Source, Spec], *,

@@ -72,7 +72,7 @@ class Launch:
     replica: int               # global replica: process_id x replicationFactor + local replica
     timeout: float
     host_pid: int
-    snapshots: str | None      # folder for the state after each call (None: keep none)
+    snapshots: str | None      # folder for the state after calls (None: keep none)
     seed: int                  # random numbers: seed + rank, so runs repeat exactly
 
 
@@ -168,7 +168,8 @@ class Worker:
             return self._run(payload, arrival)
         return getattr(self, f"_{kind}")(payload)
 
-    def _run(self, payload: tuple[Call, bool, int, arena.Packed], arrival: wire.Transfer) -> Any:
+    def _run(self, payload: tuple[Call, bool, int | None, arena.Packed],
+             arrival: wire.Transfer) -> Any:
         call, training, commit, packed = payload
         key = (call.micro_batches, training)
         if key not in self._plans:
@@ -193,8 +194,8 @@ class Worker:
                 else resident.peak_rss())
         for trace in traces:
             trace.peak_memory = peak
-        if training:
-            self._snapshot(commit)
+        if training and commit is not None:
+            traces[0].snapshot = self._snapshot(commit)
         outputs, self._growth = arena.pack_tree(self._outputs, self.executor.outputs)
         return outputs, traces, self._growth
 
@@ -231,11 +232,16 @@ class Worker:
                 pass
         return [a for a in actions if a.kind.is_transfer]
 
-    def _snapshot(self, commit: int) -> None:
-        if self.launch.snapshots is not None:
-            for stage, module in self.modules.items():
-                snapshot.write(self.launch.snapshots, stage, commit,
-                               snapshot.stage_state(module, self.optimizer))
+    def _snapshot(self, commit: int) -> tuple[float, int] | None:
+        """Write the state after call `commit` (replica 0 keeps one): (seconds, bytes)."""
+        if self.launch.snapshots is None:
+            return None
+        start, written = time.perf_counter(), 0
+        for stage, module in self.modules.items():
+            state = snapshot.stage_state(module, self.optimizer)
+            snapshot.write(self.launch.snapshots, stage, commit, state)
+            written += snapshot.nbytes(state)
+        return time.perf_counter() - start, written
 
     def _pull(self, optimizer_state: bool) -> int:
         """The number of values that follow the reply: every stage's weights, and with
@@ -252,11 +258,12 @@ class Worker:
                         for name, p in module.named_parameters() if p.grad is not None}
                 for stage, module in self.modules.items()}
 
-    def _push(self, payload: tuple[dict[int, snapshot.StageState], int]) -> None:
+    def _push(self, payload: tuple[dict[int, snapshot.StageState], int]
+              ) -> tuple[float, int] | None:
         states, commit = payload
         for stage, state in states.items():
             snapshot.load_stage_state(self.modules[stage], self.optimizer, state)
-        self._snapshot(commit)
+        return self._snapshot(commit)
 
     def _rng(self, payload: list[torch.Tensor] | None) -> list[torch.Tensor]:
         if payload is not None:

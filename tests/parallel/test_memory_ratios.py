@@ -3,7 +3,11 @@ this run: the host holds the user's model (PopTorch's host copy) and nothing of 
 the optimiser's state comes to the host only when the optimiser is read."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from pipetorch.parallel import resident
 pytestmark = pytest.mark.slow
 
 G = 4
+HERE = Path(__file__).resolve().parent
 
 
 class Stack(torch.nn.Module):
@@ -41,7 +46,8 @@ def train(width: int) -> tuple[Stack, torch.optim.Optimizer, poptorch.PoplarExec
     return model, optimizer, wrapper
 
 
-def test_the_host_keeps_one_copy_of_the_weights_and_the_state_only_when_read():
+def _measure() -> dict:
+    """The host's resident growth at each moment, less the model's own size, in bytes."""
     # A small model first: what compiling imports (torch.export, fx, dynamo: tens of MB) is
     # then in memory before the measurement, as in any process that wrapped a model before.
     train(8)[2].destroy()
@@ -55,9 +61,29 @@ def test_the_host_keeps_one_copy_of_the_weights_and_the_state_only_when_read():
     read = resident.rss(os.getpid()) - before - size
     peaks = dict(wrapper._compiled.engine.peak_memory)  # each worker's resident peak (CPU)
     wrapper.destroy()
-    assert trained < 0.5 * size, (trained, size)  # no second copy, no pickled payloads
-    assert touched < 0.5 * size, (touched, size)
-    assert 1.5 * size < read < 3.5 * size, (read, size)
+    return {"size": size, "trained": trained, "touched": touched, "read": read,
+            "peaks": sorted(peaks.items())}
+
+
+def test_the_host_keeps_one_copy_of_the_weights_and_the_state_only_when_read():
+    # Measured in a fresh interpreter: in a process that had run other tests, freed pages
+    # were reused and the growth read short (it failed about one run in two under xdist).
+    found = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); "
+         "import test_memory_ratios as t; print(json.dumps(t._measure()))".replace(
+             "print(", "import json; print(")],
+        capture_output=True, text=True, timeout=240, check=False)
+    assert found.returncode == 0, found.stderr[-3000:]
+    m = json.loads(found.stdout.strip().splitlines()[-1])
+    size = m["size"]
+    assert m["trained"] < 0.5 * size, m  # no second copy, no pickled payloads
+    # Each weight arrives in a buffer of its own before it is copied into place, and the
+    # allocator may keep one or two such buffers (a layer is a quarter of this model): 0.26
+    # or 0.52 of the size in fresh interpreters. A second copy would be 1.0.
+    assert m["touched"] < 0.75 * size, m
+    # Adam's two moments (2.0) and those receive buffers; a second copy of them would be 4.5
+    assert 1.5 * size < m["read"] < 4.25 * size, m
+    peaks = dict(m["peaks"])
     assert sorted(peaks) == [0, 1] and all(peak > size / 2 for peak in peaks.values()), peaks
 
 
