@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from pipetorch.parallel import kv_cache
 from pipetorch.parallel.eager_stage import Boundary, EagerStage
@@ -133,14 +134,14 @@ class Generation:
         cache = self._cache(s, lane, step) if kv_cache.has_slot((args, kwargs)) else None
         if cache is not None:
             kv_cache.mirror(cache, step.shapes.get(lane, {}))
-        args, kwargs = kv_cache.fill((args, kwargs), cache)
+        args, kwargs = kv_cache.fill(_to((args, kwargs), self.device), cache)
         if entry is not None:
             entry = Boundary(*kv_cache.fill((entry.args, entry.kwargs), cache))
         out = stage.run(step.path, args, kwargs, entry)
         if isinstance(out, Boundary):
             self._send(Boundary(*kv_cache.strip((out.args, out.kwargs))), s + 1)
         else:
-            result.outputs[lane] = kv_cache.strip(out)
+            result.outputs[lane] = _to(kv_cache.strip(out), torch.device("cpu"))
             if not last:
                 self._send(_Skip(), s + 1)
         if cache is not None:
@@ -165,3 +166,9 @@ class Generation:
         if self.ranks[stage] == self.rank:
             return self._local.pop(0)
         return self.hops.receive(self.ranks[stage], self.device)
+
+
+def _to(tree: Any, device: torch.device) -> Any:
+    """`tree` with its tensors on `device` (the host's inputs in, results back to the host)."""
+    return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, tree,
+                           is_leaf=kv_cache.is_cache_or_slot)

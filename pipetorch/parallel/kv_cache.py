@@ -31,6 +31,11 @@ class CacheSlot:
     """Where a key/value cache was in a call's arguments: each worker puts its own there."""
 
 
+def is_cache_or_slot(value: Any) -> bool:
+    """A cache or its CacheSlot: a leaf that pytree must not open."""
+    return isinstance(value, CacheSlot) or is_cache(value)
+
+
 def strip(tree: Any) -> Any:
     """`tree` with every cache replaced by a CacheSlot (caches never cross processes)."""
     return pytree.tree_map(lambda v: CacheSlot() if is_cache(v) else v, tree, is_leaf=is_cache)
