@@ -143,7 +143,6 @@ class ProcessEngine:
         self._finalizer = weakref.finalize(self, _shutdown, self.peers, self._folder,
                                            segments=self._segments)
         self._skeleton: generation.Skeleton | None = None  # generate()'s model, once sent
-        self._decoding = _Decoding(len(self.placements))  # generation steps in flight
         self._launch()
 
     def _launch(self) -> None:
@@ -156,6 +155,7 @@ class ProcessEngine:
         devices = tuple(p.device for p in self.placements)
         keep = self.optimizer is not None and self._snapshots.setting != "0"
         self._commits = self._saved = 0
+        self._decoding = _Decoding(len(self.placements))  # new workers owe no replies
         for placement in self.placements:
             self.peers.append(self._start(placement))
         # per worker: its inputs out, its outputs back (shared memory, see arena.py)
@@ -262,13 +262,14 @@ class ProcessEngine:
     def submit(self, replica: int, step: generation.Step) -> int:
         """Send replica `replica`'s workers `step` (they run steps in the order sent, so
         steps from several threads follow one another); its ticket for `collect`."""
-        with self._decoding.sending:
-            self._revive()
-            self._check_alive()
-            ticket = next(self._decoding.tickets)
+        self._revive()
+        self._check_alive()
+        decoding = self._decoding
+        with decoding.sending:
+            ticket = next(decoding.tickets)
             for n in range(replica * self.devices, (replica + 1) * self.devices):
                 self._send(self.peers[n], ("decode", step))
-                self._decoding.awaiting[n].append(ticket)
+                decoding.awaiting[n].append(ticket)
             return ticket
 
     def collect(self, ticket: int) -> list[generation.StepResult]:
