@@ -11,7 +11,9 @@ head balance the weights each device reads per token) for 1 sequence (ShardedExe
 for the batch (PipelinedExecution) with its lanes in flight (`deviceIterations`: 2 and 4 by
 default, a row each). Greedy decoding of `--new` tokens after
 prompts of `--prompt` tokens; the time to the first token is a generate() of one new token.
-The same tokens are checked between plain and pipetorch.
+The same tokens are checked between plain and pipetorch. torch.distributed.pipelining has no
+row: its schedules run a forward over a fixed micro-batch shape and keep no key/value cache
+between calls, so it has no generation loop to compare with.
 """
 from __future__ import annotations
 
