@@ -50,10 +50,8 @@ def generate(model: nn.Module, engine: ProcessEngine, stages: list[StageSpec], *
 
 def _check_supported(model: nn.Module, kwargs: dict) -> None:
     """Refuse what needs every layer in one place, or reorders the cache on the host."""
-    config = getattr(model, "generation_config", None)
-
     def setting(name: str) -> Any:
-        return kwargs.get(name, getattr(config, name, None))
+        return _setting(model, kwargs, name)
 
     for name in _WHOLE_MODEL:
         if setting(name):
@@ -76,46 +74,46 @@ def _lanes_apart(model: nn.Module, lanes: int, args: tuple, kwargs: dict) -> boo
     """Whether each lane can run its own generation loop: greedy decoding of a tensor, whose
     rows do not depend on one another (sampling draws for the whole batch at once, so it
     keeps one loop to draw HuggingFace's numbers)."""
-    config = getattr(model, "generation_config", None)
-    sampling = kwargs.get("do_sample", getattr(config, "do_sample", False))
-    apart = not sampling and not kwargs.get("return_dict_in_generate", getattr(
-        config, "return_dict_in_generate", False)) and kwargs.get("streamer") is None
+    apart = not _setting(model, kwargs, "do_sample") and not _setting(
+        model, kwargs, "return_dict_in_generate") and kwargs.get("streamer") is None
     return apart and lanes > 1 and _batch_size((args, kwargs)) > 1
+
+
+def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
+    """A generation setting: generate()'s argument, else the model's generation_config."""
+    return kwargs.get(name, getattr(getattr(model, "generation_config", None), name, None))
 
 
 def _generate_apart(model: nn.Module, steps: "_Steps", args: tuple, kwargs: dict) -> Any:
     """Greedy generation with each lane's loop in its own thread: a lane's next step goes to
     stage 0 as soon as its token is known, while the other lanes are in later stages."""
-    batch = _batch_size((args, kwargs))
-    rows = torch.arange(batch).tensor_split(min(batch, steps.lanes))
+    calls = _lanes((args, kwargs), steps.lanes)
     found: dict[int, Any] = {}
     failed: list[BaseException] = []
 
-    def run(lane: int, part: torch.Tensor) -> None:
+    def run(lane: int, call: tuple[tuple, dict]) -> None:
         _current.lane = lane
         try:
-            lane_args, lane_kwargs = _rows((args, kwargs), batch, int(part[0]), len(part))
-            found[lane] = model.generate(*lane_args, **lane_kwargs)
+            found[lane] = model.generate(*call[0], **call[1])
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failed.append(exc)
 
-    threads = [threading.Thread(target=run, args=(lane, part), name=f"pipetorch-lane-{lane}",
-                                daemon=True) for lane, part in enumerate(rows)]
+    threads = [threading.Thread(target=run, args=(lane, call), name=f"pipetorch-lane-{lane}",
+                                daemon=True) for lane, call in enumerate(calls)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     if failed:
         raise failed[0]
-    return _padded([found[lane] for lane in range(len(rows))], _pad_token(model, kwargs))
+    return _padded([found[lane] for lane in range(len(calls))], _pad_token(model, kwargs))
 
 
 def _pad_token(model: nn.Module, kwargs: dict) -> int:
     """What HuggingFace writes after a sequence's end: pad_token_id, else the end token."""
-    config = getattr(model, "generation_config", None)
-    pad = kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+    pad = _setting(model, kwargs, "pad_token_id")
     if pad is None:
-        pad = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+        pad = _setting(model, kwargs, "eos_token_id")
     if isinstance(pad, (list, tuple)):
         pad = pad[0]
     return 0 if pad is None else int(pad)
@@ -152,11 +150,9 @@ class _Steps:
         if lane is not None:
             out = self._run({lane: call}, path, host_cache)[lane]
             return kv_cache.fill(out, host_cache)
-        batch = _batch_size(call)
-        rows = torch.arange(batch).tensor_split(min(batch, self.lanes))
-        outputs = self._run({lane: _rows(call, batch, int(part[0]), len(part))
-                             for lane, part in enumerate(rows)}, path, host_cache)
-        return kv_cache.fill(_joined([outputs[lane] for lane in range(len(rows))]), host_cache)
+        calls = _lanes(call, self.lanes)
+        outputs = self._run(dict(enumerate(calls)), path, host_cache)
+        return kv_cache.fill(_joined([outputs[lane] for lane in range(len(calls))]), host_cache)
 
     def _run(self, calls: dict[int, Any], path: str, host_cache: Any) -> dict[int, Any]:
         """Each lane's call on its replica (lane % replicas); their outputs by lane."""
@@ -184,24 +180,31 @@ def _batch_size(call: Any) -> int:
 
 
 def _leaves(tree: Any) -> list[Any]:
-    return pytree.tree_leaves(tree, is_leaf=lambda v: isinstance(v, kv_cache.CacheSlot))
+    return pytree.tree_leaves(tree, is_leaf=kv_cache.is_cache_or_slot)
 
 
-def _rows(call: Any, batch: int, start: int, count: int) -> Any:
-    """The call's arguments for rows start..start+count: every tensor of the batch cut there
-    (a 1-d tensor, such as cache_position, is the same for every row)."""
-    def cut(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[0] == batch:
-            return leaf[start:start + count]
-        return leaf
+def _lanes(call: Any, lanes: int) -> list[Any]:
+    """The call's arguments for each lane: the batch's rows in `lanes` groups (at most one per
+    row), every tensor of the batch cut there (a 1-d tensor, such as cache_position, is the
+    same for every row)."""
+    batch = _batch_size(call)
 
-    return pytree.tree_map(cut, call, is_leaf=lambda v: isinstance(v, kv_cache.CacheSlot))
+    def rows(part: torch.Tensor) -> Any:
+        start, stop = int(part[0]), int(part[-1]) + 1
+
+        def cut(leaf: Any) -> Any:
+            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[0] == batch:
+                return leaf[start:stop]
+            return leaf
+
+        return pytree.tree_map(cut, call, is_leaf=kv_cache.is_cache_or_slot)
+
+    return [rows(part) for part in torch.arange(batch).tensor_split(min(batch, lanes))]
 
 
 def _joined(outputs: list[Any]) -> Any:
     """The lanes' results as one: tensors concatenated along the batch."""
-    flat = [pytree.tree_flatten(o, is_leaf=lambda v: isinstance(v, kv_cache.CacheSlot))
-            for o in outputs]
+    flat = [pytree.tree_flatten(o, is_leaf=kv_cache.is_cache_or_slot) for o in outputs]
     leaves, spec = flat[0]
     joined = [torch.cat([f[0][i] for f in flat]) if isinstance(leaf, torch.Tensor)
               and leaf.dim() >= 1 else leaf for i, leaf in enumerate(leaves)]
