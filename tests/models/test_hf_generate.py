@@ -168,6 +168,10 @@ def test_what_generate_cannot_do_through_the_stages_is_refused(request):
     with pytest.raises(ConfigError, match="inferenceModel"):
         trainer.generate(**prompts(), max_new_tokens=2)
     trainer.destroy()
+    fresh = cleaned(request, inference(model))  # compiles from its prompts: it needs some
+    with pytest.raises(poptorch.Error, match=r"generate\(input_ids, \.\.\.\)"):
+        fresh.generate(max_new_tokens=2)
+    assert not fresh.isCompiled()
     wrapper = cleaned(request, inference(model))
     with pytest.raises(ValueError, match="output_hidden_states"):
         wrapper.generate(**prompts(), max_new_tokens=2, output_hidden_states=True,
