@@ -4,6 +4,7 @@
     python benchmarks/memory.py --layers 12 --width 1024 --dtype float16
     python benchmarks/memory.py --layers 36 --width 1280   # GPT-2 large's shape
     python benchmarks/memory.py --quick               # 4 layers of width 256 (a smoke run)
+    python benchmarks/memory.py --layers 24 --apart   # and workers holding their own copies
 
 Each setting runs in a fresh interpreter that samples, every 0.1 s, the resident memory
 (RSS, and Pss: shared pages counted once over the tree) of itself and of every process below it (the stage workers and the worker pool's
@@ -142,8 +143,14 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
                       **extra}))
 
 
-def _run(setting: str, args: argparse.Namespace) -> dict:
-    env = dict(os.environ)
+# a row's name -> the child's setting and its environment
+_APART = "pipetorch, PIPETORCH_SHARED_WEIGHTS=0"
+_CHILDREN = {_APART: ("pipetorch", {"PIPETORCH_SHARED_WEIGHTS": "0"})}
+
+
+def _run(row: str, args: argparse.Namespace) -> dict:
+    setting, extra = _CHILDREN.get(row, (row, {}))
+    env = {**os.environ, **extra}
     env.setdefault("PIPETORCH_DEVICE", "cpu")
     command = [sys.executable, __file__, "--child", setting, "--layers", str(args.layers),
                "--width", str(args.width), "--dtype", args.dtype]
@@ -191,6 +198,8 @@ def _row(name: str, runs: list[dict], plain: dict[str, float]) -> str:
 
 def report(args: argparse.Namespace) -> None:
     rows: dict[str, list[dict]] = {"plain": [], "pipetorch": []}
+    if args.apart:
+        rows[_APART] = []
     if args.mapped:
         rows["mapped"] = []
         _run("save", args)
@@ -237,6 +246,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="4 layers of width 256")
+    parser.add_argument("--apart", action="store_true",
+                        help="also each CPU worker with its own copy of its weights "
+                             "(PIPETORCH_SHARED_WEIGHTS=0)")
     parser.add_argument("--mapped", action="store_true",
                         help="also a model built without weights, mapped from a file "
                              "(poptorch.map_weights), trained weights written to a file")

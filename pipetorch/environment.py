@@ -98,6 +98,10 @@ class Environment:
                 "the last write took 9 times as long as writing (a tenth of the time at most)",
         "1": "after every training call",
         "0": "never (the model keeps the weights of its last copy to the host)"})
+    shared_weights: str = _choice("1", {
+        "1": "CPU workers train the host copy's weights in place, mapped from shared memory "
+             "(the weights are in memory once; training needs snapshots on)",
+        "0": "each CPU worker holds its own copy of its stage's weights"})
     overlap: str = _choice("auto", {
         "auto": "`1` between GPUs (NCCL), `0` on CPUs (gloo sums on the cores the backward "
                 "needs, and buckets in flight hold up to a second copy of the gradients)",

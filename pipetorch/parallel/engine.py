@@ -47,6 +47,7 @@ from pipetorch.parallel import arena, mapped, pool, shm, signatures, snapshot, w
 from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
+from pipetorch.parallel.shared_weights import SharedWeights
 from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
 from pipetorch.parallel.tied import ties_of
 from pipetorch.parallel.worker import Launch, Setup
@@ -102,7 +103,8 @@ class ProcessEngine:
         self.process_id, self.num_processes = process
         self.replicas = batching.replication_factor  # this process's replicas
         self._commits = 0  # calls (and pushes) that changed the weights, since the launch
-        self._saved = 0  # the last of them whose state the workers wrote (0: none)
+        self._saved: int | None = None  # the last of them whose state the workers wrote
+        self._shared: SharedWeights | None = None  # this launch's weights in shared memory
         self._snapshots = snapshot.SnapshotPolicy(environment.get("snapshots"))
         # randomSeed, else torch's (so torch.manual_seed repeats runs; the user's stream of
         # random numbers is left as it is)
@@ -154,14 +156,17 @@ class ProcessEngine:
         self._segments.append(shm.segment_prefix(os.getpid(), meeting.prefix))
         devices = tuple(p.device for p in self.placements)
         keep = self.optimizer is not None and self._snapshots.setting != "0"
-        self._commits = self._saved = 0
+        shares = self._share_weights(keep)
+        # a training engine sharing its weights keeps a restore point from the start
+        start_snapshot = keep and self._shared is not None
+        self._commits, self._saved = 0, 0 if start_snapshot else None
         self._decoding = _Decoding(len(self.placements))  # new workers owe no replies
         for placement in self.placements:
             self.peers.append(self._start(placement))
         # per worker: its inputs out, its outputs back (shared memory, see arena.py)
         self._arenas = [(arena.Arena(), arena.Arena()) for _ in self.peers]
         staged, routes, specs = self._signatures[0]
-        for peer, placement in zip(self.peers, self.placements):
+        for peer, placement, shared in zip(self.peers, self.placements, shares):
             stages = tuple(DeviceStage(staged.modules[s], routes[s], staged.io[s].inputs)
                            for s in placement.stages)
             optimizer = (stage_optimizer(self.optimizer, nn.ModuleList(s.module for s in stages))
@@ -171,9 +176,9 @@ class ProcessEngine:
             launch = Launch(placement, meeting,
                             self.process_id * self.replicas + placement.replica, self.timeout,
                             os.getpid(), self._folder if keep and placement.replica == 0 else None,
-                            self.seed)
+                            self.seed, start_snapshot)
             try:  # the stage's tensors go from their own memory, storage by storage
-                self._send(peer, (launch, setup))
+                self._send(peer, (launch, setup), share=shared)
             except DeviceError:
                 raise
             except Exception as exc:
@@ -186,6 +191,9 @@ class ProcessEngine:
                     "model, or run every stage in this process with PIPETORCH_EXECUTION=local"
                 ) from exc
         self._gather("start-up")
+        if self._shared is not None:
+            for tensor in self._shared.tensors:  # pages read to send copies
+                mapped.refresh(tensor)
         for key in range(1, len(self._signatures)):  # a restart: every signature again
             self._send_signature(key)
         if self.signature:
@@ -194,6 +202,33 @@ class ProcessEngine:
             self._send_skeleton()
         logger.info("Started %d device worker(s): %s", len(self.peers),
                     ", ".join(p.describe() for p in self.peers))
+
+    def _share_weights(self, keep: bool) -> list[frozenset[int]]:
+        """Each worker's weights mapped from the host's (parallel.shared_weights): the
+        parameters of the first replica's CPU workers, a weight tied across devices by its
+        first device only; nothing with PIPETORCH_SHARED_WEIGHTS=0, or when training without
+        snapshots (a worker killed mid-step could leave them torn with no restore point)."""
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
+        if (environment.get("shared_weights") == "0"
+                or (self.optimizer is not None and not keep)):
+            return [frozenset() for _ in self.placements]
+        holder: dict[int, int] = {}  # parameter -> the first worker holding it
+        params: list[nn.Parameter] = []
+        for n, placement in enumerate(self.placements):
+            if placement.replica or torch.device(placement.device).type != "cpu":
+                continue
+            for stage in placement.stages:
+                for param in self.staged.modules[stage].parameters():
+                    if id(param) not in holder:
+                        holder[id(param)] = n
+                        params.append(param)
+        self._shared = SharedWeights.write(params)
+        if self._shared is None:
+            return [frozenset() for _ in self.placements]
+        return [frozenset(p.untyped_storage().data_ptr() for p in params if holder[id(p)] == n)
+                & self._shared.pointers for n in range(len(self.placements))]
 
     # -- input signatures (Options.inputSignatures("several")) -------------------------------
     def add_signature(self, staged: StagedModel, routes: Sequence[Route],
@@ -518,10 +553,11 @@ class ProcessEngine:
     def _restore_last_call(self) -> None:
         """After a failure: the host copy takes the state the workers saved after the last
         completed call (nothing to do if none completed since the launch or the last pull)."""
-        if self._commits == 0 or self.optimizer is None:
-            return
-        saved = [snapshot.read(self._folder, r.index, self._saved) for r in self.routes]
-        if self._saved == 0 or any(s is None for s in saved):
+        if self.optimizer is None or (self._commits == 0 and self._shared is None):
+            return  # with shared weights a cut call may have changed them: restore anyway
+        saved = ([snapshot.read(self._folder, r.index, self._saved) for r in self.routes]
+                 if self._saved is not None else [])
+        if self._saved is None or any(s is None for s in saved):
             logger.warning("The state after the last completed call was not saved "
                            "(PIPETORCH_SNAPSHOTS=0?): the host copy keeps the weights of the "
                            "last copy to the host")
@@ -575,6 +611,8 @@ class ProcessEngine:
     def close(self) -> None:
         """Stop the workers (killing any that do not stop) and remove their files."""
         self._finalizer()
+        if self._shared is not None:
+            self._shared.close()  # the host's tensors keep their mappings
 
     def _check_alive(self) -> None:
         if self._lost:
@@ -584,14 +622,14 @@ class ProcessEngine:
                 "the weights of the last copy to the host")
 
     def _send(self, peer: wire.Peer, message: Any, *,
-              shared: arena.Arena | None = None) -> None:
+              shared: arena.Arena | None = None, share: frozenset[int] = frozenset()) -> None:
         """Send `message` (with `shared`, the new arena of the Packed `message` if it has
-        one)."""
+        one; `share`: the live weights the worker maps, see wire.send)."""
         try:
             if shared is not None:
                 shared.send_growth(peer.conn, message)
             else:
-                wire.send(peer.conn, message)
+                wire.send(peer.conn, message, shared=share)
         except OSError as exc:
             self._fail(f"the worker running {peer.describe()} cannot be reached ({exc})")
             self._check_alive()

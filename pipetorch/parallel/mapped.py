@@ -14,6 +14,12 @@ file straight into its own memory. The host never reads them.
 `Writer` writes a copy of the workers' weights to a new file (the source's layout, tensor by
 tensor, as they arrive) and then maps the host's tensors to it, so the host's copy of a model
 larger than its memory is that file.
+
+A region can also be *live* (parallel.shared_weights): a file in shared memory that a CPU
+worker maps shared and trains in place, while the host maps it privately. What a tensor's
+storage travels as (`travels_as`) and how it arrives (`load`) are decided here, for both kinds:
+a region whose private pages were written since it was mapped (an edit on the host) goes as
+bytes, since the file no longer holds what the tensor holds.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import os
 import struct
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -42,6 +48,7 @@ class Region:
     offset: int
     length: int
     key: str  # the tensor's name in the file
+    live: bool = False  # a file of weights a worker trains in place (shared_weights)
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,10 @@ class Entry:
 
 
 _regions: dict[int, Region] = {}  # storage data pointer -> region, while the mapping lives
+_mappings: dict[int, "weakref.ReferenceType[mmap.mmap]"] = {}  # the same pointers' mappings
+_owned: dict[str, int] = {}  # path -> descriptor: live files this process made (their name may
+# be gone: regions a worker sends back are mapped from the descriptor)
+_PAGE = mmap.PAGESIZE
 
 
 class SafetensorsFile:
@@ -88,28 +99,117 @@ class SafetensorsFile:
         if entry.end == entry.start:
             return torch.empty(entry.shape, dtype=entry.dtype)
         offset = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            memory = mmap.mmap(fd, entry.end - offset, flags=mmap.MAP_PRIVATE,
-                               prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
-        finally:
-            os.close(fd)
-        flat = torch.frombuffer(memory, dtype=torch.uint8)
+        flat = map_region(Region(self.path, offset, entry.end - offset, key))
         skip = entry.start - offset
         if skip % torch.empty((), dtype=entry.dtype).element_size():
             # an unaligned tensor (not written by safetensors): read into memory instead
             return flat[skip:].clone().view(entry.dtype).view(entry.shape)
-        tensor = flat[skip:].view(entry.dtype)[:count].view(entry.shape)
-        pointer = flat.untyped_storage().data_ptr()
-        _regions[pointer] = Region(self.path, offset, entry.end - offset, key)
-        weakref.finalize(memory, _regions.pop, pointer, None)
-        return tensor
+        return flat[skip:].view(entry.dtype)[:count].view(entry.shape)
+
+
+def map_region(region: Region, *, shared: bool = False) -> torch.Tensor:
+    """`region`'s bytes as a flat uint8 tensor over a new mapping of them, registered (its
+    storage is `region`): private (a write copies the page) or `shared` (a write goes to the
+    file). A live file this process made is mapped from its descriptor."""
+    fd = _owned.get(region.path)
+    opened = fd is None
+    if opened:
+        fd = os.open(region.path, os.O_RDWR if shared else os.O_RDONLY)
+    try:
+        memory = mmap.mmap(fd, region.length,
+                           flags=mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=region.offset)
+    finally:
+        if opened:
+            os.close(fd)
+    flat = torch.frombuffer(memory, dtype=torch.uint8)
+    pointer = flat.untyped_storage().data_ptr()
+    _regions[pointer] = region
+    _mappings[pointer] = weakref.ref(memory)
+    weakref.finalize(memory, _forget, pointer)
+    return flat
+
+
+def _forget(pointer: int) -> None:
+    _regions.pop(pointer, None)
+    _mappings.pop(pointer, None)
 
 
 def region_of(storage: torch.UntypedStorage) -> Region | None:
     """The file region `storage` maps, None for any other storage."""
     found = _regions.get(storage.data_ptr())
     return found if found is not None and found.length == storage.nbytes() else None
+
+
+def own(path: str, fd: int) -> None:
+    """This process made the live file `path` and keeps `fd` open (see map_region)."""
+    _owned[path] = fd
+
+
+def disown(path: str) -> None:
+    _owned.pop(path, None)
+
+
+def unmodified(storage: torch.UntypedStorage) -> bool:
+    """Whether no page of `storage`'s mapping was written privately since it was mapped (its
+    bytes are the file's): /proc/self/pagemap flags a page copied on write as anonymous."""
+    start, length = storage.data_ptr(), storage.nbytes()
+    first, last = start // _PAGE, (start + length - 1) // _PAGE
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first * 8)
+            entries = pagemap.read((last - first + 1) * 8)
+    except OSError:
+        return False  # cannot tell: the bytes themselves are safe
+    for (entry,) in struct.iter_unpack("<Q", entries):
+        present_or_swapped, file_page = entry >> 62, (entry >> 61) & 1
+        if present_or_swapped and not file_page:
+            return False
+    return True
+
+
+def refresh(tensor: torch.Tensor) -> None:
+    """Drop the private pages of `tensor`'s mapping: its next read sees the file (what a live
+    file's worker wrote), as a copy from the worker would, without moving a byte."""
+    storage = tensor.untyped_storage()
+    memory = _mappings.get(storage.data_ptr())
+    mapping = memory() if memory is not None else None
+    if mapping is not None:
+        mapping.madvise(mmap.MADV_DONTNEED, 0, len(mapping))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are the same view of mappings of one live file's region (a copy
+    from one to the other is `refresh`)."""
+    region = region_of(a.untyped_storage())
+    return (region is not None and region.live and region == region_of(b.untyped_storage())
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+def travels_as(storage: torch.UntypedStorage,
+               shared: Collection[int] = ()) -> tuple[str, Region] | None:
+    """How `storage` crosses to another process: ("shared", region) to be mapped shared by a
+    worker whose `shared` pointers name it, ("mapped", region) to be read (or, a live file's
+    region back at the host that made it, mapped), None as its own bytes: any other storage,
+    a live file's region sent by the host that made it (its name may be gone), and a region
+    written since it was mapped."""
+    region = region_of(storage)
+    if region is None:
+        return None
+    if region.live:
+        if storage.data_ptr() in shared:
+            return "shared", region
+        if region.path in _owned:
+            return None
+    return ("mapped", region) if unmodified(storage) else None
+
+
+def load(kind: str, region: Region) -> torch.UntypedStorage:
+    """The storage of a region that arrived as `kind` (see travels_as)."""
+    if kind == "shared" or (region.live and region.path in _owned):
+        return map_region(region, shared=kind == "shared").untyped_storage()
+    return read(region)
 
 
 def read(region: Region) -> torch.UntypedStorage:
@@ -143,7 +243,8 @@ class Writer:
 
     def takes(self, target: torch.Tensor) -> bool:
         """Whether `target` is a mapped tensor (its new value goes to the file)."""
-        return region_of(target.untyped_storage()) is not None
+        region = region_of(target.untyped_storage())
+        return region is not None and not region.live
 
     def write(self, target: torch.Tensor, value: torch.Tensor) -> None:
         region = region_of(target.untyped_storage())

@@ -85,7 +85,9 @@ class Loader:
             if stage not in self._tensors:
                 self._tensors[stage] = dict([*module.named_parameters(), *module.named_buffers()])
             target = self._tensors[stage][name]
-            if self.writer is not None and self.writer.takes(target):
+            if mapped.same_bytes(target, value):  # weights shared with the worker
+                mapped.refresh(target)  # the host's next read sees what the worker wrote
+            elif self.writer is not None and self.writer.takes(target):
                 self.writer.write(target, value)  # to the weights' file, not into memory
             else:
                 target.copy_(value)

@@ -13,7 +13,8 @@ pickled buffer costs each side a second copy of the whole message.
     [storage 0, chunk 1] ...   ------------> ...
 
 A storage mapped from a file (parallel.mapped) goes as its file region instead: the receiver
-reads those bytes from the file, and the sender never touches them.
+reads those bytes from the file (or maps them: weights the host shares with a CPU worker,
+parallel.shared_weights), and the sender never touches them.
 
 Every read is bounded: `timeout` seconds without a byte arriving raises TimeoutError, and a
 sender that dies mid-message closes the pipe (EOFError).
@@ -26,7 +27,7 @@ import pickle
 import struct
 import time
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 
@@ -46,10 +47,11 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
 class _Pickler(pickle.Pickler):
     """Pickles tensors' storages by reference; `storages` collects them in order."""
 
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, shared: Collection[int]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.storages: list[torch.UntypedStorage] = []
         self._seen: dict[int, int] = {}
+        self._shared = shared
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.storage.TypedStorage):
@@ -60,9 +62,9 @@ class _Pickler(pickle.Pickler):
             return None
         if untyped.device.type == "meta":
             return None
-        region = mapped.region_of(untyped)
-        if region is not None:  # a file's bytes: the receiver reads them from the file
-            return ("mapped", region, dtype)
+        region = mapped.travels_as(untyped, self._shared)
+        if region is not None:  # a file's bytes: the receiver reads or maps them
+            return (*region, dtype)
         key = untyped._cdata
         if key not in self._seen:
             self._seen[key] = len(self.storages)
@@ -80,9 +82,9 @@ class _Unpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         kind, index, dtype = pid
-        if kind == "mapped":
+        if kind != "storage":
             if index not in self._read:
-                self._read[index] = mapped.read(index)
+                self._read[index] = mapped.load(kind, index)
             untyped = self._read[index]
         else:
             untyped = self.storages[index]
@@ -91,10 +93,11 @@ class _Unpickler(pickle.Unpickler):
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
-def send(conn: Connection, message: Any) -> int:
-    """Send `message` (any picklable object holding tensors on any device); its bytes."""
+def send(conn: Connection, message: Any, *, shared: Collection[int] = ()) -> int:
+    """Send `message` (any picklable object holding tensors on any device); its bytes. The
+    receiver maps the live regions whose storages' data pointers are in `shared`."""
     buffer = io.BytesIO()
-    pickler = _Pickler(buffer)
+    pickler = _Pickler(buffer, shared)
     pickler.dump(message)
     sizes = [s.nbytes() for s in pickler.storages]
     skeleton = buffer.getvalue()

@@ -6,7 +6,7 @@ import os
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from pipetorch.errors import DeviceError
 from pipetorch.parallel import stream
@@ -16,10 +16,11 @@ __all__: list[str] = []
 _POLL = 0.2  # seconds between liveness checks while waiting
 
 
-def send(conn: Connection, message: Any) -> None:
+def send(conn: Connection, message: Any, *, shared: Collection[int] = ()) -> None:
     """Send by value (no shared-memory handles that could outlive their sender), each tensor's
-    bytes from its own memory."""
-    stream.send(conn, message)
+    bytes from its own memory; `shared`: the host's live weights this worker maps instead
+    (parallel.shared_weights)."""
+    stream.send(conn, message, shared=shared)
 
 
 @dataclass(frozen=True)

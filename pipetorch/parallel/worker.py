@@ -74,6 +74,8 @@ class Launch:
     host_pid: int
     snapshots: str | None      # folder for the state after calls (None: keep none)
     seed: int                  # random numbers: seed + rank, so runs repeat exactly
+    start_snapshot: bool = False  # write the state at start-up (call 0): weights shared with
+    # the host can be torn by a call cut short, and need a restore point from the start
 
 
 def _die_with_host(parent: int, host: int | None) -> None:
@@ -158,6 +160,8 @@ class Worker:
         self.executor = executor(setup.stages, setup.specs, 0)
         # input signature -> its stages (sharing modules[s]'s weights), specs and executor
         self._signatures = {0: (setup.stages, setup.specs, self.executor)}
+        if launch.start_snapshot:
+            self._snapshot(0)
         if self.optimizer is not None:
             # torch.optim imports torch._dynamo on the first zero_grad/step (seconds): pay it
             # while compiling, not inside the first training call.

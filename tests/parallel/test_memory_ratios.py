@@ -65,16 +65,21 @@ def _measure() -> dict:
             "peaks": sorted(peaks.items())}
 
 
-def test_the_host_keeps_one_copy_of_the_weights_and_the_state_only_when_read():
+def _measured(shared_weights: str) -> dict:
     # Measured in a fresh interpreter: in a process that had run other tests, freed pages
     # were reused and the growth read short (it failed about one run in two under xdist).
     found = subprocess.run(
         [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); "
          "import test_memory_ratios as t; print(json.dumps(t._measure()))".replace(
              "print(", "import json; print(")],
-        capture_output=True, text=True, timeout=240, check=False)
+        capture_output=True, text=True, timeout=240, check=False,
+        env={**os.environ, "PIPETORCH_SHARED_WEIGHTS": shared_weights})
     assert found.returncode == 0, found.stderr[-3000:]
-    m = json.loads(found.stdout.strip().splitlines()[-1])
+    return json.loads(found.stdout.strip().splitlines()[-1])
+
+
+def test_the_host_keeps_one_copy_of_the_weights_and_the_state_only_when_read():
+    m = _measured("0")  # each worker holds its own copy of its stage's weights
     size = m["size"]
     assert m["trained"] < 0.5 * size, m  # no second copy, no pickled payloads
     # Each weight arrives in a buffer of its own before it is copied into place, and the
@@ -83,6 +88,20 @@ def test_the_host_keeps_one_copy_of_the_weights_and_the_state_only_when_read():
     assert m["touched"] < 0.75 * size, m
     # Adam's two moments (2.0) and those receive buffers; a second copy of them would be 4.5
     assert 1.5 * size < m["read"] < 4.25 * size, m
+    peaks = dict(m["peaks"])
+    assert sorted(peaks) == [0, 1] and all(peak > size / 2 for peak in peaks.values()), peaks
+
+
+def test_with_shared_weights_the_host_hands_its_weights_memory_to_the_workers():
+    m = _measured("1")  # the default: the workers train the host copy's pages
+    size = m["size"]
+    # the host's resident memory lost the weights (they are the workers' now, mapped once)
+    assert m["trained"] < -0.75 * size, m
+    # the copy to the host moved no byte: the host maps what the workers wrote; reading a
+    # layer brings that layer's pages (a quarter of the model) into the host's mapping
+    assert m["touched"] < -0.5 * size, m
+    # Adam's two moments (2.0) and their receive buffers, less the weights (1.0)
+    assert 0.5 * size < m["read"] < 3.25 * size, m
     peaks = dict(m["peaks"])
     assert sorted(peaks) == [0, 1] and all(peak > size / 2 for peak in peaks.values()), peaks
 
