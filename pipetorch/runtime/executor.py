@@ -34,8 +34,9 @@ from pipetorch.runtime.batching import (
     plain_containers, split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
-    NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs, check_optimizer_params,
-    check_return_periods, check_trainable, device_mismatch_explained, forward_errors_explained,
+    NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs,
+    check_inference_accumulation, check_optimizer_params, check_return_periods,
+    check_trainable, device_mismatch_explained, forward_errors_explained,
     check_mean_strategy_kept, held, resolve_mean_strategy, warn_non_finite_weights,
 )
 from pipetorch.runtime.compile import Compiled, add_signature, compile_model
@@ -102,11 +103,8 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         own.outputMode(mode, **({"output_return_period": own.output_return_period}
                                 if mode.name == "EveryN" else {}))
         own._freeze()
-        if not training and own.Training.gradient_accumulation != 1:
-            raise ConfigError(
-                "You must set poptorch.Options().Training.gradientAccumulation to 1 or use the "
-                f"default value (it is {own.Training.gradient_accumulation}) when running a "
-                "poptorch.inferenceModel(); gradient accumulation only applies to training")
+        if not training:
+            check_inference_accumulation(own)
         check_return_periods(own)
         if training:
             check_trainable(model)
