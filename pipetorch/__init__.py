@@ -71,7 +71,8 @@ _LAZY.update({
         "set_overlap_for_output", "ctc_beam_search_decoder", "custom_op")},
 })
 # --- end of the issue 17 block ---
-_SUBMODULES = ("optim", "data", "ops", "enums", "errors", "profiling", "options")
+_SUBMODULES = ("optim", "data", "ops", "enums", "errors", "profiling", "options",
+               "poptorch_core")
 
 __all__ = sorted([
     *_LAZY, *_SUBMODULES, "Error", "AutoStage", "CommGroupType", "ConnectionType",

@@ -19,14 +19,20 @@ def check_batching(stages: list[StageSpec], *, pipelined: bool, training: bool,
     if not pipelined or n < 2:
         return
     if training and gradient_accumulation < 2 * n - 1:
-        raise ConfigError(
-            f"gradientAccumulation ({gradient_accumulation}) must be >= 2*stages-1 ({2 * n - 1}) "
-            f"for pipelined training with {n} stages: each stage runs a forward and, later, a "
-            "backward, so the pipeline holds 2*stages-1 micro-batches before the first one "
-            "finishes; raise opts.Training.gradientAccumulation or use ShardedExecution"
+        raise ConfigError(  # PopTorch's two sentences first, then the values and the fix
+            "poptorch.Options().Training.gradientAccumulation must be greater than or equal to "
+            f"the number of pipeline stages ({2 * n - 1}) when using poptorch.PipelinedExecution. "
+            f"Please note that a model with {n} pipeline stages in PopTorch will have an "
+            f"additional {n - 1} stages when training. gradientAccumulation "
+            f"({gradient_accumulation}) must be >= 2*stages-1 ({2 * n - 1}) for pipelined "
+            f"training with {n} stages: each stage runs a forward and, later, a backward, so the "
+            "pipeline holds 2*stages-1 micro-batches before the first one finishes; raise "
+            "opts.Training.gradientAccumulation or use ShardedExecution"
         )
     if not training and device_iterations < n:
         raise ConfigError(
+            "poptorch.Options().deviceIterations must be greater than or equal to the number "
+            f"of pipeline stages ({n}) when using poptorch.PipelinedExecution for inference: "
             f"deviceIterations ({device_iterations}) must be >= the number of stages ({n}) for "
             "pipelined inference, so that every stage has a micro-batch to work on; raise "
             "opts.deviceIterations or use ShardedExecution"

@@ -126,6 +126,21 @@ def check_return_periods(options: Any) -> None:
 
 
 
+def check_inference_accumulation(options: Any) -> None:
+    """An inference wrapper refuses gradientAccumulation > 1, in PopTorch's words."""
+    g = options.Training.gradient_accumulation
+    if g == 1:
+        return
+    from pipetorch.partition.strategies import PipelinedExecution
+    pipelined = isinstance(options.execution_strategy, PipelinedExecution)
+    raise ConfigError(
+        "You must set poptorch.Options().Training.gradientAccumulation to 1 or leave it as its "
+        "default value (1) when running a poptorch.inferenceModel()."
+        + (" Use poptorch.Options().deviceIterations to process a sufficient number of batches "
+           "each run for pipelined execution instead." if pipelined else "")
+        + f" It is {g}; gradient accumulation only applies to training")
+
+
 def check_trainable(model: nn.Module) -> None:
     """A training model needs a parameter to train (else its backward has nothing to reach)."""
     params = held(model, "_parameters")

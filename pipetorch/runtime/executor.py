@@ -34,8 +34,9 @@ from pipetorch.runtime.batching import (
     plain_containers, split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
-    NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs, check_optimizer_params,
-    check_return_periods, check_trainable, device_mismatch_explained, forward_errors_explained,
+    NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs,
+    check_inference_accumulation, check_optimizer_params, check_return_periods,
+    check_trainable, device_mismatch_explained, forward_errors_explained,
     check_mean_strategy_kept, held, resolve_mean_strategy, warn_non_finite_weights,
 )
 from pipetorch.runtime.compile import Compiled, add_signature, compile_model
@@ -81,7 +82,12 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     """A model wrapped for its devices; call it like the model, with a host call's batch."""
 
     def __init__(self, model: nn.Module, options: Any = None, *, training: bool,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None,
+                 user_model: nn.Module | None = None,
+                 poptorch_version: str | None = None) -> None:
+        """PopTorch's constructor: `model` is what runs; `user_model` (default `model`), a
+        module sharing its parameters, is the one whose attributes the wrapper shows, as when
+        a loss wrapper runs around the user's model. `poptorch_version` is recorded only."""
         from pipetorch.options import Options
 
         if isinstance(model, PoplarExecutor):
@@ -97,11 +103,8 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         own.outputMode(mode, **({"output_return_period": own.output_return_period}
                                 if mode.name == "EveryN" else {}))
         own._freeze()
-        if not training and own.Training.gradient_accumulation != 1:
-            raise ConfigError(
-                "You must set poptorch.Options().Training.gradientAccumulation to 1 or use the "
-                f"default value (it is {own.Training.gradient_accumulation}) when running a "
-                "poptorch.inferenceModel(); gradient accumulation only applies to training")
+        if not training:
+            check_inference_accumulation(own)
         check_return_periods(own)
         if training:
             check_trainable(model)
@@ -122,6 +125,8 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             resolve_mean_strategy(optimizer, options, own)
         log_level.limit_repeats(own.max_repeat_logs)
         self._user_model, self._options, self._training = model, own, training
+        self._shown_model = model if user_model is None else user_model
+        self._poptorch_version = poptorch_version
         self._params = forward_parameters(model)
         self._user_optimizer = optimizer
         self._device = default_device()
@@ -354,7 +359,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             raise
         if self._options.profiling_dir:
             self._start_profiler(args, kwargs)
-        self._sync = weights.attach(self._user_model)
+        self._sync = weights.attach(self._user_model, self._shown_model)
         if engine.optimizer is not None and self._user_optimizer is not None:
             # From compile on, the user's optimiser reports the device's loss scale (ipu_state's
             # lossScaleUpdateFactor), as PopTorch's does before the first call.
@@ -642,7 +647,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_user_model" not in self.__dict__:
             raise AttributeError(name)
-        found = getattr(self._user_model, name)
+        found = getattr(self.__dict__.get("_shown_model", self._user_model), name)
         if name == "generate":  # HuggingFace's: each of its forwards on the device
             return functools.wraps(found)(functools.partial(PoplarExecutor._generate, self))
         return found

@@ -24,8 +24,11 @@ class HostSync:
     on the same model knows when to upload the new weights.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, shown: nn.Module | None = None) -> None:
         self.model = model
+        # the user's model when another module runs in its place sharing its weights
+        # (PopTorch's `user_model`): reading its weights must flush as well
+        self.shown = shown
         self.generation = 0
         self.users = 0
         self._pending: Callable[[], None] | None = None
@@ -110,16 +113,24 @@ def _synced_class(cls: type) -> type:
     return _classes[cls]
 
 
-def attach(model: nn.Module) -> HostSync:
-    """The model's HostSync, installing the flushing accessors on first use."""
+def attach(model: nn.Module, shown: nn.Module | None = None) -> HostSync:
+    """The model's HostSync, installing the flushing accessors on first use (on `shown`
+    too: the user's model, when `model` runs in its place sharing its weights)."""
     sync = model.__dict__.get(_SYNC_ATTR)
     if sync is None:
-        sync = HostSync(model)
-        for module in model.modules():
+        sync = HostSync(model, None if shown is model else shown)
+        for module in _synced_modules(sync):
             object.__setattr__(module, _SYNC_ATTR, sync)
             module.__class__ = _synced_class(type(module))
     sync.users += 1
     return sync
+
+
+def _synced_modules(sync: HostSync) -> list[nn.Module]:
+    modules = list(sync.model.modules())
+    if sync.shown is not None:
+        modules += [m for m in sync.shown.modules() if all(m is not n for n in modules)]
+    return modules
 
 
 def detach(sync: HostSync) -> None:
@@ -128,7 +139,7 @@ def detach(sync: HostSync) -> None:
     if sync.users > 0:
         return
     sync.flush()
-    for module in sync.model.modules():
+    for module in _synced_modules(sync):
         module.__dict__.pop(_SYNC_ATTR, None)
         base = type(module).__dict__.get("_pipetorch_base")
         if base is not None:

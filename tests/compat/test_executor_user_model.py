@@ -1,0 +1,48 @@
+"""PopTorch's full PoplarExecutor constructor: `user_model` is the model the wrapper shows
+while another module (sharing its weights, e.g. a loss wrapper) runs; `poptorch_version`."""
+import copy
+
+import torch
+import torch.nn as nn
+from torch.testing import assert_close
+
+import pipetorch as poptorch
+
+
+class WithLoss(nn.Module):
+    """Runs a shallow copy of the user's model, then a loss: PopTorch's tests' pattern."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.inner = copy.copy(model)  # shares the user's parameter tensors
+        self.loss = nn.MSELoss()
+
+    def forward(self, x, y):
+        out = self.inner(x)
+        return out, self.loss(out, y)
+
+
+def _wrap(user: nn.Module) -> poptorch.PoplarExecutor:
+    opt = torch.optim.SGD(user.parameters(), lr=0.1)
+    return poptorch.PoplarExecutor(model=WithLoss(user), options=poptorch.Options(),
+                                   training=True, optimizer=opt, user_model=user,
+                                   poptorch_version=poptorch.__version__)
+
+
+def test_attributes_come_from_the_user_model():
+    user = nn.Linear(3, 2)
+    wrapped = _wrap(user)
+    assert wrapped.weight is user.weight and wrapped.in_features == 3
+
+
+def test_training_updates_the_user_models_weights():
+    torch.manual_seed(0)
+    user = nn.Linear(3, 2)
+    reference = copy.deepcopy(user)
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    _wrap(user)(x, y)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    nn.functional.mse_loss(reference(x), y).backward()
+    ref_opt.step()
+    # Regression: the weights were fetched for the running wrapper only, never for `user`.
+    assert_close(user.weight, reference.weight)
