@@ -312,7 +312,7 @@ class PopTorchOptimizer(scaling.LossScaled):
             if loss_scaling != 1.0:
                 for grad in grads:
                     grad.div_(loss_scaling)
-            terms.add(grads, [id(param) for param in used])
+            terms.add(grads)
         return terms.coefficient(max_grad_norm)
 
     def _skip_on_overflow(self) -> bool:

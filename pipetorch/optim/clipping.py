@@ -32,13 +32,12 @@ class Terms:
     parts: list[tuple[tuple[torch.device, torch.dtype], torch.Tensor]] = field(
         default_factory=list)
 
-    def add(self, grads: Sequence[torch.Tensor], ids: Sequence[int]) -> None:
-        """Add the terms of `grads` (the gradients the update sees; `ids[i]` the user
-        parameter of `grads[i]`, for a tied weight's share on a stage worker)."""
+    def add(self, grads: Sequence[torch.Tensor]) -> None:
+        """Add the terms of `grads` (the gradients the update sees; a weight tied across
+        devices is stepped, so counted, on its first device only)."""
         if self.across is not None:
-            shares = self.across.shares
-            self.parts.extend(((g.device, g.dtype), g.detach().float().pow(2).sum()
-                               * shares.get(i, 1.0)) for g, i in zip(grads, ids))
+            self.parts.extend(((g.device, g.dtype), g.detach().float().pow(2).sum())
+                              for g in grads)
             return
         grouped = _group_tensors_by_device_and_dtype([list(grads)])  # type: ignore[list-item]
         for (device, dtype), ([tensors], _) in grouped.items():  # type: ignore[misc]

@@ -18,11 +18,9 @@ __all__: list[str] = []
 
 @dataclass(frozen=True)
 class Peers:
-    """`reduce` sums a tensor over every stage and replica; `shares[id(param)]` is the part of
-    a weight's squared norm that this copy adds (1 / copies for a weight tied across devices)."""
+    """`reduce` sums a tensor over every stage and replica."""
 
     reduce: Callable[[torch.Tensor], torch.Tensor]
-    shares: dict[int, float]
 
 
 _CURRENT: ContextVar[Peers | None] = ContextVar("pipetorch_step_peers", default=None)

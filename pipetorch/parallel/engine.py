@@ -49,7 +49,7 @@ from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.shared_weights import SharedWeights
 from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
-from pipetorch.parallel.tied import ties_of
+from pipetorch.parallel.tied import stepped_elsewhere, ties_of
 from pipetorch.parallel.worker import Launch, Setup
 from pipetorch.partition.split import Source, StagedModel, map_leaves
 from pipetorch.schedule.devices import choose as choose_schedule, runs
@@ -69,11 +69,13 @@ logger = logging.getLogger(__name__)
 _STOP_GRACE = 5.0  # seconds a worker gets to stop before it is killed
 
 
-def stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> torch.optim.Optimizer:
-    """`optimizer` restricted to `module`'s parameters, to send to their worker; groups keep
-    their order. Parameters and state tensors are the optimiser's own objects (sending copies
-    them), so the host holds no second copy of any stage's state."""
-    own = {id(p) for p in module.parameters()}
+def stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module,
+                    elsewhere: Sequence[nn.Parameter] = ()) -> torch.optim.Optimizer:
+    """`optimizer` restricted to `module`'s parameters but those stepped `elsewhere` (a tied
+    weight's later devices), to send to their worker; groups keep their order. Parameters and
+    state tensors are the optimiser's own objects (sending copies them), so the host holds no
+    second copy of any stage's state."""
+    own = {id(p) for p in module.parameters()} - {id(p) for p in elsewhere}
     shell = copy.copy(optimizer)  # the other stages' groups and state are never copied
     shell.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in own]}
                           for g in optimizer.param_groups]
@@ -169,8 +171,10 @@ class ProcessEngine:
         for peer, placement, shared in zip(self.peers, self.placements, shares):
             stages = tuple(DeviceStage(staged.modules[s], routes[s], staged.io[s].inputs)
                            for s in placement.stages)
-            optimizer = (stage_optimizer(self.optimizer, nn.ModuleList(s.module for s in stages))
-                         if self.optimizer else None)
+            elsewhere = [self.model.get_parameter(name) for name in
+                         stepped_elsewhere(self.ties, placement.stages, self.owners)]
+            optimizer = (stage_optimizer(self.optimizer, nn.ModuleList(s.module for s in stages),
+                                         elsewhere) if self.optimizer else None)
             setup = Setup(stages, optimizer, specs, self.schedule, self.owners, devices,
                           self.ties)
             launch = Launch(placement, meeting,
@@ -545,10 +549,15 @@ class ProcessEngine:
         for peer in self._first_replica:
             self._send(peer, ("grads", None))
         replies = self._gather("getAnchoredTensor", self._first_replica)
+        found: dict[int, torch.Tensor] = {}  # a tied weight's gradient: its stepping device's
         for stages in replies:
             for stage, grads in stages.items():
                 for name, param in self.staged.modules[stage].named_parameters():
-                    param.grad = grads.get(name)
+                    if name in grads:
+                        found[id(param)] = grads[name]
+        for module in self.staged.modules:
+            for param in module.parameters():
+                param.grad = found.get(id(param))
 
     def _restore_last_call(self) -> None:
         """After a failure: the host copy takes the state the workers saved after the last

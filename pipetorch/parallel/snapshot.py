@@ -71,6 +71,7 @@ class Loader:
         self.modules, self.optimizer, self.writer = modules, optimizer, writer
         self._tensors: dict[int, dict[str, torch.Tensor]] = {}
         self._params: dict[int, dict[str, nn.Parameter]] = {}
+        self._stepped: set[int] | None = None  # id() of the optimiser's parameters
 
     def finish(self) -> None:
         """After the last item: the weights' file (if any) in place, mapped by the host."""
@@ -99,6 +100,10 @@ class Loader:
         if stage not in self._params:
             self._params[stage] = dict(module.named_parameters())
         param = self._params[stage][name]
+        if self._stepped is None:
+            self._stepped = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        if id(param) not in self._stepped:
+            return  # a tied weight this device does not step: its state is the first device's
         held = self.optimizer.state[param]
         old = held.get(key)
         if isinstance(value, torch.Tensor) and value.dim():

@@ -254,7 +254,7 @@ class StageExecutor:
         if self.early is None:
             held = [(s, list(h.module.parameters())) for s, h in self.held.items()]
             uses = Counter(id(p) for _, params in held for p in params)
-            tied = set(self.tied.shares()) if self.tied else set()
+            tied = self.tied.copies() if self.tied else set()
             self.early = EarlyReduce({s: [p for p in params if p.requires_grad and
                                           uses[id(p)] == 1 and id(p) not in tied]
                                       for s, params in held}, self.link)
@@ -379,6 +379,8 @@ class StageExecutor:
         if self.optimizer is not None:
             with during(self.peers):
                 self.optimizer.step()
+        if self.tied:
+            self.tied.share_updates(self.link)
 
     # -- transfers: over the link to another device, or handed over within this one --------
     def _transfer_out(self, tag: Tag, action: Action, m: int, layout: BundleLayout,

@@ -1,13 +1,14 @@
-"""Weights tied across devices: a copy on each device using it, gradients summed before the step.
+"""Weights tied across devices: a copy on each device using it, stepped on the first one.
 
 GPT-2's lm_head reads wte's weight on the last device while wte runs on the first. As
-DeepSpeed's tied layers do, each device's worker holds its own copy; after the step's last
-backward each copy's gradient becomes the sum over the devices holding it (then over the
-replicas, as every gradient does), and every copy takes the same update from the same state,
-so the copies stay equal, bit for bit:
+DeepSpeed's tied layers do, each device's worker holds its own copy of the weight; after the
+step's last backward each copy's gradient becomes the sum over the devices holding it (then
+over the replicas, as every gradient does). Only the first of those devices steps the weight
+and keeps its optimiser state (Adam's two moments would otherwise sit on every device), then
+sends the stepped weight to the others, so the copies stay equal:
 
-    device 0: F0 F1 .. B0 B1 | TR (wte.weight with device 1) | AR (replicas) | STEP
-    device 1: F0 F1 .. B0 B1 | TR (wte.weight with device 0) | AR (replicas) | STEP
+    device 0: F0 F1 .. B0 B1 | TR (wte.weight with device 1) | AR (replicas) | STEP | send wte
+    device 1: F0 F1 .. B0 B1 | TR (wte.weight with device 0) | AR (replicas) | STEP | take wte
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class TiedGrads:
 
     def __init__(self, ties: Sequence[Tie], modules: dict[int, nn.Module], *, device: int,
                  groups: dict[DeviceSet, Any]) -> None:
+        self.device = device
         self.sets: list[tuple[DeviceSet, Any, list[nn.Parameter]]] = []
         for devices in device_sets(ties):
             if device in devices:
@@ -78,24 +80,43 @@ class TiedGrads:
     def __bool__(self) -> bool:
         return bool(self.sets)
 
-    def shares(self) -> dict[int, float]:
-        """id(copy) -> 1 / copies: a sum over every device (a global gradient norm) counts a
-        tied weight once."""
-        return {id(p): 1.0 / len(devices) for devices, _, params in self.sets for p in params}
+    def copies(self) -> set[int]:
+        """id() of this worker's copies of tied weights."""
+        return {id(p) for _, _, params in self.sets for p in params}
 
     @torch.no_grad()
     def sum(self, link: PeerLink) -> None:
-        """Each copy's gradient becomes the sum over the devices holding the weight. A copy its
-        device did not use this step adds zeros (every holder must join the collective); one
-        no device used keeps no gradient, as in plain PyTorch."""
+        """Each copy's gradient becomes the sum over the devices holding the weight, for the
+        first of them to step (the others drop theirs: they do not step it). A copy its device
+        did not use this step adds zeros (every holder must join the collective); one no device
+        used keeps no gradient, as in plain PyTorch."""
         for devices, group, params in self.sets:  # in the same order on every device
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             used = [torch.full((1,), float(p.grad is not None), dtype=g.dtype, device=g.device)
                     for p, g in zip(params, grads)]
             link.all_reduce([*grads, *used], group=group,
                             who=f"the workers of devices {', '.join(map(str, devices))}")
+            steps = devices[0] == self.device
             for param, grad, flag in zip(params, grads, used):
-                param.grad = grad if flag.item() > 0 else None
+                param.grad = grad if steps and flag.item() > 0 else None
+
+    @torch.no_grad()
+    def share_updates(self, link: PeerLink) -> None:
+        """After the step: every copy takes the first device's stepped weight (a sum to which
+        the other devices add zeros, so it is that weight exactly)."""
+        for devices, group, params in self.sets:
+            values = [p.detach() if devices[0] == self.device else p.detach().zero_()
+                      for p in params]
+            link.all_reduce(values, group=group,
+                            who=f"the workers of devices {', '.join(map(str, devices))}")
+
+
+def stepped_elsewhere(ties: Sequence[Tie], stages: Sequence[int],
+                      owners: Sequence[int]) -> set[str]:
+    """Names (in the user's model) of the tied weights that `stages` hold but do not step:
+    a stage on a device after the first one holding the weight."""
+    return {t.name for t in ties for stage, _ in t.held
+            if stage in stages and owners[stage] != t.devices[0]}
 
 
 def _local(tie: Tie, modules: dict[int, nn.Module]) -> nn.Parameter:

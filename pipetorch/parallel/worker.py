@@ -132,9 +132,8 @@ class Worker:
         if self.optimizer is not None and not offload.is_offloaded(self.optimizer):
             _move_state(self.optimizer, self.device)  # else it moves in for each step
         # Summed over all workers, each replica's (identical) share counts `replicas` times;
-        # a weight tied across devices counts once, not once per copy.
-        peers = Peers(lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas,
-                      self.tied.shares())
+        # a weight tied across devices is stepped, so counted, on its first device only.
+        peers = Peers(lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas)
         kind = link_kind([torch.device(d) for d in setup.devices],
                          one_host=len(setup.devices) == meeting.world_size)
         prefix = shm.segment_prefix(launch.host_pid, meeting.prefix)

@@ -183,7 +183,14 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
     kind = engine_kind(pipelined, schedule)
     flights = peak_stash(kind, len(modules), replica_plan_length(batching, training=training),
                          owners_of(ipu_of), training=training)
-    records = tuple(_stage_memory(j, ipu, module, footprint, flight, optimizer, training)
+    # a weight several devices hold is stepped on the first of them (parallel.tied): its
+    # optimiser state is there only
+    stepper: dict[int, int] = {}
+    for ipu, module in zip(ipu_of, modules):
+        for param in module.parameters():
+            stepper[id(param)] = min(stepper.get(id(param), ipu), ipu)
+    records = tuple(_stage_memory(j, ipu, module, footprint, flight, optimizer, training,
+                                  stepped={k for k, d in stepper.items() if d == ipu})
                     for j, (ipu, module, footprint, flight)
                     in enumerate(zip(ipu_of, modules, prints, flights)))
     setting = Setting(training, recomputation and training, offload and training)
@@ -253,12 +260,15 @@ def _whole(model: nn.Module, args: tuple, kwargs: dict, *, training: bool) -> Fo
 
 def _stage_memory(index: int, ipu: int, module: nn.Module, footprint: Footprint,
                   flight: int, optimizer: torch.optim.Optimizer | None,
-                  training: bool) -> StageMemory:
+                  training: bool, *, stepped: set[int]) -> StageMemory:
+    """The stage's sizes; optimiser state for the parameters its device steps (`stepped`,
+    id()s)."""
     params = [p for p in module.parameters() if p.requires_grad]
     state = Size(0, 0)
-    if training and optimizer is not None and params:
-        actual, how = optimiser_state_bytes(optimizer, params)
-        half, half_how = optimiser_state_bytes(optimizer, params, dtype=torch.half)
+    steps = [p for p in params if id(p) in stepped]
+    if training and optimizer is not None and steps:
+        actual, how = optimiser_state_bytes(optimizer, steps)
+        half, half_how = optimiser_state_bytes(optimizer, steps, dtype=torch.half)
         # An optimiser that cannot step at 16 bits is priced as it is: no saving claimed.
         state = Size(actual, actual if half_how.startswith("unknown") else half)
     return StageMemory(index, ipu, size_of(module.parameters()), size_of(module.buffers()),

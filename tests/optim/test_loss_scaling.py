@@ -107,7 +107,7 @@ def test_another_stages_overflow_skips_a_clean_optimiser_too():
     backward(model, optimizer, torch.randn(4, 3))
     weights, _ = snapshot(model, optimizer)
     attributes = set(vars(optimizer))
-    with during(Peers(reduce, {})):
+    with during(Peers(reduce)):
         optimizer.step()
     assert set(vars(optimizer)) == attributes  # the worker's sum is not left on the optimiser
     assert len(seen) == 1 and seen[0].dtype == torch.float32 and seen[0].item() == 0
@@ -115,7 +115,7 @@ def test_another_stages_overflow_skips_a_clean_optimiser_too():
         assert torch.equal(param, weights[name]), name
     assert scaling.skipped_steps(optimizer) == 1 and scaling.loss_scale(optimizer) == 32
     backward(model, optimizer, torch.randn(4, 3))
-    with during(Peers(lambda count: count, {})):  # every stage clean
+    with during(Peers(lambda count: count)):  # every stage clean
         optimizer.step()
     assert not torch.equal(model.weight, weights["weight"])
     assert scaling.skipped_steps(optimizer) == 1
