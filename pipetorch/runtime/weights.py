@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import types
 import weakref
 from typing import Any, Callable
 
@@ -148,7 +149,40 @@ def detach(sync: HostSync) -> None:
 
 def device_copy(model: nn.Module, device: torch.device) -> nn.Module:
     """A private copy of the model on `device`, free of host-sync machinery."""
-    return copy.deepcopy(model).to(device)  # __reduce_ex__ above strips the sync machinery
+    memo: dict[int, Any] = {}
+    clone = copy.deepcopy(model, memo)  # __reduce_ex__ above strips the sync machinery
+    _rebind_closures(clone, memo)
+    return clone.to(device)
+
+
+def _rebind_closures(clone: nn.Module, memo: dict[int, Any]) -> None:
+    """Point the copy's `forward`s at the copy's submodules where they name the model's own
+    submodules through a closure (a model class defined inside a function, calling the
+    enclosing `base_model` rather than `self.base_model`). PopTorch runs the user's module
+    objects, so such a model trains there; a copy calling the originals would train nothing.
+    """
+    for module in clone.modules():
+        forward = type(module).forward
+        cells = getattr(forward, "__closure__", None) or ()
+        copied = [_copied_module(cell, memo) for cell in cells]
+        if any(c is not None for c in copied):
+            new_cells = tuple(cell if c is None else types.CellType(c)
+                              for cell, c in zip(cells, copied))
+            rebound = types.FunctionType(forward.__code__, forward.__globals__,
+                                         forward.__name__, forward.__defaults__, new_cells)
+            rebound.__kwdefaults__ = forward.__kwdefaults__
+            object.__setattr__(module, "forward", types.MethodType(rebound, module))
+
+
+def _copied_module(cell: types.CellType, memo: dict[int, Any]) -> nn.Module | None:
+    """The copy of the module a closure cell holds, when that module was copied with the
+    model (a submodule of it); None otherwise."""
+    try:
+        held_value = cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+    twin = memo.get(id(held_value)) if isinstance(held_value, nn.Module) else None
+    return twin if twin is not held_value else None
 
 
 @torch.no_grad()
