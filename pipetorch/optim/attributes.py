@@ -28,6 +28,8 @@ _CONSTANT_WHEN = {
     "velocity_scaling": 1.0, "eps": 1e-8, "max_weight_norm": 65500.0, "alpha": "always",
     "betas": (0.9, 0.999), "loss_scaling": 1.0,
 }
+# What a group without the key means: a plain torch optimiser scales neither loss nor velocity.
+_WHEN_ABSENT = {"loss_scaling": 1.0, "velocity_scaling": 1.0}
 _ADAMW_WEIGHT_DECAY = 1e-2  # AdamW's (and LAMB's) default, constant when kept
 # Keys of a group or optimiser that are not hyper-parameters PopTorch reads.
 _KNOWN_GROUP_KEYS = {"params", "initial_lr", "foreach", "maximize", "capturable",
@@ -188,7 +190,7 @@ def _public(optimizer: torch.optim.Optimizer) -> set[str]:
 def check_replacement(compiled: Compiled, optimizer: torch.optim.Optimizer) -> None:
     """setOptimizer: refuse a changed constant; warn (once) about attributes PopTorch ignores."""
     for (index, name), value in compiled.constants.items():
-        new = _value(optimizer.param_groups[index].get(name))
+        new = _value(optimizer.param_groups[index].get(name, _WHEN_ABSENT.get(name)))
         if new != value:
             raise ValueError(
                 f"Optimizer attribute {name!r} of param group {index} is constant: it was "

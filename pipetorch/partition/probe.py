@@ -126,6 +126,9 @@ def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
     """Run forward once without gradients (under `casting`, see partition.casting), leaving the
     model's buffers and the RNG untouched."""
     model.train(training)
+    # On copies of the inputs: forward may change its inputs in place (PopTorch hands such
+    # changes back to the caller), and the real call must be the only one that does.
+    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
     with preserved(model) as mutated:
         with torch.no_grad(), blocks.recording() as rec, ops.record_calls() as calls, \
                 _BlockGuard(rec), ops.running_on_device(), within(casting):

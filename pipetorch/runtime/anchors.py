@@ -10,6 +10,9 @@ PopTorch names tensors of its IR; pipetorch answers the names a script can rely 
     finalLossScale           the loss scale the call's last step used (loss_scaling x the
                              lossScaleUpdateFactor read before the call, as in PopTorch)
 
+PopTorch's own spelling of the same names, with the user's model as `model`
+("Gradient___model.fc2.bias", "model.fc1"), is accepted and listed too.
+
 Gradients, updated weights and the loss scale exist once per call (after its last step), so
 their anchors take only OutputMode.Final (or the default mode).
 """
@@ -32,6 +35,7 @@ __all__: list[str] = []
 
 GRADIENT, UPDATED = "Gradient___", "UpdatedVar___"
 LOSS, LOSS_SCALE = "loss", "finalLossScale"
+POPTORCH_ROOT = "model."  # PopTorch's IR name of the user's model
 
 
 def tensor_names(model: nn.Module, *, training: bool, in_process: bool) -> list[str]:
@@ -45,6 +49,18 @@ def tensor_names(model: nn.Module, *, training: bool, in_process: bool) -> list[
     return list(dict.fromkeys(names))  # a submodule named "loss" is listed once
 
 
+def poptorch_spellings(names: list[str]) -> dict[str, str]:
+    """PopTorch's names for `names`, mapped to them: its IR holds the user's model as `model`,
+    so scripts anchor "Gradient___model.fc2.bias" or "model.fc1" for "Gradient___fc2.bias" or
+    "fc1" (the loss and the loss scale keep their names)."""
+    spelled = {}
+    for name in names:
+        if name not in (LOSS, LOSS_SCALE):
+            prefix = next((p for p in (GRADIENT, UPDATED) if name.startswith(p)), "")
+            spelled[f"{prefix}{POPTORCH_ROOT}{name[len(prefix):]}"] = name
+    return spelled
+
+
 class Anchors:
     """The anchors of one wrapped model: checked at compile, filled by every call."""
 
@@ -52,11 +68,14 @@ class Anchors:
                  training: bool, in_process: bool, default_mode: OutputMode,
                  default_period: int, loss_index: int | None = None) -> None:
         self.model, self.training, self.loss_index = model, training, loss_index
-        self.names = tensor_names(model, training=training, in_process=in_process)
+        own = tensor_names(model, training=training, in_process=in_process)
+        spelled = poptorch_spellings(own)
+        self.names = [*own, *spelled]
         self._requested: dict[str, tuple[str, OutputMode, int]] = {}
         for short, spec in requested.items():
             long = spec["long_name"]
             self._check_name(short, long, in_process=in_process)
+            long = spelled.get(long, long)
             self._requested[short] = (long, *self._mode_of(short, spec, default_mode,
                                                            default_period))
         self._values: dict[str, Any] = {}

@@ -632,8 +632,9 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     # -- the user's model -------------------------------------------------------------------
     @property
     def model(self) -> nn.Module:
-        """The wrapped user model (its weights are synced lazily from the device)."""
-        return self._user_model
+        """The user's model (PopTorch's `user_model` where another module runs in its place;
+        its weights are synced lazily from the device)."""
+        return self._shown_model
 
     @property
     def options(self) -> Any:

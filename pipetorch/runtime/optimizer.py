@@ -135,7 +135,7 @@ def _set_scaling_and_offload(optimizer: torch.optim.Optimizer, *, auto_loss_scal
 
 def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
     """setOptimizer: new learning rates etc. reach the device; its state stays."""
-    if _base_class(source) is not _base_class(target):
+    if _family(source) is not _family(target):
         raise ConfigError(
             f"setOptimizer got a {type(source).__name__} but the model trains with a "
             f"{type(target).__name__}: keep the optimiser type, or build a new trainingModel"
@@ -179,6 +179,15 @@ def copy_state_to_device(host_opt: torch.optim.Optimizer, engine: Any) -> None:
     engine.optimizer.load_state_dict(copy.deepcopy(state))
     scaling.load_scaling_state(engine.optimizer, scaling.scaling_state(host_opt))
     engine.push(optimizer_state=True)
+
+
+def _family(optimizer: torch.optim.Optimizer) -> type:
+    """The torch optimiser class `optimizer` is (poptorch.optim.SGD is a torch.optim.SGD: one
+    may replace the other, as in PopTorch); its own class when it derives from no torch one
+    but the base Optimizer (LAMB, a user's own)."""
+    own = _base_class(optimizer)
+    return next((c for c in own.__mro__ if c.__module__.startswith("torch.optim.")
+                 and c is not torch.optim.Optimizer), own)
 
 
 def _base_class(optimizer: torch.optim.Optimizer) -> type:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import types
 import weakref
 from typing import Any, Callable
 
@@ -24,11 +25,10 @@ class HostSync:
     on the same model knows when to upload the new weights.
     """
 
-    def __init__(self, model: nn.Module, shown: nn.Module | None = None) -> None:
-        self.model = model
-        # the user's model when another module runs in its place sharing its weights
-        # (PopTorch's `user_model`): reading its weights must flush as well
-        self.shown = shown
+    def __init__(self) -> None:
+        # every module whose weight accessors flush: the wrapped models and, where another
+        # module runs in its place sharing its weights (PopTorch's `user_model`), the user's
+        self.modules: list[nn.Module] = []
         self.generation = 0
         self.users = 0
         self._pending: Callable[[], None] | None = None
@@ -114,23 +114,31 @@ def _synced_class(cls: type) -> type:
 
 
 def attach(model: nn.Module, shown: nn.Module | None = None) -> HostSync:
-    """The model's HostSync, installing the flushing accessors on first use (on `shown`
-    too: the user's model, when `model` runs in its place sharing its weights)."""
-    sync = model.__dict__.get(_SYNC_ATTR)
-    if sync is None:
-        sync = HostSync(model, None if shown is model else shown)
-        for module in _synced_modules(sync):
-            object.__setattr__(module, _SYNC_ATTR, sync)
-            module.__class__ = _synced_class(type(module))
+    """The HostSync of `model` (and `shown`: the user's model, when `model` runs in its place
+    sharing its weights), installing the flushing accessors on first use.
+
+    Wrappers of the same weights share one HostSync, whichever was compiled first: an
+    inference wrapper of the user's model must see what a training wrapper of a module
+    around it (PopTorch's tests' loss wrapper) leaves stale.
+    """
+    roots = [model] if shown is None or shown is model else [model, shown]
+    found = [r.__dict__.get(_SYNC_ATTR) for r in roots]
+    sync = next((s for s in found if s is not None), None) or HostSync()
+    for root in roots:
+        for module in root.modules():
+            if module.__dict__.get(_SYNC_ATTR) is not sync:
+                _adopt(sync, module)
     sync.users += 1
     return sync
 
 
-def _synced_modules(sync: HostSync) -> list[nn.Module]:
-    modules = list(sync.model.modules())
-    if sync.shown is not None:
-        modules += [m for m in sync.shown.modules() if all(m is not n for n in modules)]
-    return modules
+def _adopt(sync: HostSync, module: nn.Module) -> None:
+    """Make `module`'s weight accessors flush `sync` (taking it over from another sync)."""
+    object.__setattr__(module, _SYNC_ATTR, sync)
+    if "_pipetorch_base" not in type(module).__dict__:
+        module.__class__ = _synced_class(type(module))
+    if all(module is not m for m in sync.modules):
+        sync.modules.append(module)
 
 
 def detach(sync: HostSync) -> None:
@@ -139,16 +147,51 @@ def detach(sync: HostSync) -> None:
     if sync.users > 0:
         return
     sync.flush()
-    for module in _synced_modules(sync):
-        module.__dict__.pop(_SYNC_ATTR, None)
-        base = type(module).__dict__.get("_pipetorch_base")
-        if base is not None:
-            module.__class__ = base
+    for module in sync.modules:
+        if module.__dict__.get(_SYNC_ATTR) is sync:
+            module.__dict__.pop(_SYNC_ATTR, None)
+            base = type(module).__dict__.get("_pipetorch_base")
+            if base is not None:
+                module.__class__ = base
+    sync.modules.clear()
 
 
 def device_copy(model: nn.Module, device: torch.device) -> nn.Module:
     """A private copy of the model on `device`, free of host-sync machinery."""
-    return copy.deepcopy(model).to(device)  # __reduce_ex__ above strips the sync machinery
+    memo: dict[int, Any] = {}
+    clone = copy.deepcopy(model, memo)  # __reduce_ex__ above strips the sync machinery
+    _rebind_closures(clone, memo)
+    return clone.to(device)
+
+
+def _rebind_closures(clone: nn.Module, memo: dict[int, Any]) -> None:
+    """Point the copy's `forward`s at the copy's submodules where they name the model's own
+    submodules through a closure (a model class defined inside a function, calling the
+    enclosing `base_model` rather than `self.base_model`). PopTorch runs the user's module
+    objects, so such a model trains there; a copy calling the originals would train nothing.
+    """
+    for module in clone.modules():
+        forward = type(module).forward
+        cells = getattr(forward, "__closure__", None) or ()
+        copied = [_copied_module(cell, memo) for cell in cells]
+        if any(c is not None for c in copied):
+            new_cells = tuple(cell if c is None else types.CellType(c)
+                              for cell, c in zip(cells, copied))
+            rebound = types.FunctionType(forward.__code__, forward.__globals__,
+                                         forward.__name__, forward.__defaults__, new_cells)
+            rebound.__kwdefaults__ = forward.__kwdefaults__
+            object.__setattr__(module, "forward", types.MethodType(rebound, module))
+
+
+def _copied_module(cell: types.CellType, memo: dict[int, Any]) -> nn.Module | None:
+    """The copy of the module a closure cell holds, when that module was copied with the
+    model (a submodule of it); None otherwise."""
+    try:
+        held_value = cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+    twin = memo.get(id(held_value)) if isinstance(held_value, nn.Module) else None
+    return twin if twin is not held_value else None
 
 
 @torch.no_grad()

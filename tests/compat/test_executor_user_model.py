@@ -46,3 +46,9 @@ def test_training_updates_the_user_models_weights():
     ref_opt.step()
     # Regression: the weights were fetched for the running wrapper only, never for `user`.
     assert_close(user.weight, reference.weight)
+
+
+def test_model_property_is_the_user_model():
+    # PopTorch's PoplarExecutor.model returns `user_model`, not the module run in its place.
+    user = nn.Linear(3, 2)
+    assert _wrap(user).model is user
