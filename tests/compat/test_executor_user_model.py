@@ -7,24 +7,12 @@ import torch.nn as nn
 from torch.testing import assert_close
 
 import pipetorch as poptorch
-
-
-class WithLoss(nn.Module):
-    """Runs a shallow copy of the user's model, then a loss: PopTorch's tests' pattern."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.inner = copy.copy(model)  # shares the user's parameter tensors
-        self.loss = nn.MSELoss()
-
-    def forward(self, x, y):
-        out = self.inner(x)
-        return out, self.loss(out, y)
+from helpers.models import AroundCopy
 
 
 def _wrap(user: nn.Module) -> poptorch.PoplarExecutor:
     opt = torch.optim.SGD(user.parameters(), lr=0.1)
-    return poptorch.PoplarExecutor(model=WithLoss(user), options=poptorch.Options(),
+    return poptorch.PoplarExecutor(model=AroundCopy(user), options=poptorch.Options(),
                                    training=True, optimizer=opt, user_model=user,
                                    poptorch_version=poptorch.__version__)
 

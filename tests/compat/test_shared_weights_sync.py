@@ -1,22 +1,11 @@
 """An inference wrapper of the user's model follows a training wrapper of a module around it
 (sharing its weights, PopTorch's `user_model`), whichever of the two was compiled first."""
-import copy
 
 import torch
 import torch.nn as nn
 
 import pipetorch as poptorch
-
-
-class _WithLoss(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.inner = copy.copy(model)  # shares the user's parameter tensors
-        self.loss = nn.MSELoss()
-
-    def forward(self, x, y):
-        out = self.inner(x)
-        return out, self.loss(out, y)
+from helpers.models import AroundCopy
 
 
 def test_inference_compiled_first_sees_weights_trained_around_it():
@@ -25,7 +14,7 @@ def test_inference_compiled_first_sees_weights_trained_around_it():
     torch.manual_seed(0)
     user = nn.Linear(4, 4)
     training = poptorch.PoplarExecutor(
-        model=_WithLoss(user), options=poptorch.Options(), training=True,
+        model=AroundCopy(user), options=poptorch.Options(), training=True,
         optimizer=torch.optim.SGD(user.parameters(), lr=0.1), user_model=user,
         poptorch_version=poptorch.__version__)
     inference = poptorch.inferenceModel(user)
