@@ -231,8 +231,9 @@ class ProcessEngine:
         self._shared = SharedWeights.write(params)
         if self._shared is None:
             return [frozenset() for _ in self.placements]
+        # a pointer of a parameter not moved (a weights file's) is ignored: not a live region
         return [frozenset(p.untyped_storage().data_ptr() for p in params if holder[id(p)] == n)
-                & self._shared.pointers for n in range(len(self.placements))]
+                for n in range(len(self.placements))]
 
     # -- input signatures (Options.inputSignatures("several")) -------------------------------
     def add_signature(self, staged: StagedModel, routes: Sequence[Route],

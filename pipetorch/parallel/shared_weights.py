@@ -48,13 +48,17 @@ _files = itertools.count()  # names this process's files apart (a closed fd's nu
 class SharedWeights:
     """One launch's file of weights, and the host's tensors mapped to it.
 
-    `pointers` holds the data pointers of the host's new storages: a worker whose message
-    names one among its `shared` pointers maps that region shared (stream.send)."""
+    `tensors` are the host's tensors moved into it; a worker whose message names their
+    storages' data pointers among its `shared` ones maps those regions shared (stream.send)."""
 
-    def __init__(self, path: str, fd: int, pointers: frozenset[int],
-                 tensors: list[torch.Tensor]) -> None:
-        self.path, self.pointers, self.tensors = path, pointers, tensors
+    def __init__(self, path: str, fd: int, tensors: list[torch.Tensor]) -> None:
+        self.path, self.tensors = path, tensors
         self._finalizer = weakref.finalize(self, _close, path, fd)
+
+    @property
+    def pointers(self) -> frozenset[int]:
+        """The data pointers of the file's storages, one per region."""
+        return frozenset(t.untyped_storage().data_ptr() for t in self.tensors)
 
     @classmethod
     def write(cls, params: Iterable[torch.Tensor]) -> SharedWeights | None:
@@ -89,19 +93,17 @@ class SharedWeights:
             return None
         path, name = f"/proc/{os.getpid()}/fd/{fd}", next(_files)
         mapped.own(path, fd)
-        pointers = []
         with torch.no_grad():
-            for (pointer, tensors), offset in zip(by_storage.items(), offsets):
+            for n, (tensors, offset) in enumerate(zip(by_storage.values(), offsets)):
                 storage = tensors[0].untyped_storage()
                 _write_all(fd, storage, offset)
                 flat = mapped.map_region(mapped.Region(path, offset, storage.nbytes(),
-                                                       f"file{name}/storage{len(pointers)}", live=True))
+                                                       f"file{name}/storage{n}", live=True))
                 for tensor in tensors:
                     tensor.data = torch.empty(0, dtype=tensor.dtype).set_(
                         flat.untyped_storage(), tensor.storage_offset(), tensor.shape,
                         tensor.stride())
-                pointers.append(flat.untyped_storage().data_ptr())
-        return cls(path, fd, frozenset(pointers), [t for ts in by_storage.values() for t in ts])
+        return cls(path, fd, [t for ts in by_storage.values() for t in ts])
 
     def close(self) -> None:
         self._finalizer()
