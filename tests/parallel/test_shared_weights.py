@@ -91,19 +91,46 @@ class Net(nn.Module):
         return out, nn.functional.mse_loss(out, y)
 
 
-def _train(monkeypatch, request, setting: str, calls: int = 3):
+def _train(monkeypatch, request, setting: str, calls: int = 3, dtype=torch.float32):
     monkeypatch.setenv("PIPETORCH_SHARED_WEIGHTS", setting)
     torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model = Net().to(dtype)
+    optimizer = (torch.optim.Adam(model.parameters(), lr=0.01) if dtype == torch.float32 else
+                 poptorch.optim.AdamW(model.parameters(), lr=0.01, loss_scaling=64.0))
     wrapper = poptorch.trainingModel(model, options(G=4), optimizer=optimizer)
     request.addfinalizer(wrapper.destroy)
     data = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(calls):
         x, y = torch.randn(8, 32, generator=data), torch.randn(8, 32, generator=data)
-        losses.append(wrapper(x, y)[1])
+        losses.append(wrapper(x.to(dtype), y.to(dtype))[1])
     return model, wrapper, optimizer, losses
+
+
+@pytest.mark.slow
+def test_a_half_model_on_shared_weights_equals_separate_copies_and_stays_finite(monkeypatch,
+                                                                               request):
+    # a 16-bit step swaps weights to float32 bucket by bucket: the swap must come back into
+    # the shared pages, and the float32 moments must not drift
+    model, _, optimizer, losses = _train(monkeypatch, request, "1", calls=4,
+                                         dtype=torch.float16)
+    apart, _, apart_optimizer, apart_losses = _train(monkeypatch, request, "0", calls=4,
+                                                     dtype=torch.float16)
+    assert all(r is not None and r.live for r in _regions(model))
+    assert all(mapped.unmodified(p.untyped_storage()) for p in model.parameters())
+    assert_close(losses, apart_losses, rtol=0, atol=0)
+    torch.manual_seed(0)
+    start = Net().to(torch.float16)
+    assert not torch.equal(model.a.weight, start.a.weight)  # four real steps moved it
+    for mine, theirs in zip(model.parameters(), apart.parameters()):
+        assert mine.dtype == torch.float16 and torch.isfinite(mine).all()
+        assert_close(mine, theirs, rtol=0, atol=0)
+    for key, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.isfinite(value).all(), (key, name)
+                assert_close(value, apart_optimizer.state_dict()["state"][key][name],
+                             rtol=0, atol=0)
 
 
 @pytest.mark.slow
