@@ -22,7 +22,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import pickle
 import re
 import shutil
 import socket
@@ -37,13 +36,14 @@ from collections import defaultdict
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
+import cloudpickle
 import torch
 import torch.nn as nn
 
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import generation, placement as places
-from pipetorch.parallel import arena, mapped, pool, shm, signatures, snapshot, wire
+from pipetorch.parallel import arena, exits, mapped, pool, shm, signatures, snapshot, wire
 from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
@@ -278,7 +278,7 @@ class ProcessEngine:
         if self._skeleton is None:
             found = make()
             try:  # before anything is written to a worker's pipe
-                pickle.dumps(found)
+                cloudpickle.dumps(found)
             except Exception as exc:
                 raise CompileError(
                     "generate() sends the model's code (without its weights) to the stage "
@@ -370,7 +370,7 @@ class ProcessEngine:
                 theirs.close()
             conn = Connection(ours.detach())
         return wire.Peer(placement.stages, placement.device, conn, process, placement.replica,
-                         self.replicas)
+                         self.replicas, exits.oom_kills())
 
     @property
     def worker_pids(self) -> list[int]:
@@ -641,7 +641,7 @@ class ProcessEngine:
             else:
                 wire.send(peer.conn, message, shared=share)
         except OSError as exc:
-            self._fail(f"the worker running {peer.describe()} cannot be reached ({exc})")
+            self._fail(wire.unreachable(peer, exc))
             self._check_alive()
 
     def _gather(self, what: str, peers: list[wire.Peer] | None = None, *,
