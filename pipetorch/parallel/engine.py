@@ -190,9 +190,9 @@ class ProcessEngine:
                 raise CompileError(
                     f"{wire.stage_names(placement.stages).capitalize()} cannot be sent to "
                     f"{'its' if len(stages) == 1 else 'their'} worker process: pickling "
-                    f"failed with {type(exc).__name__}: {exc}. Hooks or attributes holding "
-                    "lambdas or local functions cannot cross processes: remove them from the "
-                    "model, or run every stage in this process with PIPETORCH_EXECUTION=local"
+                    f"failed with {type(exc).__name__}: {exc}. Objects that cannot be pickled "
+                    "(a lock, an open file, a generator) cannot cross processes: remove them "
+                    "from the model, or run every stage in this process with PIPETORCH_EXECUTION=local"
                 ) from exc
         self._gather("start-up")
         if self._shared is not None:
@@ -282,9 +282,9 @@ class ProcessEngine:
             except Exception as exc:
                 raise CompileError(
                     "generate() sends the model's code (without its weights) to the stage "
-                    f"workers, and pickling it failed with {type(exc).__name__}: {exc}. Hooks "
-                    "or attributes holding lambdas or local functions cannot cross processes: "
-                    "remove them from the model, or generate on one device") from exc
+                    f"workers, and pickling it failed with {type(exc).__name__}: {exc}. Objects "
+                    "that cannot be pickled (a lock, an open file, a generator) cannot cross "
+                    "processes: remove them from the model, or generate on one device") from exc
             self._skeleton = found
             self._send_skeleton()
 
