@@ -190,3 +190,22 @@ def test_replicas_generate_their_lanes_like_plain_hf(request):
     same_as_plain(wrapper, model, do_sample=False)  # lane 0 on replica 0, lane 1 on replica 1
     same_as_plain(wrapper, model, do_sample=True)
     assert_in_processes(wrapper, 4)
+
+
+# Issue 39: an inference call after generate() was refused with "Value mismatch for use_cache:
+# expected False but got None", an argument the user never passed (generate() compiled the
+# wrapper from its prompts with use_cache=False).
+def test_an_inference_call_after_generate_compiles_for_its_own_inputs(request):
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    wrapper = cleaned(request, inference(model))
+    same_as_plain(wrapper, model, do_sample=False)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    got = wrapper(input_ids=ids, use_cache=False).logits
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(input_ids=ids, use_cache=False).logits)
+    same_as_plain(wrapper, model, do_sample=False)  # and generate() again, on these stages
+    fresh = cleaned(request, inference(model))
+    same_as_plain(fresh, model, do_sample=False)
+    with pytest.raises(poptorch.Error, match="use_cache"):  # forward would return its cache
+        fresh(input_ids=ids)
