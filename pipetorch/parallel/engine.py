@@ -567,6 +567,8 @@ class ProcessEngine:
             return  # with shared weights a cut call may have changed them: restore anyway
         saved = ([snapshot.read(self._folder, r.index, self._saved) for r in self.routes]
                  if self._saved is not None else [])
+        if self._saved == 0 and self._commits == 0 and any(s is None for s in saved):
+            return  # start-up failed before its restore point: no call has run
         if self._saved is None or any(s is None for s in saved):
             logger.warning("The state after the last completed call was not saved "
                            "(PIPETORCH_SNAPSHOTS=0?): the host copy keeps the weights of the "

@@ -49,7 +49,8 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_a_class_the_workers_cannot_import_is_named_with_its_error(tmp_path, monkeypatch):
+def test_a_class_the_workers_cannot_import_is_named_with_its_error(tmp_path, monkeypatch,
+                                                                   caplog):
     # an optimiser class from a module on the host's import path only (its file then removed)
     (tmp_path / "host_only_optim.py").write_text(
         "import torch\nclass HostOnlySGD(torch.optim.SGD):\n    pass\n")
@@ -67,6 +68,8 @@ def test_a_class_the_workers_cannot_import_is_named_with_its_error(tmp_path, mon
         assert "ModuleNotFoundError: No module named 'host_only_optim'" in head, head
         assert head.startswith("Stage 0 on cpu (pid ") or head.startswith("Stage 1 on cpu"), head
         assert "memory" not in str(info.value) and "signal" not in str(info.value)
+        # no call ran: nothing to restore, and no warning that a call's state was not saved
+        assert "was not saved" not in caplog.text
     finally:
         wrapper.destroy()
 
