@@ -91,7 +91,8 @@ else:
         info["memory"] = torch.cuda.get_device_properties(0).total_memory
     else:
         info["name"] = "no CUDA GPU visible to torch"
-for module in ("pytest", "pytest_timeout", "transformers", "sklearn", "tqdm", "numpy"):
+for module in ("pytest", "pytest_timeout", "transformers", "sklearn", "tqdm", "numpy",
+               "cloudpickle"):
     try:
         info[module] = getattr(__import__(module), "__version__", "present")
     except ImportError:

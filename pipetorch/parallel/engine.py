@@ -22,7 +22,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import pickle
 import re
 import shutil
 import socket
@@ -37,13 +36,14 @@ from collections import defaultdict
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
+import cloudpickle
 import torch
 import torch.nn as nn
 
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import generation, placement as places
-from pipetorch.parallel import arena, mapped, pool, shm, signatures, snapshot, wire
+from pipetorch.parallel import arena, exits, mapped, pool, shm, signatures, snapshot, wire
 from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
@@ -190,9 +190,9 @@ class ProcessEngine:
                 raise CompileError(
                     f"{wire.stage_names(placement.stages).capitalize()} cannot be sent to "
                     f"{'its' if len(stages) == 1 else 'their'} worker process: pickling "
-                    f"failed with {type(exc).__name__}: {exc}. Hooks or attributes holding "
-                    "lambdas or local functions cannot cross processes: remove them from the "
-                    "model, or run every stage in this process with PIPETORCH_EXECUTION=local"
+                    f"failed with {type(exc).__name__}: {exc}. Objects that cannot be pickled "
+                    "(a lock, an open file, a generator) cannot cross processes: remove them "
+                    "from the model, or run every stage in this process with PIPETORCH_EXECUTION=local"
                 ) from exc
         self._gather("start-up")
         if self._shared is not None:
@@ -278,13 +278,13 @@ class ProcessEngine:
         if self._skeleton is None:
             found = make()
             try:  # before anything is written to a worker's pipe
-                pickle.dumps(found)
+                cloudpickle.dumps(found)
             except Exception as exc:
                 raise CompileError(
                     "generate() sends the model's code (without its weights) to the stage "
-                    f"workers, and pickling it failed with {type(exc).__name__}: {exc}. Hooks "
-                    "or attributes holding lambdas or local functions cannot cross processes: "
-                    "remove them from the model, or generate on one device") from exc
+                    f"workers, and pickling it failed with {type(exc).__name__}: {exc}. Objects "
+                    "that cannot be pickled (a lock, an open file, a generator) cannot cross "
+                    "processes: remove them from the model, or generate on one device") from exc
             self._skeleton = found
             self._send_skeleton()
 
@@ -370,7 +370,7 @@ class ProcessEngine:
                 theirs.close()
             conn = Connection(ours.detach())
         return wire.Peer(placement.stages, placement.device, conn, process, placement.replica,
-                         self.replicas)
+                         self.replicas, exits.oom_kills())
 
     @property
     def worker_pids(self) -> list[int]:
@@ -567,6 +567,8 @@ class ProcessEngine:
             return  # with shared weights a cut call may have changed them: restore anyway
         saved = ([snapshot.read(self._folder, r.index, self._saved) for r in self.routes]
                  if self._saved is not None else [])
+        if self._saved == 0 and self._commits == 0 and any(s is None for s in saved):
+            return  # start-up failed before its restore point: no call has run
         if self._saved is None or any(s is None for s in saved):
             logger.warning("The state after the last completed call was not saved "
                            "(PIPETORCH_SNAPSHOTS=0?): the host copy keeps the weights of the "
@@ -641,7 +643,7 @@ class ProcessEngine:
             else:
                 wire.send(peer.conn, message, shared=share)
         except OSError as exc:
-            self._fail(f"the worker running {peer.describe()} cannot be reached ({exc})")
+            self._fail(wire.unreachable(peer, exc))
             self._check_alive()
 
     def _gather(self, what: str, peers: list[wire.Peer] | None = None, *,

@@ -12,6 +12,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 
@@ -25,7 +26,10 @@ class _TensorRef:
     dtype: torch.dtype
 
 
-class _Pickler(pickle.Pickler):
+class _Pickler(cloudpickle.Pickler):
+    """Tensors by shape and dtype (their bytes follow), the user's `__main__` code by value
+    (as parallel.stream sends it)."""
+
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []

@@ -16,8 +16,17 @@ A storage mapped from a file (parallel.mapped) goes as its file region instead: 
 reads those bytes from the file (or maps them: weights the host shares with a CPU worker,
 parallel.shared_weights), and the sender never touches them.
 
+User code travels by value: the pickler is cloudpickle's, which pickles the classes, functions
+and hooks of the user's `__main__` (a script, `python -c`, a notebook) by value, and everything
+importable by reference. A worker's `__main__` is not the user's, and running the user's script
+again in each worker (multiprocessing spawn's `__mp_main__`) would need a `__main__` guard and
+cannot work for `python -c` or a notebook. A class sent by value comes back from a worker as the
+user's own class (cloudpickle tracks it).
+
 Every read is bounded: `timeout` seconds without a byte arriving raises TimeoutError, and a
-sender that dies mid-message closes the pipe (EOFError).
+sender that dies mid-message closes the pipe (EOFError). A message that arrives whole but
+cannot be rebuilt (a class the receiver cannot import, a weights file gone) raises
+Undeliverable, with the message's bytes read off the pipe.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Collection
 
+import cloudpickle
 import torch
 
 from pipetorch.parallel import mapped
@@ -44,8 +54,13 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles tensors' storages by reference; `storages` collects them in order."""
+class Undeliverable(Exception):
+    """A message arrived but could not be rebuilt here; its cause is chained."""
+
+
+class _Pickler(cloudpickle.Pickler):
+    """Pickles tensors' storages by reference (`storages` collects them in order) and the
+    user's `__main__` code by value."""
 
     def __init__(self, file: io.BytesIO, shared: Collection[int]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -117,11 +132,20 @@ def send(conn: Connection, message: Any, *, shared: Collection[int] = ()) -> int
 def receive(conn: Connection, *, timeout: float,
             alive: Callable[[], bool] | None = None) -> tuple[Any, int]:
     """The next message and its bytes, the wait for its first byte bounded by `timeout` s
-    (TimeoutError) and each later read likewise; `alive()` False ends the wait (EOFError)."""
+    (TimeoutError) and each later read likewise; `alive()` False ends the wait (EOFError).
+    A message that cannot be rebuilt raises Undeliverable once its bytes are read."""
     wait(conn, timeout, alive)
     sizes, skeleton = pickle.loads(conn.recv_bytes())
     unpickler = _Unpickler(io.BytesIO(skeleton), sizes)
-    message = unpickler.load()
+    try:
+        message = unpickler.load()
+    except Exception as exc:
+        for size in sizes:  # the storages' chunks follow: read them off the pipe
+            scratch = memoryview(bytearray(min(size, CHUNK)))
+            for start in range(0, size, CHUNK):
+                wait(conn, timeout, alive)
+                _read_message_into(conn, scratch[:min(CHUNK, size - start)])
+        raise Undeliverable(f"{type(exc).__name__}: {exc}") from exc
     for storage in unpickler.storages:
         whole = _bytes_of(storage).numpy()
         for start in range(0, storage.nbytes(), CHUNK):

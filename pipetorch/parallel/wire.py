@@ -2,6 +2,7 @@
 (parallel.stream), every wait bounded."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Collection, Sequence
 
 from pipetorch.errors import DeviceError
-from pipetorch.parallel import stream
+from pipetorch.parallel import exits, stream
 
 __all__: list[str] = []
 
@@ -52,7 +53,8 @@ def receive_timed(conn: Connection, *, timeout: float,
 class Failure:
     """An exception in a worker, as the worker saw it."""
 
-    stage: int              # the stage of the action that failed (else the worker's first)
+    stage: int              # the stage of the action that failed (else the worker's first;
+    # -1 before the worker knew its stages: the host names them)
     device: str
     pid: int
     action: str | None      # "F", "B", "S>F", ... or None outside the schedule
@@ -72,6 +74,7 @@ class Peer:
     process: Any  # subprocess.Popen
     replica: int = 0
     replicas: int = 1  # this process's replicas: named in messages only when more than one
+    oom_kills: int | None = None  # the kernel's count of OOM kills when it started (exits)
 
     def describe(self) -> str:
         replica = f" of replica {self.replica}" if self.replicas > 1 else ""
@@ -119,7 +122,12 @@ def gather(peers: Sequence[Peer], *, timeout: float, what: str,
             if kind == "error":
                 # A worker whose peer died fails on the broken connection: name the dead one.
                 dead = _first_dead(peers)
-                raise _died(dead, what) if dead else WorkerFailed(payload.error, payload)
+                if dead:
+                    raise _died(dead, what)
+                if payload.stage < 0:  # it failed before it knew its stages
+                    payload = dataclasses.replace(payload, stage=peer.stages[0],
+                                                  device=peer.device, replica=peer.replica)
+                raise WorkerFailed(payload.error, payload)
             replies[n] = payload
             timings[n] = Transfer(start, time.monotonic_ns(), nbytes)
             deadline = time.monotonic() + timeout
@@ -134,10 +142,20 @@ def gather(peers: Sequence[Peer], *, timeout: float, what: str,
 
 
 def _died(peer: Peer, what: str) -> WorkerFailed:
+    code = _exit_code(peer.process)
     return WorkerFailed(
-        f"The worker running {peer.describe()} died during {what} (exit code "
-        f"{_exit(_exit_code(peer.process))}). Running out of memory or a kill signal are the "
-        "usual causes; the wrapper cannot continue: call destroy() and build a new one")
+        f"The worker running {peer.describe()} died during {what} ({exits.status(code)}). "
+        f"{exits.cause(code, peer.oom_kills)}. The wrapper cannot continue: call destroy() and "
+        "build a new one")
+
+
+def unreachable(peer: Peer, error: OSError) -> str:
+    """Why the pipe to `peer` broke: how the worker ended, if it has, else `error`."""
+    if _first_dead([peer]) is None:
+        return f"the worker running {peer.describe()} cannot be reached ({error})"
+    code = _exit_code(peer.process)
+    return (f"the worker running {peer.describe()} died ({exits.status(code)}). "
+            f"{exits.cause(code, peer.oom_kills)}")
 
 
 def _first_dead(peers: Sequence[Peer], *, grace: float = 1.0) -> Peer | None:
@@ -157,16 +175,3 @@ def _exit_code(process: Any) -> int | None:
         return process.wait(timeout=2)
     except Exception:
         return None
-
-
-def _exit(code: int | None) -> str:
-    if code is None:
-        return "unknown"
-    if code < 0:
-        import signal
-
-        try:
-            return f"{code}, killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return str(code)
-    return str(code)

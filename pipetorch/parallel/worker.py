@@ -28,7 +28,7 @@ from pipetorch.optim.peers import Peers
 from pipetorch.parallel import placement as places
 from pipetorch.parallel import arena, compiled, generation, signatures, snapshot, wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
-from pipetorch.parallel import shm
+from pipetorch.parallel import shm, stream
 from pipetorch.parallel.routes import Constant, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, StageExecutor
 from pipetorch.parallel.tied import Tie, TiedGrads, new_groups
@@ -43,6 +43,7 @@ from pipetorch.schedule.actions import Action, Kind
 __all__: list[str] = []
 
 _WATCH_PERIOD = 0.25  # seconds between checks that the host process is still there
+_FRAMES = 12  # the last frames of a worker's traceback that the host shows
 
 
 @dataclass(frozen=True)
@@ -343,37 +344,56 @@ def _move_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
                 state[key] = value.to(param.device)
 
 
-def _failure(launch: Launch, executor: StageExecutor | None, exc: BaseException) -> wire.Failure:
-    action, micro, stage = None, None, launch.placement.stages[0]
+def _failure(launch: Launch | None, executor: StageExecutor | None,
+             exc: BaseException) -> wire.Failure:
+    """`exc` as the host shows it: the cause of a message that could not be rebuilt here (a
+    class this worker cannot import, a weights file gone), and its last frames."""
+    if isinstance(exc, stream.Undeliverable) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    action, micro = None, None
+    stage = launch.placement.stages[0] if launch is not None else -1  # -1: the host names it
     if executor is not None and executor.current is not None:
         step, base = executor.current
         action, stage = step.kind.value, step.stage
         micro = base + step.micro_batch if step.micro_batch is not None else None
-    return wire.Failure(stage, launch.placement.device, os.getpid(), action,
-                        micro, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-                        launch.placement.replica)
+    frames = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__,
+                                                limit=-_FRAMES))
+    return wire.Failure(stage, launch.placement.device if launch is not None else "", os.getpid(),
+                        action, micro, f"{type(exc).__name__}: {exc}", frames,
+                        launch.placement.replica if launch is not None else 0)
 
 
 def main(conn: Connection, host: int | None = None) -> None:
     """Serve the host on `conn` until it says stop or goes away (`host`: a pidfd of the user's
-    process when this worker was forked by the pool's zygote, see parallel/pool.py)."""
+    process when this worker was forked by the pool's zygote, see parallel/pool.py). An
+    exception, at start-up too, goes to the host as a Failure; only "stop" then ends it."""
     _die_with_host(os.getppid(), host)
     parent = os.getppid() if host is None else None  # a zygote's death does not end a worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle
-    launch, setup = wire.receive(conn, timeout=environment.get("timeout"), parent=parent)
-    torch.set_num_threads(launch.placement.threads)
-    record = places.register(launch.placement, host_pid=launch.host_pid)
+    launch: Launch | None = None
+    record = None
     worker: Worker | None = None
     try:
         try:
+            launch, setup = wire.receive(conn, timeout=environment.get("timeout"), parent=parent)
+            torch.set_num_threads(launch.placement.threads)
+            record = places.register(launch.placement, host_pid=launch.host_pid)
             worker = Worker(launch, setup, conn)
             wire.send(conn, ("ok", os.getpid()))
+        except (EOFError, TimeoutError):
+            raise
         except Exception as exc:
             wire.send(conn, ("error", _failure(launch, None, exc)))
         broken = worker is None
         while True:
-            (kind, payload), arrival = wire.receive_timed(conn, timeout=float("inf"),
-                                                          parent=parent)
+            try:
+                (kind, payload), arrival = wire.receive_timed(conn, timeout=float("inf"),
+                                                              parent=parent)
+            except stream.Undeliverable as exc:
+                if not broken:
+                    wire.send(conn, ("error", _failure(launch, None, exc)))
+                broken = True
+                continue
             if kind == "stop":
                 wire.send(conn, ("ok", None))
                 break
@@ -388,7 +408,8 @@ def main(conn: Connection, host: int | None = None) -> None:
     except (EOFError, OSError, TimeoutError):
         pass  # the host has gone: nothing left to serve
     finally:
-        record.unlink(missing_ok=True)
+        if record is not None:
+            record.unlink(missing_ok=True)
         if worker is not None:
             worker.close()
         if dist.is_initialized():

@@ -146,6 +146,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         self._calls = 0  # calls checked by checkNonFinite
         self._state_stale = False  # the device's optimiser state is newer than the user's
         self._warned_weights = False
+        self._from_prompts = False  # compiled by generate() from its prompts, not by a call
 
     # -- calls ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -154,8 +155,14 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         args, kwargs = self._cast_inputs(*self._bound(args, kwargs))
         signature = Signature.of(args, kwargs, self._params)
         problem = self._signature.mismatch(signature) if self._signature else None
-        if problem:
+        if problem and self._from_prompts:  # the user never chose generate()'s signature
+            logger.info("Compiling again for this call's inputs (generate() compiled the "
+                        "model from its prompts: %s)", problem)
+            self.destroy()
+            wrapping.register(self._user_model, self)  # it lives on: model.destroy() reaches it
+        elif problem:
             self._switch_signature(args, kwargs, signature, problem)
+        self._from_prompts = False
         o = self._options
         if o.check_non_finite:
             check_finite_inputs(input_names(args, kwargs, self._params),
@@ -693,8 +700,10 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             start = getattr(config, "decoder_start_token_id", None) or 0
             first["decoder_input_ids"] = torch.full((rows, 1), start, dtype=ids.dtype)
         call_args, call_kwargs = self._cast_inputs(*self._bound((), first))
-        return self._compile(call_args, call_kwargs,
-                             Signature.of(call_args, call_kwargs, self._params))
+        compiled = self._compile(call_args, call_kwargs,
+                                 Signature.of(call_args, call_kwargs, self._params))
+        self._from_prompts = True
+        return compiled
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # isinstance(wrapped, type(model)) holds, as in PopTorch

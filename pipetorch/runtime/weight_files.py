@@ -18,6 +18,7 @@ import contextlib
 import os
 from typing import Iterator
 
+import torch
 import torch.nn as nn
 
 from pipetorch.errors import ConfigError
@@ -49,11 +50,15 @@ def empty_weights() -> Iterator[None]:
 
 
 def map_weights(model: nn.Module, path: str | os.PathLike[str], *,
-                output: str | os.PathLike[str] | None = None) -> nn.Module:
+                output: str | os.PathLike[str] | None = None, strict: bool = True) -> nn.Module:
     """Map the weights of the safetensors file `path` into `model` (built under
     `empty_weights()` or `torch.device("meta")`, or holding any weights) without reading
     them: each stage worker reads its own. With `output`, copies of the trained weights to
     the host are written there, stage by stage, and the model maps that file. Returns `model`.
+
+    `strict` (as `load_state_dict`): the file's tensors and the model's state_dict must match,
+    name for name (a weight tied under several names needs one). `strict=False` maps the
+    tensors both have; the model keeps its own values for the rest.
     """
     path = os.fspath(path)
     if not path.endswith(".safetensors"):
@@ -61,13 +66,8 @@ def map_weights(model: nn.Module, path: str | os.PathLike[str], *,
                           "(safetensors.torch.save_file(model.state_dict(), path) writes "
                           "one); a torch.save file is read whole: load it with "
                           "model.load_state_dict(torch.load(path, mmap=True)) instead")
-    missing = mapped.materialize(model, path)
-    empty = [name for name in missing if _on_meta(model, name)]
-    if empty:
-        raise ConfigError(
-            f"map_weights: {path} holds no {empty[:4]} ({len(empty)} tensors) and the model "
-            "has them on the meta device: build the model under poptorch.empty_weights() "
-            "(its buffers are then real), or save them in the file")
+    _check_names(model, path, set(mapped.SafetensorsFile(path).entries), strict=strict)
+    mapped.materialize(model, path)
     if output is not None:
         output = os.path.abspath(os.fspath(output))
         folder = os.path.dirname(output)
@@ -81,14 +81,56 @@ def map_weights(model: nn.Module, path: str | os.PathLike[str], *,
     return model
 
 
+def _check_names(model: nn.Module, path: str, found: set[str], *, strict: bool) -> None:
+    """Refuse, before anything is mapped, a file without a tensor the model holds on the meta
+    device, and with `strict` one whose names differ from the model's state_dict."""
+    aliases: dict[int, tuple[torch.Tensor, list[str]]] = {}  # a tied tensor has several names
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        aliases.setdefault(id(tensor), (tensor, []))[1].append(name)
+    saved = set(model.state_dict())  # parameters and persistent buffers
+    absent = [(t, names[0]) for t, names in aliases.values() if not found.intersection(names)]
+    empty = [(t, name) for t, name in absent if t.device.type == "meta"]
+    if empty:
+        raise ConfigError(f"map_weights: {path} " + "; ".join(_missing(empty, meta=True)))
+    unexpected = sorted(found.difference(*(names for _, names in aliases.values())))
+    missing = [(t, name) for t, name in absent if name in saved]
+    if strict and (unexpected or missing):
+        problems = ([f"holds {len(unexpected)} tensor(s) the model does not have: "
+                     f"{_listed(unexpected)}"] if unexpected else []) + _missing(missing)
+        raise ConfigError(
+            f"map_weights: {path} does not match the model (strict=True, as load_state_dict): "
+            + "; ".join(problems) + ". Map the file saved from this model's configuration, or "
+            "pass strict=False to map the tensors both have (the model keeps its own values "
+            "for the others)")
+
+
+def _missing(absent: list[tuple[torch.Tensor, str]], *, meta: bool = False) -> list[str]:
+    """"holds no parameter(s) ..." and "holds no buffer(s) ...", with the fix when `meta`."""
+    said = []
+    for kind in ("parameter", "buffer"):
+        names = [n for t, n in absent if isinstance(t, nn.Parameter) == (kind == "parameter")]
+        if not names:
+            continue
+        text = f"holds no {kind}(s) {_listed(names)}"
+        if meta and kind == "parameter":
+            text += (", which the model has on the meta device (no values): save them in the "
+                     "file, or build the model with its weights and pass strict=False")
+        elif meta:
+            text += (", which the model has on the meta device: build it under "
+                     "poptorch.empty_weights() (its buffers are then real), or save them in "
+                     "the file")
+        said.append(text)
+    return said
+
+
+def _listed(names: list[str], shown: int = 6) -> str:
+    more = f" ... ({len(names)} in all)" if len(names) > shown else ""
+    return ", ".join(map(repr, names[:shown])) + more
+
+
 def output_of(model: nn.Module) -> mapped.Writer | None:
     """Where copies to the host of `model`'s trained weights go: a Writer for map_weights's
     `output`, None for the host's memory."""
     output = model.__dict__.get(_OUTPUT)
     return None if output is None else mapped.Writer(output)
-
-
-def _on_meta(model: nn.Module, name: str) -> bool:
-    tensors = dict(model.named_parameters(remove_duplicate=False))
-    tensors.update(model.named_buffers(remove_duplicate=False))
-    return tensors[name].device.type == "meta"

@@ -190,3 +190,55 @@ def test_replicas_generate_their_lanes_like_plain_hf(request):
     same_as_plain(wrapper, model, do_sample=False)  # lane 0 on replica 0, lane 1 on replica 1
     same_as_plain(wrapper, model, do_sample=True)
     assert_in_processes(wrapper, 4)
+
+
+# Issue 39: an inference call after generate() was refused with "Value mismatch for use_cache:
+# expected False but got None", an argument the user never passed (generate() compiled the
+# wrapper from its prompts with use_cache=False).
+def test_an_inference_call_after_generate_compiles_for_its_own_inputs(request):
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    wrapper = cleaned(request, inference(model))
+    same_as_plain(wrapper, model, do_sample=False)
+    ids = torch.randint(3, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    got = wrapper(input_ids=ids, use_cache=False).logits
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(input_ids=ids, use_cache=False).logits)
+    same_as_plain(wrapper, model, do_sample=False)  # and generate() again, on these stages
+    fresh = cleaned(request, inference(model))
+    same_as_plain(fresh, model, do_sample=False)
+    with pytest.raises(poptorch.Error, match="use_cache"):  # forward would return its cache
+        fresh(input_ids=ids)
+
+
+class _Scoped(transformers.GPT2LMHeadModel):
+    """GPT-2 split by Block scopes in forward: the layers in one, the head in another."""
+
+    def forward(self, input_ids=None, attention_mask=None, past_key_values=None,
+                use_cache=None, position_ids=None, cache_position=None, **kwargs):
+        with poptorch.Block("body", ipu_id=0):
+            out = self.transformer(input_ids, attention_mask=attention_mask,
+                                   past_key_values=past_key_values, use_cache=use_cache,
+                                   position_ids=position_ids, cache_position=cache_position)
+        with poptorch.Block("head", ipu_id=1):
+            logits = self.lm_head(out[0])
+        return transformers.modeling_outputs.CausalLMOutputWithPast(
+            logits=logits, past_key_values=out.past_key_values)
+
+
+# Issue 39: a Block-scope split was refused inside a worker, as "stage 1 failed outside the
+# schedule", naming neither the block nor the layer to mark instead.
+def test_a_block_scope_split_is_refused_naming_the_block_and_the_fix(request):
+    torch.manual_seed(0)
+    model = _Scoped(gpt2().config).eval()
+    opts = poptorch.Options().deviceIterations(2).showCompilationProgressBar(False)
+    wrapper = cleaned(request, poptorch.inferenceModel(model, opts))
+    with pytest.raises(ConfigError, match=r"stage 1 begins with block 'head', a `with "
+                                          r"poptorch.Block\(...\)` scope inside forward: split "
+                                          r"the model with poptorch.BeginBlock\(layer, 'head', "
+                                          r"ipu_id=1\)"):
+        wrapper.generate(**prompts(), max_new_tokens=2, pad_token_id=0)
+    ids = prompts()["input_ids"]
+    with torch.no_grad():  # the workers were never touched: the wrapper runs on
+        torch.testing.assert_close(wrapper(input_ids=ids, use_cache=False).logits,
+                                   model(input_ids=ids, use_cache=False).logits)

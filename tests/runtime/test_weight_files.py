@@ -158,3 +158,46 @@ def test_mapping_refuses_what_it_cannot_use(tmp_path):
         poptorch.map_weights(Stack(), tmp_path / "w.pt")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         poptorch.map_weights(Stack(), tmp_path / "absent.safetensors")
+
+
+# Issue 39: a 6-layer GPT-2 checkpoint mapped into a 4-layer model trained without a word, where
+# a strict load_state_dict refuses it; a missing parameter was spoken of as a buffer.
+def test_mapping_is_strict_as_load_state_dict_and_names_what_differs(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2(layers):
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=50, n_positions=16, n_embd=16, n_layer=layers, n_head=2))
+
+    torch.manual_seed(0)
+    six = gpt2(6)
+    path = tmp_path / "six.safetensors"
+    save_model(six, str(path))
+    with poptorch.empty_weights():
+        four = gpt2(4)
+    with pytest.raises(ConfigError) as info:
+        poptorch.map_weights(four, path)
+    message = str(info.value)
+    assert "does not match the model (strict=True, as load_state_dict)" in message, message
+    assert "tensor(s) the model does not have: 'transformer.h.4.attn.c_attn.bias'" in message, message
+    assert "strict=False" in message
+    assert all(p.device.type == "meta" for p in four.parameters())  # nothing mapped
+    poptorch.map_weights(four, path, strict=False)
+    for name, value in four.state_dict().items():
+        assert torch.equal(value, six.state_dict()[name]), name
+
+    # a parameter the file lacks: named as a parameter, with the fix
+    save_file({k: v for k, v in Stack().state_dict().items() if k != "layers.3.bias"},
+              str(tmp_path / "short.safetensors"))
+    with poptorch.empty_weights():
+        model = Stack()
+    with pytest.raises(ConfigError, match=r"holds no parameter\(s\) 'layers.3.bias', which the "
+                                          r"model has on the meta device \(no values\): save "):
+        poptorch.map_weights(model, tmp_path / "short.safetensors")
+    built = Stack()  # with its own weights: strict refuses, strict=False keeps its own bias
+    with pytest.raises(ConfigError, match=r"does not match.*holds no parameter\(s\) "
+                                          r"'layers.3.bias'\. Map the file"):
+        poptorch.map_weights(built, tmp_path / "short.safetensors")
+    bias = built.layers[3].bias.detach().clone()
+    poptorch.map_weights(built, tmp_path / "short.safetensors", strict=False)
+    assert torch.equal(built.layers[3].bias, bias)
