@@ -196,8 +196,7 @@ class ProcessEngine:
                 ) from exc
         self._gather("start-up")
         if self._shared is not None:
-            for tensor in self._shared.tensors:  # pages read to send copies
-                mapped.refresh(tensor)
+            self._shared.refresh()  # pages read to send copies
         for key in range(1, len(self._signatures)):  # a restart: every signature again
             self._send_signature(key)
         if self.signature:
@@ -443,6 +442,10 @@ class ProcessEngine:
         commit = self._commits + 1
         save = training and self._snapshots.wanted()
         overlap = self._overlap()  # read per call: a change between calls counts
+        if training and self._shared is not None:
+            # a host write not uploaded is superseded by this call: the host copy reads the
+            # workers' weights, all of one call (docs/precision.md), never its written pages
+            self._shared.refresh()
         start = time.perf_counter()
         for n, (peer, placement) in enumerate(zip(self.peers, self.placements)):
             reads = sorted({i for s in placement.stages for i in self.routes[s].host_inputs})
@@ -595,6 +598,8 @@ class ProcessEngine:
         if any(self._gather("copyWeightsToDevice")):
             self._saved = commit
         self._commits = commit
+        if self._shared is not None:
+            self._shared.refresh()  # the file now holds what the host's own pages held
 
     def rng_state(self, states: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
         """Every worker's random generators (one list per worker), set first when given."""

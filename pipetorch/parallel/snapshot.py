@@ -27,11 +27,13 @@ StageState = tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str,
 
 
 def stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                tensors: bool = True) -> StageState:
+                tensors: bool = True, skip: frozenset[int] = frozenset()) -> StageState:
     """Everything of the stage that training changes: its own tensors, not copies (sending
-    or saving them copies each storage in turn, never the whole stage at once). Without
-    `tensors`, of the optimiser only its small attributes (the dynamic loss scale)."""
-    state = {n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    or saving them copies each storage in turn, never the whole stage at once), but those
+    whose id() is in `skip`. Without `tensors`, of the optimiser only its small attributes
+    (the dynamic loss scale)."""
+    state = {n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()]
+             if id(t) not in skip}
     optimizer_state: dict[str, dict[str, Any]] = {}
     attributes: dict[str, Any] = {}
     if optimizer is not None and tensors:

@@ -249,7 +249,9 @@ class Worker:
     def _pull(self, optimizer_state: bool) -> int:
         """The number of values that follow the reply: every stage's weights, and with
         `optimizer_state` its optimiser state too."""
-        states = {stage: snapshot.stage_state(module, self.optimizer, tensors=optimizer_state)
+        followers = self.tied.followers()  # a tied weight comes from the device stepping it
+        states = {stage: snapshot.stage_state(module, self.optimizer, tensors=optimizer_state,
+                                              skip=followers)
                   for stage, module in self.modules.items()}
         self._stream = (item for stage, state in states.items()
                         for item in snapshot.items(stage, state))

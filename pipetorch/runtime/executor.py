@@ -461,9 +461,12 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             self._sync.run(self._pull)
 
     def copyWeightsToDevice(self) -> None:
-        """Copy the user's model's weights to the device (host edits reach it only this way)."""
+        """Copy the user's model's weights to the device (host edits reach it only this way).
+
+        The host copy is brought to the latest call first when a call trained since it was
+        last: the upload holds every tensor from one point of training (docs/precision.md)."""
         if self._compiled is not None and self._sync is not None:
-            self._sync.forget(self._fetch)  # the host copy is what the user asks to upload
+            self._sync.flush()
             weights.copy_state(self._user_model, self._compiled.engine.model)
             self._compiled.engine.push()
             self._uploaded_generation = self._sync.generation

@@ -1,0 +1,69 @@
+"""Every copy of the weights the user reads or uploads holds every tensor, the tied one included,
+from one point of training: the latest call's (docs/precision.md). Checked tensor by tensor against
+plain PyTorch at that point, with the weights shared with the workers and kept apart."""
+import copy
+
+import pytest
+import torch
+
+import pipetorch as poptorch
+from parallel_cases import (assert_same_result, assert_same_state, cleaned, one_thread_everywhere,
+                            plain_call, TiedHead, tied_tokens)
+
+D, G, B = 1, 3, 2
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(request, monkeypatch):
+    one_thread_everywhere(request, monkeypatch)
+
+
+def _options(R: int):
+    opts = poptorch.Options().deviceIterations(D).replicationFactor(R)
+    opts.Training.gradientAccumulation(G)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
+    return opts.outputMode(poptorch.OutputMode.All).showCompilationProgressBar(False)
+
+
+def _edit(model):
+    with torch.no_grad():  # a few elements only: the tensors' other pages stay unwritten
+        model.embed.weight[0].mul_(-0.5)
+        model.mid.weight[1].add_(0.25)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shared", ["1", "0"], ids=["shared", "apart"])
+@pytest.mark.parametrize("between", ["nothing", "read", "host-write"])
+@pytest.mark.parametrize("R", [1, 2], ids=["R1", "R2"])
+def test_copy_to_the_device_after_calls_uploads_one_point_of_training(request, monkeypatch,
+                                                                      shared, between, R):
+    # Story: with shared weights, reading after call 2 wrote the tied weight into the host's
+    # private pages; the upload after call 3 then sent it from before call 3, the other
+    # tensors from after it (and a host edit mixed edited and trained pages within a tensor).
+    monkeypatch.setenv("PIPETORCH_SHARED_WEIGHTS", shared)
+    torch.manual_seed(0)
+    model = TiedHead(head_ipu=1)
+    plain = copy.deepcopy(model)
+    plain_optimizer = torch.optim.Adam(plain.parameters(), lr=0.01)
+    wrapper = cleaned(request, poptorch.trainingModel(
+        model, _options(R), optimizer=torch.optim.Adam(model.parameters(), lr=0.01)))
+
+    def call(n):
+        batch = tied_tokens(D * G * R * B, n)
+        assert_same_result(wrapper(*batch),
+                           plain_call(plain, plain_optimizer, batch, D=D, G=G, R=R),
+                           what=f"call {n}")
+
+    call(0)
+    call(1)
+    if between != "nothing":
+        assert_same_state(wrapper.model, plain, what="read after call 1: ")
+    if between == "host-write":
+        _edit(wrapper.model)  # not uploaded: call 2 trains the device's weights, as plain does
+    call(2)
+    wrapper.copyWeightsToDevice()  # the host copy, brought to the latest call first
+    wrapper.copyWeightsToHost()  # what the workers now hold
+    assert wrapper.model.head.weight is wrapper.model.embed.weight
+    assert_same_state(wrapper.model, plain, what="uploaded after call 2: ")
+    call(3)  # training goes on from that point
+    assert_same_state(wrapper.model, plain, what="after call 3: ")
