@@ -43,7 +43,7 @@ import torch.nn as nn
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import generation, placement as places
-from pipetorch.parallel import arena, mapped, pool, shm, signatures, snapshot, wire
+from pipetorch.parallel import arena, mapped, pool, resident, shm, signatures, snapshot, wire
 from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
@@ -107,6 +107,7 @@ class ProcessEngine:
         self._commits = 0  # calls (and pushes) that changed the weights, since the launch
         self._saved: int | None = None  # the last of them whose state the workers wrote
         self._shared: SharedWeights | None = None  # this launch's weights in shared memory
+        self._state_moved = False  # replica 0's optimiser state is on the host (pull moved it)
         self._snapshots = snapshot.SnapshotPolicy(environment.get("snapshots"))
         # randomSeed, else torch's (so torch.manual_seed repeats runs; the user's stream of
         # random numbers is left as it is)
@@ -162,6 +163,7 @@ class ProcessEngine:
         # a training engine sharing its weights keeps a restore point from the start
         start_snapshot = keep and self._shared is not None
         self._commits, self._saved = 0, 0 if start_snapshot else None
+        self._state_moved = False  # the workers start with the host's state
         self._decoding = _Decoding(len(self.placements))  # new workers owe no replies
         for placement in self.placements:
             self.peers.append(self._start(placement))
@@ -422,6 +424,8 @@ class ProcessEngine:
              training: bool, iterations: int, per_iteration: int, scale: float) -> None:
         """Send replica r the micro-batches r, r + R, r + 2R, ... and collect what comes back."""
         self._revive()
+        if training:
+            self._return_state()
         try:
             replies, arrivals, flat, wanted = self._exchange(
                 micro_batches, collector, training=training, iterations=iterations,
@@ -532,10 +536,34 @@ class ProcessEngine:
                 for _ in range(count):
                     loader.put(self._receive(peer, "copyWeightsToHost"))
             loader.finish()
+            self._state_moved |= optimizer_state and self.optimizer is not None
         except DeviceError as exc:
             logger.warning("Could not copy the weights from the stage workers (%s): the host "
                            "copy keeps the weights of the last completed call",
                            str(exc).splitlines()[0])
+
+    def _return_state(self) -> None:
+        """The optimiser state a copy to the host moved there, back to replica 0's workers
+        before a training call: a worker at a time, the host's copy of each worker's share
+        dropped once it has arrived (so the state is never in memory twice)."""
+        if not self._state_moved:
+            return
+        assert self.optimizer is not None
+        for peer, placement in zip(self._first_replica, self.placements):
+            modules = [self.staged.modules[s] for s in placement.stages]
+            states = {s: ({}, *snapshot.stage_state(m, self.optimizer)[1:])
+                      for s, m in zip(placement.stages, modules)}
+            self._send(peer, ("state", states))
+            self._gather("giving the optimiser state back", [peer])
+            elsewhere = {id(self.model.get_parameter(n)) for n in
+                         stepped_elsewhere(self.ties, placement.stages, self.owners)}
+            for module in modules:
+                for param in module.parameters():
+                    if id(param) not in elsewhere:
+                        self.optimizer.state.pop(param, None)
+            del states
+            resident.give_back_freed()
+        self._state_moved = False
 
     def _receive(self, peer: wire.Peer, what: str) -> Any:
         """One message that follows a reply from `peer` (its death or silence fails the
@@ -589,6 +617,8 @@ class ProcessEngine:
         state) to every stage of every replica."""
         self._revive()
         self._check_alive()
+        if not optimizer_state:
+            self._return_state()  # the snapshot the workers write holds their state
         commit = self._commits + 1
         optimizer = self.optimizer if optimizer_state else None
         for peer in self.peers:
@@ -598,6 +628,7 @@ class ProcessEngine:
         if any(self._gather("copyWeightsToDevice")):
             self._saved = commit
         self._commits = commit
+        self._state_moved = False  # with `optimizer_state` the host's went to every worker
         if self._shared is not None:
             self._shared.refresh()  # the file now holds what the host's own pages held
 

@@ -53,13 +53,16 @@ optimiser state key, value)."""
 
 
 def items(stage: int, state: StageState) -> Iterator[Item]:
-    """`state` value by value, so a copy to the host holds one tensor at a time in transit."""
+    """`state` value by value, so a copy to the host holds one tensor at a time in transit;
+    each value is taken out of `state` as it goes (a tensor held nowhere else, as a worker's
+    moving optimiser state, is freed once sent)."""
     weights, optimizer_state, attributes = state
-    for name, tensor in weights.items():
-        yield stage, "weight", name, "", _compact(tensor)
-    for name, values in optimizer_state.items():
-        for key, value in values.items():
-            yield stage, "state", name, key, _compact(value)
+    for name in list(weights):
+        yield stage, "weight", name, "", _compact(weights.pop(name))
+    for name in list(optimizer_state):
+        values = optimizer_state.pop(name)
+        for key in list(values):
+            yield stage, "state", name, key, _compact(values.pop(key))
     if attributes:
         yield stage, "attributes", "", "", attributes
 

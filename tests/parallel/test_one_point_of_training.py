@@ -67,3 +67,50 @@ def test_copy_to_the_device_after_calls_uploads_one_point_of_training(request, m
     assert_same_state(wrapper.model, plain, what="uploaded after call 2: ")
     call(3)  # training goes on from that point
     assert_same_state(wrapper.model, plain, what="after call 3: ")
+
+
+def _assert_same_optimizer_state(got, want, *, what: str):
+    got_state, want_state = got.state_dict()["state"], want.state_dict()["state"]
+    assert sorted(got_state) == sorted(want_state), what
+    for index, values in want_state.items():
+        for key, value in values.items():
+            torch.testing.assert_close(got_state[index][key], value,
+                                       msg=lambda m, i=index, k=key: f"{what}{i}.{k}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["destroy", "detach"])
+def test_optimiser_state_moves_to_the_host_when_read_and_back_for_the_next_call(request, end):
+    # Story: reading the optimiser copied Adam's moments to the host while the workers kept
+    # theirs, so optimizer.state_dict() and destroy() held them twice.
+    R = 2
+    torch.manual_seed(0)
+    model = TiedHead(head_ipu=1)
+    plain = copy.deepcopy(model)
+    plain_optimizer = torch.optim.Adam(plain.parameters(), lr=0.01)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    wrapper = cleaned(request, poptorch.trainingModel(model, _options(R), optimizer=optimizer))
+
+    def call(n):
+        batch = tied_tokens(D * G * R * B, n)
+        assert_same_result(wrapper(*batch),
+                           plain_call(plain, plain_optimizer, batch, D=D, G=G, R=R),
+                           what=f"call {n}")
+
+    call(0)
+    engine = wrapper._compiled.engine
+    _assert_same_optimizer_state(optimizer, plain_optimizer, what="read after call 0: ")
+    assert engine._state_moved  # the host holds replica 0's state now, the workers none
+    call(1)  # which the call gets back first: Adam goes on from its moments
+    assert not engine._state_moved
+    _assert_same_optimizer_state(optimizer, plain_optimizer, what="read after call 1: ")
+    wrapper.copyWeightsToDevice()  # gives the state back before the workers' snapshot
+    call(2)
+    if end == "detach":
+        wrapper.detachFromDevice()
+        _assert_same_optimizer_state(optimizer, plain_optimizer, what="detached: ")
+        wrapper.attachToDevice()
+        call(3)
+    wrapper.destroy()
+    _assert_same_optimizer_state(optimizer, plain_optimizer, what="destroyed: ")
+    assert_same_state(model, plain, what="destroyed: ")
