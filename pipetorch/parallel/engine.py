@@ -43,11 +43,12 @@ import torch.nn as nn
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import generation, placement as places
-from pipetorch.parallel import arena, mapped, pool, resident, shm, signatures, snapshot, wire
+from pipetorch.parallel import arena, pool, resident, shm, signatures, wire
+from pipetorch.weights import mapped, snapshot
 from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
-from pipetorch.parallel.shared_weights import SharedWeights
+from pipetorch.weights.shared import SharedWeights
 from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
 from pipetorch.parallel.tied import stepped_elsewhere, ties_of
 from pipetorch.parallel.worker import Launch, Setup
@@ -209,7 +210,7 @@ class ProcessEngine:
                     ", ".join(p.describe() for p in self.peers))
 
     def _share_weights(self, keep: bool) -> list[frozenset[int]]:
-        """Each worker's weights mapped from the host's (parallel.shared_weights): the
+        """Each worker's weights mapped from the host's (weights.shared): the
         parameters of the first replica's CPU workers, a weight tied across devices by its
         first device only; nothing with PIPETORCH_SHARED_WEIGHTS=0, or when training without
         snapshots (a worker killed mid-step could leave them torn with no restore point)."""

@@ -26,7 +26,8 @@ from pipetorch import environment
 from pipetorch.optim import offload
 from pipetorch.optim.peers import Peers
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import arena, compiled, generation, signatures, snapshot, wire
+from pipetorch.parallel import arena, compiled, generation, signatures, wire
+from pipetorch.weights import snapshot
 from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel import shm
 from pipetorch.parallel.routes import Constant, TensorSpec

@@ -26,7 +26,8 @@ from pipetorch.errors import (
 from pipetorch.enums import ConnectionType
 from pipetorch.optim import attributes, ipu_param, ipu_state, scaling
 from pipetorch.printing import module_repr
-from pipetorch.runtime import artefact, counters, weights, wrapping
+from pipetorch.runtime import artefact, counters, wrapping
+from pipetorch.weights import host_copy
 from pipetorch.runtime.anchors import Anchors
 from pipetorch.runtime.batching import (
     Signature, cast_float_inputs, check_batch, forward_parameters, half_dtype,
@@ -134,7 +135,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         self._signature: Signature | None = None  # the signature the engine runs now
         # every signature compiled for (inputSignatures("several")), with its synthetic inputs
         self._signatures: list[tuple[Signature, list | None]] = []
-        self._sync: weights.HostSync | None = None
+        self._sync: host_copy.HostSync | None = None
         self._uploaded_generation = -1
         self._attached = True
         self._profiler: Any = None
@@ -359,7 +360,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             raise
         if self._options.profiling_dir:
             self._start_profiler(args, kwargs)
-        self._sync = weights.attach(self._user_model, self._shown_model)
+        self._sync = host_copy.attach(self._user_model, self._shown_model)
         if engine.optimizer is not None and self._user_optimizer is not None:
             # From compile on, the user's optimiser reports the device's loss scale (ipu_state's
             # lossScaleUpdateFactor), as PopTorch's does before the first call.
@@ -428,7 +429,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         engine = self._compiled.engine
         engine.pull()
         if engine.model is not self._user_model:
-            weights.copy_state(engine.model, self._user_model)
+            host_copy.copy_state(engine.model, self._user_model)
         if engine.optimizer is not None and self._user_optimizer is not None:
             copy_scaling_to_host(engine.optimizer, self._user_optimizer)
 
@@ -451,7 +452,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         assert self._sync is not None and self._compiled is not None
         self._sync.flush()
         if self._sync.generation != self._uploaded_generation:
-            weights.copy_state(self._user_model, self._compiled.engine.model)
+            host_copy.copy_state(self._user_model, self._compiled.engine.model)
             self._compiled.engine.push()
             self._uploaded_generation = self._sync.generation
 
@@ -467,7 +468,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         last: the upload holds every tensor from one point of training (docs/precision.md)."""
         if self._compiled is not None and self._sync is not None:
             self._sync.flush()
-            weights.copy_state(self._user_model, self._compiled.engine.model)
+            host_copy.copy_state(self._user_model, self._compiled.engine.model)
             self._compiled.engine.push()
             self._uploaded_generation = self._sync.generation
 
@@ -611,7 +612,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 ipu_state.unlink(self._user_optimizer)
             wrapping.forget(self._user_model, self)
             if self._sync is not None:
-                weights.detach(self._sync)
+                host_copy.detach(self._sync)
             self._write_profile()
             if self._compiled is not None:
                 self._compiled.engine.close()

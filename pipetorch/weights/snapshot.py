@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.optim import offload, scaling
-from pipetorch.parallel import mapped
+from pipetorch.weights import mapped
 
 __all__: list[str] = []
 

@@ -36,7 +36,7 @@ from typing import Iterable
 
 import torch
 
-from pipetorch.parallel import mapped
+from pipetorch.weights import mapped
 
 __all__: list[str] = []
 
