@@ -45,6 +45,7 @@ from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import generation, placement as places
 from pipetorch.parallel import arena, pool, resident, shm, signatures, wire
 from pipetorch.weights import mapped, snapshot
+from pipetorch.weights.points import Points
 from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
@@ -105,10 +106,8 @@ class ProcessEngine:
         self.writer = writer  # where copies to the host of a mapped model's weights go
         self.process_id, self.num_processes = process
         self.replicas = batching.replication_factor  # this process's replicas
-        self._commits = 0  # calls (and pushes) that changed the weights, since the launch
-        self._saved: int | None = None  # the last of them whose state the workers wrote
+        self.points = Points()  # which point of training each copy holds
         self._shared: SharedWeights | None = None  # this launch's weights in shared memory
-        self._state_moved = False  # replica 0's optimiser state is on the host (pull moved it)
         self._snapshots = snapshot.SnapshotPolicy(environment.get("snapshots"))
         # randomSeed, else torch's (so torch.manual_seed repeats runs; the user's stream of
         # random numbers is left as it is)
@@ -163,8 +162,7 @@ class ProcessEngine:
         shares = self._share_weights(keep)
         # a training engine sharing its weights keeps a restore point from the start
         start_snapshot = keep and self._shared is not None
-        self._commits, self._saved = 0, 0 if start_snapshot else None
-        self._state_moved = False  # the workers start with the host's state
+        self.points.started(saved=start_snapshot)
         self._decoding = _Decoding(len(self.placements))  # new workers owe no replies
         for placement in self.placements:
             self.peers.append(self._start(placement))
@@ -337,7 +335,8 @@ class ProcessEngine:
 
     def release(self) -> None:
         """detachFromDevice: bring weights and optimiser state home, then stop the workers."""
-        self.pull(optimizer_state=self.optimizer is not None)
+        if not self.points.host_current(optimizer_state=self.optimizer is not None):
+            self.pull(optimizer_state=self.optimizer is not None)
         _shutdown(self.peers, self._folder, remove=False, segments=self._segments)
 
     def acquire(self) -> None:
@@ -444,7 +443,7 @@ class ProcessEngine:
         flat = [self.staged.flatten_inputs(*args, **kwargs) for args, kwargs in micro_batches]
         steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
         wanted = frozenset(j for j in range(steps) if collector.wants(j))
-        commit = self._commits + 1
+        commit = self.points.workers + 1
         save = training and self._snapshots.wanted()
         overlap = self._overlap()  # read per call: a change between calls counts
         if training and self._shared is not None:
@@ -467,10 +466,8 @@ class ProcessEngine:
         replies = self._gather("a training call" if training else "an inference call",
                                transfers=arrivals)
         if training:
-            self._commits = commit
             written = [t.snapshot for _, traces, _ in replies for t in traces if t.snapshot]
-            if written:
-                self._saved = commit
+            self.points.changed(saved=bool(written))
             self._snapshots.called(time.perf_counter() - start, (
                 max(s for s, _ in written), sum(b for _, b in written)) if written else None)
         return replies, arrivals, flat, wanted
@@ -537,7 +534,7 @@ class ProcessEngine:
                 for _ in range(count):
                     loader.put(self._receive(peer, "copyWeightsToHost"))
             loader.finish()
-            self._state_moved |= optimizer_state and self.optimizer is not None
+            self.points.pulled(optimizer_state=optimizer_state and self.optimizer is not None)
         except DeviceError as exc:
             logger.warning("Could not copy the weights from the stage workers (%s): the host "
                            "copy keeps the weights of the last completed call",
@@ -547,7 +544,7 @@ class ProcessEngine:
         """The optimiser state a copy to the host moved there, back to replica 0's workers
         before a training call: a worker at a time, the host's copy of each worker's share
         dropped once it has arrived (so the state is never in memory twice)."""
-        if not self._state_moved:
+        if not self.points.state_on_host:
             return
         assert self.optimizer is not None
         for peer, placement in zip(self._first_replica, self.placements):
@@ -564,7 +561,7 @@ class ProcessEngine:
                         self.optimizer.state.pop(param, None)
             del states
             resident.give_back_freed()
-        self._state_moved = False
+        self.points.state_on_host = False
 
     def _receive(self, peer: wire.Peer, what: str) -> Any:
         """One message that follows a reply from `peer` (its death or silence fails the
@@ -595,21 +592,22 @@ class ProcessEngine:
     def _restore_last_call(self) -> None:
         """After a failure: the host copy takes the state the workers saved after the last
         completed call (nothing to do if none completed since the launch or the last pull)."""
-        if self.optimizer is None or (self._commits == 0 and self._shared is None):
+        points = self.points
+        if self.optimizer is None or (points.workers == 0 and self._shared is None):
             return  # with shared weights a cut call may have changed them: restore anyway
-        saved = ([snapshot.read(self._folder, r.index, self._saved) for r in self.routes]
-                 if self._saved is not None else [])
-        if self._saved is None or any(s is None for s in saved):
+        saved = ([snapshot.read(self._folder, r.index, points.saved) for r in self.routes]
+                 if points.saved is not None else [])
+        if points.saved is None or any(s is None for s in saved):
             logger.warning("The state after the last completed call was not saved "
                            "(PIPETORCH_SNAPSHOTS=0?): the host copy keeps the weights of the "
                            "last copy to the host")
             return
-        if self._saved < self._commits:
+        if points.saved < points.workers:
             logger.warning(
                 "The model returns to the state the workers wrote %d call(s) before the last "
                 "completed one (PIPETORCH_SNAPSHOTS=auto writes once writing costs at most a "
                 "tenth of the training time; =1 writes after every call)",
-                self._commits - self._saved)
+                points.workers - points.saved)
         for route, stage in zip(self.routes, saved):
             snapshot.load_stage_state(self.staged.modules[route.index], self.optimizer, stage)
 
@@ -620,16 +618,14 @@ class ProcessEngine:
         self._check_alive()
         if not optimizer_state:
             self._return_state()  # the snapshot the workers write holds their state
-        commit = self._commits + 1
+        commit = self.points.workers + 1
         optimizer = self.optimizer if optimizer_state else None
         for peer in self.peers:
             states = {stage: snapshot.stage_state(self.staged.modules[stage], optimizer)
                       for stage in peer.stages}
             self._send(peer, ("push", (states, commit)))
-        if any(self._gather("copyWeightsToDevice")):
-            self._saved = commit
-        self._commits = commit
-        self._state_moved = False  # with `optimizer_state` the host's went to every worker
+        self.points.changed(saved=any(self._gather("copyWeightsToDevice")), uploaded=True)
+        self.points.state_on_host &= not optimizer_state  # then it went to every worker
         if self._shared is not None:
             self._shared.refresh()  # the file now holds what the host's own pages held
 

@@ -100,9 +100,9 @@ def test_optimiser_state_moves_to_the_host_when_read_and_back_for_the_next_call(
     call(0)
     engine = wrapper._compiled.engine
     _assert_same_optimizer_state(optimizer, plain_optimizer, what="read after call 0: ")
-    assert engine._state_moved  # the host holds replica 0's state now, the workers none
+    assert engine.points.state_on_host  # the host holds replica 0's state now, the workers none
     call(1)  # which the call gets back first: Adam goes on from its moments
-    assert not engine._state_moved
+    assert not engine.points.state_on_host
     _assert_same_optimizer_state(optimizer, plain_optimizer, what="read after call 1: ")
     wrapper.copyWeightsToDevice()  # gives the state back before the workers' snapshot
     call(2)
