@@ -114,3 +114,42 @@ def test_optimiser_state_moves_to_the_host_when_read_and_back_for_the_next_call(
     wrapper.destroy()
     _assert_same_optimizer_state(optimizer, plain_optimizer, what="destroyed: ")
     assert_same_state(model, plain, what="destroyed: ")
+
+
+@pytest.mark.slow
+@pytest.mark.transformers
+@pytest.mark.parametrize("shared", ["1", "0"], ids=["shared", "apart"])
+def test_a_tied_gpt2_uploads_every_tensor_from_the_latest_call(request, monkeypatch, shared):
+    # The case: GPT-2 over 2 devices, read after call 2, copyWeightsToDevice after
+    # call 3 uploaded call 3's values for every tensor but the tied wte (call 2's).
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("PIPETORCH_SHARED_WEIGHTS", shared)
+    config = transformers.GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=4,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    plain = copy.deepcopy(model)
+    model.transformer.h[2] = poptorch.BeginBlock(model.transformer.h[2], ipu_id=1)
+    opts = poptorch.Options().showCompilationProgressBar(False)
+    opts.Training.gradientAccumulation(G)
+    wrapper = cleaned(request, poptorch.trainingModel(
+        model, opts, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)))
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for call in range(4):
+        ids = torch.randint(0, 97, (G, 16), generator=torch.Generator().manual_seed(call))
+        got = wrapper(input_ids=ids, labels=ids).loss
+        for m in range(G):
+            want = plain(input_ids=ids[m:m + 1], labels=ids[m:m + 1]).loss
+            (want / G).backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+        torch.testing.assert_close(got, want.detach(), msg=f"call {call}")
+        if call == 1:
+            assert_same_state(model, plain, what="read after call 2: ")
+        if call == 2:
+            wrapper.copyWeightsToDevice()
+            wrapper.copyWeightsToHost()  # what the workers now hold, tensor by tensor
+            assert model.lm_head.weight is model.transformer.wte.weight
+            assert_same_state(model, plain, what="uploaded after call 3: ")
+    assert_same_state(model, plain, what="after call 4: ")
