@@ -45,8 +45,8 @@ _LAZY = {
     # -- issue 17 groups 3-5 (optimisers, executor, losses): saved executables ------------
     "load": "pipetorch.runtime.executor",
     # models larger than the host's memory (a pipetorch extension)
-    "empty_weights": "pipetorch.runtime.weight_files",
-    "map_weights": "pipetorch.runtime.weight_files",
+    "empty_weights": "pipetorch.weights.files",
+    "map_weights": "pipetorch.weights.files",
     # -------------------------------------------------------------------------------------
 }
 # --- issue 17, groups 1/2/6 (wt-compat): logging, extension points, printing, extra ops ---

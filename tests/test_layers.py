@@ -15,6 +15,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "extensions", "ops", "environment", "poptorch_core"),  # foundations, beside the flow
     ("schedule",),                          # schedules as pure data
     ("optim",),                             # PopTorch's optimisers
+    ("weights",),                           # where each weight lives: files, shared memory, copies
     ("partition",),                         # compile: blocks, probe, capture, split, cache
     ("parallel",),                          # engine: executor, local and worker engines, links
     ("profiling",),                         # reads spans and plans; measured balancing

@@ -18,9 +18,9 @@ from typing import Sequence
 
 import torch
 
-__all__: list[str] = []
+from pipetorch.optim.swap_buckets import BUCKET_BYTES  # one bucket size for every bucketing
 
-BUCKET_BYTES = 25 * 2**20  # as DistributedDataParallel's default bucket_cap_mb
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

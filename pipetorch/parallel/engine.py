@@ -43,11 +43,13 @@ import torch.nn as nn
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import generation, placement as places
-from pipetorch.parallel import arena, exits, mapped, pool, shm, signatures, snapshot, wire
+from pipetorch.parallel import arena, exits, pool, resident, shm, signatures, wire
+from pipetorch.weights import mapped, snapshot
+from pipetorch.weights.points import Points
 from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.rendezvous import next_rendezvous
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
-from pipetorch.parallel.shared_weights import SharedWeights
+from pipetorch.weights.shared import SharedWeights
 from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
 from pipetorch.parallel.tied import stepped_elsewhere, ties_of
 from pipetorch.parallel.worker import Launch, Setup
@@ -104,8 +106,7 @@ class ProcessEngine:
         self.writer = writer  # where copies to the host of a mapped model's weights go
         self.process_id, self.num_processes = process
         self.replicas = batching.replication_factor  # this process's replicas
-        self._commits = 0  # calls (and pushes) that changed the weights, since the launch
-        self._saved: int | None = None  # the last of them whose state the workers wrote
+        self.points = Points()  # which point of training each copy holds
         self._shared: SharedWeights | None = None  # this launch's weights in shared memory
         self._snapshots = snapshot.SnapshotPolicy(environment.get("snapshots"))
         # randomSeed, else torch's (so torch.manual_seed repeats runs; the user's stream of
@@ -161,7 +162,7 @@ class ProcessEngine:
         shares = self._share_weights(keep)
         # a training engine sharing its weights keeps a restore point from the start
         start_snapshot = keep and self._shared is not None
-        self._commits, self._saved = 0, 0 if start_snapshot else None
+        self.points.started(saved=start_snapshot)
         self._decoding = _Decoding(len(self.placements))  # new workers owe no replies
         for placement in self.placements:
             self.peers.append(self._start(placement))
@@ -196,8 +197,7 @@ class ProcessEngine:
                 ) from exc
         self._gather("start-up")
         if self._shared is not None:
-            for tensor in self._shared.tensors:  # pages read to send copies
-                mapped.refresh(tensor)
+            self._shared.refresh()  # pages read to send copies
         for key in range(1, len(self._signatures)):  # a restart: every signature again
             self._send_signature(key)
         if self.signature:
@@ -208,7 +208,7 @@ class ProcessEngine:
                     ", ".join(p.describe() for p in self.peers))
 
     def _share_weights(self, keep: bool) -> list[frozenset[int]]:
-        """Each worker's weights mapped from the host's (parallel.shared_weights): the
+        """Each worker's weights mapped from the host's (weights.shared): the
         parameters of the first replica's CPU workers, a weight tied across devices by its
         first device only; nothing with PIPETORCH_SHARED_WEIGHTS=0, or when training without
         snapshots (a worker killed mid-step could leave them torn with no restore point)."""
@@ -335,7 +335,8 @@ class ProcessEngine:
 
     def release(self) -> None:
         """detachFromDevice: bring weights and optimiser state home, then stop the workers."""
-        self.pull(optimizer_state=self.optimizer is not None)
+        if not self.points.host_current(optimizer_state=self.optimizer is not None):
+            self.pull(optimizer_state=self.optimizer is not None)
         _shutdown(self.peers, self._folder, remove=False, segments=self._segments)
 
     def acquire(self) -> None:
@@ -423,6 +424,8 @@ class ProcessEngine:
              training: bool, iterations: int, per_iteration: int, scale: float) -> None:
         """Send replica r the micro-batches r, r + R, r + 2R, ... and collect what comes back."""
         self._revive()
+        if training:
+            self._return_state()
         try:
             replies, arrivals, flat, wanted = self._exchange(
                 micro_batches, collector, training=training, iterations=iterations,
@@ -440,9 +443,13 @@ class ProcessEngine:
         flat = [self.staged.flatten_inputs(*args, **kwargs) for args, kwargs in micro_batches]
         steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
         wanted = frozenset(j for j in range(steps) if collector.wants(j))
-        commit = self._commits + 1
+        commit = self.points.workers + 1
         save = training and self._snapshots.wanted()
         overlap = self._overlap()  # read per call: a change between calls counts
+        if training and self._shared is not None:
+            # a host write not uploaded is superseded by this call: the host copy reads the
+            # workers' weights, all of one call (docs/precision.md), never its written pages
+            self._shared.refresh()
         start = time.perf_counter()
         for n, (peer, placement) in enumerate(zip(self.peers, self.placements)):
             reads = sorted({i for s in placement.stages for i in self.routes[s].host_inputs})
@@ -459,10 +466,8 @@ class ProcessEngine:
         replies = self._gather("a training call" if training else "an inference call",
                                transfers=arrivals)
         if training:
-            self._commits = commit
             written = [t.snapshot for _, traces, _ in replies for t in traces if t.snapshot]
-            if written:
-                self._saved = commit
+            self.points.changed(saved=bool(written))
             self._snapshots.called(time.perf_counter() - start, (
                 max(s for s, _ in written), sum(b for _, b in written)) if written else None)
         return replies, arrivals, flat, wanted
@@ -529,10 +534,34 @@ class ProcessEngine:
                 for _ in range(count):
                     loader.put(self._receive(peer, "copyWeightsToHost"))
             loader.finish()
+            self.points.pulled(optimizer_state=optimizer_state and self.optimizer is not None)
         except DeviceError as exc:
             logger.warning("Could not copy the weights from the stage workers (%s): the host "
                            "copy keeps the weights of the last completed call",
                            str(exc).splitlines()[0])
+
+    def _return_state(self) -> None:
+        """The optimiser state a copy to the host moved there, back to replica 0's workers
+        before a training call: a worker at a time, the host's copy of each worker's share
+        dropped once it has arrived (so the state is never in memory twice)."""
+        if not self.points.state_on_host:
+            return
+        assert self.optimizer is not None
+        for peer, placement in zip(self._first_replica, self.placements):
+            modules = [self.staged.modules[s] for s in placement.stages]
+            states = {s: ({}, *snapshot.stage_state(m, self.optimizer)[1:])
+                      for s, m in zip(placement.stages, modules)}
+            self._send(peer, ("state", states))
+            self._gather("giving the optimiser state back", [peer])
+            elsewhere = {id(self.model.get_parameter(n)) for n in
+                         stepped_elsewhere(self.ties, placement.stages, self.owners)}
+            for module in modules:
+                for param in module.parameters():
+                    if id(param) not in elsewhere:
+                        self.optimizer.state.pop(param, None)
+            del states
+            resident.give_back_freed()
+        self.points.state_on_host = False
 
     def _receive(self, peer: wire.Peer, what: str) -> Any:
         """One message that follows a reply from `peer` (its death or silence fails the
@@ -563,23 +592,24 @@ class ProcessEngine:
     def _restore_last_call(self) -> None:
         """After a failure: the host copy takes the state the workers saved after the last
         completed call (nothing to do if none completed since the launch or the last pull)."""
-        if self.optimizer is None or (self._commits == 0 and self._shared is None):
+        points = self.points
+        if self.optimizer is None or (points.workers == 0 and self._shared is None):
             return  # with shared weights a cut call may have changed them: restore anyway
-        saved = ([snapshot.read(self._folder, r.index, self._saved) for r in self.routes]
-                 if self._saved is not None else [])
-        if self._saved == 0 and self._commits == 0 and any(s is None for s in saved):
+        saved = ([snapshot.read(self._folder, r.index, points.saved) for r in self.routes]
+                 if points.saved is not None else [])
+        if points.saved == 0 and points.workers == 0 and any(s is None for s in saved):
             return  # start-up failed before its restore point: no call has run
-        if self._saved is None or any(s is None for s in saved):
+        if points.saved is None or any(s is None for s in saved):
             logger.warning("The state after the last completed call was not saved "
                            "(PIPETORCH_SNAPSHOTS=0?): the host copy keeps the weights of the "
                            "last copy to the host")
             return
-        if self._saved < self._commits:
+        if points.saved < points.workers:
             logger.warning(
                 "The model returns to the state the workers wrote %d call(s) before the last "
                 "completed one (PIPETORCH_SNAPSHOTS=auto writes once writing costs at most a "
                 "tenth of the training time; =1 writes after every call)",
-                self._commits - self._saved)
+                points.workers - points.saved)
         for route, stage in zip(self.routes, saved):
             snapshot.load_stage_state(self.staged.modules[route.index], self.optimizer, stage)
 
@@ -588,15 +618,18 @@ class ProcessEngine:
         state) to every stage of every replica."""
         self._revive()
         self._check_alive()
-        commit = self._commits + 1
+        if not optimizer_state:
+            self._return_state()  # the snapshot the workers write holds their state
+        commit = self.points.workers + 1
         optimizer = self.optimizer if optimizer_state else None
         for peer in self.peers:
             states = {stage: snapshot.stage_state(self.staged.modules[stage], optimizer)
                       for stage in peer.stages}
             self._send(peer, ("push", (states, commit)))
-        if any(self._gather("copyWeightsToDevice")):
-            self._saved = commit
-        self._commits = commit
+        self.points.changed(saved=any(self._gather("copyWeightsToDevice")), uploaded=True)
+        self.points.state_on_host &= not optimizer_state  # then it went to every worker
+        if self._shared is not None:
+            self._shared.refresh()  # the file now holds what the host's own pages held
 
     def rng_state(self, states: list[list[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
         """Every worker's random generators (one list per worker), set first when given."""

@@ -1,6 +1,7 @@
 """Resident memory (RSS) of a process and of its whole tree, read from /proc (Linux)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from dataclasses import dataclass, field
@@ -55,6 +56,15 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def give_back_freed() -> None:
+    """Return this process's freed heap memory to the system now (glibc's malloc_trim;
+    nothing elsewhere): freed tensors below malloc's mmap threshold otherwise stay resident."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def descendants(pid: int) -> list[int]:

@@ -12,9 +12,9 @@ pickled buffer costs each side a second copy of the whole message.
     [storage 0, chunk 0]       ------------> read into storage 0
     [storage 0, chunk 1] ...   ------------> ...
 
-A storage mapped from a file (parallel.mapped) goes as its file region instead: the receiver
+A storage mapped from a file (weights.mapped) goes as its file region instead: the receiver
 reads those bytes from the file (or maps them: weights the host shares with a CPU worker,
-parallel.shared_weights), and the sender never touches them.
+weights.shared), and the sender never touches them.
 
 User code travels by value: the pickler is cloudpickle's, which pickles the classes, functions
 and hooks of the user's `__main__` (a script, `python -c`, a notebook) by value, and everything
@@ -41,7 +41,7 @@ from typing import Any, Callable, Collection
 import cloudpickle
 import torch
 
-from pipetorch.parallel import mapped
+from pipetorch.weights import mapped
 
 __all__: list[str] = []
 

@@ -84,6 +84,12 @@ class TiedGrads:
         """id() of this worker's copies of tied weights."""
         return {id(p) for _, _, params in self.sets for p in params}
 
+    def followers(self) -> frozenset[int]:
+        """id() of the copies this worker holds but does not step: the stepping device's
+        copy is the one the host takes."""
+        return frozenset(id(p) for devices, _, params in self.sets
+                         if devices[0] != self.device for p in params)
+
     @torch.no_grad()
     def sum(self, link: PeerLink) -> None:
         """Each copy's gradient becomes the sum over the devices holding the weight, for the

@@ -20,7 +20,7 @@ _POLL = 0.2  # seconds between liveness checks while waiting
 def send(conn: Connection, message: Any, *, shared: Collection[int] = ()) -> None:
     """Send by value (no shared-memory handles that could outlive their sender), each tensor's
     bytes from its own memory; `shared`: the host's live weights this worker maps instead
-    (parallel.shared_weights)."""
+    (weights.shared)."""
     stream.send(conn, message, shared=shared)
 
 

@@ -26,7 +26,8 @@ from pipetorch import environment
 from pipetorch.optim import offload
 from pipetorch.optim.peers import Peers
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import arena, compiled, generation, signatures, snapshot, wire
+from pipetorch.parallel import arena, compiled, generation, signatures, wire
+from pipetorch.weights import snapshot
 from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel import shm, stream
 from pipetorch.parallel.routes import Constant, TensorSpec
@@ -249,12 +250,25 @@ class Worker:
 
     def _pull(self, optimizer_state: bool) -> int:
         """The number of values that follow the reply: every stage's weights, and with
-        `optimizer_state` its optimiser state too."""
-        states = {stage: snapshot.stage_state(module, self.optimizer, tensors=optimizer_state)
+        `optimizer_state` its optimiser state too, which moves: each tensor leaves this
+        worker as it is sent (the host gives it back before the next training call, `_state`),
+        so it is never in memory twice."""
+        followers = self.tied.followers()  # a tied weight comes from the device stepping it
+        states = {stage: snapshot.stage_state(module, self.optimizer, tensors=optimizer_state,
+                                              skip=followers)
                   for stage, module in self.modules.items()}
-        self._stream = (item for stage, state in states.items()
-                        for item in snapshot.items(stage, state))
+        if optimizer_state and self.optimizer is not None:
+            for module in self.modules.values():
+                for param in module.parameters():
+                    self.optimizer.state.pop(param, None)
+        self._stream = _freeing(item for stage, state in states.items()
+                                for item in snapshot.items(stage, state))
         return sum(snapshot.count(state) for state in states.values())
+
+    def _state(self, payload: dict[int, snapshot.StageState]) -> None:
+        """The optimiser state a copy to the host moved there, back (no weights)."""
+        for stage, state in payload.items():
+            snapshot.load_stage_state(self.modules[stage], self.optimizer, state)
 
     def _grads(self, payload: None) -> dict[int, dict[str, torch.Tensor]]:
         """The last optimiser step's gradients of each stage (Gradient___ anchors), on the CPU."""
@@ -330,6 +344,21 @@ class Worker:
 
     def _stop(self, payload: None) -> None:
         return None
+
+
+def _freeing(values: Iterator[snapshot.Item], every: int = 64 << 20) -> Iterator[snapshot.Item]:
+    """`values`, the memory of those sent returned to the system every `every` bytes (and at
+    the end): a moving state shrinks this worker as the host's copy grows."""
+    sent = 0
+    for value in values:
+        yield value
+        tensor = value[-1]
+        sent += tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+        if sent >= every:
+            del value, tensor
+            resident.give_back_freed()
+            sent = 0
+    resident.give_back_freed()
 
 
 def _all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from pipetorch.errors import ConfigError
 from pipetorch.optim.scaling import last_step_scale
 from pipetorch.losses import find_loss
 from pipetorch.parallel.outputs import OutputCollector, resolve_mode
-from pipetorch.runtime.weights import held
+from pipetorch.weights.host_copy import held
 
 __all__: list[str] = []
 

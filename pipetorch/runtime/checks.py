@@ -15,7 +15,7 @@ from pipetorch.errors import (
     ConfigError, DeviceMismatchError, Error, ModelChangedError, NonFiniteError,
 )
 from pipetorch.runtime.anchors import GRADIENT, LOSS_SCALE, UPDATED
-from pipetorch.runtime.weights import held
+from pipetorch.weights.host_copy import held
 from pipetorch.tracebacks import HINTS, error_kind, user_line_of
 
 __all__: list[str] = []

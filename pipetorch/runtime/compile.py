@@ -17,7 +17,7 @@ from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import ExecutionStrategy, StageSpec
 from pipetorch.partition import casting, stage_rules
 from pipetorch.partition.casting import Casting
-from pipetorch.runtime import weight_files, weights
+from pipetorch.weights import files as weight_files, host_copy
 from pipetorch.runtime.batching import split_micro_batches, to_device
 from pipetorch.partition.blocks import begin_blocks
 from pipetorch.partition.probe import Capture, probe, probe_by_export
@@ -27,7 +27,7 @@ from pipetorch.parallel.build import plan_stages, stage_graphs
 from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.compiled import CompiledStage
 from pipetorch.parallel.local import FlatStage, LocalEngine, ReplicaBuffers
-from pipetorch.runtime.weights import held
+from pipetorch.weights.host_copy import held
 from pipetorch.runtime.config import RunConfig
 from pipetorch.runtime.optimizer import device_optimizer
 
@@ -235,7 +235,7 @@ def _host_copy(user_model: nn.Module, config: RunConfig, *,
     if workers and _in_host_memory(user_model):
         return user_model, CPU
     host = _host(workers, device)
-    return weights.device_copy(user_model, host), host
+    return host_copy.device_copy(user_model, host), host
 
 
 def _in_host_memory(model: nn.Module) -> bool:
@@ -257,7 +257,7 @@ def _on_host(model: nn.Module, user_model: nn.Module, micro: tuple[tuple, dict],
     the host copy was the user's model)."""
     host = _host(workers, device)
     if model is user_model and not workers:
-        model = weights.device_copy(user_model, device)
+        model = host_copy.device_copy(user_model, device)
     return model.to(host), to_device(micro, host)
 
 

@@ -26,7 +26,8 @@ from pipetorch.errors import (
 from pipetorch.enums import ConnectionType
 from pipetorch.optim import attributes, ipu_param, ipu_state, scaling
 from pipetorch.printing import module_repr
-from pipetorch.runtime import artefact, counters, weights, wrapping
+from pipetorch.runtime import artefact, counters, wrapping
+from pipetorch.weights import host_copy
 from pipetorch.runtime.anchors import Anchors
 from pipetorch.runtime.batching import (
     Signature, cast_float_inputs, check_batch, forward_parameters, half_dtype,
@@ -134,7 +135,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         self._signature: Signature | None = None  # the signature the engine runs now
         # every signature compiled for (inputSignatures("several")), with its synthetic inputs
         self._signatures: list[tuple[Signature, list | None]] = []
-        self._sync: weights.HostSync | None = None
+        self._sync: host_copy.HostSync | None = None
         self._uploaded_generation = -1
         self._attached = True
         self._profiler: Any = None
@@ -366,7 +367,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             raise
         if self._options.profiling_dir:
             self._start_profiler(args, kwargs)
-        self._sync = weights.attach(self._user_model, self._shown_model)
+        self._sync = host_copy.attach(self._user_model, self._shown_model)
         if engine.optimizer is not None and self._user_optimizer is not None:
             # From compile on, the user's optimiser reports the device's loss scale (ipu_state's
             # lossScaleUpdateFactor), as PopTorch's does before the first call.
@@ -435,7 +436,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         engine = self._compiled.engine
         engine.pull()
         if engine.model is not self._user_model:
-            weights.copy_state(engine.model, self._user_model)
+            host_copy.copy_state(engine.model, self._user_model)
         if engine.optimizer is not None and self._user_optimizer is not None:
             copy_scaling_to_host(engine.optimizer, self._user_optimizer)
 
@@ -458,7 +459,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         assert self._sync is not None and self._compiled is not None
         self._sync.flush()
         if self._sync.generation != self._uploaded_generation:
-            weights.copy_state(self._user_model, self._compiled.engine.model)
+            host_copy.copy_state(self._user_model, self._compiled.engine.model)
             self._compiled.engine.push()
             self._uploaded_generation = self._sync.generation
 
@@ -468,10 +469,13 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             self._sync.run(self._pull)
 
     def copyWeightsToDevice(self) -> None:
-        """Copy the user's model's weights to the device (host edits reach it only this way)."""
+        """Copy the user's model's weights to the device (host edits reach it only this way).
+
+        The host copy is brought to the latest call first when a call trained since it was
+        last: the upload holds every tensor from one point of training (docs/precision.md)."""
         if self._compiled is not None and self._sync is not None:
-            self._sync.forget(self._fetch)  # the host copy is what the user asks to upload
-            weights.copy_state(self._user_model, self._compiled.engine.model)
+            self._sync.flush()
+            host_copy.copy_state(self._user_model, self._compiled.engine.model)
             self._compiled.engine.push()
             self._uploaded_generation = self._sync.generation
 
@@ -615,7 +619,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 ipu_state.unlink(self._user_optimizer)
             wrapping.forget(self._user_model, self)
             if self._sync is not None:
-                weights.detach(self._sync)
+                host_copy.detach(self._sync)
             self._write_profile()
             if self._compiled is not None:
                 self._compiled.engine.close()

@@ -1,4 +1,4 @@
-"""CPU workers train the host copy's weights in place (parallel.shared_weights): the weights are
+"""CPU workers train the host copy's weights in place (weights.shared): the weights are
 in memory once, and every PopTorch rule of the host copy holds as with copies."""
 import copy
 import os
@@ -15,8 +15,8 @@ from fault_cases import registry  # noqa: F401 - the fixture
 from fault_cases import (LONG_D, LONG_DEPTH, HeavyNet, heavy_data, options, shm_entries,
                          wait_busy, wait_gone)
 from pipetorch.errors import DeviceError
-from pipetorch.parallel import mapped
-from pipetorch.parallel.shared_weights import SharedWeights
+from pipetorch.weights import mapped
+from pipetorch.weights.shared import SharedWeights
 
 
 def _regions(model: nn.Module) -> list:

@@ -13,8 +13,8 @@ import pipetorch as poptorch
 from fault_cases import registry  # noqa: F401 - the fixture
 from fault_cases import TokenNet, options, token_data, wait_gone
 from helpers.reference import plain_train_call
-from pipetorch.parallel import snapshot
-from pipetorch.parallel.snapshot import RATIO, SMALL, SnapshotPolicy, nbytes
+from pipetorch.weights import snapshot
+from pipetorch.weights.snapshot import RATIO, SMALL, SnapshotPolicy, nbytes
 
 
 def test_auto_writes_a_small_state_after_every_call():

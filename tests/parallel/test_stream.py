@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipetorch.parallel import mapped, stream
+from pipetorch.parallel import stream
+from pipetorch.weights import mapped
 
 
 def pipe() -> tuple[Connection, Connection]:

@@ -43,6 +43,11 @@ def test_host_edits_reach_device_only_through_copy_weights_to_device():
         model.fc2.bias.add_(100.0)
     out2, _ = wrapped(x, y)
     assert_close(out1, out2)  # lr 0 and no upload: the device still has the old bias
+    # the call superseded the edit: the host copy, and what it uploads, is the latest call's
+    wrapped.copyWeightsToDevice()
+    assert_close(wrapped(x, y)[0], out1)
+    with torch.no_grad():
+        model.fc2.bias.add_(100.0)
     wrapped.copyWeightsToDevice()
     out3, _ = wrapped(x, y)
     assert_close(out3, out1 + 100.0)

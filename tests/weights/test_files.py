@@ -1,5 +1,5 @@
 """Models built without weights, their weights mapped from a safetensors file that each stage
-worker reads its part of (runtime/weight_files.py, parallel/mapped.py)."""
+worker reads its part of (weights/files.py, weights/mapped.py)."""
 from __future__ import annotations
 
 import os
@@ -84,7 +84,7 @@ def test_a_model_built_without_weights_trains_as_plain_pytorch_and_saves_to_its_
         torch.testing.assert_close(saved[name], value, msg=name)
         torch.testing.assert_close(model.state_dict()[name], value, msg=name)
     # the host's copy is the written file, mapped
-    from pipetorch.parallel import mapped
+    from pipetorch.weights import mapped
     assert mapped.region_of(model.layers[0].weight.untyped_storage()).path == str(out)
     x, target = data(64, 3)
     _, loss = wrapper(x, target)  # training goes on from the workers' weights

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.optim import offload, scaling
-from pipetorch.parallel import mapped
+from pipetorch.weights import mapped
 
 __all__: list[str] = []
 
@@ -27,11 +27,13 @@ StageState = tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str,
 
 
 def stage_state(module: nn.Module, optimizer: torch.optim.Optimizer | None, *,
-                tensors: bool = True) -> StageState:
+                tensors: bool = True, skip: frozenset[int] = frozenset()) -> StageState:
     """Everything of the stage that training changes: its own tensors, not copies (sending
-    or saving them copies each storage in turn, never the whole stage at once). Without
-    `tensors`, of the optimiser only its small attributes (the dynamic loss scale)."""
-    state = {n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    or saving them copies each storage in turn, never the whole stage at once), but those
+    whose id() is in `skip`. Without `tensors`, of the optimiser only its small attributes
+    (the dynamic loss scale)."""
+    state = {n: t.detach() for n, t in [*module.named_parameters(), *module.named_buffers()]
+             if id(t) not in skip}
     optimizer_state: dict[str, dict[str, Any]] = {}
     attributes: dict[str, Any] = {}
     if optimizer is not None and tensors:
@@ -51,13 +53,16 @@ optimiser state key, value)."""
 
 
 def items(stage: int, state: StageState) -> Iterator[Item]:
-    """`state` value by value, so a copy to the host holds one tensor at a time in transit."""
+    """`state` value by value, so a copy to the host holds one tensor at a time in transit;
+    each value is taken out of `state` as it goes (a tensor held nowhere else, as a worker's
+    moving optimiser state, is freed once sent)."""
     weights, optimizer_state, attributes = state
-    for name, tensor in weights.items():
-        yield stage, "weight", name, "", _compact(tensor)
-    for name, values in optimizer_state.items():
-        for key, value in values.items():
-            yield stage, "state", name, key, _compact(value)
+    for name in list(weights):
+        yield stage, "weight", name, "", _compact(weights.pop(name))
+    for name in list(optimizer_state):
+        values = optimizer_state.pop(name)
+        for key in list(values):
+            yield stage, "state", name, key, _compact(values.pop(key))
     if attributes:
         yield stage, "attributes", "", "", attributes
 

@@ -36,7 +36,7 @@ from typing import Iterable
 
 import torch
 
-from pipetorch.parallel import mapped
+from pipetorch.weights import mapped
 
 __all__: list[str] = []
 
@@ -104,6 +104,12 @@ class SharedWeights:
                         flat.untyped_storage(), tensor.storage_offset(), tensor.shape,
                         tensor.stride())
         return cls(path, fd, [t for ts in by_storage.values() for t in ts])
+
+    def refresh(self) -> None:
+        """Drop the host's private pages: its tensors read the file (what the workers hold)
+        again, and the memory of pages the host wrote or read to send is freed."""
+        for tensor in self.tensors:
+            mapped.refresh(tensor)
 
     def close(self) -> None:
         self._finalizer()

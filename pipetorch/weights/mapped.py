@@ -15,7 +15,7 @@ file straight into its own memory. The host never reads them.
 tensor, as they arrive) and then maps the host's tensors to it, so the host's copy of a model
 larger than its memory is that file.
 
-A region can also be *live* (parallel.shared_weights): a file in shared memory that a CPU
+A region can also be *live* (weights.shared): a file in shared memory that a CPU
 worker maps shared and trains in place, while the host maps it privately. What a tensor's
 storage travels as (`travels_as`) and how it arrives (`load`) are decided here, for both kinds:
 a region whose private pages were written since it was mapped (an edit on the host) goes as
@@ -48,7 +48,7 @@ class Region:
     offset: int
     length: int
     key: str  # the tensor's name in the file
-    live: bool = False  # a file of weights a worker trains in place (shared_weights)
+    live: bool = False  # a file of weights a worker trains in place (weights.shared)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.errors import ConfigError
-from pipetorch.parallel import mapped
+from pipetorch.weights import mapped
 
 __all__ = ["empty_weights", "map_weights"]
 

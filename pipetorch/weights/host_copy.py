@@ -43,11 +43,6 @@ class HostSync:
         """
         self._pending = _weak(fetch)
 
-    def forget(self, fetch: Callable[[], None]) -> None:
-        """Drop a pending fetch (its wrapper is going away after fetching)."""
-        if self._pending is not None and _strong(self._pending) == fetch:
-            self._pending = None
-
     def flush(self) -> None:
         """Copy the device's weights to the user model if they are newer (the pending fetch
         calls `run`)."""
