@@ -208,6 +208,9 @@ def _row(name: str, runs: list[dict], plain: dict[str, float]) -> str:
 
 
 def report(args: argparse.Namespace) -> None:
+    if args.plan:  # the plan beside pipetorch's workers alone: no plain PyTorch to compare
+        print(_plan_lines(args, [_run("pipetorch", args) for _ in range(args.repeats)]))
+        return
     rows: dict[str, list[dict]] = {"plain": [], "pipetorch": []}
     if args.apart:
         rows[_APART] = []
@@ -244,8 +247,6 @@ def report(args: argparse.Namespace) -> None:
             worker = max(first["processes"].get(phase, [0]) or [0])
             print(f"  {phase:24s} {size / GB:6.2f} {first['tree_pss'][phase] / GB:6.2f} "
                   f"{first['root'][phase] / GB:6.2f} {worker / GB:6.2f}")
-    if args.plan:
-        print(_plan_lines(args, rows["pipetorch"]))
     if rows["plain"][0].get("cuda"):
         print("\nmax_memory_allocated: plain", rows["plain"][0]["cuda"], "pipetorch per stage",
               rows["pipetorch"][0]["cuda"])
@@ -253,7 +254,9 @@ def report(args: argparse.Namespace) -> None:
 
 def _plan_lines(args: argparse.Namespace, runs: list[dict]) -> str:
     """`poptorch.plan`'s predicted per-worker peak and step time (a layer timed here) beside
-    the measured: each worker's RSS peak, the last call's seconds."""
+    the measured: each worker's RSS peak over the run, the last call's seconds."""
+    if "failed" in runs[0]:
+        return f"pipetorch failed: {runs[0]['failed']}"
     import torch
 
     import pipetorch as poptorch
@@ -292,8 +295,8 @@ def main() -> None:
                              "(poptorch.map_weights), trained weights written to a file")
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "zero_bubble"))
     parser.add_argument("--plan", action="store_true",
-                        help="print poptorch.plan's predicted per-worker peak and step time "
-                             "beside the measured")
+                        help="run pipetorch only, and print poptorch.plan's predicted "
+                             "per-worker peak and step time beside the measured")
     args = parser.parse_args()
     os.environ["MEMORY_BENCHMARK_SCHEDULE"] = args.schedule
     if args.child == "save":
