@@ -197,7 +197,7 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
                     in enumerate(zip(ipu_of, modules, prints, flights)))
     setting = Setting(training, recomputation and training, offload and training)
     return MemoryEstimate(price(records, setting), records, setting, pipelined, batching,
-                          _batch_size(args, kwargs), method, kind)
+                          batch_size(args, kwargs), method, kind)
 
 
 def _sizing(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
@@ -277,7 +277,8 @@ def _stage_memory(index: int, ipu: int, module: nn.Module, footprint: Footprint,
                        size_of(params), state, footprint, flight)
 
 
-def _batch_size(args: tuple, kwargs: dict) -> int | None:
+def batch_size(args: tuple, kwargs: dict) -> int | None:
+    """Samples in a micro-batch: the first dimension of its first tensor that has one."""
     for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])

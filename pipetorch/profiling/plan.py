@@ -25,9 +25,9 @@ from pipetorch.errors import OutOfMemoryError
 from pipetorch.parallel.local import Batching
 from pipetorch.partition import balance
 from pipetorch.profiling.estimate import (
-    MemoryEstimate, Remedy, Setting, StageMemory, fmt, price, rank_remedies,
+    MemoryEstimate, Remedy, Setting, StageMemory, batch_size, fmt, price, rank_remedies,
 )
-from pipetorch.profiling.memory import ZERO, Footprint, Size, size_of, state_layout, tensors_of
+from pipetorch.profiling.memory import ZERO, Footprint, Size, size_of, state_layout
 from pipetorch.profiling.segments import Piece, Rates, measure, measure_here as timed
 from pipetorch.schedule.devices import device_plan, peak_stash, simulate_devices
 
@@ -128,7 +128,6 @@ class _Run:
     stages: int
     replicas: int
     accumulation: int
-    micro_batch: int
     setting: Setting
     layouts: dict[torch.dtype, tuple[int, int]]  # dtype -> (state bytes per element, fixed)
 
@@ -176,14 +175,12 @@ def stage_memory(pieces: list[Piece], starts: tuple[int, ...], kind: str,
     `kind`; a weight several stages hold (tied) is stepped on the first of them."""
     ends = (*starts[1:], len(pieces))
     flights = peak_stash(kind, len(starts), run.accumulation, training=True)
-    stepped: set[int] = set()
     records = []
     for s, (i, j) in enumerate(zip(starts, ends)):
         part = pieces[i:j]
         params = _unique(p for piece in part for p in piece.params)
         trainable = [p for p in params if p.requires_grad]
-        steps = [p for p in trainable if id(p) not in stepped]
-        stepped |= {id(p) for p in steps}
+        steps = [p for p in _stepped(pieces, starts, s) if p.requires_grad]
         prints = [piece.footprint() for piece in part]
         footprint = Footprint(prints[0].received,
                               sum((f.saved for f in prints), ZERO)
@@ -290,11 +287,11 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
                          f"({replicas}): each replica is a pipeline of devices / replicas stages")
     stages = devices // replicas
     pieces, first = measure(model, inputs, flash=flash_attention)
-    micro_batch = _batch(inputs)
+    micro_batch = batch_size(*inputs)
     setting = Setting(True, recompute, offload, shards=replicas if sharded else 1)
     make = _optimizer(optimizer, loss_scaling)
     run = _Run(stages, replicas, accumulation or balance.propose_gradient_accumulation(stages),
-               micro_batch or 1, setting, _layouts(make, {p.dtype for p in model.parameters()}))
+               setting, _layouts(make, {p.dtype for p in model.parameters()}))
     rates = timed(model, pieces, first, make, stages) if measure_here else None
     overhead = rates.overhead if rates else 0
     budget = None if device_memory is None else device_memory - overhead
@@ -306,7 +303,7 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
         devices_memory = price(records, setting)
         ends = (*starts[1:], len(pieces))
         forward = [float(sum(p.flops for p in pieces[i:j])) for i, j in zip(starts, ends)]
-        step = max(sum(p.numel() for p in _stepped(pieces, starts, s))
+        step = max(sum(p.numel() for p in _stepped(pieces, starts, s) if p.requires_grad)
                    for s in range(stages)) * rates.step_per_element * rate if rates else 0.0
         span, bubble = _timeline(kind, stages, run, forward, step)
         worst = max(d.total for d in devices_memory.values())
@@ -352,10 +349,5 @@ def _time_method(flops: float | None, rates: Rates | None) -> str:
     return "no rate given (flops or measure_here)"
 
 
-def _batch(inputs: tuple[tuple, dict]) -> int | None:
-    for leaf in tensors_of(inputs):
-        if leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return None
 
 
