@@ -52,6 +52,7 @@ class Plan:
     accumulation: int
     budget: int | None               # bytes per device
     overhead: int                    # bytes per worker process outside the model (measured here)
+    temporaries: dict[int, int]      # per stage: the CPU step's temporaries (measured runs only)
     remedies: tuple[Remedy, ...]
     step_seconds: float | None
     bubble: float
@@ -60,7 +61,8 @@ class Plan:
 
     @property
     def peaks(self) -> dict[int, int]:
-        return {ipu: d.total + self.overhead for ipu, d in self.estimate.devices.items()}
+        return {ipu: d.total + self.overhead + self.temporaries.get(ipu, 0)
+                for ipu, d in self.estimate.devices.items()}
 
     @property
     def fits(self) -> bool | None:
@@ -70,7 +72,8 @@ class Plan:
         """The plan as a JSON-ready dict (bytes and seconds)."""
         devices = [{"stage": ipu, "segments": self.names[ipu], **d.categories,
                     "host_optimiser_state": d.host_optimiser_state, "in_flight": d.in_flight,
-                    "process": self.overhead, "peak": self.peaks[ipu],
+                    "process": self.overhead,
+                    "step_temporaries": self.temporaries.get(ipu, 0), "peak": self.peaks[ipu],
                     "fits": None if self.budget is None else self.peaks[ipu] <= self.budget}
                    for ipu, d in self.estimate.devices.items()]
         return {"schedule": self.schedule, "stages": len(devices), "replicas": self.replicas,
@@ -105,7 +108,9 @@ class Plan:
                      + (", ".join(self.cut) or "none"))
         if self.overhead:
             lines.append(f"peaks include {fmt(self.overhead)} per worker process outside the "
-                         "model (an interpreter with torch, measured here)")
+                         "model (an interpreter with torch, measured here) and the step's "
+                         "temporaries (two of the stage's largest parameter: "
+                         + ", ".join(fmt(t) for t in self.temporaries.values()) + ")")
         if self.budget is not None:
             lines.append(f"budget {fmt(self.budget)} per device: "
                          + ("fits" if self.fits else "does NOT fit"))
@@ -323,9 +328,21 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
                                 for i, j in zip(starts, ends)),
                 tuple(pieces[i].name for i in starts[1:]),
                 {v: k for k, v in SCHEDULES.items()}.get(kind, "none"), replicas,
-                run.accumulation, device_memory, overhead, remedies,
+                run.accumulation, device_memory, overhead,
+                _temporaries(pieces, starts) if rates else {}, remedies,
                 None if rate is None else span / rate, bubble, _time_method(flops, rates),
                 size_of(_unique(model.parameters())).bytes)
+
+
+def _temporaries(pieces: list[Piece], starts: tuple[int, ...]) -> dict[int, int]:
+    """Per stage, what a CPU worker's optimiser step adds at its peak: torch steps one
+    parameter at a time on a CPU, with two temporaries of its size (AdamW's square root of the
+    second moment and the quotient), and a tied weight's gradient and value cross between its
+    devices whole: two of the stage's largest parameter."""
+    ends = (*starts[1:], len(pieces))
+    return {s: 2 * max((p.numel() * p.element_size() for piece in pieces[i:j]
+                        for p in piece.params), default=0)
+            for s, (i, j) in enumerate(zip(starts, ends))}
 
 
 def _stepped(pieces: list[Piece], starts: tuple[int, ...], stage: int) -> list[nn.Parameter]:
