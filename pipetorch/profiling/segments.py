@@ -128,7 +128,8 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
         if key not in weights:
-            pieces[state["at"]].saved.setdefault(key, sized(tensor, tensor.untyped_storage().nbytes()))
+            nbytes = tensor.untyped_storage().nbytes()
+            pieces[state["at"]].saved.setdefault(key, sized(tensor, nbytes))
         return tensor
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any,
@@ -227,7 +228,8 @@ def _real(leaf: Any) -> Any:
     shape, dtype = leaf
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=dtype).requires_grad_()
-    return torch.ones(shape, dtype=dtype) if dtype == torch.bool else torch.zeros(shape, dtype=dtype)
+    fill = torch.ones if dtype == torch.bool else torch.zeros
+    return fill(shape, dtype=dtype)
 
 
 def measure_here(model: nn.Module, pieces: list[Piece], first: Any,
