@@ -5,6 +5,7 @@
     python benchmarks/memory.py --layers 36 --width 1280   # GPT-2 large's shape
     python benchmarks/memory.py --quick               # 4 layers of width 256 (a smoke run)
     python benchmarks/memory.py --layers 24 --apart   # and workers holding their own copies
+    python benchmarks/memory.py --layers 12 --plan --schedule zero_bubble  # beside the plan
 
 Each setting runs in a fresh interpreter that samples, every 0.1 s, the resident memory
 (RSS, and Pss: shared pages counted once over the tree) of itself and of every process below it (the stage workers and the worker pool's
@@ -25,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SEQUENCE, ACCUMULATION, CALLS, VOCABULARY = 64, 4, 2, 50257
@@ -73,6 +75,11 @@ def _cuda_peaks() -> dict[str, int]:
             for d in range(torch.cuda.device_count())}
 
 
+def _schedule(opts) -> None:  # noqa: ANN001
+    """The pipelined schedule the parent asked for (--schedule), through the environment."""
+    opts.Training.pipelineSchedule(os.environ.get("MEMORY_BENCHMARK_SCHEDULE", "1f1b"))
+
+
 def child(setting: str, layers: int, width: int, dtype: str) -> None:
     """One setting in this fresh interpreter; prints its peaks as JSON."""
     sys.path.insert(0, os.path.dirname(HERE))
@@ -117,6 +124,7 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
             layer[layers // 2] = poptorch.BeginBlock(layer[layers // 2], ipu_id=1)
             opts = poptorch.Options().showCompilationProgressBar(False)
             opts.Training.gradientAccumulation(ACCUMULATION)
+            _schedule(opts)
             if dtype == "float16":
                 optimizer = poptorch.optim.AdamW(model.parameters(), lr=1e-4, loss_scaling=128.0)
             else:
@@ -125,9 +133,12 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
             wrapper = poptorch.trainingModel(model, opts, optimizer)
             sampler.phase("compile")
             wrapper.compile(**_inputs(0))
+            extra["seconds"] = []
             for call in range(CALLS):
                 sampler.phase(f"call {call + 1}")
+                start = time.perf_counter()
                 wrapper(**_inputs(call))
+                extra["seconds"].append(time.perf_counter() - start)
             sampler.phase("host copy")
             float(next(model.parameters()).sum())
             sampler.phase("optimizer.state_dict()")
@@ -197,6 +208,9 @@ def _row(name: str, runs: list[dict], plain: dict[str, float]) -> str:
 
 
 def report(args: argparse.Namespace) -> None:
+    if args.plan:  # the plan beside pipetorch's workers alone: no plain PyTorch to compare
+        print(_plan_lines(args, [_run("pipetorch", args) for _ in range(args.repeats)]))
+        return
     rows: dict[str, list[dict]] = {"plain": [], "pipetorch": []}
     if args.apart:
         rows[_APART] = []
@@ -238,6 +252,33 @@ def report(args: argparse.Namespace) -> None:
               rows["pipetorch"][0]["cuda"])
 
 
+def _plan_lines(args: argparse.Namespace, runs: list[dict]) -> str:
+    """`poptorch.plan`'s predicted per-worker peak and step time (a layer timed here) beside
+    the measured: each worker's RSS peak over the run, the last call's seconds."""
+    if "failed" in runs[0]:
+        return f"pipetorch failed: {runs[0]['failed']}"
+    import torch
+
+    import pipetorch as poptorch
+
+    with torch.device("meta"):
+        model = _model(args.layers, args.width, args.dtype)
+    ids = torch.zeros(1, SEQUENCE, dtype=torch.long, device="meta")
+    found = poptorch.plan(model, ((), {"input_ids": ids, "labels": ids}), devices=2,
+                          accumulation=ACCUMULATION, split=[f"transformer.h.{args.layers // 2}"],
+                          schedule=args.schedule, measure_here=True)
+    measured = [statistics.median(w) for w in zip(*(_workers(r) for r in runs))]
+    seconds = statistics.median(r["seconds"][-1] for r in runs)
+    lines = [f"\nplan ({args.schedule}) against measured, per worker (RSS):"]
+    for stage, peak in found.peaks.items():
+        real = measured[stage]
+        lines.append(f"  stage {stage}: predicted {peak / GB:.2f} GB, measured {real / GB:.2f} GB "
+                     f"({peak / real - 1:+.0%})")
+    lines.append(f"  step: predicted {found.step_seconds:.2f} s, measured {seconds:.2f} s "
+                 f"({found.step_seconds / seconds - 1:+.0%})")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", choices=("plain", "pipetorch", "mapped", "save"))
@@ -252,7 +293,12 @@ def main() -> None:
     parser.add_argument("--mapped", action="store_true",
                         help="also a model built without weights, mapped from a file "
                              "(poptorch.map_weights), trained weights written to a file")
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "zero_bubble"))
+    parser.add_argument("--plan", action="store_true",
+                        help="run pipetorch only, and print poptorch.plan's predicted "
+                             "per-worker peak and step time beside the measured")
     args = parser.parse_args()
+    os.environ["MEMORY_BENCHMARK_SCHEDULE"] = args.schedule
     if args.child == "save":
         _save_weights(args.layers[0], args.width, args.dtype)
         return

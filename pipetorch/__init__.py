@@ -23,6 +23,7 @@ _LAZY = {
     "BlockFunction": "pipetorch.partition.blocks",
     "removeBlocks": "pipetorch.partition.blocks",
     "balance": "pipetorch.profiling.balancing",
+    "plan": "pipetorch.profiling.plan",
     "Stage": "pipetorch.partition.strategies",
     "Phase": "pipetorch.partition.strategies",
     "PipelinedExecution": "pipetorch.partition.strategies",

@@ -15,6 +15,7 @@ _SUBCOMMAND_MODULES = (
     "pipetorch.cli.run",
     "pipetorch.cli.devices",
     "pipetorch.cli.report",
+    "pipetorch.cli.plan",
 )
 
 

@@ -159,7 +159,8 @@ def plan(segments: Sequence[Segment], devices: int, *,
     in flight under plan kind `schedule` over `micro_batches` (the schedule's peak stash).
     Among optimal placements the one with the earliest cuts is returned, so the result is
     deterministic. Raises `OutOfMemoryError` when no placement fits `budgets` (bytes, one for
-    all devices or one per device).
+    all devices or one per device); its `placement` is the one whose fullest device is least
+    full against its budget.
     """
     _check(segments, devices)
     costs = _Costs(segments)
@@ -170,7 +171,9 @@ def plan(segments: Sequence[Segment], devices: int, *,
     if starts is None:
         best = _solve(costs, devices, lambda d, i, j: costs.peak(i, j, flight[d]) / caps[d])
         assert best is not None
-        raise OutOfMemoryError(_oom_message(_placement(costs, best, flight), caps))
+        error = OutOfMemoryError(_oom_message(_placement(costs, best, flight), caps))
+        error.placement = _placement(costs, best, flight)  # the smallest peak: the planner's
+        raise error
     return _placement(costs, starts, flight)
 
 

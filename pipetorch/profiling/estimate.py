@@ -14,6 +14,7 @@ worst device, each computed by re-pricing this estimate:
     fp16 (model.half())  every float wider than 16 bits halves; optimiser state re-sized
     recomputation        a stage stashes only what it received and produced
     optimiser offload    the optimiser state moves to the host
+    sharded state        each of R replicas keeps 1/R of the optimiser state
     smaller micro-batch  received values and activations halve (they scale with the batch)
     more stages          each stage splits in two: weights and saved tensors halve, in-flight
                          micro-batches follow the schedule on twice the stages
@@ -94,6 +95,7 @@ class Setting:
     recomputation: bool
     offload: bool
     half: bool = False
+    shards: int = 1  # replicas the optimiser state is sharded over (replicated tensor sharding)
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,7 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
                     in enumerate(zip(ipu_of, modules, prints, flights)))
     setting = Setting(training, recomputation and training, offload and training)
     return MemoryEstimate(price(records, setting), records, setting, pipelined, batching,
-                          _batch_size(args, kwargs), method, kind)
+                          batch_size(args, kwargs), method, kind)
 
 
 def _sizing(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
@@ -275,7 +277,8 @@ def _stage_memory(index: int, ipu: int, module: nn.Module, footprint: Footprint,
                        size_of(params), state, footprint, flight)
 
 
-def _batch_size(args: tuple, kwargs: dict) -> int | None:
+def batch_size(args: tuple, kwargs: dict) -> int | None:
+    """Samples in a micro-batch: the first dimension of its first tensor that has one."""
     for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
@@ -292,7 +295,7 @@ def price(stages: tuple[StageMemory, ...], setting: Setting) -> dict[int, Device
         activations, received = kept_bytes(stage.footprint, stage.in_flight,
                                            training=setting.training,
                                            recomputation=setting.recomputation)
-        state = pick(stage.optimiser_state) if setting.training else 0
+        state = -(-pick(stage.optimiser_state) // setting.shards) if setting.training else 0
         sizes = {"parameters": pick(stage.parameters), "buffers": pick(stage.buffers),
                  "gradients": pick(stage.gradients) if setting.training else 0,
                  "optimiser_state": 0 if setting.offload else state,
@@ -375,6 +378,12 @@ def _candidates(estimate: MemoryEstimate) -> list[tuple[str, str, dict[int, int]
                     "opts.TensorLocations.setOptimizerLocation("
                     "poptorch.TensorLocationSettings().useOnChipStorage(False))",
                     peaks(stages, dataclasses.replace(setting, offload=True))))
+    replicas = batching.replication_factor
+    if setting.training and replicas > 1 and setting.shards == 1 and not setting.offload:
+        out.append((f"optimiser state sharded over the {replicas} replicas",
+                    "opts.TensorLocations.setOptimizerLocation(poptorch.TensorLocationSettings()"
+                    ".useReplicatedTensorSharding(True))",
+                    peaks(stages, dataclasses.replace(setting, shards=replicas))))
     size = estimate.micro_batch_size
     if size is not None and size > 1:
         knob = (f"opts.Training.gradientAccumulation({2 * batching.gradient_accumulation})"

@@ -56,7 +56,7 @@ def optimiser_state_bytes(optimizer: torch.optim.Optimizer | None,
         return sum(_nbytes(v for v in optimizer.state[p].values()
                            if isinstance(v, torch.Tensor)) for p in params), "state tensors"
     try:
-        per_element = _state_layout(optimizer, params, dtype)
+        per_element = state_layout(optimizer, params, dtype)
     except Exception as exc:  # an optimiser that cannot step on stand-ins: say so, guess nothing
         logger.warning("Cannot size the state of %s: %s", type(optimizer).__name__, exc)
         return 0, f"unknown ({type(optimizer).__name__} could not step on stand-ins)"
@@ -67,7 +67,7 @@ def optimiser_state_bytes(optimizer: torch.optim.Optimizer | None,
     return total, "estimated from the state one step creates"
 
 
-def _state_layout(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+def state_layout(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
                   dtype: torch.dtype | None) -> dict[int, tuple[int, int]]:
     """Per parameter: (state bytes per element of the parameter, bytes of scalar state)."""
     def stand_in(p: nn.Parameter) -> nn.Parameter:
@@ -113,11 +113,11 @@ def size_of(tensors: Any) -> Size:
     """The Size of some tensors (each counted whole, shared storages more than once)."""
     total = ZERO
     for t in tensors:
-        total += _sized(t, t.numel() * t.element_size())
+        total += sized(t, t.numel() * t.element_size())
     return total
 
 
-def _sized(tensor: torch.Tensor, nbytes: int) -> Size:
+def sized(tensor: torch.Tensor, nbytes: int) -> Size:
     wide = tensor.is_floating_point() and tensor.element_size() > 2
     return Size(nbytes, nbytes * 2 // tensor.element_size() if wide else nbytes)
 
@@ -153,30 +153,30 @@ def measure_forward(forward: Callable[..., Any], values: list[Any],
     if fake is not None:
         values = [fake(v) if isinstance(v, torch.Tensor) else v for v in values]
         weights = [fake(w) for w in weights]
-    weight_keys = {_key(w) for w in weights}
+    weight_keys = {storage_key(w) for w in weights}
     values = [_received(v) for v in values]
     storages: dict[int, Size] = {}
-    received = {_key(t) for t in _tensors(values)}
-    for t in _tensors(values):
-        storages.setdefault(_key(t), _sized(t, t.untyped_storage().nbytes()))
+    received = {storage_key(t) for t in tensors_of(values)}
+    for t in tensors_of(values):
+        storages.setdefault(storage_key(t), sized(t, t.untyped_storage().nbytes()))
     saved: set[int] = set()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = _key(tensor)
+        key = storage_key(tensor)
         if key not in weight_keys and key not in received:
             saved.add(key)
-            storages.setdefault(key, _sized(tensor, tensor.untyped_storage().nbytes()))
+            storages.setdefault(key, sized(tensor, tensor.untyped_storage().nbytes()))
         return tensor
 
     with torch.set_grad_enabled(training), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = forward(*values)
     produced = set()
-    for t in _tensors(output):
-        key = _key(t)
+    for t in tensors_of(output):
+        key = storage_key(t)
         if key not in weight_keys and key not in received:
             produced.add(key)
-            storages.setdefault(key, _sized(t, t.untyped_storage().nbytes()))
+            storages.setdefault(key, sized(t, t.untyped_storage().nbytes()))
     saved -= produced  # a produced value stays for backward even when recomputing
 
     def total(keys: set[int]) -> Size:
@@ -219,7 +219,7 @@ def module_tensors(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(), *module.buffers()]
 
 
-def _key(tensor: torch.Tensor) -> int:
+def storage_key(tensor: torch.Tensor) -> int:
     # The storage object's identity: a fake tensor's (meta) storage has no data pointer.
     return tensor.untyped_storage()._cdata
 
@@ -230,7 +230,7 @@ def _received(value: Any) -> Any:
     return value.detach().clone().requires_grad_(value.requires_grad)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensors_of(value: Any) -> list[torch.Tensor]:
     leaves = torch.utils._pytree.tree_leaves(value)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
 
@@ -287,7 +287,7 @@ def staged_footprints(staged: Any, args: tuple, kwargs: dict, *,
             footprint, outputs = measure_forward(lambda *v, m=module: m(*v), values,
                                                  module_tensors(module), training=training,
                                                  fake=fake)
-            extra = size_of(_tensors(relayed))
+            extra = size_of(tensors_of(relayed))
             result.append(footprint._replace(received=footprint.received + extra))
             for k, value in enumerate(outputs):
                 produced[Source.stage(j, k)] = value

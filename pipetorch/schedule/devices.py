@@ -25,6 +25,7 @@ named for the device's first stage.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from pipetorch.schedule import interleaved, plans
@@ -185,7 +186,15 @@ def peak_stash(kind: str, stages: int, micro_batches: int,
     schedule it may pick) with stage s on device `owners[s]` (one each by default); 0 in
     inference. The one count of micro-batches in flight: the memory estimate, the memory
     report and the balancer all price activations with it."""
-    owners = tuple(range(stages)) if owners is None else tuple(owners)
+    return _peak_stash(kind, stages, micro_batches,
+                       tuple(range(stages)) if owners is None else tuple(owners), training)
+
+
+@functools.lru_cache(maxsize=32)
+def _peak_stash(kind: str, stages: int, micro_batches: int, owners: tuple[int, ...],
+                training: bool) -> tuple[int, ...]:
+    # cached: simulating many stages over many micro-batches takes seconds (the planner and
+    # its remedies ask the same question several times)
     kinds = ["pipelined", "zero_bubble", *INTERLEAVED] if kind == "auto" else [kind]
     peaks = [check_devices(device_plan(k, stages, micro_batches, owners, training=training),
                            owners).peak_stash for k in kinds]

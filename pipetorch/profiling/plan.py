@@ -1,0 +1,370 @@
+"""`plan`: each device's memory and the step time of a pipelined run, before having the machines.
+
+The model may live on the meta device: nothing is allocated. One forward on fake tensors (under
+saved-tensor hooks, as the memory estimate sizes a stage) measures each candidate segment: what
+runs before the model's layer list, each layer, what runs after it. Identical layers (same class
+and parameter shapes) are measured once: for that forward the others stand aside, giving back the
+first one's output.
+The segments are priced with the memory estimate's own functions (`estimate.price`: weights,
+gradients, optimiser state, activations x the schedule's micro-batches in flight from
+`schedule.devices.peak_stash`; `estimate.rank_remedies` for what would make it fit), the cut is
+chosen by the balancer (`partition.balance.plan`) and the step time comes from the schedule
+simulator (`simulate_devices`) with each stage's FLOPs (counted on the same fake forward)
+divided by a per-device rate: given (`flops`), or measured here on the CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from pipetorch.errors import OutOfMemoryError
+from pipetorch.parallel.local import Batching
+from pipetorch.partition import balance
+from pipetorch.profiling.estimate import (
+    MemoryEstimate, Remedy, Setting, StageMemory, batch_size, fmt, price, rank_remedies,
+)
+from pipetorch.profiling.memory import ZERO, Footprint, Size, size_of, state_layout
+from pipetorch.profiling.segments import Piece, Rates, measure, measure_here as timed
+from pipetorch.schedule.devices import device_plan, peak_stash, simulate_devices
+
+__all__ = ["plan", "Plan"]
+
+OPTIMIZERS = {"adamw": ("AdamW", {}), "sgd": ("SGD", {"momentum": 0.9}), "lamb": ("LAMB", {})}
+SCHEDULES = {"1f1b": "pipelined", "zero_bubble": "zero_bubble"}
+METHOD = ("activations: one forward on fake tensors under saved-tensor hooks (identical layers "
+          "measured once), x the schedule's micro-batches in flight; weights, gradients and "
+          "optimiser state from tensor sizes and the state one optimiser step creates")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planned run: its cut, schedule, each device's memory and the step time."""
+
+    estimate: MemoryEstimate
+    names: tuple[str, ...]           # each stage's first and last segment, "first .. last"
+    cut: tuple[str, ...]             # the BeginBlock names where stages 1.. begin
+    schedule: str                    # "1f1b", "zero_bubble", or "none" (one stage)
+    replicas: int
+    accumulation: int
+    budget: int | None               # bytes per device
+    overhead: int                    # bytes per worker process outside the model (measured here)
+    temporaries: dict[int, int]      # per stage: the CPU step's temporaries (measured runs only)
+    remedies: tuple[Remedy, ...]
+    step_seconds: float | None
+    bubble: float
+    time_method: str
+    host_weights: int
+
+    @property
+    def peaks(self) -> dict[int, int]:
+        return {ipu: d.total + self.overhead + self.temporaries.get(ipu, 0)
+                for ipu, d in self.estimate.devices.items()}
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget is None else max(self.peaks.values()) <= self.budget
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as a JSON-ready dict (bytes and seconds)."""
+        devices = [{"stage": ipu, "segments": self.names[ipu], **d.categories,
+                    "host_optimiser_state": d.host_optimiser_state, "in_flight": d.in_flight,
+                    "process": self.overhead,
+                    "step_temporaries": self.temporaries.get(ipu, 0), "peak": self.peaks[ipu],
+                    "fits": None if self.budget is None else self.peaks[ipu] <= self.budget}
+                   for ipu, d in self.estimate.devices.items()]
+        return {"schedule": self.schedule, "stages": len(devices), "replicas": self.replicas,
+                "accumulation": self.accumulation, "cut": list(self.cut),
+                "budget": self.budget, "fits": self.fits, "devices": devices,
+                "host": {"weights": self.host_weights, "optimiser_state": sum(
+                    d.host_optimiser_state for d in self.estimate.devices.values())},
+                "step_seconds": self.step_seconds, "bubble": self.bubble,
+                "time_method": self.time_method, "method": self.estimate.method,
+                "remedies": [{"name": r.name, "code": r.code, "saving": r.saving,
+                              "fits": r.fits} for r in self.remedies]}
+
+    def table(self) -> str:
+        """The plan as text: one row per device, then the cut, the step time, the remedies."""
+        heads = ["stage", "weights", "gradients", "optimiser", "activations", "in flight",
+                 "peak", "fits", "segments"]
+        rows = [heads]
+        for ipu, d in self.estimate.devices.items():
+            fits = "-" if self.budget is None else (
+                "yes" if self.peaks[ipu] <= self.budget else
+                f"NO (+{fmt(self.peaks[ipu] - self.budget)})")
+            rows.append([str(ipu), fmt(d.parameters + d.buffers), fmt(d.gradients),
+                         fmt(d.optimiser_state) + (f" (+{fmt(d.host_optimiser_state)} host)"
+                                                   if d.host_optimiser_state else ""),
+                         fmt(d.activations + d.received), str(d.in_flight),
+                         fmt(self.peaks[ipu]), fits, self.names[ipu]])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
+        lines = ["  ".join(c.rjust(w) if 0 < i < len(heads) - 1 else c.ljust(w)
+                           for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+        lines.append(f"schedule {self.schedule}, {len(rows) - 1} stages x {self.replicas} "
+                     f"replicas, gradient accumulation {self.accumulation}; cut: "
+                     + (", ".join(self.cut) or "none"))
+        if self.overhead:
+            lines.append(f"peaks include {fmt(self.overhead)} per worker process outside the "
+                         "model (an interpreter with torch, measured here) and the step's "
+                         "temporaries (two of the stage's largest parameter: "
+                         + ", ".join(fmt(t) for t in self.temporaries.values()) + ")")
+        if self.budget is not None:
+            lines.append(f"budget {fmt(self.budget)} per device: "
+                         + ("fits" if self.fits else "does NOT fit"))
+        if self.step_seconds is not None:
+            lines.append(f"predicted step: {self.step_seconds:.3f} s (bubble "
+                         f"{self.bubble:.0%}; {self.time_method})")
+        for rank, r in enumerate(self.remedies, 1):
+            if rank == 1:
+                lines.append("what would make it fit, by what each saves on the fullest device:")
+            lines.append(f"  {rank}. {r.name}: saves {fmt(r.saving)}; "
+                         + ("fits on its own" if r.fits else "not enough on its own"))
+            lines.append(f"       {r.code}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What prices a cut: the run's choices and the optimiser's state per element."""
+
+    stages: int
+    replicas: int
+    accumulation: int
+    setting: Setting
+    layouts: dict[torch.dtype, tuple[int, int]]  # dtype -> (state bytes per element, fixed)
+
+
+def _optimizer(optimizer: str, loss_scaling: float | None
+               ) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """What makes PopTorch's `optimizer` ("adamw", "sgd" with momentum 0.9, "lamb")."""
+    from pipetorch import optim
+
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZERS)}")
+    name, extra = OPTIMIZERS[optimizer]
+    kwargs = dict(extra, **({"loss_scaling": loss_scaling} if loss_scaling else {}))
+    return lambda params: getattr(optim, name)(params, lr=1e-3, **kwargs)
+
+
+def _layouts(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+             dtypes: set[torch.dtype]) -> dict[torch.dtype, tuple[int, int]]:
+    """Per parameter dtype (and its 16-bit form): the state one optimiser step creates."""
+    out = {}
+    for dtype in dtypes | {_half(d) for d in dtypes}:
+        stand_in = nn.Parameter(torch.ones(2, dtype=dtype))
+        out[dtype] = state_layout(make([stand_in]), [stand_in], None)[id(stand_in)]
+    return out
+
+
+def _half(dtype: torch.dtype) -> torch.dtype:
+    return torch.float16 if dtype.is_floating_point and dtype.itemsize > 2 else dtype
+
+
+def _state(params: list[nn.Parameter], layouts: dict[torch.dtype, tuple[int, int]]) -> Size:
+    def bytes_as(pick: Any) -> int:
+        return sum(layouts[pick(p.dtype)][0] * p.numel() + layouts[pick(p.dtype)][1]
+                   for p in params)
+    return Size(bytes_as(lambda d: d), bytes_as(_half))
+
+
+def _unique(tensors: Any) -> list[Any]:
+    return list({id(t): t for t in tensors}.values())
+
+
+def stage_memory(pieces: list[Piece], starts: tuple[int, ...], kind: str,
+                 run: _Run) -> tuple[StageMemory, ...]:
+    """Each stage's sizes for the cut `starts` (first piece of each stage) under plan kind
+    `kind`; a weight several stages hold (tied) is stepped on the first of them."""
+    ends = (*starts[1:], len(pieces))
+    flights = peak_stash(kind, len(starts), run.accumulation, training=True)
+    records = []
+    for s, (i, j) in enumerate(zip(starts, ends)):
+        part = pieces[i:j]
+        params = _unique(p for piece in part for p in piece.params)
+        trainable = [p for p in params if p.requires_grad]
+        steps = [p for p in _stepped(pieces, starts, s) if p.requires_grad]
+        prints = [piece.footprint() for piece in part]
+        footprint = Footprint(prints[0].received,
+                              sum((f.saved for f in prints), ZERO)
+                              + sum((f.outputs for f in prints[:-1]), ZERO), prints[-1].outputs)
+        records.append(StageMemory(s, s, size_of(params),
+                                   size_of(_unique(b for piece in part for b in piece.buffers)),
+                                   size_of(trainable), _state(steps, run.layouts), footprint,
+                                   flights[s]))
+    return tuple(records)
+
+
+def _segments(pieces: list[Piece], run: _Run) -> list[balance.Segment]:
+    """The pieces as the balancer's cost table: FLOPs of forward and backward (as seconds:
+    only their ratios matter to the cut), activations per micro-batch, and the bytes of
+    weights, gradients and optimiser state priced under the run's setting."""
+    setting, segments = run.setting, []
+    for piece in pieces:
+        one = stage_memory([piece], (0,), "sharded", run)[0]
+        device = price((dataclasses.replace(one, footprint=Footprint(ZERO, ZERO, ZERO)),),
+                       setting)[0]
+        kept = piece.footprint()
+        activations = (kept.outputs if setting.recomputation else kept.saved + kept.outputs)
+        segments.append(balance.Segment(piece.name, float(piece.flops * (
+            4 if setting.recomputation else 3)), activations.bytes, device.total))
+    return segments
+
+
+def _kinds(schedule: str, stages: int) -> list[str]:
+    if stages == 1:
+        return ["sharded"]
+    if schedule == "auto":
+        return list(SCHEDULES.values())
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not one of auto, {', '.join(SCHEDULES)}")
+    return [SCHEDULES[schedule]]
+
+
+def _starts(pieces: list[Piece], split: list[str] | None, kind: str, run: _Run,
+            budget: int | None) -> tuple[int, ...]:
+    """The first piece of each stage: from the BeginBlock names in `split`, else the
+    balancer's fastest cut within the budget, else the one whose fullest device is least
+    full."""
+    names = [p.name for p in pieces]
+    if split is not None:
+        if len(split) != run.stages - 1:
+            raise ValueError(f"split names {len(split)} BeginBlock places ({split}) for "
+                             f"{run.stages} stages; give {run.stages - 1}, or set the devices "
+                             "and replicas so that devices / replicas = len(split) + 1")
+        unknown = [n for n in split if n not in names[1:]]
+        if unknown:
+            raise ValueError(f"split: {unknown} do not begin a segment; the places a stage "
+                             f"may begin are {names[1:]}")
+        starts = (0, *(names.index(n) for n in split))
+        if list(starts) != sorted(set(starts)):
+            raise ValueError(f"split {split} must name places in the model's order")
+        return starts
+    if run.stages == 1:
+        return (0,)
+    segments = _segments(pieces, run)
+    schedule = kind if kind != "sharded" else "pipelined"
+    try:
+        return balance.plan(segments, run.stages, budgets=budget, schedule=schedule,
+                            micro_batches=run.accumulation).starts
+    except OutOfMemoryError as error:
+        return error.placement.starts
+
+
+def _timeline(kind: str, stages: int, run: _Run, forward: list[float],
+              step: float) -> tuple[float, float]:
+    """(makespan, bubble share) of one step in forward-FLOP units: backward costs twice the
+    forward (one more with recomputation), the optimiser step `step`."""
+    if kind == "sharded":
+        return run.accumulation * sum(forward) * (4 if run.setting.recomputation else 3) \
+            + step, 0.0
+    unit = max(forward) / 200 or 1.0
+    ticks = [max(1, round(f / unit)) for f in forward]
+    again = ticks if run.setting.recomputation else [0] * stages
+    split = kind == "zero_bubble"
+    timeline = simulate_devices(
+        device_plan(kind, stages, run.accumulation, tuple(range(stages)), training=True),
+        tuple(range(stages)), forward=ticks, buffered=True, step=round(step / unit),
+        backward=[t + a if split else 2 * t + a for t, a in zip(ticks, again)], weight=ticks)
+    return timeline.makespan * unit, timeline.bubble_fraction
+
+
+def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
+         device_memory: int | None = None, flops: float | None = None,
+         accumulation: int | None = None, replicas: int = 1, optimizer: str = "adamw",
+         loss_scaling: float | None = None, recompute: bool = False, offload: bool = False,
+         sharded: bool = False, schedule: str = "auto", split: list[str] | None = None,
+         measure_here: bool = False, flash_attention: bool = False) -> Plan:
+    """Plan training `model` (on the meta device or any other) on `devices` devices of
+    `device_memory` bytes each: `replicas` pipelines of devices / replicas stages, one
+    micro-batch being `inputs` (args, kwargs), `accumulation` micro-batches per step (default:
+    what keeps the bubble under 10%). `split` names the BeginBlock places where stages 1..
+    begin; without it the balancer chooses the cut. `schedule` is "1f1b", "zero_bubble" or
+    "auto" (the faster that fits). `sharded` shards the optimiser state over the replicas
+    (replicated tensor sharding), `offload` keeps it in host memory. The step time needs a
+    rate: `flops` (sustained FLOP/s per device) or `measure_here` (a layer timed on this
+    CPU, which also measures a worker's memory outside the model). `flash_attention` sizes
+    attention as a GPU's flash kernel keeps it (`measure`)."""
+    if devices < 1 or replicas < 1 or devices % replicas:
+        raise ValueError(f"devices ({devices}) must be a positive multiple of replicas "
+                         f"({replicas}): each replica is a pipeline of devices / replicas stages")
+    stages = devices // replicas
+    pieces, first = measure(model, inputs, flash=flash_attention)
+    micro_batch = batch_size(*inputs)
+    setting = Setting(True, recompute, offload, shards=replicas if sharded else 1)
+    make = _optimizer(optimizer, loss_scaling)
+    run = _Run(stages, replicas, accumulation or balance.propose_gradient_accumulation(stages),
+               setting, _layouts(make, {p.dtype for p in model.parameters()}))
+    rates = timed(model, pieces, first, make, stages) if measure_here else None
+    overhead = rates.overhead if rates else 0
+    budget = None if device_memory is None else device_memory - overhead
+    rate = flops or (rates.flops if rates else None)
+    options = []
+    for kind in _kinds(schedule, stages):
+        starts = _starts(pieces, split, kind, run, budget)
+        records = stage_memory(pieces, starts, kind, run)
+        devices_memory = price(records, setting)
+        ends = (*starts[1:], len(pieces))
+        forward = [float(sum(p.flops for p in pieces[i:j])) for i, j in zip(starts, ends)]
+        step = max(sum(p.numel() for p in _stepped(pieces, starts, s) if p.requires_grad)
+                   for s in range(stages)) * rates.step_per_element * rate if rates else 0.0
+        span, bubble = _timeline(kind, stages, run, forward, step)
+        worst = max(d.total for d in devices_memory.values())
+        options.append((budget is not None and worst > budget, span, kind, starts, records,
+                        devices_memory, bubble))
+    over, span, kind, starts, records, devices_memory, bubble = min(
+        options, key=lambda o: (o[0], o[1] if not o[0] else max(d.total for d in o[5].values())))
+    estimate = MemoryEstimate(devices_memory, records, setting, stages > 1,
+                              Batching(1, run.accumulation, replicas), micro_batch, METHOD, kind)
+    remedies: tuple[Remedy, ...] = ()
+    if over:
+        worst = max(devices_memory, key=lambda d: devices_memory[d].total)
+        remedies = tuple(rank_remedies(estimate, {d: budget for d in devices_memory}, worst))
+    ends = (*starts[1:], len(pieces))
+    return Plan(estimate, tuple(pieces[i].name if j - i == 1 else
+                                f"{pieces[i].name} .. {pieces[j - 1].name}"
+                                for i, j in zip(starts, ends)),
+                tuple(pieces[i].name for i in starts[1:]),
+                {v: k for k, v in SCHEDULES.items()}.get(kind, "none"), replicas,
+                run.accumulation, device_memory, overhead,
+                _temporaries(pieces, starts) if rates else {}, remedies,
+                None if rate is None else span / rate, bubble, _time_method(flops, rates),
+                size_of(_unique(model.parameters())).bytes)
+
+
+def _temporaries(pieces: list[Piece], starts: tuple[int, ...]) -> dict[int, int]:
+    """Per stage, what a CPU worker's optimiser step adds at its peak: torch steps one
+    parameter at a time on a CPU, with two temporaries of its size (AdamW's square root of the
+    second moment and the quotient), and a tied weight's gradient and value cross between its
+    devices whole: two of the stage's largest parameter."""
+    ends = (*starts[1:], len(pieces))
+    return {s: 2 * max((p.numel() * p.element_size() for piece in pieces[i:j]
+                        for p in piece.params), default=0)
+            for s, (i, j) in enumerate(zip(starts, ends))}
+
+
+def _stepped(pieces: list[Piece], starts: tuple[int, ...], stage: int) -> list[nn.Parameter]:
+    """The parameters stage `stage` steps: its own, less those an earlier stage holds."""
+    ends = (*starts[1:], len(pieces))
+    earlier = {id(p) for piece in pieces[:starts[stage]] for p in piece.params}
+    return [p for p in _unique(p for piece in pieces[starts[stage]:ends[stage]]
+                               for p in piece.params) if id(p) not in earlier]
+
+
+def _time_method(flops: float | None, rates: Rates | None) -> str:
+    if flops:
+        return (f"each stage's forward FLOPs x3 (x4 recomputing) at {flops:.3g} FLOP/s a "
+                "device, through the schedule simulator; the optimiser step and transfers "
+                "not counted")
+    if rates:
+        return (f"each stage's forward FLOPs x3 (x4 recomputing) at {rates.flops:.3g} FLOP/s "
+                "(a layer's forward and backward timed on this CPU) and the optimiser step "
+                f"at {rates.step_per_element * 1e9:.2f} ns a parameter, through the schedule "
+                "simulator")
+    return "no rate given (flops or measure_here)"
+
+
+
+

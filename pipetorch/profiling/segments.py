@@ -1,0 +1,288 @@
+"""A model's candidate segments measured on fake tensors (the planner's cost table), and one
+layer timed for real on this CPU.
+
+The segments are what runs before the model's layer list (its largest ModuleList), each layer,
+and what runs after it; code between two layers counts with the one before. One forward on
+fake tensors under saved-tensor hooks (as `memory.measure_forward` sizes a stage) gives each
+segment's Footprint, and a FlopCounterMode its forward FLOPs. Identical layers (same class and
+parameter shapes) are measured once: for that forward the others stand aside, giving back the
+first one's output, so forward may walk the list any way it likes.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from pipetorch.profiling.memory import (
+    ZERO, Footprint, Size, fake_tensors, faked, module_tensors, sized, storage_key, tensors_of,
+)
+
+__all__: list[str] = []
+
+@dataclass(eq=False)
+class Piece:
+    """A candidate segment: what one forward leaves on it, its forward FLOPs, its tensors."""
+
+    name: str
+    params: list[nn.Parameter] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    received: dict[int, Size] = field(default_factory=dict)
+    saved: dict[int, Size] = field(default_factory=dict)
+    outputs: dict[int, Size] = field(default_factory=dict)
+    flops: int = 0
+
+    def footprint(self) -> Footprint:
+        kept = {k: v for k, v in self.saved.items()
+                if k not in self.received and k not in self.outputs}
+        return Footprint(*(sum(d.values(), ZERO) for d in (self.received, kept, self.outputs)))
+
+
+def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList | None]:
+    """The ModuleList holding the most parameters (the layers), with its path."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return "", None
+    return max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
+
+
+def _signature(module: nn.Module) -> tuple:
+    return (type(module).__name__,
+            tuple((n, tuple(t.shape), t.dtype) for n, t in module.state_dict().items()))
+
+
+class _FlashAttention(torch.autograd.Function):
+    """What flash attention keeps for backward: q, k, v, the output and one float32 log-sum-exp
+    per query and head, never the scores."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+
+def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = True,
+            flash: bool = False) -> tuple[list[Piece], dict[str, Any]]:
+    """The candidate segments of `model` run on one micro-batch `inputs` (args, kwargs), and
+    the first layer's inputs as (shape, dtype) leaves (to time it for real on this machine).
+    With `flash`, scaled_dot_product_attention keeps what flash attention keeps (a GPU's
+    kernel; on the meta device it would run the math one, which keeps the scores)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pipetorch import ops
+
+    path, layers = _layer_list(model)
+    units = ([(f"{path}.{i}", u) for i, u in enumerate(layers)] if layers is not None
+             else list(model.named_children()))
+    same = layers is not None and len(units) > 1 and len({_signature(u) for _, u in units}) == 1
+    run = [u for _, u in units[:1]] if same else [u for _, u in units]
+    pieces = [Piece(""), *(Piece(n) for n, _ in units[:len(run)]), Piece(""), Piece("")]
+    after = len(pieces) - 2  # the last: what runs between identical layers standing aside
+    counter = FlopCounterMode(display=False)
+    state: dict[str, Any] = {"at": 0, "flops": 0, "first": None, "stood": 0}
+    seen: set[int] = set()
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def flush(to: int) -> None:
+        total = counter.get_total_flops()
+        pieces[state["at"]].flops += total - state["flops"]
+        state["flops"], state["at"] = total, to
+
+    def enter(k: int) -> Any:
+        def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
+            flush(k)
+            pieces[k].received.update(_sizes((args, kwargs), weights))
+            if k == 1:
+                state["first"] = torch.utils._pytree.tree_map(
+                    lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t,
+                    (args, kwargs))
+        return hook
+
+    def leave(k: int) -> Any:
+        def hook(_: nn.Module, __: Any, output: Any) -> None:
+            pieces[k].outputs.update(_sizes(output, weights))
+            state["again"] = output
+            flush(k if k < len(units) else after)  # code between layers: the one before
+        return hook
+
+    def stood_in() -> None:  # an identical layer's turn: what runs until the next is not priced
+        state["stood"] += 1
+        flush(after if state["stood"] == len(units) - 1 else after + 1)
+
+    def touched(module: nn.Module, *_: Any) -> None:
+        at = pieces[state["at"]]
+        if state["at"] in (0, after) and id(module) not in seen | inside:
+            seen.add(id(module))
+            at.name = at.name or names[id(module)]
+            at.params += list(module.parameters(recurse=False))
+            at.buffers += list(module.buffers(recurse=False))
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        if key not in weights:
+            nbytes = tensor.untyped_storage().nbytes()
+            pieces[state["at"]].saved.setdefault(key, sized(tensor, nbytes))
+        return tensor
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any,
+                  **__: Any) -> torch.Tensor:
+        pieces[state["at"]].flops += 4 * q.numel() * k.shape[-2]  # QK^T and PV, as counted
+        return _FlashAttention.apply(q, k, v)
+
+    sdpa = nn.functional.scaled_dot_product_attention
+    inside = {id(m) for unit in run for m in unit.modules()}
+    handles = [h for k, unit in enumerate(run, 1)
+               for h in (unit.register_forward_pre_hook(enter(k), with_kwargs=True),
+                         unit.register_forward_hook(leave(k)))]
+    handles += [m.register_forward_pre_hook(touched) for m in model.modules()
+                if m._parameters or m._buffers]
+    modes = {m: m.training for m in model.modules()}
+    again = _Again(state, stood_in)
+    try:
+        for key in list(layers._modules)[1:] if same else ():
+            layers._modules[key] = again  # the model's own indexing and slicing still work
+        if flash:
+            nn.functional.scaled_dot_product_attention = attention
+        model.train(training)
+        with fake_tensors() as mode, ops.running_on_device():
+            fake = faked(mode)
+            # the fake weights are held (a freed storage's key is reused), and their real
+            # (meta) tensors' keys kept too: a meta weight may reach an op as it is
+            held = [(w, fake(w)) for w in module_tensors(model)]
+            weights = {storage_key(t) for pair in held for t in pair}
+            args, kwargs = torch.utils._pytree.tree_map(
+                lambda t: fake(t) if isinstance(t, torch.Tensor) else t, inputs)
+            pieces[0].received.update(_sizes((args, kwargs), weights))
+            with torch.set_grad_enabled(training), counter, \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                output = model(*args, **kwargs)
+            flush(after)
+            pieces[after].outputs.update(_sizes(output, weights))
+    finally:
+        nn.functional.scaled_dot_product_attention = sdpa
+        for key, (_, unit) in zip(list(layers._modules)[1:] if same else (), units[1:]):
+            layers._modules[key] = unit
+        for h in handles:
+            h.remove()
+        for module, was in modes.items():
+            module.training = was
+    pieces.pop()  # between identical layers standing aside
+    middle = pieces[1:-1]
+    if same:  # the other identical layers: the first one's sizes, their own tensors
+        middle = [replace(middle[0], name=n) for n, _ in units]
+    for piece, (_, unit) in zip(middle, units):
+        piece.params, piece.buffers = list(unit.parameters()), list(unit.buffers())
+    pieces = [pieces[0], *middle, pieces[-1]]
+    if middle:
+        pieces[0].outputs = dict(middle[0].received)
+        pieces[-1].received = dict(middle[-1].outputs)
+    owned = {id(p) for piece in pieces for p in piece.params}
+    pieces[0].params += [p for p in model.parameters() if id(p) not in owned]  # never run
+    for piece, default in ((pieces[0], "(before the layers)"), (pieces[-1], "(after them)")):
+        piece.name = piece.name or default
+    mids = {id(m) for m in middle}
+    kept = [p for p in pieces if p.params or p.saved or p.flops or id(p) in mids]
+    return kept, state["first"] or {}
+
+
+class _Again(nn.Module):
+    """Stands in for an identical layer while measuring: gives back the first layer's output
+    (the same shapes), so the layer list is run once whatever way forward walks it."""
+
+    def __init__(self, state: dict[str, Any], turn: Callable[[], None]) -> None:
+        super().__init__()
+        self.state, self.turn = state, turn
+
+    def forward(self, *_: Any, **__: Any) -> Any:
+        self.turn()
+        return self.state["again"]
+
+
+def _sizes(value: Any, weights: set[int]) -> dict[int, Size]:
+    return {storage_key(t): sized(t, t.untyped_storage().nbytes())
+            for t in tensors_of(value) if storage_key(t) not in weights}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """This machine's measured speed: FLOP/s of a layer's forward and backward, seconds of
+    an optimiser step per parameter element, and a worker process's memory outside the
+    model."""
+
+    flops: float
+    step_per_element: float
+    overhead: int
+
+
+def _real(leaf: Any) -> Any:
+    if not (isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], torch.dtype)):
+        return leaf
+    shape, dtype = leaf
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype).requires_grad_()
+    fill = torch.ones if dtype == torch.bool else torch.zeros
+    return fill(shape, dtype=dtype)
+
+
+def measure_here(model: nn.Module, pieces: list[Piece], first: Any,
+                 make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 stages: int) -> Rates:
+    """Time the first layer's forward and backward and an optimiser step on it for real on
+    this CPU, with the threads a worker gets; and a worker's interpreter's resident memory."""
+    from pipetorch.parallel.placement import cpu_cores
+
+    _, layers = _layer_list(model)
+    if layers is None or not first:
+        raise ValueError("measure_here times the first layer of the model's layer list "
+                         "(a ModuleList); this model has none: give flops instead")
+    layer = copy.deepcopy(layers[0])
+    if any(t.is_meta for t in module_tensors(layer)):
+        layer = layer.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in module_tensors(layer):
+            t.normal_(0, 0.02) if t.is_floating_point() else t.fill_(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, cpu_cores() // stages))
+    try:
+        args, kwargs = torch.utils._pytree.tree_map(_real, first, is_leaf=_is_spec)
+        layer.train(True)
+
+        def once() -> float:
+            start = time.perf_counter()
+            out = tensors_of(layer(*args, **kwargs))[0]
+            out.float().sum().backward()
+            return time.perf_counter() - start
+
+        once()
+        seconds = statistics.median(once() for _ in range(3))
+        stepper = make(list(layer.parameters()))
+        stepper.step()
+        start = time.perf_counter()
+        for _ in range(3):
+            stepper.step()
+        per_element = (time.perf_counter() - start) / 3 / sum(p.numel() for p in layer.parameters())
+    finally:
+        torch.set_num_threads(threads)
+    return Rates(3 * pieces[1].flops / seconds, per_element, _worker_overhead())
+
+
+def _is_spec(leaf: Any) -> bool:
+    return isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], torch.dtype)
+
+
+def _worker_overhead() -> int:
+    """Resident bytes of a fresh interpreter that imported what a stage worker imports (its
+    VmRSS: ru_maxrss would carry this process's peak over the exec)."""
+    code = ("import torch, pipetorch.parallel.worker; "
+            "print(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    return int(done.stdout.split()[-1]) * 1024

@@ -1,0 +1,109 @@
+"""`pipetorch plan`: the table, --json, a plan that does not fit, HF configs on the meta device."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pipetorch.cli.main import main
+
+MODEL = textwrap.dedent("""
+    import torch, torch.nn as nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+            self.head = nn.Linear(64, 2)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return self.head(x).sum()
+
+    def net(micro_batch):
+        return Net(), ((torch.zeros(micro_batch, 64),), {})
+""")
+
+
+@pytest.fixture
+def net(tmp_path, monkeypatch):
+    (tmp_path / "plan_net.py").write_text(MODEL)
+    monkeypatch.chdir(tmp_path)
+    yield "plan_net:net"
+    sys.modules.pop("plan_net", None)
+
+
+def test_json_gives_each_stage_and_matches_the_api(net, capsys):
+    code = main(["plan", net, "--devices-per-machine", "2", "--micro-batch", "8",
+                 "--accumulation", "4", "--flops", "1G", "--json"])
+    found = json.loads(capsys.readouterr().out)
+    assert code == 0 and found["stages"] == 2 and found["fits"] is None
+    assert [d["stage"] for d in found["devices"]] == [0, 1]
+    weights = sum(d["parameters"] for d in found["devices"])
+    assert weights == (4 * (64 * 64 + 64) + 64 * 2 + 2) * 4
+    for device in found["devices"]:
+        assert device["gradients"] == device["parameters"]
+        assert device["peak"] == sum(device[k] for k in (
+            "parameters", "buffers", "gradients", "optimiser_state", "activations", "received"))
+    assert found["step_seconds"] > 0 and found["schedule"] in ("1f1b", "zero_bubble")
+    assert len(found["cut"]) == 1
+
+
+def test_a_plan_that_does_not_fit_exits_1_with_what_would(net, capsys):
+    code = main(["plan", net, "--devices-per-machine", "2", "--device-memory", "60KB",
+                 "--replicas", "2"])
+    out = capsys.readouterr().out
+    assert code == 1 and "does NOT fit" in out and "NO (+" in out
+    assert "what would make it fit" in out and "host memory" in out
+
+
+def test_a_split_that_names_no_segment_is_refused(net, capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", net, "--devices-per-machine", "2", "--split", "layers.7"])
+    assert "the places a stage may begin are ['layers.1'" in capsys.readouterr().err
+
+
+@pytest.mark.transformers
+def test_a_config_json_is_built_on_the_meta_device(tmp_path, capsys):
+    config = {"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4,
+              "vocab_size": 1000, "n_positions": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = main(["plan", str(tmp_path / "config.json"), "--devices-per-machine", "2",
+                 "--sequence", "32", "--split", "transformer.h.2", "--json"])
+    found = json.loads(capsys.readouterr().out)
+    assert code == 0 and found["cut"] == ["transformer.h.2"]
+    # the tied embedding and output layer are held on both stages, stepped on the first
+    first, last = found["devices"]
+    embedding = 1000 * 64 * 4
+    assert last["parameters"] > embedding and last["optimiser_state"] < 2 * last["parameters"]
+
+
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+             "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "vocab_size": 128256, "max_position_embeddings": 8192,
+             "tie_word_embeddings": False}
+
+
+@pytest.mark.slow
+@pytest.mark.transformers
+def test_llama_70b_is_planned_without_allocating_its_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    # VmHWM, the process's own peak (ru_maxrss would carry pytest's over the exec)
+    code = ("import sys; from pipetorch.cli.main import main; code = main(sys.argv[1:]); "
+            "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]); "
+            "sys.exit(code)")
+    done = subprocess.run(
+        [sys.executable, "-c", code, "plan", str(tmp_path / "config.json"), "--machines", "4",
+         "--devices-per-machine", "8", "--device-memory", "80GB", "--dtype", "bfloat16",
+         "--sequence", "4096", "--replicas", "2", "--sharded", "--recompute",
+         "--flash-attention", "--accumulation", "32", "--schedule", "1f1b", "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    *found, peak = done.stdout.strip().splitlines()
+    found = json.loads("\n".join(found))
+    assert found["fits"] is True and found["stages"] == 16
+    weights = sum(d["parameters"] for d in found["devices"])
+    assert 70e9 * 2 < weights < 71e9 * 2  # bfloat16, the output layer untied
+    assert int(peak) * 1024 < 2**30  # kB resident at the peak: no weight allocated

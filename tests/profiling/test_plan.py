@@ -1,0 +1,125 @@
+"""poptorch.plan: the planner prices a split with the memory estimate's own numbers."""
+import pytest
+import torch
+import torch.nn as nn
+
+import pipetorch as poptorch
+from pipetorch.parallel.local import Batching
+from pipetorch.partition.strategies import StageSpec
+from pipetorch.profiling.estimate import estimate_memory
+
+M, WIDTH = 3, 16
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, h):
+        return h + self.down(torch.relu(self.up(h)))
+
+
+class Tiny(nn.Module):
+    """An input layer, four identical layers (a block boundary after the second), a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, WIDTH)
+        self.layers = nn.ModuleList(Layer() for _ in range(4))
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        with poptorch.Block("A"):
+            h = self.embed(x)
+            for layer in self.layers[:2]:
+                h = layer(h)
+        with poptorch.Block("B"):
+            for layer in self.layers[2:]:
+                h = layer(h)
+            out = self.head(h)
+            loss = poptorch.identity_loss(out, reduction="sum")
+        return out, loss
+
+
+def tiny_plan(**kwargs):
+    torch.manual_seed(0)
+    model = Tiny()
+    options = dict(devices=2, accumulation=4, split=["layers.2"], schedule="1f1b")
+    return model, poptorch.plan(model, ((torch.randn(M, 6),), {}), **{**options, **kwargs})
+
+
+def test_the_plan_prices_a_split_as_the_compile_time_estimate_does():
+    model, found = tiny_plan()
+    adamw = poptorch.optim.AdamW(model.parameters())
+    stages = [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",))]
+    estimate = estimate_memory(model, ((torch.randn(M, 6),), {}), stages,
+                               batching=Batching(1, 4, 1), optimizer=adamw, pipelined=True,
+                               training=True, offload=False, recomputation=False)
+    assert found.cut == ("layers.2",) and found.schedule == "1f1b"
+    for ipu, device in estimate.devices.items():
+        planned = found.estimate.devices[ipu]
+        assert planned.in_flight == device.in_flight
+        for name in ("parameters", "buffers", "gradients", "optimiser_state", "received"):
+            assert getattr(planned, name) == getattr(device, name), (ipu, name)
+        # eager modules against the captured graph: the same tensors kept, give or take the
+        # loss's scalar
+        assert planned.activations == pytest.approx(device.activations, abs=8)
+
+
+def test_identical_layers_are_measured_once_and_priced_each():
+    model, found = tiny_plan()
+    weights = sum(p.numel() * 4 for p in [*model.embed.parameters(),
+                                          *(p for l in model.layers[:2] for p in l.parameters())])
+    assert found.estimate.devices[0].parameters == weights
+    # every layer's sizes are its own: the model is left as it was
+    assert all(isinstance(layer, Layer) for layer in model.layers)
+
+
+def test_a_plan_that_does_not_fit_says_what_would():
+    _, roomy = tiny_plan()
+    peak = max(roomy.peaks.values())
+    budget = peak - 600
+    _, tight = tiny_plan(device_memory=budget)
+    assert tight.fits is False and tight.remedies
+    names = " ".join(r.name for r in tight.remedies)
+    assert "recomputation" in names and "more stages" in names and "host memory" in names
+    for remedy in tight.remedies:  # each saving re-prices this plan
+        assert remedy.saving > 0
+    offloaded = next(r for r in tight.remedies if "host memory" in r.name)
+    _, after = tiny_plan(device_memory=budget, offload=True)
+    assert after.fits is offloaded.fits
+    assert max(after.peaks.values()) == max(offloaded.peaks.values())
+
+
+def test_sharded_optimiser_state_is_divided_over_the_replicas():
+    _, whole = tiny_plan(devices=4, replicas=2)
+    _, sharded = tiny_plan(devices=4, replicas=2, sharded=True)
+    for ipu, device in whole.estimate.devices.items():
+        assert sharded.estimate.devices[ipu].optimiser_state == -(-device.optimiser_state // 2)
+    _, tight = tiny_plan(devices=4, replicas=2, device_memory=max(whole.peaks.values()) - 1)
+    assert any("sharded over the 2 replicas" in r.name for r in tight.remedies)
+
+
+def test_the_step_time_follows_the_schedule_simulator():
+    _, one = tiny_plan(devices=1, split=None, flops=1e9)
+    flops = sum(p.flops for p in poptorch.profiling.plan.measure(
+        Tiny(), ((torch.randn(M, 6),), {}))[0])
+    assert one.step_seconds == pytest.approx(4 * 3 * flops / 1e9)
+    _, two = tiny_plan(flops=1e9)
+    assert 0 < two.bubble < 1 and two.step_seconds > 4 * 3 * flops / 1e9 / 2
+
+
+def test_the_balancer_chooses_the_cut_without_a_split():
+    _, found = tiny_plan(split=None)
+    assert len(found.cut) == 1 and found.cut[0] in ("layers.1", "layers.2", "layers.3", "head")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(split=["layers.9"]), r"do not begin a segment.*layers\.1"),
+    (dict(devices=3, replicas=2), r"devices \(3\) must be a positive multiple of replicas"),
+    (dict(optimizer="adagrad"), "not one of"),
+])
+def test_bad_input_names_the_values_and_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_plan(**kwargs)
