@@ -178,7 +178,8 @@ def copy_state_to_device(host_opt: torch.optim.Optimizer, engine: Any) -> None:
     state.pop("ipu_param", None)  # already in the groups it was read from
     engine.optimizer.load_state_dict(copy.deepcopy(state))
     scaling.load_scaling_state(engine.optimizer, scaling.scaling_state(host_opt))
-    engine.push(optimizer_state=True)
+    engine.push(optimizer_state=True)  # the state, with parameters' own hyper-parameters
+    engine.set_hyperparameters()  # the groups' (a checkpoint's learning rate, say)
 
 
 def _family(optimizer: torch.optim.Optimizer) -> type:
