@@ -77,6 +77,42 @@ def _group_values(optimizer: torch.optim.Optimizer, group: dict[str, Any],
     return values
 
 
+def describe(optimizer: torch.optim.Optimizer) -> list[str]:
+    """PopTorch's debug lines for an optimiser sent to the device: the graph's (the defaults,
+    the state dtypes, the loss scaling) and each param group's, under PopART's names."""
+    family = _family(optimizer)
+    if not family:
+        return []
+    loss_scaling = float(optimizer.defaults.get("loss_scaling", 1.0))
+
+    def values(group: dict[str, Any], prefix: str) -> str:
+        shown = []
+        for name, key in _NAMES[family].items():
+            if key == "betas" and "betas" in group:
+                value = float(group["betas"][0 if name == "beta1" else 1])
+            elif name == "velocityScaling" and not group.get("use_combined_accum", False):
+                value = loss_scaling  # PopTorch's separate SGD variant: the loss scaling
+            elif key in group:
+                value = float(group[key])
+            else:
+                continue
+            label = f"{prefix}{name[0].upper()}{name[1:]}" if prefix else name
+            shown.append(f"{label}={value:g},")
+        return " ".join(shown)
+
+    def dtype(key: str) -> str:
+        return str(optimizer.defaults.get(key, torch.float32)).replace("torch.", "")
+
+    first = "velocity_accum_type" if family == "SGD" else "first_order_momentum_accum_type"
+    lines = [f"Updating graph optimizer with {family}: accumType={dtype('accum_type')}, "
+             f"firstOrderMomentumAccumType={dtype(first)}, secondOrderMomentumAccumType="
+             f"{dtype('second_order_momentum_accum_type')}, "
+             f"{values(optimizer.defaults, 'default')} lossScaling={loss_scaling:g}"]
+    lines += [f"Updating group {index} optimizer with {family}: {values(group, '')}"
+              for index, group in enumerate(optimizer.param_groups)]
+    return lines
+
+
 def read(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
     """The hyper-parameters under PopTorch's names. Before a trainingModel compiled with it:
     None, or what was written (a loaded checkpoint's), as PopTorch returns it."""

@@ -108,3 +108,23 @@ def test_values_every_parameter_shares_become_the_groups():
     assert optimizer.param_groups[0]["lr"] == 0.5
     assert all(not optimizer.state[p].get("pipetorch_own_hyperparameters")
                for p in model.parameters())
+
+
+def test_the_optimiser_sent_to_the_device_is_logged_in_poptorchs_words(caplog):
+    # PopTorch's optimizer tests read its "graph optimizer" / "group N optimizer" debug lines
+    model = TwoLayers()
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=0.01, accum_type=torch.float16,
+                                    second_order_momentum_accum_type=torch.float16)
+    wrapper = poptorch.trainingModel(model, optimizer=optimizer)
+    with caplog.at_level("DEBUG", logger="pipetorch.runtime.optimizer"):
+        wrapper.compile(*regression_data(1, inputs=3, outputs=2, seed=0)[0])
+        optimizer.param_groups[0]["lr"] = 0.5
+        wrapper.setOptimizer(optimizer)
+        wrapper.setOptimizer(optimizer)  # nothing changed: nothing sent, nothing logged
+    lines = [r.getMessage() for r in caplog.records if "optimizer with" in r.getMessage()]
+    assert lines[0].startswith("Updating graph optimizer with Adam: accumType=float16, "
+                               "firstOrderMomentumAccumType=float32, "
+                               "secondOrderMomentumAccumType=float16, defaultLearningRate=0.01,")
+    assert lines[0].endswith("lossScaling=1")
+    assert lines[1].startswith("Updating group 0 optimizer with Adam: learningRate=0.01,")
+    assert "learningRate=0.5," in lines[3] and len(lines) == 4
