@@ -156,3 +156,16 @@ def test_what_pipetorch_saves_loads_with_torch_load_defaults(cls):
     twin = poptorch.trainingModel(again, optimizer=restored)
     assert_close(twin(x, y)[1], wrapper(x, y)[1])
     assert_close(copy.deepcopy(twin.model.inner.first.bias), model.inner.first.bias)
+
+
+# --- logging -------------------------------------------------------------------------------
+def test_set_log_level_prints_even_when_the_root_only_collects_records(capfd):
+    # pytest's record-collecting root handler kept pipetorch from printing the log lines
+    # PopTorch's tests read from stderr (its logger always prints)
+    import logging
+    poptorch.setLogLevel("DEBUG")
+    try:
+        logging.getLogger("pipetorch.test_round3").debug("issue 40 line")
+        assert "[DEBUG] issue 40 line" in capfd.readouterr().err
+    finally:
+        poptorch.setLogLevel("WARN")
