@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from typing import Any
 
 __all__ = ["logger", "setLogLevel", "LOG_LEVELS", "limit_repeats"]
 
@@ -36,12 +38,33 @@ def setLogLevel(level: str | int) -> None:
         raise ValueError(f"Unknown log level: {level}. Valid values are "
                          f"{', '.join(valid[:-1])} and {valid[-1]}")
     logger.setLevel(LOG_LEVELS[level][1])
-    if not logger.handlers and not logging.getLogger().handlers:
-        # Like PopTorch's console handler: without one, Python prints only warnings and up.
-        console = logging.StreamHandler()
+    if not logger.handlers and not _prints_to_console(logging.getLogger()):
+        # Like PopTorch's console logger: without one, Python prints only warnings and up.
+        # A handler that only collects records (pytest's, say) does not print them.
+        console = _Console()
         console.setFormatter(logging.Formatter("[%(asctime)s] [%(name)s] [%(levelname)s] "
                                                "%(message)s", "%H:%M:%S"))
         logger.addHandler(console)
+
+
+class _Console(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a message comes (it may be replaced later)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def _prints_to_console(root: logging.Logger) -> bool:
+    """Whether the user's logging set-up already prints to stdout or stderr."""
+    return any(isinstance(h, _Console) or (isinstance(h, logging.StreamHandler)
+               and getattr(h, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__,
+                                                  sys.__stdout__))
+               for h in root.handlers)
 
 
 class RepeatFilter(logging.Filter):

@@ -12,14 +12,14 @@ ROOT = Path(pipetorch.__file__).parent
 # Lowest first. A module may import its own layer and the layers below it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "enums", "log_level", "printing", "losses", "tracebacks", "tensor_ops",
-     "extensions", "ops", "environment", "poptorch_core"),  # foundations, beside the flow
+     "extensions", "ops", "environment"),   # foundations, beside the flow
     ("schedule",),                          # schedules as pure data
     ("optim",),                             # PopTorch's optimisers
     ("weights",),                           # where each weight lives: files, shared memory, copies
     ("partition",),                         # compile: blocks, probe, capture, split, cache
     ("parallel",),                          # engine: executor, local and worker engines, links
     ("profiling",),                         # reads spans and plans; measured balancing
-    ("options", "data"),                    # PopTorch's Options and DataLoader
+    ("options", "data", "poptorch_core"),   # PopTorch's Options, DataLoader, core checks
     ("runtime",),                           # the wrapper: trainingModel, weights, anchors
     ("cli", "__main__", ""),                # the command line and the top-level names
 )

@@ -98,12 +98,15 @@ class SlotLayout:
                 leaf.dim() == len(shape) and leaf.dim() > 0
                 and tuple(leaf.shape[1:]) == shape[1:]
                 and (any_rows or leaf.shape[0] <= shape[0]))
-            if not fits or leaf.dtype != dtype:
+            # A dtype the slot's holds without loss (torch.promote_types) is cast on copy, as
+            # torch.cat would join it with the first batch; any other dtype cannot be stored.
+            if not fits or torch.promote_types(leaf.dtype, dtype) != dtype:
                 raise ValueError(
                     f"{where}: tensor {i} is {list(leaf.shape)} {leaf.dtype} but the ring "
                     f"buffer slots hold {list(shape)} {dtype} (shaped by the first batch). "
                     "Asynchronous loading needs every batch shaped like the first (only a "
-                    "last, partial batch may be shorter): pad or resize the samples, or use "
+                    "last, partial batch may be shorter) and of a dtype the first batch's "
+                    "promotes it to: pad or resize the samples, cast them to one dtype, or use "
                     "mode=DataLoaderMode.Sync.")
 
 

@@ -118,7 +118,8 @@ def concat_batches(batches: list[Any], *, where: str = "batch") -> Any:
     and tuples joined key by key, lists of non-tensors such as strings put end to end).
 
     `batches[k]` is named "batch k" in errors: a structure, key or shape (beyond dim 0) that
-    differs from batch 0 cannot be joined.
+    differs from batch 0 cannot be joined; tensors of different dtypes are promoted as
+    `torch.cat` promotes them.
     """
     first = batches[0]
     if len(batches) == 1:
@@ -162,10 +163,12 @@ def _concat_tensors(batches: list[Any], where: str) -> torch.Tensor:
         if not isinstance(batch, torch.Tensor):
             raise TypeError(f"{where}: collated batch {k} is a {type(batch).__name__} where "
                             "batch 0 is a tensor; collate_fn must return one structure.")
-        if batch.dim() == 0 or batch.shape[1:] != first.shape[1:] or batch.dtype != first.dtype:
+        if batch.dim() == 0 or batch.shape[1:] != first.shape[1:]:
             raise ValueError(
-                f"{where}: collated batch {k} is {list(batch.shape)} {batch.dtype} but batch 0 "
-                f"is {list(first.shape)} {first.dtype}. The batches of one host call are "
-                "joined along dim 0, so they need a batch dimension and the same other "
-                "dimensions and dtype: pad them to one shape in collate_fn.")
+                f"{where}: collated batch {k} is {list(batch.shape)} but batch 0 is "
+                f"{list(first.shape)}. The batches of one host call are joined along dim 0, "
+                "so they need a batch dimension and the same other dimensions: pad them to "
+                "one shape in collate_fn.")
+    # Dtypes may differ (a collate_fn padding with float zeros): torch.cat promotes them to
+    # one dtype, as PopTorch's joined batches are.
     return torch.cat(batches)

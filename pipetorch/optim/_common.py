@@ -8,8 +8,8 @@ from typing import Any, Callable
 
 import torch
 
-from pipetorch.optim import (attributes, clipping, ipu_param, ipu_state, peers, scaling,
-                             swap_buckets)
+from pipetorch.optim import (attributes, clipping, ipu_param, ipu_state, peers, per_param,
+                             scaling, swap_buckets)
 from pipetorch.optim.checks import check_flag, check_number  # noqa: F401 (optimisers import them here)
 
 __all__: list[str] = []
@@ -254,7 +254,12 @@ class PopTorchOptimizer(scaling.LossScaled):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Un-scale and clip the gradients, then update as torch does (see the class doc)."""
+        """Un-scale and clip the gradients, then update as torch does (see the class doc),
+        each parameter with its own hyper-parameters where it has some (`per_param`)."""
+        with per_param.stepping(self):  # type: ignore[arg-type]
+            return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -17,8 +17,9 @@ uses, one per parameter, under PopART's names. After a trainingModel has compile
 `load_state_dict` of a dict holding "ipu_param" sets the hyper-parameters from it (a
 checkpoint's learning rate, say): at once on a compiled model, else when it compiles (until
 then `state_dict()` returns what was loaded, as PopTorch does).
-Names left out keep their values. pipetorch keeps hyper-parameters per param group, so the
-values given to the parameters of one group must agree.
+Names left out keep their values. Values that every parameter of a group shares become the
+group's; parameters given values of their own keep them as PopTorch does (`per_param`), and
+the device steps them with those values.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipetorch.optim import ipu_state
+from pipetorch.optim import ipu_state, per_param
 
 __all__: list[str] = []
 
@@ -76,6 +77,42 @@ def _group_values(optimizer: torch.optim.Optimizer, group: dict[str, Any],
     return values
 
 
+def describe(optimizer: torch.optim.Optimizer) -> list[str]:
+    """PopTorch's debug lines for an optimiser sent to the device: the graph's (the defaults,
+    the state dtypes, the loss scaling) and each param group's, under PopART's names."""
+    family = _family(optimizer)
+    if not family:
+        return []
+    loss_scaling = float(optimizer.defaults.get("loss_scaling", 1.0))
+
+    def values(group: dict[str, Any], prefix: str) -> str:
+        shown = []
+        for name, key in _NAMES[family].items():
+            if key == "betas" and "betas" in group:
+                value = float(group["betas"][0 if name == "beta1" else 1])
+            elif name == "velocityScaling" and not group.get("use_combined_accum", False):
+                value = loss_scaling  # PopTorch's separate SGD variant: the loss scaling
+            elif key in group:
+                value = float(group[key])
+            else:
+                continue
+            label = f"{prefix}{name[0].upper()}{name[1:]}" if prefix else name
+            shown.append(f"{label}={value:g},")
+        return " ".join(shown)
+
+    def dtype(key: str) -> str:
+        return str(optimizer.defaults.get(key, torch.float32)).replace("torch.", "")
+
+    first = "velocity_accum_type" if family == "SGD" else "first_order_momentum_accum_type"
+    lines = [f"Updating graph optimizer with {family}: accumType={dtype('accum_type')}, "
+             f"firstOrderMomentumAccumType={dtype(first)}, secondOrderMomentumAccumType="
+             f"{dtype('second_order_momentum_accum_type')}, "
+             f"{values(optimizer.defaults, 'default')} lossScaling={loss_scaling:g}"]
+    lines += [f"Updating group {index} optimizer with {family}: {values(group, '')}"
+              for index, group in enumerate(optimizer.param_groups)]
+    return lines
+
+
 def read(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
     """The hyper-parameters under PopTorch's names. Before a trainingModel compiled with it:
     None, or what was written (a loaded checkpoint's), as PopTorch returns it."""
@@ -87,10 +124,10 @@ def read(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
     loss_scaling = float(optimizer.defaults.get("loss_scaling", 1.0))
     params: dict[str, torch.Tensor] = {LOSS_SCALING: torch.tensor(loss_scaling)}
     for group in optimizer.param_groups:
-        values = _group_values(optimizer, group, loss_scaling)
         for param in group["params"]:
             if id(param) in names:
-                for name, value in values.items():
+                own = {**group, **per_param.own(optimizer, param)}
+                for name, value in _group_values(optimizer, own, loss_scaling).items():
                     params[f"{name}{_SPECIFIC}{names[id(param)]}"] = torch.tensor(value)
     return params
 
@@ -127,7 +164,7 @@ def _apply(optimizer: torch.optim.Optimizer, params: dict[str, Any]) -> None:
     if LOSS_SCALING in params and not _same(loss_scaling, params[LOSS_SCALING]):
         optimizer.loss_scaling = float(params[LOSS_SCALING])  # type: ignore[attr-defined]
         loss_scaling = float(params[LOSS_SCALING])
-    per_group: dict[int, dict[str, float]] = {}
+    given: dict[str, dict[str, float]] = {}
     for key, value in params.items():
         if key == LOSS_SCALING:
             continue
@@ -140,22 +177,23 @@ def _apply(optimizer: torch.optim.Optimizer, params: dict[str, Any]) -> None:
             raise ValueError(f"ipu_param names a value this optimiser does not hold: {key!r}; "
                              f"it holds {sorted(known)} of parameters {sorted(group_of)[:6]} "
                              f"(and {LOSS_SCALING!r})")
-        seen = per_group.setdefault(index, {})
-        if name in seen and seen[name] != float(value):
-            raise ValueError(
-                f"ipu_param gives the parameters of param group {index} different {name} "
-                f"values ({seen[name]:g} and {float(value):g}): pipetorch keeps one per "
-                "param group; put parameters that need their own value in their own group")
-        seen[name] = float(value)
-    for index, values in per_group.items():
-        group = optimizer.param_groups[index]
-        current = _group_values(optimizer, group, loss_scaling)
-        # The names hold float32 scalars: a value that reads back unchanged keeps the
-        # group's own (a checkpoint's lr 0.01 must not become 0.009999999776).
-        changed = {name: value for name, value in values.items()
-                   if name not in current or not _same(current[name], value)}
-        if changed:
-            _set_group(optimizer, group, changed)
+        given.setdefault(param_name, {})[name] = float(value)
+    for group in optimizer.param_groups:
+        wanted = {}
+        for param in group["params"]:
+            if id(param) not in names:
+                continue
+            values = {k: v for k, v in group.items() if k != "params"}
+            values.update(per_param.own(optimizer, param))
+            current = _group_values(optimizer, values, loss_scaling)
+            # The names hold float32 scalars: a value that reads back unchanged keeps the
+            # one held (a checkpoint's lr 0.01 must not become 0.009999999776).
+            changed = {name: value for name, value in given.get(names[id(param)], {}).items()
+                       if name not in current or not _same(current[name], value)}
+            if changed:
+                _set_group(optimizer, values, changed)
+            wanted[param] = values
+        per_param.settle(optimizer, group, wanted)
 
 
 def _same(current: float, value: Any) -> bool:

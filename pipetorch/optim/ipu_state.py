@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipetorch.optim import scaling
+from pipetorch.optim import per_param, scaling
 # linked_names, push and sync are also called through this module (ipu_param, optim._common)
 from pipetorch.optim.device_link import _LINK, Link, linked_names, push, sync  # noqa: F401
 
@@ -87,7 +87,9 @@ def read(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             name = found.names.get(id(param))
-            slot = optimizer.state.get(param) or _fresh(optimizer, group, param)
+            held = {k: v for k, v in optimizer.state.get(param, {}).items()
+                    if k != per_param.KEY}  # a parameter's own hyper-parameters, not state
+            slot = held or _fresh(optimizer, group, param)
             for key, value in slot.items():
                 if name is not None and isinstance(value, torch.Tensor):
                     state[f"{prefixes.get(key, key)}___{name}"] = value.detach().clone()

@@ -8,6 +8,7 @@ import torch
 from pipetorch.enums import HalfFloatCastingBehavior, MeanReductionStrategy, ReductionType
 from pipetorch.options import _validate as check
 from pipetorch.options._group import OptionGroup, readback
+from pipetorch.options import popart_names
 
 __all__ = ["_TrainingOptions", "_PrecisionOptions", "_JitOptions", "_PopartOptions"]
 
@@ -247,7 +248,6 @@ class _JitOptions(OptionGroup):
         return self
 
 
-_POPART_VALUE_TYPES = (bool, int, float, str, list, tuple, set, frozenset, dict)
 # popart.RecomputationType: None, Standard, NormOnly, Pipeline, RecomputeAll.
 _RECOMPUTATION_TYPES = ("None", "Standard", "NormOnly", "Pipeline", "RecomputeAll")
 
@@ -267,19 +267,15 @@ class _PopartOptions(OptionGroup):
             training._popart = self
 
     def set(self, key: str, value: Any) -> _PopartOptions:
-        """Set PopART session option `key` (any name) to `value` (no-op here).
+        """Set PopART session option `key` to `value` (no-op here, but two keys).
 
-        `value` must be a bool, int, float, str, or a list/set/dict of those. The one key
-        acted on is "autoRecomputation" (an int of popart.RecomputationType): any type but
-        None (0) turns on Training.setRecomputation, None turns it off.
+        `value` must be a bool, int, float, str, or a list/set/dict of those, and `key` one of
+        PopART's session options (`popart_names`): as PopTorch, both are checked when a model
+        compiles (or by `poptorch_core._validateOptions`), not here. The keys acted on are
+        "autoRecomputation" (an int of popart.RecomputationType): any type but None (0) turns
+        on Training.setRecomputation, None turns it off; and automatic loss scaling's.
         """
         key = check.text("_Popart.set", "key", key)
-        if not isinstance(value, _POPART_VALUE_TYPES):
-            error = check.type_error("_Popart.set", "value", value,
-                                     "a bool, int, float, str, list, set or dict")
-            # PopTorch's words for it (it finds out only when the model compiles)
-            raise TypeError(f"{error} (Unknown value type {type(value).__name__} for option "
-                            f"{key})")
         self._check_not_frozen()
         if key == "autoRecomputation":
             self._set_recomputation(value)
@@ -287,6 +283,14 @@ class _PopartOptions(OptionGroup):
             self._training.setAutomaticLossScaling(value)
         self._values["options"][key] = value
         return self
+
+    def toDict(self) -> dict[str, Any]:
+        out = super().toDict()
+        # A value PopTorch cannot pass to PopART stays itself (not its repr), so that
+        # poptorch_core._validateOptions(opts.toDict()) names its type as PopTorch does.
+        out["options"].update({k: v for k, v in self._values["options"].items()
+                               if not popart_names.passable(v)})
+        return out
 
     def _set_recomputation(self, value: Any) -> None:
         kinds = ", ".join(f"{i} ({name})" for i, name in enumerate(_RECOMPUTATION_TYPES))

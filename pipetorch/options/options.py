@@ -5,6 +5,7 @@ import copy
 import os
 from typing import Any
 
+from pipetorch.errors import ConfigError
 from pipetorch.options import config, environment
 from pipetorch.options.distributed import _DistributedOptions
 from pipetorch.options.groups import (
@@ -90,6 +91,25 @@ class Options(RunSetters, IpuSetters):
         """
         self._check_not_frozen()
         config.load_file(self, os.fspath(filepath))
+        return self
+
+    def set(self, **values: Any) -> Options:
+        """Set options by their read-back names, as PopTorch's raw setter does:
+        `opts.set(random_seed=42)`. Prefer the named setters, which check the values; this
+        refuses, in PopTorch's words, a name Options does not have and a value of another
+        type than the option's current one."""
+        self._check_not_frozen()
+        for name, value in values.items():
+            if name not in self._values:
+                raise ConfigError(f"Unknown option {name}: Options has no such option; its "
+                                  f"options are {', '.join(sorted(self._values))}")
+            current = self._values[name]
+            if current is not None and type(value) is not type(current) and not (
+                    isinstance(current, float) and type(value) is int):
+                raise ConfigError(
+                    f"Unknown value type {type(value).__name__} for option {name}: it holds "
+                    f"a {type(current).__name__} ({current!r})")
+        self._set(**values)
         return self
 
     def clone(self) -> Options:

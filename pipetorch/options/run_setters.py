@@ -97,6 +97,11 @@ class RunSetters(OptionGroup):
         return self._values["execution_strategy"]
 
     @property
+    def _execution_strategy(self) -> Any:
+        """PopTorch's name of `execution_strategy` (scripts and its tests read it back)."""
+        return self.execution_strategy
+
+    @property
     def profiling_dir(self) -> str | None:
         """Report directory, or None: POPLAR_ENGINE_OPTIONS wins over enableProfiling."""
         return self._env_profiling_dir or self._values["profiling_dir"]

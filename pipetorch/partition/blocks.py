@@ -9,6 +9,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch.nn as nn
 
+from pipetorch.errors import ConfigError
+
 __all__ = ["Block", "BeginBlock", "BlockFunction", "removeBlocks"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -184,6 +186,16 @@ class _BeginBlockFunction(nn.Module):
             _state.recorder.begin(*self.ids, scoped=False)
         return self.func(*args, **kwargs)
 
+    @property
+    def _user_id(self) -> str | None:
+        """The user_id given to BeginBlock (PopTorch's attribute name)."""
+        return self.given
+
+    @property
+    def _ipu_id(self) -> int | None:
+        """The ipu_id given to BeginBlock (PopTorch's attribute name)."""
+        return self.ids[1]
+
     def extra_repr(self) -> str:
         name = getattr(self.func, "__qualname__", repr(self.func))
         return f"{name}, user_id={self.given}, ipu_id={self.ids[1]}"
@@ -206,10 +218,10 @@ def BeginBlock(layer_to_call: M, user_id: str | None = None, ipu_id: int | None 
         return _BeginBlockFunction(layer_to_call, ids, user_id)  # type: ignore[return-value]
     if hasattr(layer_to_call, _BEGIN_ATTR):
         uid, iid = getattr(layer_to_call, _BEGIN_ATTR)[0]
-        raise ValueError(
-            f"{type(layer_to_call).__name__} already begins block {uid!r} (ipu_id={iid}); "
-            "a module can begin only one block: call removeBlocks(module) first to change it"
-        )
+        raise ConfigError(  # PopTorch's sentence first
+            f"This module has already been assigned to a block: {type(layer_to_call).__name__} "
+            f"already begins block {uid!r} (ipu_id={iid}); a module can begin only one "
+            "block: call removeBlocks(module) first to change it")
     ids = _resolve_ids(user_id, ipu_id)
     handle = layer_to_call.register_forward_pre_hook(_BlockHook(*ids, given=user_id))
     # Keep the hook's id, not the handle: a deepcopy of the model must remove its own hook.

@@ -25,6 +25,7 @@ from pipetorch.errors import (
 )
 from pipetorch.enums import ConnectionType
 from pipetorch.optim import attributes, ipu_param, ipu_state, scaling
+from pipetorch.options import popart_names
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, wrapping
 from pipetorch.weights import host_copy
@@ -98,6 +99,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         options = Options() if options is None else options
         if not isinstance(options, Options):
             raise TypeError(f"options must be a pipetorch.Options, got {type(options).__name__}")
+        popart_names.check(options._Popart.options)  # PopTorch checks them at compile
         options._freeze(by=f"poptorch.{'trainingModel' if training else 'inferenceModel'}")
         own = options.clone()
         mode = resolve_mode(own.output_mode, training=training)

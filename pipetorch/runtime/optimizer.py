@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.errors import ConfigError
-from pipetorch.optim import offload as offloading, scaling
+from pipetorch.optim import ipu_param, offload as offloading, scaling
 from pipetorch.optim._common import PopTorchOptimizer
 
 __all__: list[str] = []
@@ -64,7 +64,14 @@ def device_optimizer(optimizer: torch.optim.Optimizer, host: nn.Module,
                 if isinstance(value, torch.Tensor) and value.device != param.device and value.dim():
                     state[key] = value.to(param.device)
     _set_scaling_and_offload(clone, auto_loss_scaling=auto_loss_scaling, offload=offload)
+    _log_update(clone)
     return clone
+
+
+def _log_update(optimizer: torch.optim.Optimizer) -> None:
+    """The optimiser the device now uses, in PopTorch's debug lines (its tests read them)."""
+    for line in ipu_param.describe(optimizer):
+        logger.debug(line)
 
 
 def _ours(function: Any) -> bool:
@@ -145,6 +152,7 @@ def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Opti
             f"setOptimizer got {len(source.param_groups)} param groups but the model was compiled "
             f"with {len(target.param_groups)}: keep the same groups"
         )
+    before = ipu_param.describe(target)
     for src, dst in zip(source.param_groups, target.param_groups):
         if len(src["params"]) != len(dst["params"]):
             raise ConfigError("setOptimizer: a param group holds a different number of parameters")
@@ -152,6 +160,8 @@ def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Opti
     for key in ("loss_scaling",):
         if hasattr(source, key):
             setattr(target, key, getattr(source, key))
+    if ipu_param.describe(target) != before:  # PopTorch logs an update only when one is sent
+        _log_update(target)
 
 
 def copy_state_to_host(device_opt: torch.optim.Optimizer, host_opt: torch.optim.Optimizer) -> None:
@@ -178,7 +188,8 @@ def copy_state_to_device(host_opt: torch.optim.Optimizer, engine: Any) -> None:
     state.pop("ipu_param", None)  # already in the groups it was read from
     engine.optimizer.load_state_dict(copy.deepcopy(state))
     scaling.load_scaling_state(engine.optimizer, scaling.scaling_state(host_opt))
-    engine.push(optimizer_state=True)
+    engine.push(optimizer_state=True)  # the state, with parameters' own hyper-parameters
+    engine.set_hyperparameters()  # the groups' (a checkpoint's learning rate, say)
 
 
 def _family(optimizer: torch.optim.Optimizer) -> type:
