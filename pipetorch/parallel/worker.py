@@ -26,7 +26,8 @@ from pipetorch import environment
 from pipetorch.optim import offload
 from pipetorch.optim.peers import Peers
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import arena, compiled, generation, signatures, snapshot, wire
+from pipetorch.parallel import arena, compiled, generation, sharded_step, signatures, snapshot
+from pipetorch.parallel import wire
 from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel import shm
 from pipetorch.parallel.routes import Constant, TensorSpec
@@ -56,6 +57,9 @@ class Setup:
     owners: tuple[int, ...]    # every stage's device (its worker within the replica)
     devices: tuple[str, ...]   # the physical device of every worker of this host process
     ties: tuple[Tie, ...] = ()  # every weight tied across devices (the same on every worker)
+    # replicated tensor sharding: (minimum elements of a sliced weight, replicas sharing out
+    # the state: this host process's); None: off
+    sharding: tuple[int, int] | None = None
 
     @property
     def device(self) -> int:
@@ -133,7 +137,12 @@ class Worker:
             _move_state(self.optimizer, self.device)  # else it moves in for each step
         # Summed over all workers, each replica's (identical) share counts `replicas` times;
         # a weight tied across devices is stepped, so counted, on its first device only.
-        peers = Peers(lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas)
+        self.sharding = sharded_step.build(self.optimizer, setup.sharding, meeting, groups,
+                                           device=setup.device, replica=launch.replica,
+                                           timeout=launch.timeout, wire_device=wire_device,
+                                           backend=backend)
+        peers = Peers(lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas,
+                      **(self.sharding.peers() if self.sharding else {}))
         kind = link_kind([torch.device(d) for d in setup.devices],
                          one_host=len(setup.devices) == meeting.world_size)
         prefix = shm.segment_prefix(launch.host_pid, meeting.prefix)
@@ -151,7 +160,7 @@ class Worker:
             made = StageExecutor(stages, specs, link=link, device=self.device,
                                  optimizer=self.optimizer, owners=setup.owners,
                                  replica=launch.placement.replica,
-                                 tied=self.tied or None, peers=peers)
+                                 tied=self.tied or None, peers=peers, sharding=self.sharding)
             link.open(made.channels(self._transfers()))
             return made
 
@@ -207,8 +216,10 @@ class Worker:
         if self._growth is not None:
             self._outputs.send_growth(self.conn, self._growth)
             self._growth = None
+        sends = self.sharding is None or self.sharding.rank == 0  # the others only gather
         for item in self._stream:  # one value at a time: the host copies each into place
-            wire.send(self.conn, item)
+            if sends:
+                wire.send(self.conn, item)
         self._stream = iter(())
 
     def _plan(self, micro_batches: int, training: bool) -> list[Action]:
@@ -240,23 +251,42 @@ class Worker:
         if self.launch.snapshots is None:
             return None
         start, written = time.perf_counter(), 0
+        part = self.sharding.rank if self.sharding is not None else 0
         for stage, module in self.modules.items():
-            state = snapshot.stage_state(module, self.optimizer)
-            snapshot.write(self.launch.snapshots, stage, commit, state)
+            state = self._stage_state(module)
+            if self.sharding is not None:  # each replica its slices, replica 0 the weights
+                weights, states, attributes = state
+                state = (weights if part == 0 else {}, states,
+                         {**attributes, **self.sharding.describe(module)})
+            snapshot.write(self.launch.snapshots, stage, commit, state, part)
             written += snapshot.nbytes(state)
         return time.perf_counter() - start, written
 
     def _pull(self, optimizer_state: bool) -> int:
         """The number of values that follow the reply: every stage's weights, and with
         `optimizer_state` its optimiser state too."""
-        states = {stage: snapshot.stage_state(module, self.optimizer, tensors=optimizer_state)
+        states = {stage: self._stage_state(module, tensors=optimizer_state)
                   for stage, module in self.modules.items()}
         self._stream = (item for stage, state in states.items()
                         for item in snapshot.items(stage, state))
+        if self.sharding is not None:  # every replica gathers the slices; the first sends
+            self._stream = self.sharding.whole_items(self._stream, self.modules)
         return sum(snapshot.count(state) for state in states.values())
+
+    def _stage_state(self, module: torch.nn.Module, *, tensors: bool = True
+                     ) -> snapshot.StageState:
+        """snapshot.stage_state, with this replica's slices of a sharded optimiser state."""
+        weights, states, attributes = snapshot.stage_state(module, self.optimizer,
+                                                           tensors=tensors)
+        if self.sharding is not None and tensors:
+            states.update(self.sharding.named_state(module))
+        return weights, states, attributes
 
     def _grads(self, payload: None) -> dict[int, dict[str, torch.Tensor]]:
         """The last optimiser step's gradients of each stage (Gradient___ anchors), on the CPU."""
+        if self.sharding is not None:
+            return {stage: self.sharding.whole_grads(module)
+                    for stage, module in self.modules.items()}
         return {stage: {name: p.grad.detach().to("cpu", copy=True)
                         for name, p in module.named_parameters() if p.grad is not None}
                 for stage, module in self.modules.items()}
@@ -266,6 +296,8 @@ class Worker:
         states, commit = payload
         for stage, state in states.items():
             snapshot.load_stage_state(self.modules[stage], self.optimizer, state)
+        if self.sharding is not None:
+            self.sharding.take_state()
         return self._snapshot(commit)
 
     def _rng(self, payload: list[torch.Tensor] | None) -> list[torch.Tensor]:
