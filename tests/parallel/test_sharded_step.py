@@ -208,3 +208,52 @@ def test_snapshot_parts_join_into_whole_moments(tmp_path):
     assert states["w"]["step"] == 3.0 and attributes == {"scaling": {}}
     os.remove(snapshot.path(str(tmp_path), 0, 5, 1))
     assert snapshot.read(str(tmp_path), 0, 5) is None  # a missing part: no restore point
+
+
+@pytest.mark.slow
+def test_two_torchrun_processes_shard_over_their_own_replicas(tmp_path):
+    # each process's 2 replicas share the state out (PopTorch's default); the slices are
+    # summed over the processes: 4 replicas' numbers, as plain PyTorch computes them
+    import socket
+    import subprocess
+    import sys
+
+    import torchrun_sharded_job as job
+    from helpers.reference import plain_train_call
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         job.__file__, str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
+    try:
+        logs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(logs)
+    results = [torch.load(tmp_path / f"process{p}.pt", weights_only=False) for p in range(2)]
+    data = job.dataset(2 * job.R)
+    share, call = len(data) // 2, job.D * job.G * job.R * job.B
+    torch.manual_seed(0)
+    plain = job.Net()
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.01, weight_decay=0.1)
+    for c in range(job.CALLS):
+        # a process's call: [D][G][its 2 replicas][B]; one step sees both processes' replicas
+        rows = [torch.arange(p * share + c * call, p * share + (c + 1) * call)
+                .view(job.D * job.G, job.R * job.B) for p in range(2)]
+        order = torch.cat(rows, dim=1).reshape(-1)
+        got = plain_train_call(plain, optimizer, data.tensors[0][order], data.tensors[1][order],
+                               D=job.D, G=job.G, R=2 * job.R)
+        for p, result in enumerate(results):
+            want = torch.stack([loss for _, r, _, loss in got if r // job.R == p])
+            assert_close(result["losses"][c], want)
+    moments = optimizer.state_dict()["state"]
+    for result in results:
+        for name, value in plain.state_dict().items():
+            assert_close(result["state"][name], value, msg=name)
+        for index, value in result["moments"].items():
+            assert_close(value, moments[index]["exp_avg"])
