@@ -43,7 +43,7 @@ def data(call):
     return torch.randn(R * G * B, 63, generator=g), torch.randint(0, 5, (R * G * B,), generator=g)
 
 
-def options(*, sharded, replicas=R, offload=False):
+def options(*, sharded, replicas=R, offload=False, anchor=False):
     """R x G micro-batches per step: G * R // replicas accumulated on each replica."""
     opts = poptorch.Options().replicationFactor(replicas).showCompilationProgressBar(False)
     opts.Training.gradientAccumulation(G * R // replicas)
@@ -53,6 +53,8 @@ def options(*, sharded, replicas=R, offload=False):
     if offload:
         location.useOnChipStorage(False)
     opts.TensorLocations.setOptimizerLocation(location)
+    if anchor:
+        opts.anchorTensor("grad", "Gradient___a.weight")
     return opts
 
 
@@ -64,13 +66,14 @@ def model_pair():
     return model, plain
 
 
-def train(request, make, *, sharded=True, offload=False, plain_make=None, calls=CALLS):
+def train(request, make, *, sharded=True, offload=False, plain_make=None, calls=CALLS,
+          anchor=False):
     """`calls` calls of a 2-stage x 2-replica wrapper and of plain PyTorch (`plain_make`, or
     `make` itself) on the same batches, each call's losses compared; the two models after."""
     model, plain = model_pair()
     optimizer = make(model.parameters())
     wrapper = cleaned(request, poptorch.trainingModel(
-        model, options(sharded=sharded, offload=offload), optimizer=optimizer))
+        model, options(sharded=sharded, offload=offload, anchor=anchor), optimizer=optimizer))
     plain_optimizer = (plain_make or make)(plain.parameters())
     for call in range(calls):
         batch = data(call)
@@ -90,7 +93,10 @@ def test_adamw_with_weight_decay_matches_the_unsharded_run_and_plain_pytorch(
         request, monkeypatch):
     monkeypatch.setenv("PIPETORCH_SNAPSHOTS", "1")
     wrapper, model, optimizer, plain, plain_optimizer = train(
-        request, adamw, plain_make=lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1))
+        request, adamw, plain_make=lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+        anchor=True)
+    # the anchored gradient is whole: each replica summed only its slice
+    assert_close(wrapper.getAnchoredTensor("grad"), plain.a.weight.grad)
     _, unsharded, _, _, _ = train(request, adamw, sharded=False)
     for name, param in unsharded.named_parameters():
         assert_close(model.get_parameter(name), param)
