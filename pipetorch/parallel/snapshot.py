@@ -205,8 +205,8 @@ def read(folder: str, stage: int, commit: int) -> StageState | None:
     for name in attributes["sliced"]:
         for key, value in states[name].items():
             if isinstance(value, torch.Tensor) and value.dim():
-                states[name][key] = torch.cat(
-                    [part[1][name][key] for part in parts]).view(weights[name].shape)  # type: ignore[index]
+                pieces = [part[1][name][key] for part in parts]  # type: ignore[index]
+                states[name][key] = torch.cat(pieces).view(weights[name].shape)
     return weights, states, {"scaling": attributes["scaling"]}
 
 

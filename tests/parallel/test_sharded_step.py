@@ -263,3 +263,23 @@ def test_two_torchrun_processes_shard_over_their_own_replicas(tmp_path):
             assert_close(result["state"][name], value, msg=name)
         for index, value in result["moments"].items():
             assert_close(value, moments[index]["exp_avg"])
+
+
+@pytest.mark.slow
+def test_set_optimizer_reaches_the_slices(request):
+    # the slices step through a copy of the worker's optimiser: new hyper-parameters must
+    # reach it
+    model, plain = model_pair()
+    wrapper = cleaned(request, poptorch.trainingModel(
+        model, options(sharded=True), optimizer=poptorch.optim.SGD(model.parameters(), lr=0.05,
+                                                                    momentum=0.9)))
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    for call, lr in enumerate([0.05, 0.2]):
+        wrapper.setOptimizer(poptorch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+        for group in plain_optimizer.param_groups:
+            group["lr"] = lr
+        batch = data(call)
+        assert_same_result(wrapper(*batch), plain_call(plain, plain_optimizer, batch, D=1, G=G,
+                                                       R=R), what=f"call {call}")
+    for name, param in plain.named_parameters():
+        assert_close(model.get_parameter(name), param)
