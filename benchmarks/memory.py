@@ -199,7 +199,9 @@ def sharding_child(setting: str, layers: int, width: int) -> None:
         wrapper.destroy()
         sampler.phase("end")
     peaks = sampler.peaks
-    print(json.dumps({"tree": peaks.tree, "tree_pss": peaks.tree_pss, "seconds": seconds[1:]}))
+    print(json.dumps({"tree": peaks.tree, "tree_pss": peaks.tree_pss, "seconds": seconds[1:],
+                      "root": peaks.root,
+                      "processes": {k: sorted(v.values()) for k, v in peaks.processes.items()}}))
 
 
 def sharding_report(args: argparse.Namespace) -> None:
