@@ -212,7 +212,7 @@ def sharding_report(args: argparse.Namespace) -> None:
         for setting in rows:
             command = [sys.executable, __file__, "--sharding-child", setting,
                        "--layers", str(args.layers[0] if args.layers else MLP_LAYERS),
-                       "--width", str(args.width if args.width != 1024 else MLP_WIDTH)]
+                       "--width", str(args.width)]
             done = subprocess.run(command, env={**os.environ, "PIPETORCH_DEVICE": "cpu"},
                                   capture_output=True, text=True, timeout=3600)
             if done.returncode != 0:
@@ -226,7 +226,7 @@ def sharding_report(args: argparse.Namespace) -> None:
     seconds = {s: statistics.median(t for r in runs for t in r["seconds"])
                for s, runs in rows.items()}
     print(f"\nMLP {args.layers[0] if args.layers else MLP_LAYERS} x "
-          f"{args.width if args.width != 1024 else MLP_WIDTH}, AdamW, 2 stages x 2 replicas, "
+          f"{args.width}, AdamW, 2 stages x 2 replicas, "
           f"GA {ACCUMULATION}; medians of {args.repeats} (off/on interleaved)")
     print("| useReplicatedTensorSharding | whole tree, RSS | whole tree, Pss | whole tree with "
           "optimizer.state_dict() | training call |")
@@ -342,7 +342,7 @@ def main() -> None:
                              "state sharded over the replicas and not")
     parser.add_argument("--sharding-child", choices=("off", "on"))
     parser.add_argument("--layers", type=int, action="append")
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=None, help="1024; 4096 with --sharding")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="4 layers of width 256")
@@ -353,6 +353,8 @@ def main() -> None:
                         help="also a model built without weights, mapped from a file "
                              "(poptorch.map_weights), trained weights written to a file")
     args = parser.parse_args()
+    if args.width is None:
+        args.width = MLP_WIDTH if args.sharding or args.sharding_child else 1024
     if args.child == "save":
         _save_weights(args.layers[0], args.width, args.dtype)
         return
