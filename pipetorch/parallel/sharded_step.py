@@ -238,12 +238,10 @@ class ShardedStep:
         found = self.slices.get(id(param))
         if found is None or not isinstance(value, torch.Tensor) or not value.dim():
             return value
-        part = torch.zeros(found.chunk, dtype=value.dtype, device=self.wire_device)
-        part[:value.numel()].copy_(value)
-        whole = torch.empty(found.chunk * self.replicas, dtype=value.dtype,
+        whole = torch.zeros(found.chunk * self.replicas, dtype=value.dtype,
                             device=self.wire_device)
-        self._wait(dist.all_gather_single(whole, part, group=self.group, async_op=True),
-                   f"the optimiser state {key} of {name}")
+        whole[found.start:found.start + value.numel()].copy_(value)
+        self._all_gather(whole, f"the optimiser state {key} of {name}")
         return whole[:param.numel()].view(param.shape).to(value.device)
 
     def whole_grads(self, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -256,7 +254,8 @@ class ShardedStep:
             grad = param.grad.detach()
             if self.holds(param):
                 found = self.slices[id(param)]
-                grad = self.whole(name, param, "gradient", grad.reshape(-1)[found.start:found.stop])
+                grad = self.whole(name, param, "gradient",
+                                  grad.reshape(-1)[found.start:found.stop])
             out[name] = grad.to("cpu", copy=True)
         return out
 
@@ -313,17 +312,23 @@ class ShardedStep:
         for bucket in self._buckets(all_weights=True):
             flat, mine = self._buffer(bucket)
             _pack(bucket, mine, _weight, [self.rank])
-            if self.backend == "nccl":
-                works = [dist.all_gather_single(flat, mine, group=self.group, async_op=True)]
-            else:  # gloo's all-gather: see the module doc
-                works = [dist.broadcast(part, dist.get_global_rank(self.group, k),
-                                        group=self.group, async_op=True)
-                         for k, part in enumerate(flat.chunk(self.replicas))]
-            for work in works:
-                self._wait(work, "the all-gather of the stepped weights")
+            self._all_gather(flat, "the all-gather of the stepped weights")
             _unpack(bucket, flat, _weight, everyone, skip=self.rank)
             sent += flat.numel() * flat.element_size()
         return sent
+
+    def _all_gather(self, flat: torch.Tensor, what: str) -> None:
+        """Every replica's part of `flat` (R equal parts, replica-major; this replica's
+        filled) into every replica's `flat`, in place."""
+        parts = flat.chunk(self.replicas)
+        if self.backend == "nccl":
+            works = [dist.all_gather_single(flat, parts[self.rank], group=self.group,
+                                            async_op=True)]
+        else:  # gloo's all-gather: see the module doc
+            works = [dist.broadcast(part, dist.get_global_rank(self.group, k), group=self.group,
+                                    async_op=True) for k, part in enumerate(parts)]
+        for work in works:
+            self._wait(work, what)
 
     def _buffer(self, bucket: list[Run]) -> tuple[torch.Tensor, torch.Tensor]:
         """(every replica's part of `bucket`, replica-major; this replica's part of it): both
