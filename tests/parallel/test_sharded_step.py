@@ -43,7 +43,7 @@ def data(call):
     return torch.randn(R * G * B, 63, generator=g), torch.randint(0, 5, (R * G * B,), generator=g)
 
 
-def options(*, sharded, replicas=R, offload=False, anchor=False):
+def options(*, sharded, replicas=R, offload=False, anchor=False, automatic=False):
     """R x G micro-batches per step: G * R // replicas accumulated on each replica."""
     opts = poptorch.Options().replicationFactor(replicas).showCompilationProgressBar(False)
     opts.Training.gradientAccumulation(G * R // replicas)
@@ -55,6 +55,8 @@ def options(*, sharded, replicas=R, offload=False, anchor=False):
     opts.TensorLocations.setOptimizerLocation(location)
     if anchor:
         opts.anchorTensor("grad", "Gradient___a.weight")
+    if automatic:
+        opts.Training.setAutomaticLossScaling(True)
     return opts
 
 
@@ -67,13 +69,14 @@ def model_pair():
 
 
 def train(request, make, *, sharded=True, offload=False, plain_make=None, calls=CALLS,
-          anchor=False):
+          anchor=False, automatic=False):
     """`calls` calls of a 2-stage x 2-replica wrapper and of plain PyTorch (`plain_make`, or
     `make` itself) on the same batches, each call's losses compared; the two models after."""
     model, plain = model_pair()
     optimizer = make(model.parameters())
     wrapper = cleaned(request, poptorch.trainingModel(
-        model, options(sharded=sharded, offload=offload, anchor=anchor), optimizer=optimizer))
+        model, options(sharded=sharded, offload=offload, anchor=anchor, automatic=automatic),
+        optimizer=optimizer))
     plain_optimizer = (plain_make or make)(plain.parameters())
     for call in range(calls):
         batch = data(call)
@@ -155,9 +158,13 @@ def test_clipping_takes_the_global_norm_over_the_slices(request):
 
 
 @pytest.mark.slow
-def test_loss_scaling_and_offloaded_slices_match_plain_pytorch(request):
+@pytest.mark.parametrize("automatic", [False, True], ids=["static-offloaded", "automatic"])
+def test_loss_scaling_matches_plain_pytorch(request, automatic):
+    # static: with the slices' state offloaded to host memory too; automatic: the overflow
+    # count summed over every worker's slices, the gradients un-scaled by the dynamic scale
     train(request, lambda p: poptorch.optim.AdamW(p, lr=0.01, loss_scaling=128.0),
-          plain_make=lambda p: torch.optim.AdamW(p, lr=0.01), offload=True)
+          plain_make=lambda p: torch.optim.AdamW(p, lr=0.01), offload=not automatic,
+          automatic=automatic)
 
 
 @pytest.mark.slow
