@@ -290,3 +290,32 @@ def test_set_optimizer_reaches_the_slices(request):
                                                        R=R), what=f"call {call}")
     for name, param in plain.named_parameters():
         assert_close(model.get_parameter(name), param)
+
+
+@pytest.mark.slow
+def test_a_killed_replica_returns_the_model_to_its_joined_snapshot(request, monkeypatch):
+    # each replica writes only its slices after a call: the restore joins them into whole
+    # moments, equal to plain PyTorch's after the last completed call
+    import signal
+
+    from pipetorch.errors import DeviceError
+
+    monkeypatch.setenv("PIPETORCH_SNAPSHOTS", "1")
+    model, plain = model_pair()
+    optimizer = adamw(model.parameters())
+    wrapper = cleaned(request, poptorch.trainingModel(model, options(sharded=True),
+                                                      optimizer=optimizer))
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=0.01, weight_decay=0.1)
+    for call in range(2):
+        batch = data(call)
+        assert_same_result(wrapper(*batch), plain_call(plain, plain_optimizer, batch, D=1, G=G,
+                                                       R=R), what=f"call {call}")
+    os.kill(wrapper._compiled.engine.worker_pids[2], signal.SIGKILL)  # replica 1, stage 0
+    with pytest.raises(DeviceError):
+        wrapper(*data(2))
+    for name, param in plain.named_parameters():
+        assert_close(model.get_parameter(name), param)
+    moments = plain_optimizer.state_dict()["state"]
+    state = optimizer.state_dict()["state"]
+    for index, values in moments.items():
+        assert_close(state[index]["exp_avg_sq"], values["exp_avg_sq"])
