@@ -6,6 +6,7 @@
     python benchmarks/memory.py --quick               # 4 layers of width 256 (a smoke run)
     python benchmarks/memory.py --layers 24 --apart   # and workers holding their own copies
     python benchmarks/memory.py --layers 12 --plan --schedule zero_bubble  # beside the plan
+    python benchmarks/memory.py --sharding            # optimiser state sharded over replicas
 
 Each setting runs in a fresh interpreter that samples, every 0.1 s, the resident memory
 (RSS, and Pss: shared pages counted once over the tree) of itself and of every process below it (the stage workers and the worker pool's
@@ -154,6 +155,101 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
                       **extra}))
 
 
+# --sharding: an MLP whose AdamW state dominates, 2 stages x 2 replicas, sharding off and on
+MLP_LAYERS, MLP_WIDTH, MLP_ROWS, MLP_CALLS = 8, 4096, 4, 4
+
+
+def sharding_child(setting: str, layers: int, width: int) -> None:
+    """One MLP run, its optimiser state sharded over the replicas ("on") or not ("off"):
+    prints the whole tree's peaks and each training call's seconds (after a warm-up) as JSON."""
+    import time
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    import torch
+    import torch.nn as nn
+
+    import pipetorch as poptorch
+    from pipetorch.parallel.resident import TreeSampler
+
+    with TreeSampler(interval=0.1) as sampler:
+        sampler.phase("model")
+        class Mlp(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU())
+                                              for _ in range(layers)])
+                self.layers[layers // 2] = poptorch.BeginBlock(self.layers[layers // 2],
+                                                               ipu_id=1)
+
+            def forward(self, x: torch.Tensor, target: torch.Tensor) -> tuple:
+                out = self.layers(x)
+                return out, nn.functional.mse_loss(out, target)
+
+        torch.manual_seed(0)
+        model = Mlp()
+        opts = poptorch.Options().replicationFactor(2).showCompilationProgressBar(False)
+        opts.Training.gradientAccumulation(ACCUMULATION)
+        opts.TensorLocations.setOptimizerLocation(
+            poptorch.TensorLocationSettings().useReplicatedTensorSharding(setting == "on"))
+        optimizer = poptorch.optim.AdamW(model.parameters(), lr=1e-4)
+        x = torch.randn(2 * ACCUMULATION * MLP_ROWS, width, generator=torch.Generator()
+                        .manual_seed(0))
+        sampler.phase("wrap")
+        wrapper = poptorch.trainingModel(model, opts, optimizer)
+        sampler.phase("compile")
+        wrapper.compile(x, x)
+        seconds = []
+        for call in range(MLP_CALLS):
+            sampler.phase(f"call {call + 1}")
+            start = time.perf_counter()
+            wrapper(x, x)
+            seconds.append(time.perf_counter() - start)
+        sampler.phase("optimizer.state_dict()")
+        optimizer.state_dict()
+        sampler.phase("destroy")
+        wrapper.destroy()
+        sampler.phase("end")
+    peaks = sampler.peaks
+    print(json.dumps({"tree": peaks.tree, "tree_pss": peaks.tree_pss, "seconds": seconds[1:],
+                      "root": peaks.root,
+                      "processes": {k: sorted(v.values()) for k, v in peaks.processes.items()}}))
+
+
+def sharding_report(args: argparse.Namespace) -> None:
+    """Sharding off and on, interleaved (off, on, off, on, ...): whole-tree peaks and call
+    times, medians over the repeats, and the ratios on / off."""
+    rows: dict[str, list[dict]] = {"off": [], "on": []}
+    for _ in range(args.repeats):
+        for setting in rows:
+            command = [sys.executable, __file__, "--sharding-child", setting,
+                       "--layers", str(args.layers[0] if args.layers else MLP_LAYERS),
+                       "--width", str(args.width)]
+            done = subprocess.run(command, env={**os.environ, "PIPETORCH_DEVICE": "cpu"},
+                                  capture_output=True, text=True, timeout=3600)
+            if done.returncode != 0:
+                print(f"sharding {setting}: failed", done.stderr.strip().splitlines()[-3:])
+                return
+            rows[setting].append(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    def median(setting: str, key: str, reading: bool) -> float:
+        return statistics.median(_peak(r[key], reading=reading) for r in rows[setting])
+
+    seconds = {s: statistics.median(t for r in runs for t in r["seconds"])
+               for s, runs in rows.items()}
+    print(f"\nMLP {args.layers[0] if args.layers else MLP_LAYERS} x "
+          f"{args.width}, AdamW, 2 stages x 2 replicas, "
+          f"GA {ACCUMULATION}; medians of {args.repeats} (off/on interleaved)")
+    print("| useReplicatedTensorSharding | whole tree, RSS | whole tree, Pss | whole tree with "
+          "optimizer.state_dict() | training call |")
+    print("|---|---|---|---|---|")
+    for setting in rows:
+        cells = [f"{median(setting, k, reading) / GB:.2f} GB "
+                 f"({median(setting, k, reading) / median('off', k, reading):.2f}x)"
+                 for k, reading in (("tree", False), ("tree_pss", False), ("tree", True))]
+        print(f"| {setting} | " + " | ".join(cells) + f" | {seconds[setting]:.2f} s "
+              f"({seconds[setting] / seconds['off']:.2f}x) |")
+
+
 # a row's name -> the child's setting and its environment
 _APART = "pipetorch, PIPETORCH_SHARED_WEIGHTS=0"
 _CHILDREN = {_APART: ("pipetorch", {"PIPETORCH_SHARED_WEIGHTS": "0"})}
@@ -282,8 +378,12 @@ def _plan_lines(args: argparse.Namespace, runs: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", choices=("plain", "pipetorch", "mapped", "save"))
+    parser.add_argument("--sharding", action="store_true",
+                        help="an MLP (8 x 4096, AdamW, 2 stages x 2 replicas) with its optimiser "
+                             "state sharded over the replicas and not")
+    parser.add_argument("--sharding-child", choices=("off", "on"))
     parser.add_argument("--layers", type=int, action="append")
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=None, help="1024; 4096 with --sharding")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="4 layers of width 256")
@@ -299,11 +399,19 @@ def main() -> None:
                              "per-worker peak and step time beside the measured")
     args = parser.parse_args()
     os.environ["MEMORY_BENCHMARK_SCHEDULE"] = args.schedule
+    if args.width is None:
+        args.width = MLP_WIDTH if args.sharding or args.sharding_child else 1024
     if args.child == "save":
         _save_weights(args.layers[0], args.width, args.dtype)
         return
     if args.child:
         child(args.child, args.layers[0], args.width, args.dtype)
+        return
+    if args.sharding_child:
+        sharding_child(args.sharding_child, args.layers[0], args.width)
+        return
+    if args.sharding:
+        sharding_report(args)
         return
     if args.quick:
         args.layers, args.width = [4], 256

@@ -309,7 +309,8 @@ class PopTorchOptimizer(scaling.LossScaled):
                           max_grad_norm: float) -> torch.Tensor:
         """The factor that clips the un-scaled gradients the update will see to
         `max_grad_norm`, their norm summed bucket by bucket (see `clipping`)."""
-        terms = clipping.Terms(peers.current())
+        across = peers.current()
+        terms = clipping.Terms(across)
         for bucket in buckets:
             group = self.param_groups[bucket.group]
             used = [param for param in bucket.params if param.grad is not None]
@@ -317,7 +318,7 @@ class PopTorchOptimizer(scaling.LossScaled):
             if loss_scaling != 1.0:
                 for grad in grads:
                     grad.div_(loss_scaling)
-            terms.add(grads)
+            terms.add(grads, across.weight(group) if across is not None else 1.0)
         return terms.coefficient(max_grad_norm)
 
     def _skip_on_overflow(self) -> bool:

@@ -32,11 +32,12 @@ class Terms:
     parts: list[tuple[tuple[torch.device, torch.dtype], torch.Tensor]] = field(
         default_factory=list)
 
-    def add(self, grads: Sequence[torch.Tensor]) -> None:
+    def add(self, grads: Sequence[torch.Tensor], weight: float = 1.0) -> None:
         """Add the terms of `grads` (the gradients the update sees; a weight tied across
-        devices is stepped, so counted, on its first device only)."""
+        devices is stepped, so counted, on its first device only), each `weight` times on a
+        stage worker (a slice of a sharded weight, see `peers.Peers.weight`)."""
         if self.across is not None:
-            self.parts.extend(((g.device, g.dtype), g.detach().float().pow(2).sum())
+            self.parts.extend(((g.device, g.dtype), g.detach().float().pow(2).sum() * weight)
                               for g in grads)
             return
         grouped = _group_tensors_by_device_and_dtype([list(grads)])  # type: ignore[list-item]

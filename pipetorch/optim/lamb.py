@@ -9,7 +9,9 @@ import torch
 from pipetorch.optim._common import (
     FP16_MAX, Option, PopTorchOptimizer, check_betas, check_flag, check_number,
 )
+from pipetorch.optim import peers
 from pipetorch.optim.adam import _refuse_bias_correction, adam_direction
+from pipetorch.optim.peers import SLICED
 
 __all__ = ["LAMB", "LAMBNoBias"]
 
@@ -73,11 +75,24 @@ class LAMB(PopTorchOptimizer, torch.optim.Optimizer):
                                     eps=group["eps"], bias_correction=group["bias_correction"])
             if group["weight_decay"] != 0:
                 update.add_(param, alpha=group["weight_decay"])
-            weight_norm = torch.linalg.vector_norm(param).clamp(max=group["max_weight_norm"])
-            update_norm = torch.linalg.vector_norm(update)
+            weight_norm, update_norm = _norms(param, update, sliced=bool(group.get(SLICED)))
+            weight_norm = weight_norm.clamp(max=group["max_weight_norm"])
             both_nonzero = (weight_norm > 0) & (update_norm > 0)
             trust = torch.where(both_nonzero, weight_norm / update_norm, 1.0)
             param.sub_(update * (trust * group["lr"]))
+
+
+def _norms(param: torch.Tensor, update: torch.Tensor, *,
+           sliced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """||param|| and ||update||; for a replica's slice of a sharded weight, the norms of the
+    whole weight and update: squared norms summed over the slices (one call per weight, in
+    the same order on every replica)."""
+    across = peers.current()
+    if not sliced or across is None or across.slice_sum is None:
+        return torch.linalg.vector_norm(param), torch.linalg.vector_norm(update)
+    squares = torch.stack([param.detach().float().pow(2).sum(), update.float().pow(2).sum()])
+    total = across.slice_sum(squares).sqrt()
+    return total[0].to(param.dtype), total[1].to(update.dtype)
 
 
 class LAMBNoBias(LAMB):

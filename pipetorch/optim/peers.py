@@ -9,18 +9,31 @@ from __future__ import annotations
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 __all__: list[str] = []
 
+#: A param group key: its tensors are this replica's slices of weights whose optimiser state
+#: is sharded over the replicas (parallel.sharded_step), not whole weights.
+SLICED = "pipetorch_sliced"
+
 
 @dataclass(frozen=True)
 class Peers:
-    """`reduce` sums a tensor over every stage and replica."""
+    """`reduce` sums a tensor over every stage and replica, each replica's (identical) share
+    counted once. With replicated tensor sharding, `slices` replicas each hold a different
+    slice of a sliced weight, and `slice_sum` sums over them (LAMB's per-weight norms)."""
 
     reduce: Callable[[torch.Tensor], torch.Tensor]
+    slices: int = 1
+    slice_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def weight(self, group: dict[str, Any]) -> float:
+        """What a term of `group`'s tensors counts for in `reduce`: a slice is held by one
+        of `slices` replicas, where a whole weight is on each."""
+        return float(self.slices) if group.get(SLICED) else 1.0
 
 
 _CURRENT: ContextVar[Peers | None] = ContextVar("pipetorch_step_peers", default=None)

@@ -16,8 +16,11 @@ class TensorLocationSettings(OptionGroup):
     >>> opts.TensorLocations.setOptimizerLocation(
     ...     TensorLocationSettings().useOnChipStorage(False))
 
-    Only `useOnChipStorage(False)` for the optimiser state has an effect here: the state is
-    kept in host memory and streamed in for each update. Every other setting is stored only.
+    Only the optimiser state's settings have an effect here: `useOnChipStorage(False)` keeps
+    the state in host memory, streamed in for each update, and
+    `useReplicatedTensorSharding(True)` shares it out over the replicas, each keeping 1/R of
+    every weight of more than `minElementsForReplicatedTensorSharding` elements
+    (parallel/sharded_step.py). Every other setting is stored only.
     """
 
     _LABEL = "TensorLocationSettings"
@@ -36,9 +39,10 @@ class TensorLocationSettings(OptionGroup):
         "min_elements_for_off_chip", "Tensors smaller than this stay on chip (no-op here).")
     min_elements_for_replicated_tensor_sharding = readback(
         "min_elements_for_replicated_tensor_sharding",
-        "Only tensors larger than this are sharded over replicas (no-op here).")
+        "Only tensors larger than this are sharded over replicas (optimiser state; None: 8192).")
     use_replicated_tensor_sharding = readback(
-        "use_replicated_tensor_sharding", "Whether to shard over replicas (no-op here).")
+        "use_replicated_tensor_sharding",
+        "Whether to shard over replicas (optimiser state only; weights: no-op here).")
     use_io_tiles_to_load = readback("use_io_tiles_to_load", "Load through IO tiles (no-op here).")
     use_io_tiles_to_store = readback(
         "use_io_tiles_to_store", "Store through IO tiles (no-op here).")
@@ -58,13 +62,15 @@ class TensorLocationSettings(OptionGroup):
 
     def minElementsForReplicatedTensorSharding(
             self, min_elements: int) -> TensorLocationSettings:
-        """Shard over replicas only tensors with more than `min_elements` elements (no-op here)."""
+        """Shard over replicas only tensors with more than `min_elements` elements (default
+        8192, PopART's); for the optimiser state, stored only elsewhere."""
         self._set(min_elements_for_replicated_tensor_sharding=check.integer(
             "minElementsForReplicatedTensorSharding", "min_elements", min_elements, minimum=0))
         return self
 
     def useReplicatedTensorSharding(self, use: bool = True) -> TensorLocationSettings:
-        """Shard weights / optimiser state over replicas (no-op here)."""
+        """Shard optimiser state over the replicas, each keeping 1/R of it, as PopTorch does
+        (for weights, activations and accumulators: stored only)."""
         self._set(use_replicated_tensor_sharding=check.boolean(
             "useReplicatedTensorSharding", "use", use))
         return self
@@ -163,7 +169,8 @@ class _TensorLocationOptions(OptionGroup):
         """Where optimiser state is stored.
 
         `useOnChipStorage(False)` keeps the state in host memory: device memory drops by its
-        size, updates get slower, numbers do not change.
+        size, updates get slower, numbers do not change. `useReplicatedTensorSharding(True)`
+        shares it out over the replicas (docs/machines.md), numbers unchanged too.
         """
         self._set(optimizer_location=_snapshot_of("setOptimizerLocation", location))
         return self

@@ -97,7 +97,8 @@ class ProcessEngine:
 
     def __init__(self, model: nn.Module, plan: CompilePlan, *, batching: Batching,
                  optimizer: torch.optim.Optimizer | None, process: tuple[int, int] = (0, 1),
-                 seed: int | None = None, writer: mapped.Writer | None = None) -> None:
+                 seed: int | None = None, writer: mapped.Writer | None = None,
+                 sharding: int | None = None) -> None:
         assert plan.graphs is not None, "stage workers run the plan's stage graphs"
         staged, routes, specs = plan.graphs.staged, plan.graphs.routes, plan.graphs.specs
         schedule, placements = plan.schedule, plan.placements
@@ -107,6 +108,10 @@ class ProcessEngine:
         self.process_id, self.num_processes = process
         self.replicas = batching.replication_factor  # this process's replicas
         self.points = Points()  # which point of training each copy holds
+        # replicated tensor sharding (parallel.sharded_step): the minimum elements of a
+        # sliced weight and the replicas sharing the state out; None when off
+        self.sharding = ((sharding, self.replicas) if sharding is not None and optimizer
+                         is not None and self.replicas > 1 else None)
         self._shared: SharedWeights | None = None  # this launch's weights in shared memory
         self._snapshots = snapshot.SnapshotPolicy(environment.get("snapshots"))
         # randomSeed, else torch's (so torch.manual_seed repeats runs; the user's stream of
@@ -177,10 +182,11 @@ class ProcessEngine:
             optimizer = (stage_optimizer(self.optimizer, nn.ModuleList(s.module for s in stages),
                                          elsewhere) if self.optimizer else None)
             setup = Setup(stages, optimizer, specs, self.schedule, self.owners, devices,
-                          self.ties)
+                          self.ties, self.sharding)
             launch = Launch(placement, meeting,
                             self.process_id * self.replicas + placement.replica, self.timeout,
-                            os.getpid(), self._folder if keep and placement.replica == 0 else None,
+                            os.getpid(), self._folder if keep and (
+                                placement.replica == 0 or self.sharding) else None,
                             self.seed, start_snapshot)
             try:  # the stage's tensors go from their own memory, storage by storage
                 self._send(peer, (launch, setup), share=shared)
@@ -382,6 +388,12 @@ class ProcessEngine:
         """Replica 0's workers, by device: the replicas hold the same weights."""
         return self.peers[:self.devices]
 
+    @property
+    def _asked(self) -> list[wire.Peer]:
+        """The workers asked for weights or gradients: replica 0's, or every one when the
+        replicas share the optimiser state out (they gather its slices together)."""
+        return self.peers if self.sharding is not None else self._first_replica
+
     # -- host calls -------------------------------------------------------------------------
     def train(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
         """D optimiser steps of G micro-batches on each replica (laid out [D][G][R])."""
@@ -524,13 +536,12 @@ class ProcessEngine:
             logger.warning("The stage workers are gone (%s): the host copy keeps the weights of "
                            "the last completed call", self._lost)
             return
-        peers = self._first_replica
         try:
-            for peer in peers:
+            for peer in self._asked:
                 self._send(peer, ("pull", optimizer_state))
-            counts = self._gather("copyWeightsToHost", peers)
+            counts = self._gather("copyWeightsToHost", self._asked)
             loader = snapshot.Loader(self.staged.modules, self.optimizer, writer=self.writer)
-            for peer, count in zip(peers, counts):
+            for peer, count in zip(self._first_replica, counts):
                 for _ in range(count):
                     loader.put(self._receive(peer, "copyWeightsToHost"))
             loader.finish()
@@ -576,9 +587,9 @@ class ProcessEngine:
     def pull_gradients(self) -> None:
         """Copy the gradients of the last optimiser step into the host copy's `.grad`."""
         self._revive()
-        for peer in self._first_replica:
+        for peer in self._asked:
             self._send(peer, ("grads", None))
-        replies = self._gather("getAnchoredTensor", self._first_replica)
+        replies = self._gather("getAnchoredTensor", self._asked)[:self.devices]
         found: dict[int, torch.Tensor] = {}  # a tied weight's gradient: its stepping device's
         for stages in replies:
             for stage, grads in stages.items():

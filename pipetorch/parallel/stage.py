@@ -17,6 +17,7 @@ from pipetorch.optim.peers import Peers, during
 from pipetorch.optim.scaling import loss_scale
 from pipetorch.parallel.host_copies import HostCopies
 from pipetorch.parallel.overlap import EarlyReduce, arming
+from pipetorch.parallel.sharded_step import ShardedStep
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.tied import TiedGrads
 from pipetorch.parallel.transport import BundleLayout, ChannelSpec, PeerLink, Tag, channel
@@ -136,17 +137,20 @@ class StageExecutor:
     `micro_context(m)`, when given, is entered around micro-batch m's forward and backward
     (one device running its replicas in turn swaps each replica's buffers in). `peers`, on a
     stage worker, are the workers whose gradients the optimiser's step sums with (clipping).
+    `sharding`, with replicated tensor sharding, reduce-scatters and steps the sliced weights.
     """
 
     def __init__(self, stages: Sequence[DeviceStage], specs: dict[Source, Spec], *,
                  link: PeerLink, device: torch.device, optimizer: torch.optim.Optimizer | None,
                  owners: Sequence[int] | None = None, replica: int = 0,
                  tied: TiedGrads | None = None, peers: Peers | None = None,
-                 micro_context: Callable[[int], ContextManager[Any]] | None = None) -> None:
+                 micro_context: Callable[[int], ContextManager[Any]] | None = None,
+                 sharding: ShardedStep | None = None) -> None:
         assert stages, "a device holds at least one stage"
         self.specs, self.link, self.replica = specs, link, replica
         self._context = micro_context or (lambda m: contextlib.nullcontext())
         self.device, self.optimizer, self.tied, self.peers = device, optimizer, tied, peers
+        self.sharding = sharding
         self._to_host = HostCopies.for_device(device)
         self.owners = tuple(owners) if owners is not None else tuple(
             range(stages[0].route.stages))
@@ -254,9 +258,11 @@ class StageExecutor:
         if self.early is None:
             held = [(s, list(h.module.parameters())) for s, h in self.held.items()]
             uses = Counter(id(p) for _, params in held for p in params)
-            tied = self.tied.copies() if self.tied else set()
+            apart = self.tied.copies() if self.tied else set()  # summed at ALL_REDUCE
+            if self.sharding is not None:  # reduce-scattered there
+                apart |= {id(p) for _, params in held for p in params if self.sharding.holds(p)}
             self.early = EarlyReduce({s: [p for p in params if p.requires_grad and
-                                          uses[id(p)] == 1 and id(p) not in tied]
+                                          uses[id(p)] == 1 and id(p) not in apart]
                                       for s, params in held}, self.link)
         return self.early
 
@@ -367,7 +373,15 @@ class StageExecutor:
             self._early_now.finish()
             self._trace_early(self._early_now)
             params = {k: p for k, p in params.items() if k not in self._early_now.params}
+        if self.sharding is not None:
+            self._count(self.sharding.reduce())
+            params = {k: p for k, p in params.items() if not self.sharding.holds(p)}
         self.link.all_reduce([p.grad for p in params.values() if p.grad is not None])
+
+    def _count(self, nbytes: int) -> None:
+        """Bytes a collective sent, and as many received, on the action's span."""
+        self.link.bytes_sent += nbytes
+        self.link.bytes_received += nbytes
 
     def _tied_reduce(self, m: int, action: Action) -> None:
         """Sum the gradients of the weights tied with other devices over those devices."""
@@ -378,7 +392,10 @@ class StageExecutor:
         self.link.flush()
         if self.optimizer is not None:
             with during(self.peers):
-                self.optimizer.step()
+                if self.sharding is not None:
+                    self._count(self.sharding.step())
+                else:
+                    self.optimizer.step()
         if self.tied:
             self.tied.share_updates(self.link)
 

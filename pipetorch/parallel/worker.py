@@ -26,7 +26,7 @@ from pipetorch import environment
 from pipetorch.optim import offload
 from pipetorch.optim.peers import Peers
 from pipetorch.parallel import placement as places
-from pipetorch.parallel import arena, compiled, generation, signatures, wire
+from pipetorch.parallel import arena, compiled, generation, sharded_step, signatures, wire
 from pipetorch.weights import snapshot
 from pipetorch.parallel.rendezvous import Rendezvous, join
 from pipetorch.parallel import shm, stream
@@ -58,6 +58,9 @@ class Setup:
     owners: tuple[int, ...]    # every stage's device (its worker within the replica)
     devices: tuple[str, ...]   # the physical device of every worker of this host process
     ties: tuple[Tie, ...] = ()  # every weight tied across devices (the same on every worker)
+    # replicated tensor sharding: (minimum elements of a sliced weight, replicas sharing out
+    # the state: this host process's); None: off
+    sharding: tuple[int, int] | None = None
 
     @property
     def device(self) -> int:
@@ -135,7 +138,12 @@ class Worker:
             _move_state(self.optimizer, self.device)  # else it moves in for each step
         # Summed over all workers, each replica's (identical) share counts `replicas` times;
         # a weight tied across devices is stepped, so counted, on its first device only.
-        peers = Peers(lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas)
+        self.sharding = sharded_step.build(self.optimizer, setup.sharding, meeting, groups,
+                                           device=setup.device, replica=launch.replica,
+                                           timeout=launch.timeout, wire_device=wire_device,
+                                           backend=backend)
+        peers = Peers(lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas,
+                      **(self.sharding.peers() if self.sharding else {}))
         kind = link_kind([torch.device(d) for d in setup.devices],
                          one_host=len(setup.devices) == meeting.world_size)
         prefix = shm.segment_prefix(launch.host_pid, meeting.prefix)
@@ -153,7 +161,7 @@ class Worker:
             made = StageExecutor(stages, specs, link=link, device=self.device,
                                  optimizer=self.optimizer, owners=setup.owners,
                                  replica=launch.placement.replica,
-                                 tied=self.tied or None, peers=peers)
+                                 tied=self.tied or None, peers=peers, sharding=self.sharding)
             link.open(made.channels(self._transfers()))
             return made
 
@@ -209,8 +217,10 @@ class Worker:
         if self._growth is not None:
             self._outputs.send_growth(self.conn, self._growth)
             self._growth = None
+        sends = self.sharding is None or self.sharding.rank == 0  # the others only gather
         for item in self._stream:  # one value at a time: the host copies each into place
-            wire.send(self.conn, item)
+            if sends:
+                wire.send(self.conn, item)
         self._stream = iter(())
 
     def _plan(self, micro_batches: int, training: bool) -> list[Action]:
@@ -242,9 +252,14 @@ class Worker:
         if self.launch.snapshots is None:
             return None
         start, written = time.perf_counter(), 0
+        part = self.sharding.rank if self.sharding is not None else 0
         for stage, module in self.modules.items():
-            state = snapshot.stage_state(module, self.optimizer)
-            snapshot.write(self.launch.snapshots, stage, commit, state)
+            state = self._stage_state(module)
+            if self.sharding is not None:  # each replica its slices, replica 0 the weights
+                weights, states, attributes = state
+                state = (weights if part == 0 else {}, states,
+                         {**attributes, **self.sharding.describe(module)})
+            snapshot.write(self.launch.snapshots, stage, commit, state, part)
             written += snapshot.nbytes(state)
         return time.perf_counter() - start, written
 
@@ -252,10 +267,10 @@ class Worker:
         """The number of values that follow the reply: every stage's weights, and with
         `optimizer_state` its optimiser state too, which moves: each tensor leaves this
         worker as it is sent (the host gives it back before the next training call, `_state`),
-        so it is never in memory twice."""
+        so it is never in memory twice. A sharded state (held in the sharding's shell) stays:
+        every replica gathers the slices; the first sends."""
         followers = self.tied.followers()  # a tied weight comes from the device stepping it
-        states = {stage: snapshot.stage_state(module, self.optimizer, tensors=optimizer_state,
-                                              skip=followers)
+        states = {stage: self._stage_state(module, tensors=optimizer_state, skip=followers)
                   for stage, module in self.modules.items()}
         if optimizer_state and self.optimizer is not None:
             for module in self.modules.values():
@@ -263,15 +278,32 @@ class Worker:
                     self.optimizer.state.pop(param, None)
         self._stream = _freeing(item for stage, state in states.items()
                                 for item in snapshot.items(stage, state))
+        if self.sharding is not None:
+            self._stream = self.sharding.whole_items(self._stream, self.modules)
         return sum(snapshot.count(state) for state in states.values())
 
+    def _stage_state(self, module: torch.nn.Module, *, tensors: bool = True,
+                     skip: frozenset[int] = frozenset()) -> snapshot.StageState:
+        """snapshot.stage_state, with this replica's slices of a sharded optimiser state."""
+        weights, states, attributes = snapshot.stage_state(module, self.optimizer,
+                                                           tensors=tensors, skip=skip)
+        if self.sharding is not None and tensors:
+            states.update(self.sharding.named_state(module))
+        return weights, states, attributes
+
     def _state(self, payload: dict[int, snapshot.StageState]) -> None:
-        """The optimiser state a copy to the host moved there, back (no weights)."""
+        """The optimiser state a copy to the host moved there, back (no weights); a sharded
+        one is cut to this replica's slices again."""
         for stage, state in payload.items():
             snapshot.load_stage_state(self.modules[stage], self.optimizer, state)
+        if self.sharding is not None:
+            self.sharding.take_state()
 
     def _grads(self, payload: None) -> dict[int, dict[str, torch.Tensor]]:
         """The last optimiser step's gradients of each stage (Gradient___ anchors), on the CPU."""
+        if self.sharding is not None:
+            return {stage: self.sharding.whole_grads(module)
+                    for stage, module in self.modules.items()}
         return {stage: {name: p.grad.detach().to("cpu", copy=True)
                         for name, p in module.named_parameters() if p.grad is not None}
                 for stage, module in self.modules.items()}
@@ -281,6 +313,8 @@ class Worker:
         states, commit = payload
         for stage, state in states.items():
             snapshot.load_stage_state(self.modules[stage], self.optimizer, state)
+        if self.sharding is not None:
+            self.sharding.take_state()
         return self._snapshot(commit)
 
     def _rng(self, payload: list[torch.Tensor] | None) -> list[torch.Tensor]:

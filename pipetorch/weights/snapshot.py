@@ -182,22 +182,42 @@ def nbytes(state: StageState) -> int:
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
-def path(folder: str, stage: int, commit: int) -> str:
-    return os.path.join(folder, f"stage{stage}-{commit % 2}.pt")
+def path(folder: str, stage: int, commit: int, part: int = 0) -> str:
+    """The file of `stage`'s state after `commit`; `part` r > 0: replica r's slices of the
+    optimiser state, when it is sharded over the replicas (parallel.sharded_step)."""
+    return os.path.join(folder, f"stage{stage}-{commit % 2}" + (f".r{part}" if part else "")
+                        + ".pt")
 
 
-def write(folder: str, stage: int, commit: int, state: StageState) -> None:
-    target = path(folder, stage, commit)
+def write(folder: str, stage: int, commit: int, state: StageState, part: int = 0) -> None:
+    target = path(folder, stage, commit, part)
     temporary = f"{target}.{os.getpid()}.tmp"
     torch.save((commit, state), temporary)
     os.replace(temporary, target)
 
 
 def read(folder: str, stage: int, commit: int) -> StageState | None:
-    """The state written after call `commit`, or None when there is no such file."""
+    """The state written after call `commit` (its slices joined, when replicas wrote one
+    part each), or None when there is no such file."""
+    first = _read(path(folder, stage, commit), commit)
+    replicas = first[2].get("slices", 1) if first is not None else 1
+    if first is None or replicas == 1:
+        return first
+    parts = [first] + [_read(path(folder, stage, commit, r), commit) for r in range(1, replicas)]
+    if any(part is None for part in parts):
+        return None
+    weights, states, attributes = first
+    for name in attributes["sliced"]:
+        for key, value in states[name].items():
+            if isinstance(value, torch.Tensor) and value.dim():
+                pieces = [part[1][name][key] for part in parts]  # type: ignore[index]
+                states[name][key] = torch.cat(pieces).view(weights[name].shape)
+    return weights, states, {"scaling": attributes["scaling"]}
+
+
+def _read(file: str, commit: int) -> StageState | None:
     try:
-        found, state = torch.load(path(folder, stage, commit), weights_only=False,
-                                  map_location="cpu", mmap=True)
+        found, state = torch.load(file, weights_only=False, map_location="cpu", mmap=True)
     except (OSError, EOFError, RuntimeError):
         return None
     return state if found == commit else None
