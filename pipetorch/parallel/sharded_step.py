@@ -211,12 +211,13 @@ class ShardedStep:
 
     def named_state(self, module: nn.Module) -> Iterator[tuple[str, dict[str, Any]]]:
         """(name, state) of `module`'s parameters stepped here: a slice's as this replica
-        holds it (1-D parts of the whole tensors)."""
+        holds it (1-D parts of the whole tensors), in a dict of its own: a copy to the host
+        takes values out of what it is given (weights.snapshot.items), the shell keeps them."""
         for name, param in module.named_parameters():
             found = self.slices.get(id(param))
             state = self.shell.state.get(found.view if found is not None else param)
             if state:
-                yield name, state
+                yield name, dict(state)
 
     def describe(self, module: nn.Module) -> dict[str, Any]:
         """What joins the replicas' snapshot parts (weights.snapshot.read): how many there
