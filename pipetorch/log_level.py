@@ -68,14 +68,17 @@ def _prints_to_console(root: logging.Logger) -> bool:
 
 
 class RepeatFilter(logging.Filter):
-    """Lets one message (logger, level, text) through `limit` times, then mutes it."""
+    """Lets one message (logger, level, text) through `limit` times, then mutes it (None:
+    every time)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int | None) -> None:
         super().__init__()
         self.limit = limit
         self._seen: dict[tuple[str, int, str], int] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if self.limit is None:
+            return True
         key = (record.name, record.levelno, record.getMessage())
         count = self._seen[key] = self._seen.get(key, 0) + 1
         if count == self.limit + 1:
@@ -87,8 +90,9 @@ class RepeatFilter(logging.Filter):
 _repeat_filter = RepeatFilter(4)
 
 
-def limit_repeats(limit: int) -> None:
-    """Options.maxRepeatLogs: at most `limit` copies of one message from any pipetorch logger."""
+def limit_repeats(limit: int | None) -> None:
+    """Options.maxRepeatLogs: at most `limit` copies of one message from any pipetorch logger
+    (None: no limit)."""
     _repeat_filter.limit = limit
     names = [n for n in logging.root.manager.loggerDict if n.startswith("pipetorch.")]
     for lg in [logger, *(logging.getLogger(n) for n in names)]:

@@ -183,6 +183,27 @@ def test_max_repeat_logs_mutes_a_repeated_message(caplog):
         log_level.limit_repeats(4)
 
 
+def test_max_repeat_logs_none_prints_every_repeat(caplog):
+    # PopTorch's test_set_options passes maxRepeatLogs(None) (no limit); it was refused.
+    from pipetorch import log_level
+
+    opts = poptorch.Options().maxRepeatLogs(None)
+    assert opts.max_repeat_logs is None
+    poptorch.poptorch_core._validateOptions(opts.toDict())
+    poptorch.inferenceModel(TinyMLP(), opts)  # wrapping applies it
+    chatty = logging.getLogger("pipetorch.runtime.executor")
+    try:
+        with caplog.at_level(logging.WARNING, logger="pipetorch"):
+            for _ in range(6):
+                chatty.warning("same message")
+        assert [r.getMessage() for r in caplog.records if r.name == chatty.name] == \
+            ["same message"] * 6
+    finally:
+        log_level.limit_repeats(4)
+    with pytest.raises(ValueError, match="maxRepeatLogs: number_repeated must be an int >= 0"):
+        poptorch.Options().maxRepeatLogs(-1)
+
+
 # -- Training.meanAccumulationAndReplicationReductionStrategy ---------------------------------
 @pytest.mark.parametrize("accum_type, combined, expected", [
     (torch.float16, False, poptorch.MeanReductionStrategy.Running),
