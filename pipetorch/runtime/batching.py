@@ -253,14 +253,14 @@ def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_a
     if names is None:
         names = tuple(InputName(f"Input {i}", f"inputs[{i}]") for i in range(len(flat)))
     if not any(isinstance(x, torch.Tensor) for x in flat):
-        if count == 1 and not any(_is_number(x) for x in flat):
-            return  # PopTorch runs a model of no inputs (buffers, constants) once per call
         data = next((n for n, x in zip(names, flat) if _is_number(x) and n.inner), None)
         if data is not None:
             raise TypeError(
                 f"The model was called without any tensor: {data.argument} holds Python "
                 f"numbers (a list or tuple), not a tensor. Pass torch.tensor({data.argument_expr}) "
                 "(or torch.stack of a list of tensors): dim 0 holds the samples of the host call")
+        if count == 1:
+            return  # PopTorch runs a model of no tensor inputs (buffers, constants) once a call
         raise ValueError(
             "The model was called without any tensor input, but this call takes "
             f"{_factors(device_iterations, gradient_accumulation, replication_factor)} "

@@ -273,6 +273,23 @@ def test_a_model_of_no_inputs_runs_once_per_call_as_plain_pytorch():
     assert_close(model.count, plain.count)
 
 
+def test_a_model_given_only_python_numbers_runs_as_plain_pytorch():
+    # PopTorch's test_none_input_dispatch_args_kwargs calls model(2): forward must run (and
+    # raise its own errors), where pipetorch refused a call without a tensor.
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor([1.5, -2.0]))
+
+        def forward(self, n, *rest):
+            return self.w * n + sum(rest)
+
+    model = Scale()
+    wrapped = poptorch.inferenceModel(model)
+    assert_close(wrapped(3), model(3))
+    assert_close(wrapped(3), model(3))
+
+
 @pytest.mark.slow
 def test_training_a_model_of_no_inputs_over_two_devices_equals_plain_pytorch():
     model = ParamsOnly()
