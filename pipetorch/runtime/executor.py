@@ -24,7 +24,7 @@ from pipetorch.errors import (
     OfflineDeviceError,
 )
 from pipetorch.enums import ConnectionType
-from pipetorch.optim import attributes, ipu_param, ipu_state, scaling
+from pipetorch.optim import Optimizer, attributes, ipu_param, ipu_state, scaling
 from pipetorch.options import popart_names
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, wrapping
@@ -357,6 +357,9 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 training=self._training, optimizer=self._user_optimizer, device=self._device)
         self._signature = signature
         self._signatures = [(signature, self._compiled.synthetic)]
+        # PopTorch copies a poptorch.optim optimiser's state to the host at the first read
+        # after compiling (a torch optimiser's only once trained)
+        self._state_stale = isinstance(self._user_optimizer, Optimizer)
         o, engine = self._options, self._compiled.engine
         try:
             self._anchors = Anchors(

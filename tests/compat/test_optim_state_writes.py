@@ -295,6 +295,27 @@ def test_reading_twice_without_a_call_between_uses_the_cached_state(caplog, monk
                            first["Accl1___model.lin.weight"])
 
 
+@pytest.mark.parametrize("cls", [poptorch.optim.Adam, torch.optim.Adam], ids=["poptorch", "torch"])
+def test_the_first_read_after_compiling_copies_a_poptorch_optimisers_state(cls, caplog):
+    # PopTorch's test_read_ipu_state_cached: compiling alone makes the first state_dict() copy
+    # a poptorch.optim optimiser's state from the device (a torch optimiser's: not before
+    # training); pipetorch copied nothing before the first training call.
+    model, reference = Regressor(), Regressor()
+    data = _data(3)
+    optimizer = cls(model.parameters(), lr=0.01)
+    wrapped = poptorch.trainingModel(model, optimizer=optimizer)
+    wrapped.compile(*data[0])
+    with caplog.at_level(logging.DEBUG, logger=LOG):
+        optimizer.state_dict()
+        optimizer.state_dict()
+    copies = caplog.text.count("Writing optimiser state tensors from IPU to host.")
+    assert copies == (1 if cls is poptorch.optim.Adam else 0)
+    for x, y in data:
+        wrapped(x, y)
+    plain_steps(reference, torch.optim.Adam(reference.parameters(), lr=0.01), data)
+    assert_same_weights(model, reference)
+
+
 def test_an_offline_model_compiles_has_no_device_state_and_refuses_to_run():
     # PopTorch's test_read_ipu_state_offline: the state of an offline model reads as empty.
     model = Regressor()
