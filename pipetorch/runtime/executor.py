@@ -544,7 +544,8 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         """`optimizer.state_dict()["ipu_state"]` and write_ipu_state reach this model (not
         an offline one: it has no device state, so they stay None, as in PopTorch)."""
         self._optimizer_record = attributes.record(
-            optimizer, automatic_loss_scaling=self._options.Training.auto_loss_scaling)
+            optimizer, automatic_loss_scaling=self._options.Training.auto_loss_scaling,
+            relaxed=self._options.relax_optimizer_attributes_checks)
         if self._offline():
             return
         ipu_param.link(optimizer, self._user_model, sync=self._flush_host,

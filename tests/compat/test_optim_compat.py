@@ -89,6 +89,34 @@ def test_unexpected_attributes_are_ignored_with_poptorchs_warning(caplog):
                         "Ignoring unexpected group 0 attribute in SGD optimizer: ['my_flag']"]
 
 
+@pytest.mark.parametrize("relaxed", [False, True])
+def test_a_group_key_added_after_compiling_is_warned_about_unless_relaxed(relaxed, caplog):
+    # PopTorch's test_extra_attributes(2): `initial_lr` set on the groups after the first call
+    # is an unexpected group attribute; relaxOptimizerAttributesChecks (ignored before) makes
+    # both messages debug lines. The steps still equal plain PyTorch's.
+    model = Net()
+    reference = copy.deepcopy(model)
+    data = _data(steps=2)
+    opts = poptorch.Options()
+    if relaxed:
+        opts.relaxOptimizerAttributesChecks()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = poptorch.trainingModel(model, opts, optimizer=opt)
+    wrapped(*data[0])
+    opt.param_groups[0]["initial_lr"] = 0.1
+    opt.step = 0
+    with caplog.at_level(logging.DEBUG, logger="pipetorch.optim.attributes"):
+        wrapped.setOptimizer(opt)
+    levels = {r.getMessage(): r.levelno for r in caplog.records}
+    want = logging.DEBUG if relaxed else logging.WARNING
+    assert levels == {"Ignoring unexpected optimizer attribute in SGD optimizer: ['step']": want,
+                      "Ignoring unexpected group 0 attribute in SGD optimizer: ['initial_lr']":
+                      want}
+    wrapped(*data[1])
+    plain_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), data)
+    assert_same_weights(model, reference)
+
+
 # --- setOptimizer --------------------------------------------------------------------------
 def test_set_optimizer_takes_a_new_optimizer_of_the_same_class():
     torch.manual_seed(1)
