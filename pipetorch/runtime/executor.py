@@ -432,6 +432,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     def _fetch(self) -> None:
         # PopTorch's lazy copy calls the wrapper's copyWeightsToHost, which scripts and tests
         # replace to count copies (`deviceToHostCounter`).
+        logger.debug("Implicit copyWeightsToHost()")
         self.copyWeightsToHost()
 
     def _pull(self) -> None:

@@ -316,6 +316,35 @@ def test_the_first_read_after_compiling_copies_a_poptorch_optimisers_state(cls, 
     assert_same_weights(model, reference)
 
 
+def test_loading_a_state_after_calls_copies_the_weights_to_the_host_first(caplog):
+    # PopTorch's test_LR_scheduler: setOptimizer copies no weights; loading a state after
+    # training calls logs the implicit copyWeightsToHost() before the state is sent.
+    model, reference = Regressor(), Regressor()
+    data = _data(3)
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=0.01)
+    wrapped = poptorch.trainingModel(model, optimizer=optimizer)
+    wrapped(*data[0])
+    with caplog.at_level(logging.DEBUG, logger=LOG):
+        wrapped.setOptimizer(optimizer)
+    assert "copyWeightsToHost()" not in caplog.text
+    state = optimizer.state_dict()
+    wrapped(*data[1])
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger=LOG):
+        optimizer.load_state_dict(state)  # back to the state after call 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines.index("Implicit copyWeightsToHost()") < \
+        lines.index("Writing optimiser state tensors from host to IPU memory")
+    wrapped(*data[2])
+    plain = torch.optim.Adam(reference.parameters(), lr=0.01)
+    plain_steps(reference, plain, data[:1])
+    saved = copy.deepcopy(plain.state_dict())
+    plain_steps(reference, plain, data[1:2])
+    plain.load_state_dict(saved)
+    plain_steps(reference, plain, data[2:])
+    assert_same_weights(model, reference)
+
+
 def test_an_offline_model_compiles_has_no_device_state_and_refuses_to_run():
     # PopTorch's test_read_ipu_state_offline: the state of an offline model reads as empty.
     model = Regressor()
