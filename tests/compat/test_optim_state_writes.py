@@ -34,8 +34,8 @@ FAMILIES = [  # (pipetorch optimiser, plain torch optimiser, arguments)
 
 @pytest.fixture(autouse=True)
 def _fresh_repeat_counts(monkeypatch):
-    # maxRepeatLogs mutes a message after 4 copies per process: count from 0 in each test
-    monkeypatch.setattr(log_level._repeat_filter, "_seen", {})
+    # maxRepeatLogs mutes a message repeated back to back: count from 0 in each test
+    monkeypatch.setattr(log_level._repeat_filter, "_last", None)
 
 
 def _data(steps=3, seed=1):
