@@ -453,7 +453,8 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         if compiled is None or compiled.engine.optimizer is None or self._user_optimizer is None:
             return
         if not self._state_stale:
-            logger.debug("Using cached optimiser state dict")
+            if isinstance(self._user_optimizer, Optimizer):  # PopTorch caches its own only
+                logger.debug("Using cached optimiser state dict")
             return
         self._state_stale = False  # first: loading the state reads the optimiser again
         logger.debug("Writing optimiser state tensors from IPU to host.")

@@ -263,7 +263,8 @@ def test_the_state_read_when_detached_is_the_trained_one_and_attach_sends_it_bac
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger=LOG):
         state = optimizer.state_dict()
-    assert "Using cached optimiser state dict" in caplog.text
+    # PopTorch keeps (and reports) a cached state dict for its own optimisers only
+    assert ("Using cached optimiser state dict" in caplog.text) == (cls is poptorch.optim.SGD)
     optimizer.load_state_dict(state)
     wrapped.attachToDevice()
     for x, y in data[2:]:
