@@ -68,27 +68,34 @@ def _prints_to_console(root: logging.Logger) -> bool:
 
 
 class RepeatFilter(logging.Filter):
-    """Lets one message (logger, level, text) through `limit` times, then mutes it."""
+    """Lets one message (logger, level, text) repeated back to back through `limit` times,
+    then mutes it until another message comes (None: no limit). A message that comes again
+    after others (the same event later in a run) is printed again."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int | None) -> None:
         super().__init__()
         self.limit = limit
-        self._seen: dict[tuple[str, int, str], int] = {}
+        self._last: tuple[str, int, str] | None = None
+        self._count = 0
 
     def filter(self, record: logging.LogRecord) -> bool:
         key = (record.name, record.levelno, record.getMessage())
-        count = self._seen[key] = self._seen.get(key, 0) + 1
-        if count == self.limit + 1:
+        self._count = self._count + 1 if key == self._last else 1
+        self._last = key
+        if self.limit is None:
+            return True
+        if self._count == self.limit + 1:
             note = f"repeated {self.limit} times; further repeats are muted"
             record.msg, record.args = f"{key[2]} ({note})", None
-        return count <= self.limit + 1
+        return self._count <= self.limit + 1
 
 
 _repeat_filter = RepeatFilter(4)
 
 
-def limit_repeats(limit: int) -> None:
-    """Options.maxRepeatLogs: at most `limit` copies of one message from any pipetorch logger."""
+def limit_repeats(limit: int | None) -> None:
+    """Options.maxRepeatLogs: at most `limit` copies of one message from any pipetorch logger
+    (None: no limit)."""
     _repeat_filter.limit = limit
     names = [n for n in logging.root.manager.loggerDict if n.startswith("pipetorch.")]
     for lg in [logger, *(logging.getLogger(n) for n in names)]:

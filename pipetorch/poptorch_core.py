@@ -1,12 +1,13 @@
 """PopTorch's compiled core by name: its error classes, which PopTorch code catches as
-`poptorch.poptorch_core.Error`, and `_validateOptions` (the rest of that C++ module has no
-meaning here)."""
+`poptorch.poptorch_core.Error`, `_validateOptions` and `isCompilingWithDispatcher` (the
+rest of that C++ module has no meaning here)."""
 from __future__ import annotations
 
 from typing import Any
 
 from pipetorch.errors import ConfigError, Error, RecoverableError, UnrecoverableError
 from pipetorch.options import Options, popart_names
+from pipetorch.partition import blocks
 
 __all__ = ["Error", "RecoverableError", "UnrecoverableError"]
 
@@ -24,3 +25,9 @@ def _validateOptions(options: dict[str, Any]) -> None:
                               f"(it has {', '.join(sorted(known))})")
     popart = options.get("_Popart", {})
     popart_names.check(popart.get("options", {}) if isinstance(popart, dict) else {})
+
+
+def isCompilingWithDispatcher() -> bool:
+    """Whether a model is being captured for compiling now (PopTorch: its dispatcher is
+    active), so False again once compile() returned or raised."""
+    return blocks.active_recorder() is not None

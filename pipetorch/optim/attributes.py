@@ -32,7 +32,7 @@ _CONSTANT_WHEN = {
 _WHEN_ABSENT = {"loss_scaling": 1.0, "velocity_scaling": 1.0}
 _ADAMW_WEIGHT_DECAY = 1e-2  # AdamW's (and LAMB's) default, constant when kept
 # Keys of a group or optimiser that are not hyper-parameters PopTorch reads.
-_KNOWN_GROUP_KEYS = {"params", "initial_lr", "foreach", "maximize", "capturable",
+_KNOWN_GROUP_KEYS = {"params", "foreach", "maximize", "capturable",
                      "differentiable", "fused", "nesterov", "amsgrad", "centered",
                      "decoupled_weight_decay", "bias_correction", "use_combined_accum",
                      "use_tf_variant", "max_grad_norm", "accum_type", "velocity_accum_type",
@@ -168,10 +168,12 @@ class Compiled:
     constants: dict[tuple[int, str], Any]
     group_keys: list[set[str]]
     optimizer_keys: set[str]
+    relaxed: bool = False  # Options.relaxOptimizerAttributesChecks: debug lines, not warnings
     warned: set[str] = field(default_factory=set)
 
 
-def record(optimizer: torch.optim.Optimizer, *, automatic_loss_scaling: bool = False) -> Compiled:
+def record(optimizer: torch.optim.Optimizer, *, automatic_loss_scaling: bool = False,
+           relaxed: bool = False) -> Compiled:
     """Note, at compile time, the constants and the attribute names `optimizer` has."""
     attrs = attributes_of(optimizer)
     if automatic_loss_scaling and "loss_scaling" in optimizer.defaults:
@@ -179,7 +181,8 @@ def record(optimizer: torch.optim.Optimizer, *, automatic_loss_scaling: bool = F
     constants = {(index, name): _value(group[name])
                  for index, group in enumerate(optimizer.param_groups)
                  for name in group if name in _CONSTANT_WHEN and attrs.isConstant(name)}
-    return Compiled(constants, [set(g) for g in optimizer.param_groups], _public(optimizer))
+    return Compiled(constants, [set(g) for g in optimizer.param_groups], _public(optimizer),
+                    relaxed)
 
 
 def _public(optimizer: torch.optim.Optimizer) -> set[str]:
@@ -207,4 +210,4 @@ def check_replacement(compiled: Compiled, optimizer: torch.optim.Optimizer) -> N
     for message in messages:
         if not message.endswith("[]") and message not in compiled.warned:
             compiled.warned.add(message)
-            logger.warning(message)
+            logger.log(logging.DEBUG if compiled.relaxed else logging.WARNING, message)

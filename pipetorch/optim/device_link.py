@@ -11,6 +11,31 @@ import torch
 __all__: list[str] = []
 
 _LINK = "_pipetorch_ipu_link"
+POPTORCH_ROOT = "model."  # PopTorch's IR name of the user's model: `Accl___model.fc.weight`
+
+
+def poptorch_name(name: str) -> str:
+    """PopTorch's IR name of the user model's parameter `name`: `fc.weight` -> `model.fc.weight`."""
+    return POPTORCH_ROOT + name
+
+
+def resolve(name: str, known: dict[str, Any]) -> str | None:
+    """The key of `known` (PopTorch's names) that `name` stands for: itself, or, spelled
+    without PopTorch's root (`fc.weight`, as pipetorch wrote before), its PopTorch name."""
+    if name in known:
+        return name
+    return poptorch_name(name) if poptorch_name(name) in known else None
+
+
+def poptorch_keys(values: dict[str, Any], known: dict[str, Any]) -> dict[str, Any]:
+    """`values` (`Accl___fc.weight`, `learningRate___specific___fc.weight`: the parameter
+    after the last `___`) with each parameter named as in `known`, where `resolve` finds it."""
+    spelled = {}
+    for key, value in values.items():
+        head, sep, name = key.rpartition("___")
+        found = resolve(name, known) if sep else None
+        spelled[f"{head}{sep}{found}" if found else key] = value
+    return spelled
 
 
 class Link:

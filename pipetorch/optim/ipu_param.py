@@ -165,7 +165,7 @@ def _apply(optimizer: torch.optim.Optimizer, params: dict[str, Any]) -> None:
         optimizer.loss_scaling = float(params[LOSS_SCALING])  # type: ignore[attr-defined]
         loss_scaling = float(params[LOSS_SCALING])
     given: dict[str, dict[str, float]] = {}
-    for key, value in params.items():
+    for key, value in ipu_state.poptorch_keys(params, group_of).items():
         if key == LOSS_SCALING:
             continue
         name, _, param_name = key.partition(_SPECIFIC)

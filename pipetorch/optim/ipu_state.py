@@ -20,7 +20,8 @@ import torch
 
 from pipetorch.optim import per_param, scaling
 # linked_names, push and sync are also called through this module (ipu_param, optim._common)
-from pipetorch.optim.device_link import _LINK, Link, linked_names, push, sync  # noqa: F401
+from pipetorch.optim.device_link import (  # noqa: F401
+    _LINK, Link, linked_names, poptorch_keys, poptorch_name, push, sync)
 
 __all__: list[str] = []
 
@@ -50,7 +51,7 @@ def link(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
          sync: Callable[[], None], push: Callable[[], None]) -> bool:
     """Tie `optimizer` to its compiled model, then apply any state written before; whether
     there was such state (to send to the device: `ipu_param.link` does)."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): poptorch_name(n) for n, p in model.named_parameters()}
     unlink(optimizer)
     found = optimizer.__dict__[_LINK] = Link(names, sync, push)
     # torch's own state_dict() reads the device's state first too (poptorch.optim's
@@ -118,6 +119,7 @@ def _apply(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> 
     prefixes = _prefixes(optimizer)
     by_name = {found.names[id(p)]: (p, g) for g in optimizer.param_groups for p in g["params"]
                if id(p) in found.names}
+    state = poptorch_keys(state, by_name)  # names without PopTorch's `model.` are read too
     _check_shapes(state, by_name, prefixes)
     unknown, missing = [], []
     for key, value in state.items():

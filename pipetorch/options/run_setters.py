@@ -281,10 +281,11 @@ class RunSetters(OptionGroup):
         self._set(input_group_size=size, input_group_type=kind)
         return self
 
-    def maxRepeatLogs(self, number_repeated: int) -> Options:
+    def maxRepeatLogs(self, number_repeated: int | None) -> Options:
         """Print one repeated pipetorch log message at most `number_repeated` times, then
-        once more saying that further repeats are muted (applied when a model is wrapped)."""
-        self._set(max_repeat_logs=check.integer(
+        once more saying that further repeats are muted (applied when a model is wrapped);
+        None, as in PopTorch: print every repeat."""
+        self._set(max_repeat_logs=None if number_repeated is None else check.integer(
             "maxRepeatLogs", "number_repeated", number_repeated, minimum=0))
         return self
 

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from pipetorch.enums import OutputMode
 from pipetorch.errors import ConfigError
+from pipetorch.optim.device_link import POPTORCH_ROOT
 from pipetorch.optim.scaling import last_step_scale
 from pipetorch.losses import find_loss
 from pipetorch.parallel.outputs import OutputCollector, resolve_mode
@@ -35,7 +36,6 @@ __all__: list[str] = []
 
 GRADIENT, UPDATED = "Gradient___", "UpdatedVar___"
 LOSS, LOSS_SCALE = "loss", "finalLossScale"
-POPTORCH_ROOT = "model."  # PopTorch's IR name of the user's model
 
 
 def tensor_names(model: nn.Module, *, training: bool, in_process: bool) -> list[str]:

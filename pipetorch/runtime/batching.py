@@ -245,7 +245,7 @@ def _factors(device_iterations: int, gradient_accumulation: int, replication_fac
 def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_accumulation: int,
                 replication_factor: int, names: tuple[InputName, ...] | None = None) -> None:
     """Refuse, naming the input, a call whose tensors cannot be cut into D*G*R micro-batches:
-    no tensor at all, an empty one, dim 0 not a multiple of D*G*R, or a 0-dim tensor where
+    no tensor at all (unless D*G*R is 1: the model then runs once), an empty one, dim 0 not a multiple of D*G*R, or a 0-dim tensor where
     D*G*R > 1 (as in PopTorch, a 0-dim tensor is a batch of one: a call of one micro-batch
     passes it whole)."""
     count = device_iterations * gradient_accumulation * replication_factor
@@ -259,7 +259,13 @@ def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_a
                 f"The model was called without any tensor: {data.argument} holds Python "
                 f"numbers (a list or tuple), not a tensor. Pass torch.tensor({data.argument_expr}) "
                 "(or torch.stack of a list of tensors): dim 0 holds the samples of the host call")
-        raise ValueError("The model was called without any tensor input: pass at least one tensor")
+        if count == 1:
+            return  # PopTorch runs a model of no tensor inputs (buffers, constants) once a call
+        raise ValueError(
+            "The model was called without any tensor input, but this call takes "
+            f"{_factors(device_iterations, gradient_accumulation, replication_factor)} "
+            "micro-batches, cut from the inputs' dim 0: pass at least one tensor input, or set "
+            "all three to 1 (a model of no inputs then runs once per call)")
     for name, x in zip(names, flat):
         if not isinstance(x, torch.Tensor):
             continue

@@ -24,7 +24,7 @@ from pipetorch.errors import (
     OfflineDeviceError,
 )
 from pipetorch.enums import ConnectionType
-from pipetorch.optim import attributes, ipu_param, ipu_state, scaling
+from pipetorch.optim import Optimizer, attributes, ipu_param, ipu_state, scaling
 from pipetorch.options import popart_names
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, wrapping
@@ -357,6 +357,9 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
                 training=self._training, optimizer=self._user_optimizer, device=self._device)
         self._signature = signature
         self._signatures = [(signature, self._compiled.synthetic)]
+        # PopTorch copies a poptorch.optim optimiser's state to the host at the first read
+        # after compiling (a torch optimiser's only once trained)
+        self._state_stale = isinstance(self._user_optimizer, Optimizer)
         o, engine = self._options, self._compiled.engine
         try:
             self._anchors = Anchors(
@@ -429,6 +432,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
     def _fetch(self) -> None:
         # PopTorch's lazy copy calls the wrapper's copyWeightsToHost, which scripts and tests
         # replace to count copies (`deviceToHostCounter`).
+        logger.debug("Implicit copyWeightsToHost()")
         self.copyWeightsToHost()
 
     def _pull(self) -> None:
@@ -449,7 +453,8 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         if compiled is None or compiled.engine.optimizer is None or self._user_optimizer is None:
             return
         if not self._state_stale:
-            logger.debug("Using cached optimiser state dict")
+            if isinstance(self._user_optimizer, Optimizer):  # PopTorch caches its own only
+                logger.debug("Using cached optimiser state dict")
             return
         self._state_stale = False  # first: loading the state reads the optimiser again
         logger.debug("Writing optimiser state tensors from IPU to host.")
@@ -541,7 +546,8 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         """`optimizer.state_dict()["ipu_state"]` and write_ipu_state reach this model (not
         an offline one: it has no device state, so they stay None, as in PopTorch)."""
         self._optimizer_record = attributes.record(
-            optimizer, automatic_loss_scaling=self._options.Training.auto_loss_scaling)
+            optimizer, automatic_loss_scaling=self._options.Training.auto_loss_scaling,
+            relaxed=self._options.relax_optimizer_attributes_checks)
         if self._offline():
             return
         ipu_param.link(optimizer, self._user_model, sync=self._flush_host,

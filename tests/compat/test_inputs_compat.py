@@ -234,3 +234,85 @@ def test_a_dict_subclass_and_none_inputs_train_split_over_two_devices_like_plain
         wrapper.destroy()
     for (name, got), want in zip(model.state_dict().items(), plain.state_dict().values()):
         assert_close(got, want, msg=name)
+
+
+# --- a model of no inputs ------------------------------------------------------------------
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self):
+        self.count += 1.0
+        return self.count * 2
+
+
+class ParamsOnly(nn.Module):
+    """A loss of the parameters alone, over two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([3.0, -1.0]))
+
+    def forward(self):
+        with poptorch.Block("a", ipu_id=0):
+            y = self.w * 2
+        with poptorch.Block("b", ipu_id=1):
+            loss = poptorch.identity_loss((y - 1.0).pow(2).sum(), "sum")
+        return y, loss
+
+
+def test_a_model_of_no_inputs_runs_once_per_call_as_plain_pytorch():
+    # PopTorch runs forward() of buffers or constants alone (its test_no_input_but_one_buffer
+    # counts 2, 3, 4, 5); pipetorch refused a call without a tensor input.
+    model, plain = Counter(), Counter()
+    wrapped = poptorch.inferenceModel(model)
+    for _ in range(3):
+        assert_close(wrapped(), plain())
+    wrapped.copyWeightsToHost()
+    assert_close(model.count, plain.count)
+
+
+def test_a_model_given_only_python_numbers_runs_as_plain_pytorch():
+    # PopTorch's test_none_input_dispatch_args_kwargs calls model(2): forward must run (and
+    # raise its own errors), where pipetorch refused a call without a tensor.
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor([1.5, -2.0]))
+
+        def forward(self, n, *rest):
+            return self.w * n + sum(rest)
+
+    model = Scale()
+    wrapped = poptorch.inferenceModel(model)
+    assert_close(wrapped(3), model(3))
+    assert_close(wrapped(3), model(3))
+
+
+@pytest.mark.slow
+def test_training_a_model_of_no_inputs_over_two_devices_equals_plain_pytorch():
+    model = ParamsOnly()
+    reference = copy.deepcopy(model)
+    opts = poptorch.Options()
+    opts.setExecutionStrategy(poptorch.ShardedExecution("a", "b"))
+    wrapped = poptorch.trainingModel(model, opts,
+                                     optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1))
+    plain_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        out, loss = wrapped()
+        plain_opt.zero_grad()
+        plain_out, plain_loss = reference()
+        plain_loss.backward()
+        plain_opt.step()
+        assert_close(loss, plain_loss.detach())
+        assert_close(out, plain_out.detach())
+    wrapped.copyWeightsToHost()
+    assert_close(model.w, reference.w)
+
+
+def test_no_inputs_with_several_micro_batches_is_refused_with_the_fix():
+    opts = poptorch.Options().deviceIterations(2)
+    with pytest.raises(ValueError, match=r"without any tensor input, but this call takes "
+                       r"deviceIterations \(2\) x .* = 2 micro-batches.*set all three to 1"):
+        poptorch.inferenceModel(Counter(), opts)()

@@ -89,6 +89,34 @@ def test_unexpected_attributes_are_ignored_with_poptorchs_warning(caplog):
                         "Ignoring unexpected group 0 attribute in SGD optimizer: ['my_flag']"]
 
 
+@pytest.mark.parametrize("relaxed", [False, True])
+def test_a_group_key_added_after_compiling_is_warned_about_unless_relaxed(relaxed, caplog):
+    # PopTorch's test_extra_attributes(2): `initial_lr` set on the groups after the first call
+    # is an unexpected group attribute; relaxOptimizerAttributesChecks (ignored before) makes
+    # both messages debug lines. The steps still equal plain PyTorch's.
+    model = Net()
+    reference = copy.deepcopy(model)
+    data = _data(steps=2)
+    opts = poptorch.Options()
+    if relaxed:
+        opts.relaxOptimizerAttributesChecks()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = poptorch.trainingModel(model, opts, optimizer=opt)
+    wrapped(*data[0])
+    opt.param_groups[0]["initial_lr"] = 0.1
+    opt.step = 0
+    with caplog.at_level(logging.DEBUG, logger="pipetorch.optim.attributes"):
+        wrapped.setOptimizer(opt)
+    levels = {r.getMessage(): r.levelno for r in caplog.records}
+    want = logging.DEBUG if relaxed else logging.WARNING
+    assert levels == {"Ignoring unexpected optimizer attribute in SGD optimizer: ['step']": want,
+                      "Ignoring unexpected group 0 attribute in SGD optimizer: ['initial_lr']":
+                      want}
+    wrapped(*data[1])
+    plain_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), data)
+    assert_same_weights(model, reference)
+
+
 # --- setOptimizer --------------------------------------------------------------------------
 def test_set_optimizer_takes_a_new_optimizer_of_the_same_class():
     torch.manual_seed(1)
@@ -124,9 +152,10 @@ def test_state_dict_carries_ipu_state_matching_torch_momentum():
     plain_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     plain_steps(reference, plain_opt, data)
     state = opt.state_dict()["ipu_state"]
-    assert sorted(state) == ["Accl___fc.bias", "Accl___fc.weight"]
-    assert_close(state["Accl___fc.weight"], plain_opt.state[reference.fc.weight]["momentum_buffer"])
-    assert_close(opt.read_ipu_state()["Accl___fc.bias"],
+    assert sorted(state) == ["Accl___model.fc.bias", "Accl___model.fc.weight"]
+    assert_close(state["Accl___model.fc.weight"],
+                 plain_opt.state[reference.fc.weight]["momentum_buffer"])
+    assert_close(opt.read_ipu_state()["Accl___model.fc.bias"],
                  plain_opt.state[reference.fc.bias]["momentum_buffer"])
 
 
@@ -141,7 +170,8 @@ def test_ipu_state_loaded_into_a_new_run_continues_training():
         wrapped(x, y)
     saved_weights, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     wrapped.destroy()
-    assert {"Accl1___fc.weight", "Accl2___fc.weight", "Step___fc.weight"} <= set(saved["ipu_state"])
+    assert {"Accl1___model.fc.weight", "Accl2___model.fc.weight",
+            "Step___model.fc.weight"} <= set(saved["ipu_state"])
 
     resumed = Net()
     resumed.load_state_dict(saved_weights)
@@ -182,11 +212,11 @@ def test_write_ipu_state_before_training_with_an_incomplete_state(caplog):
     data = _data(5)
     velocity = torch.full((3, 4), 0.25)
     opt = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt.write_ipu_state({"Accl___fc.weight": velocity})  # the bias is left out
+    opt.write_ipu_state({"Accl___model.fc.weight": velocity})  # the bias is left out
     wrapped = poptorch.trainingModel(model, optimizer=opt)
     with caplog.at_level(logging.WARNING, logger="pipetorch.optim.ipu_state"):
         wrapped(*data[0])
-    assert "sets no state for 1 parameter(s) (fc.bias)" in caplog.text
+    assert "sets no state for 1 parameter(s) (model.fc.bias)" in caplog.text
 
     plain_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     plain_opt.state[reference.fc.weight]["momentum_buffer"] = velocity.clone()
@@ -194,14 +224,15 @@ def test_write_ipu_state_before_training_with_an_incomplete_state(caplog):
     assert_same_weights(model, reference)
 
     # Written after compiling: the device takes it at once.
-    opt.write_ipu_state({"Accl___fc.bias": torch.zeros(3), "Accl___fc.weight": torch.zeros(3, 4)})
+    opt.write_ipu_state({"Accl___model.fc.bias": torch.zeros(3),
+                         "Accl___model.fc.weight": torch.zeros(3, 4)})
     wrapped(*data[1])
     plain_opt.state[reference.fc.weight]["momentum_buffer"].zero_()
     plain_opt.state[reference.fc.bias]["momentum_buffer"].zero_()
     plain_steps(reference, plain_opt, data[1:2])
     assert_same_weights(model, reference)
-    with pytest.raises(ValueError, match="does not hold.*'Accl___other.weight'"):
-        opt.write_ipu_state({"Accl___other.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="does not hold.*'Accl___model.other.weight'"):
+        opt.write_ipu_state({"Accl___model.other.weight": torch.zeros(1)})
 
 
 # --- use_combined_accum and the NoBias variants ------------------------------------------

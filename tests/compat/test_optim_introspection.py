@@ -44,14 +44,15 @@ def test_state_dict_holds_ipu_state_and_ipu_param_once_compiled(cls):
     assert_close(params["lossScaling_FLOAT"], torch.tensor(ls))
     if cls is poptorch.optim.SGD:
         # PopART's SGD0: lr (1 - dampening) / loss_scaling and 1 - lr (1 - dampening) wd
-        assert_close(params["scaledLearningRate0___specific___lin.bias"], torch.tensor(lr / ls))
-        assert_close(params["weightDecayScaleFactor0___specific___lin.weight"],
+        assert_close(params["scaledLearningRate0___specific___model.lin.bias"],
+                     torch.tensor(lr / ls))
+        assert_close(params["weightDecayScaleFactor0___specific___model.lin.weight"],
                      torch.tensor(1 - lr * wd))
         assert s0["ipu_state"] == {}  # no momentum: SGD keeps no state
         return
-    assert_close(params["learningRate___specific___lin.bias"], torch.tensor(lr))
-    assert_close(params["weightDecay___specific___lin.weight"], torch.tensor(wd))
-    assert {"Accl1___lin.weight", "Accl1___lin.bias"} <= set(s0["ipu_state"])
+    assert_close(params["learningRate___specific___model.lin.bias"], torch.tensor(lr))
+    assert_close(params["weightDecay___specific___model.lin.weight"], torch.tensor(wd))
+    assert {"Accl1___model.lin.weight", "Accl1___model.lin.bias"} <= set(s0["ipu_state"])
     wrapped(*_data(1)[0])
     s1 = optimizer.state_dict()
     assert not all(torch.equal(s0["ipu_state"][k], s1["ipu_state"][k]) for k in s0["ipu_state"])
@@ -65,8 +66,8 @@ def test_the_compiled_state_is_the_one_torch_starts_from():
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
     wrapped.compile(*data[0])
     s0 = optimizer.state_dict()
-    assert_close(s0["ipu_state"]["Accl2___lin.weight"], torch.zeros(2, 3), rtol=0, atol=0)
-    assert_close(s0["ipu_state"]["Step___lin.weight"], torch.tensor(0.0), rtol=0, atol=0)
+    assert_close(s0["ipu_state"]["Accl2___model.lin.weight"], torch.zeros(2, 3), rtol=0, atol=0)
+    assert_close(s0["ipu_state"]["Step___model.lin.weight"], torch.tensor(0.0), rtol=0, atol=0)
     optimizer.load_state_dict(s0)
     for x, y in data:
         wrapped(x, y)
@@ -99,13 +100,13 @@ def test_written_ipu_state_and_ipu_param_read_back_and_drive_the_next_step():
     plain = torch.optim.Adam(reference.parameters(), lr=0.03)
     for name, param in reference.named_parameters():
         plain.state[param] = {"step": torch.tensor(0.0),
-                              "exp_avg": s0["ipu_state"][f"Accl1___{name}"].clone(),
-                              "exp_avg_sq": s0["ipu_state"][f"Accl2___{name}"].clone()}
+                              "exp_avg": s0["ipu_state"][f"Accl1___model.{name}"].clone(),
+                              "exp_avg_sq": s0["ipu_state"][f"Accl2___model.{name}"].clone()}
     for x, y in data:
         wrapped(x, y)
     plain_steps(reference, plain, data)
     assert_same_weights(model, reference)
-    assert_close(optimizer.state_dict()["ipu_param"]["learningRate___specific___lin.bias"],
+    assert_close(optimizer.state_dict()["ipu_param"]["learningRate___specific___model.lin.bias"],
                  torch.tensor(0.03))
 
 
@@ -136,8 +137,8 @@ def test_a_checkpoint_restores_the_learning_rate_and_the_state(tmp_path):
         wrapped(x, y)
     s3 = optimizer.state_dict()
     assert s3["param_groups"][0]["lr"] == 0.5
-    assert_close(s3["ipu_param"]["learningRate___specific___lin.bias"], torch.tensor(0.5))
-    assert_close(s3["ipu_state"]["Step___lin.bias"], torch.tensor(3.0))
+    assert_close(s3["ipu_param"]["learningRate___specific___model.lin.bias"], torch.tensor(0.5))
+    assert_close(s3["ipu_state"]["Step___model.lin.bias"], torch.tensor(3.0))
 
     plain = torch.optim.Adam(reference.parameters(), lr=1.0)
     plain_steps(reference, plain, data[:1])
@@ -155,9 +156,10 @@ def test_ipu_param_names_must_be_the_optimisers():
     optimizer = poptorch.optim.RMSprop(model.parameters(), lr=0.01)
     wrapped = poptorch.trainingModel(model, optimizer=optimizer)
     wrapped.compile(*_data(1)[0])
-    with pytest.raises(ValueError, match="does not hold: 'beta1___specific___lin.bias'.*alpha"):
+    with pytest.raises(ValueError,
+                       match="does not hold: 'beta1___specific___model.lin.bias'.*alpha"):
         optimizer.load_state_dict({**optimizer.state_dict(), "ipu_param": {
-            "beta1___specific___lin.bias": torch.tensor(0.5)}})
+            "beta1___specific___model.lin.bias": torch.tensor(0.5)}})
 
 
 def test_a_loaded_ipu_param_keeps_the_groups_exact_values():
@@ -199,7 +201,7 @@ def test_poptorch_optim_optimizer_is_the_base_and_subclasses_in_its_style_train(
     plain_steps(reference, torch.optim.AdamW(reference.parameters(), lr=0.01), data)
     assert_same_weights(model, reference)
     state = optimizer.state_dict()
-    assert "Accl1___lin.weight" in state["ipu_state"]
+    assert "Accl1___model.lin.weight" in state["ipu_state"]
     assert_close(state["ipu_param"]["lossScaling_FLOAT"], torch.tensor(64.0))
 
 
@@ -334,4 +336,27 @@ def test_the_popart_option_turns_automatic_loss_scaling_on():
     assert_close(optimizer.state_dict()["ipu_state"]["lossScaleUpdateFactor"], torch.tensor(1.0))
     assert scaling.is_automatic(optimizer) and scaling.loss_scale(optimizer) == 8.0
     plain_steps(reference, torch.optim.SGD(reference.parameters(), lr=0.1), data)
+    assert_same_weights(model, reference)
+
+
+def test_names_are_poptorchs_under_model_and_writes_take_either_spelling():
+    # PopTorch's IR holds the user's model as `model`: its test_read_ipu_state reads
+    # "learningRate___specific___model.lin.bias"; pipetorch named it "...___lin.bias" before.
+    model, reference = Regressor(), Regressor()
+    data = _data(3)
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=0.01)
+    wrapped = poptorch.trainingModel(model, optimizer=optimizer)
+    wrapped.compile(*data[0])
+    s0 = optimizer.state_dict()
+    names = [n for n, _ in model.named_parameters()]
+    assert {f"Accl1___model.{n}" for n in names} <= set(s0["ipu_state"])
+    assert {f"learningRate___specific___model.{n}" for n in names} <= set(s0["ipu_param"])
+    # the old spelling, without `model.`, sets the same values
+    optimizer.load_state_dict({**s0, "ipu_param": {f"learningRate___specific___{n}":
+                                                   torch.tensor(0.05) for n in names}})
+    assert_close(optimizer.state_dict()["ipu_param"]["learningRate___specific___model.lin.bias"],
+                 torch.tensor(0.05))
+    for x, y in data:
+        wrapped(x, y)
+    plain_steps(reference, torch.optim.Adam(reference.parameters(), lr=0.05), data)
     assert_same_weights(model, reference)

@@ -27,8 +27,8 @@ def test_the_separate_variant_matches_velocity_scaling_to_loss_scaling():
     wrapped(*regression_data(1, inputs=3, outputs=2, seed=0)[0])
     scalings, loss_scaling = velocity_scalings(optimizer)
     assert loss_scaling == 2.0
-    assert scalings == {"velocityScaling___specific___lin.weight": 2.0,
-                        "velocityScaling___specific___lin.bias": 2.0}
+    assert scalings == {"velocityScaling___specific___model.lin.weight": 2.0,
+                        "velocityScaling___specific___model.lin.bias": 2.0}
     optimizer.loss_scaling = 4.0  # a new loss scaling moves the velocity scaling with it
     wrapped.setOptimizer(optimizer)
     wrapped(*regression_data(1, inputs=3, outputs=2, seed=1)[0])

@@ -141,9 +141,8 @@ def test_what_pipetorch_saves_loads_with_torch_load_defaults(cls):
     x, y = torch.randn(4, 3), torch.randn(4, 3)
     wrapper(x, y)
     params = optimizer.state_dict()
-    params["ipu_param"]["learningRate___specific___inner.first.bias" if cls is not
-                        poptorch.optim.SGD else
-                        "scaledLearningRate0___specific___inner.first.bias"] = torch.tensor(0.5)
+    name = "scaledLearningRate0" if cls is poptorch.optim.SGD else "learningRate"
+    params["ipu_param"][f"{name}___specific___model.inner.first.bias"] = torch.tensor(0.5)
     optimizer.load_state_dict(params)  # a parameter's own value is saved with the state
     checkpoint = {"model": wrapper.state_dict(), "optimizer": optimizer.state_dict()}
     loaded = _saved_and_loaded(checkpoint)

@@ -183,6 +183,45 @@ def test_max_repeat_logs_mutes_a_repeated_message(caplog):
         log_level.limit_repeats(4)
 
 
+def test_max_repeat_logs_mutes_a_flood_not_the_same_event_later(caplog):
+    # A debug line of a real event ("Writing optimiser state tensors from IPU to host.") was
+    # muted for the rest of the process after 4 copies, however far apart they were.
+    from pipetorch import log_level
+
+    log_level.limit_repeats(2)
+    chatty = logging.getLogger("pipetorch.runtime.executor")
+    try:
+        with caplog.at_level(logging.WARNING, logger="pipetorch"):
+            for message in ["flood"] * 4 + ["other", "flood"]:
+                chatty.warning(message)
+        assert [r.getMessage() for r in caplog.records if r.name == chatty.name] == [
+            "flood", "flood", "flood (repeated 2 times; further repeats are muted)",
+            "other", "flood"]
+    finally:
+        log_level.limit_repeats(4)
+
+
+def test_max_repeat_logs_none_prints_every_repeat(caplog):
+    # PopTorch's test_set_options passes maxRepeatLogs(None) (no limit); it was refused.
+    from pipetorch import log_level
+
+    opts = poptorch.Options().maxRepeatLogs(None)
+    assert opts.max_repeat_logs is None
+    poptorch.poptorch_core._validateOptions(opts.toDict())
+    poptorch.inferenceModel(TinyMLP(), opts)  # wrapping applies it
+    chatty = logging.getLogger("pipetorch.runtime.executor")
+    try:
+        with caplog.at_level(logging.WARNING, logger="pipetorch"):
+            for _ in range(6):
+                chatty.warning("same message")
+        assert [r.getMessage() for r in caplog.records if r.name == chatty.name] == \
+            ["same message"] * 6
+    finally:
+        log_level.limit_repeats(4)
+    with pytest.raises(ValueError, match="maxRepeatLogs: number_repeated must be an int >= 0"):
+        poptorch.Options().maxRepeatLogs(-1)
+
+
 # -- Training.meanAccumulationAndReplicationReductionStrategy ---------------------------------
 @pytest.mark.parametrize("accum_type, combined, expected", [
     (torch.float16, False, poptorch.MeanReductionStrategy.Running),

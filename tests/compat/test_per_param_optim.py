@@ -68,8 +68,8 @@ def _trained(cls, args, name, *, complete, devices=1, data):
     optimizer.load_state_dict(state)
     read = optimizer.state_dict()["ipu_param"]
     for param, lr in OWN_LR.items():
-        assert_close(read[f"{name}___specific___{param}"], torch.tensor(lr))
-    assert_close(read[f"{name}___specific___second.weight"], torch.tensor(args["lr"]))
+        assert_close(read[f"{name}___specific___model.{param}"], torch.tensor(lr))
+    assert_close(read[f"{name}___specific___model.second.weight"], torch.tensor(args["lr"]))
     assert [g["lr"] for g in optimizer.param_groups] == [args["lr"]]  # the user's group stays
     for x, y in data:
         wrapper(x, y)

@@ -66,3 +66,30 @@ def test_pipelined_inference_names_device_iterations_as_poptorch_does():
                        match=r"poptorch\.Options\(\)\.deviceIterations must be greater than or "
                        r"equal to the number of pipeline stages \(4\).*deviceIterations \(2\)"):
         model(torch.zeros(2))
+
+
+def test_is_compiling_with_dispatcher_only_while_a_model_is_captured():
+    # PopTorch's test_missing_block checks that a failed compile leaves the dispatcher
+    # inactive; poptorch_core had no isCompilingWithDispatcher.
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(poptorch.poptorch_core.isCompilingWithDispatcher())
+            poptorch.Block.useAutoId()
+            with poptorch.Block(ipu_id=0):
+                x = x * 4
+            return x * 4 if self.after_block else x
+
+    model = Probe()
+    model.after_block = True  # work outside any block: compiling fails
+    opts = poptorch.Options().deviceIterations(2)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
+    with pytest.raises(poptorch.Error, match="No active Block"):
+        poptorch.inferenceModel(model, opts).compile(torch.randn(2, 5))
+    assert True in seen and not poptorch.poptorch_core.isCompilingWithDispatcher()
+    model.after_block, seen[:] = False, []
+    wrapped = poptorch.inferenceModel(model, opts)
+    x = torch.randn(2, 5)
+    torch.testing.assert_close(wrapped(x), x * 4)
+    assert True in seen and not poptorch.poptorch_core.isCompilingWithDispatcher()

@@ -117,8 +117,8 @@ def test_adamw_with_weight_decay_matches_the_unsharded_run_and_plain_pytorch(
         for key in ("exp_avg", "exp_avg_sq"):
             assert state["state"][index][key].shape == moments[key].shape
             assert_close(state["state"][index][key], moments[key])
-    assert state["ipu_state"]["Accl1___a.weight"].shape == (201, 63)
-    assert_close(state["ipu_state"]["Accl2___a.weight"], want[0]["exp_avg_sq"])
+    assert state["ipu_state"]["Accl1___model.a.weight"].shape == (201, 63)
+    assert_close(state["ipu_state"]["Accl2___model.a.weight"], want[0]["exp_avg_sq"])
 
 
 @pytest.mark.slow
