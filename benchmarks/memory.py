@@ -6,6 +6,7 @@
     python benchmarks/memory.py --quick               # 4 layers of width 256 (a smoke run)
     python benchmarks/memory.py --layers 24 --apart   # and workers holding their own copies
     python benchmarks/memory.py --layers 12 --plan --schedule zero_bubble  # beside the plan
+    python benchmarks/memory.py --plan --schedule both  # 12 and 24 layers, 1F1B and zero-bubble
     python benchmarks/memory.py --sharding            # optimiser state sharded over replicas
 
 Each setting runs in a fresh interpreter that samples, every 0.1 s, the resident memory
@@ -303,9 +304,11 @@ def _row(name: str, runs: list[dict], plain: dict[str, float]) -> str:
                           for w in workers) or "-") + " |")
 
 
-def report(args: argparse.Namespace) -> None:
+def report(args: argparse.Namespace, steps: list[str]) -> None:
     if args.plan:  # the plan beside pipetorch's workers alone: no plain PyTorch to compare
-        print(_plan_lines(args, [_run("pipetorch", args) for _ in range(args.repeats)]))
+        load = os.getloadavg()[0]
+        print(_plan_lines(args, [_run("pipetorch", args) for _ in range(args.repeats)], steps,
+                          load))
         return
     rows: dict[str, list[dict]] = {"plain": [], "pipetorch": []}
     if args.apart:
@@ -348,9 +351,12 @@ def report(args: argparse.Namespace) -> None:
               rows["pipetorch"][0]["cuda"])
 
 
-def _plan_lines(args: argparse.Namespace, runs: list[dict]) -> str:
-    """`poptorch.plan`'s predicted per-worker peak and step time (a layer timed here) beside
-    the measured: each worker's RSS peak over the run, the last call's seconds."""
+def _plan_lines(args: argparse.Namespace, runs: list[dict], steps: list[str],
+                load: float) -> str:
+    """`poptorch.plan`'s predicted per-worker peak and step time (each piece timed here)
+    beside the measured: each worker's RSS peak over the run, the last call's seconds; the
+    step's row is also added to `steps`, with the load average before the run and after the
+    plan's timing."""
     if "failed" in runs[0]:
         return f"pipetorch failed: {runs[0]['failed']}"
     import torch
@@ -372,6 +378,9 @@ def _plan_lines(args: argparse.Namespace, runs: list[dict]) -> str:
                      f"({peak / real - 1:+.0%})")
     lines.append(f"  step: predicted {found.step_seconds:.2f} s, measured {seconds:.2f} s "
                  f"({found.step_seconds / seconds - 1:+.0%})")
+    steps.append(f"| {args.layers} | {args.schedule} | {found.step_seconds:.2f} s | "
+                 f"{seconds:.2f} s | {found.step_seconds / seconds:.2f} | {load:.1f} / "
+                 f"{os.getloadavg()[0]:.1f} |")
     return "\n".join(lines)
 
 
@@ -393,12 +402,13 @@ def main() -> None:
     parser.add_argument("--mapped", action="store_true",
                         help="also a model built without weights, mapped from a file "
                              "(poptorch.map_weights), trained weights written to a file")
-    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "zero_bubble"))
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "zero_bubble", "both"))
     parser.add_argument("--plan", action="store_true",
                         help="run pipetorch only, and print poptorch.plan's predicted "
                              "per-worker peak and step time beside the measured")
     args = parser.parse_args()
-    os.environ["MEMORY_BENCHMARK_SCHEDULE"] = args.schedule
+    schedules = ("1f1b", "zero_bubble") if args.schedule == "both" else (args.schedule,)
+    os.environ["MEMORY_BENCHMARK_SCHEDULE"] = schedules[0]
     if args.width is None:
         args.width = MLP_WIDTH if args.sharding or args.sharding_child else 1024
     if args.child == "save":
@@ -415,8 +425,16 @@ def main() -> None:
         return
     if args.quick:
         args.layers, args.width = [4], 256
+    steps: list[str] = []
     for layers in args.layers or [12, 24]:
-        report(argparse.Namespace(**{**vars(args), "layers": layers}))
+        for schedule in schedules:
+            os.environ["MEMORY_BENCHMARK_SCHEDULE"] = schedule
+            report(argparse.Namespace(**{**vars(args), "layers": layers, "schedule": schedule}),
+                   steps)
+    if steps:
+        print("\n| layers | schedule | step predicted | measured | predicted / measured | "
+              "load average (1 min) before the run / after the plan |\n|---|---|---|---|---|---|")
+        print("\n".join(steps))
 
 
 if __name__ == "__main__":
