@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.parallel.local import Batching
+from pipetorch.parallel.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition import balance
 from pipetorch.profiling.estimate import (
     MemoryEstimate, Remedy, Setting, StageMemory, batch_size, fmt, price, rank_remedies,
@@ -136,6 +137,7 @@ class _Run:
     accumulation: int
     setting: Setting
     layouts: dict[torch.dtype, tuple[int, int]]  # dtype -> (state bytes per element, fixed)
+    min_elements: int  # weights of more elements have their state sharded (with shards > 1)
 
 
 def _optimizer(optimizer: str, loss_scaling: float | None
@@ -194,7 +196,8 @@ def stage_memory(pieces: list[Piece], starts: tuple[int, ...], kind: str,
         records.append(StageMemory(s, s, size_of(params),
                                    size_of(_unique(b for piece in part for b in piece.buffers)),
                                    size_of(trainable), _state(steps, run.layouts), footprint,
-                                   flights[s]))
+                                   flights[s], _state([p for p in steps if p.numel()
+                                                       <= run.min_elements], run.layouts)))
     return tuple(records)
 
 
@@ -310,14 +313,16 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
          accumulation: int | None = None, replicas: int = 1, optimizer: str = "adamw",
          loss_scaling: float | None = None, recompute: bool = False, offload: bool = False,
          sharded: bool = False, schedule: str = "auto", split: list[str] | None = None,
-         measure_here: bool = False, flash_attention: bool = False) -> Plan:
+         measure_here: bool = False, flash_attention: bool = False,
+         min_elements: int = DEFAULT_MIN_ELEMENTS) -> Plan:
     """Plan training `model` (on the meta device or any other) on `devices` devices of
     `device_memory` bytes each: `replicas` pipelines of devices / replicas stages, one
     micro-batch being `inputs` (args, kwargs), `accumulation` micro-batches per step (default:
     what keeps the bubble under 10%). `split` names the BeginBlock places where stages 1..
     begin; without it the balancer chooses the cut. `schedule` is "1f1b", "zero_bubble" or
     "auto" (the faster that fits). `sharded` shards the optimiser state over the replicas
-    (replicated tensor sharding), `offload` keeps it in host memory. The step time needs a
+    (replicated tensor sharding: that of weights over `min_elements` elements, as
+    minElementsForReplicatedTensorSharding), `offload` keeps it in host memory. The step time needs a
     rate: `flops` (sustained FLOP/s per device) or `measure_here` (each segment timed for
     real on this CPU, which also measures a worker's memory outside the model). `flash_attention` sizes
     attention as a GPU's flash kernel keeps it (`measure`)."""
@@ -330,7 +335,7 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
     setting = Setting(True, recompute, offload, shards=replicas if sharded else 1)
     make = _optimizer(optimizer, loss_scaling)
     run = _Run(stages, replicas, accumulation or balance.propose_gradient_accumulation(stages),
-               setting, _layouts(make, {p.dtype for p in model.parameters()}))
+               setting, _layouts(make, {p.dtype for p in model.parameters()}), min_elements)
     rates = timed(model, pieces, inputs, make, stages) if measure_here else None
     overhead = rates.overhead if rates else 0
     budget = None if device_memory is None else device_memory - overhead

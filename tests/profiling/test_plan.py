@@ -94,11 +94,35 @@ def test_a_plan_that_does_not_fit_says_what_would():
 
 def test_sharded_optimiser_state_is_divided_over_the_replicas():
     _, whole = tiny_plan(devices=4, replicas=2)
-    _, sharded = tiny_plan(devices=4, replicas=2, sharded=True)
+    _, sharded = tiny_plan(devices=4, replicas=2, sharded=True, min_elements=0)
     for ipu, device in whole.estimate.devices.items():
         assert sharded.estimate.devices[ipu].optimiser_state == -(-device.optimiser_state // 2)
-    _, tight = tiny_plan(devices=4, replicas=2, device_memory=max(whole.peaks.values()) - 1)
+    # Tiny's weights are all under PopART's default 8192 elements: none is sharded
+    _, default = tiny_plan(devices=4, replicas=2, sharded=True)
+    assert default.estimate.devices == whole.estimate.devices
+    _, tight = tiny_plan(devices=4, replicas=2, device_memory=max(whole.peaks.values()) - 1,
+                         min_elements=0)
     assert any("sharded over the 2 replicas" in r.name for r in tight.remedies)
+
+
+@pytest.mark.parametrize("min_elements", [0, 16])
+def test_the_compile_time_estimate_prices_sharded_state_as_the_plan_does(min_elements):
+    # the compile-time estimate priced the whole optimiser state on every replica when
+    # useReplicatedTensorSharding was on: it now keeps 1/R of each weight's over the threshold
+    model, found = tiny_plan(devices=4, replicas=2, sharded=True, min_elements=min_elements)
+    adamw = poptorch.optim.AdamW(model.parameters())
+    stages = [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",))]
+    kwargs = dict(batching=Batching(1, 4, 2), optimizer=adamw, pipelined=True, training=True,
+                  offload=False, recomputation=False)
+    estimate = estimate_memory(model, ((torch.randn(M, 6),), {}), stages,
+                               sharding=min_elements, **kwargs)
+    whole = estimate_memory(model, ((torch.randn(M, 6),), {}), stages, **kwargs)
+    for ipu, device in estimate.devices.items():
+        assert device.optimiser_state == found.estimate.devices[ipu].optimiser_state
+        assert device.optimiser_state < whole.devices[ipu].optimiser_state
+    # with a threshold of 16 elements the biases of 16 and 3 elements keep their whole state
+    small = sum(s.whole_state.bytes for s in estimate.stages)
+    assert (small > 0) == (min_elements == 16)
 
 
 def test_the_step_time_follows_the_schedule_simulator():
