@@ -285,7 +285,7 @@ def _seconds(pieces: list[Piece], starts: tuple[int, ...], run: _Run, flops: flo
              rates: Rates | None) -> tuple[list[float], list[float], list[float]] | None:
     """Each stage's forward and backward seconds for one micro-batch and its optimiser step's:
     measured here (each piece timed, a received value's and gradient's transfer as two copies,
-    the step per element, a tied weight's gradient and value crossing whole), else its FLOPs
+    the step per element, a tied weight's gradient and value all-reduced), else its FLOPs
     at `flops` with backward twice the forward; None without a rate."""
     ends = (*starts[1:], len(pieces))
     spans = list(zip(starts, ends))
@@ -301,10 +301,11 @@ def _seconds(pieces: list[Piece], starts: tuple[int, ...], run: _Run, flops: flo
                 for (i, j), c in zip(spans, copy[1:] + [0.0])]
     held = [{id(p): p for piece in pieces[i:j] for p in piece.params} for i, j in spans]
     tied = {k for s, h in enumerate(held) for k in h if any(k in o for o in held[s + 1:])}
+    # a tied weight: its gradient summed and its stepped value shared, two all-reduces
     step = [sum(p.numel() for p in _stepped(pieces, starts, s) if p.requires_grad)
             * rates.step_per_element
-            + 4 * sum(p.numel() * p.element_size() for k, p in h.items() if k in tied)
-            / rates.copy_rate for s, h in enumerate(held)]
+            + 2 * sum(p.numel() * p.element_size() for k, p in h.items() if k in tied)
+            / rates.all_reduce_rate for s, h in enumerate(held)]
     return forward, backward, step
 
 
@@ -393,7 +394,8 @@ def _time_method(flops: float | None, rates: Rates | None) -> str:
         return ("each piece's forward and backward timed on this CPU with a worker's threads "
                 f"(the model run for real), transfers as two copies at {rates.copy_rate / 1e9:.3g}"
                 f" GB/s, the optimiser step at {rates.step_per_element * 1e9:.2f} ns a "
-                "parameter and a tied weight crossing whole, through the schedule simulator")
+                "parameter and a tied weight's gradient and value all-reduced at "
+                f"{rates.all_reduce_rate / 1e9:.3g} GB/s, through the schedule simulator")
     if flops:
         return (f"each stage's forward FLOPs x3 (x4 recomputing) at {flops:.3g} FLOP/s a "
                 "device, through the schedule simulator; the optimiser step and transfers "

@@ -13,9 +13,11 @@ backward begin and end.
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -212,11 +214,13 @@ class Rates:
     """This machine's measured speed: each piece's forward and backward seconds on one
     micro-batch (the model run for real with a worker's threads), seconds of an optimiser
     step per parameter element, bytes a second of a copy (what a transfer through shared
-    memory does twice), and a worker process's memory outside the model."""
+    memory does twice) and of an all-reduce between two workers, and a worker process's
+    memory outside the model."""
 
     seconds: list[tuple[float, float]]  # per piece: (forward, backward)
     step_per_element: float
     copy_rate: float
+    all_reduce_rate: float
     overhead: int
 
 
@@ -329,8 +333,8 @@ def _copy_rate() -> float:
 def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dict],
                  make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  stages: int) -> Rates:
-    """Time each piece's forward and backward, an optimiser step on the first layer and a
-    copy for real on this CPU, with the threads a worker gets (a model on meta is made real
+    """Time each piece's forward and backward, an optimiser step on the first layer, a copy
+    and an all-reduce between two workers for real on this CPU, with the threads a worker gets (a model on meta is made real
     on the CPU first: a CPU run must hold it anyway); and a worker's interpreter's resident
     memory."""
     from pipetorch.parallel.placement import cpu_cores
@@ -339,8 +343,8 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
     if layers is None:
         raise ValueError("measure_here times the model's layer list (its largest ModuleList) "
                          "and what runs around it; this model has none: give flops instead")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, cpu_cores() // stages))
+    threads, workers = torch.get_num_threads(), max(1, cpu_cores() // stages)
+    torch.set_num_threads(workers)
     try:
         real = _materialised(model)
         modes = {m: m.training for m in real.modules()}
@@ -362,14 +366,43 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
         rate = _copy_rate()
     finally:
         torch.set_num_threads(threads)
-    return Rates(seconds, per_element, rate, _worker_overhead())
+    overhead, all_reduce_rate = _workers(workers)
+    return Rates(seconds, per_element, rate, all_reduce_rate, overhead)
 
 
-def _worker_overhead() -> int:
-    """Resident bytes of a fresh interpreter that imported what a stage worker imports (its
-    VmRSS: ru_maxrss would carry this process's peak over the exec)."""
-    code = ("import torch, pipetorch.parallel.worker; "
-            "print(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=True)
-    return int(done.stdout.split()[-1]) * 1024
+_WORKER = """
+import datetime, sys, time, torch, torch.distributed as dist, pipetorch.parallel.worker
+rank, path, threads = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+torch.set_num_threads(threads)
+dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+bucket = torch.ones(2**23)
+dist.all_reduce(bucket)
+start = time.perf_counter()
+for _ in range(4):
+    dist.all_reduce(bucket)
+print(rss, 4 * bucket.nbytes / (time.perf_counter() - start))
+dist.destroy_process_group()
+"""
+
+
+def _workers(threads: int) -> tuple[int, float]:
+    """Two fresh interpreters that imported what a stage worker imports: one's resident bytes
+    then (its VmRSS: ru_maxrss would carry this process's peak over the exec), and the bytes a
+    second of an all-reduce of 32 MiB between them over gloo (how tied weights cross)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "rendezvous")
+        workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(rank), path,
+                                     str(threads)], stdout=subprocess.PIPE, text=True)
+                   for rank in (0, 1)]
+        try:
+            outs = [w.communicate(timeout=120)[0] for w in workers]
+        finally:
+            for w in workers:
+                w.kill()
+    if any(w.returncode for w in workers):
+        raise RuntimeError("measure_here: the two probe workers (gloo all-reduce) failed, "
+                           f"exit codes {[w.returncode for w in workers]}")
+    rss, rate = outs[0].split()
+    return int(rss), float(rate)

@@ -163,6 +163,7 @@ def test_measure_here_times_each_piece_and_leaves_the_model_as_it_was():
     assert len(rates.seconds) == len(pieces) == 6  # embed, four layers, head
     assert all(f > 0 and b > 0 for f, b in rates.seconds)
     assert rates.step_per_element > 0 and rates.copy_rate > 0 and rates.overhead > 0
+    assert rates.all_reduce_rate > 0
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert torch.equal(rng, torch.get_rng_state())
