@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.errors import OutOfMemoryError
-from pipetorch.parallel.local import Batching
+from pipetorch.schedule.plans import Batching
 from pipetorch.parallel.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition import balance
 from pipetorch.profiling.estimate import (
