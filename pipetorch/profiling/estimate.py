@@ -35,7 +35,7 @@ from pipetorch.parallel.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.memory import (
     ZERO, Footprint, Size, faked, fake_tensors, kept_bytes, measure_forward, module_tensors,
-    optimiser_state_bytes, replica_plan_length, size_of, staged_footprints,
+    optimiser_state_bytes, per_replica, replica_plan_length, size_of, staged_footprints,
 )
 from pipetorch.schedule.devices import engine_kind, owners_of, peak_stash
 
@@ -309,9 +309,8 @@ def price(stages: tuple[StageMemory, ...], setting: Setting) -> dict[int, Device
         activations, received = kept_bytes(stage.footprint, stage.in_flight,
                                            training=setting.training,
                                            recomputation=setting.recomputation)
-        whole = pick(stage.whole_state)  # each replica keeps 1/R of the rest (ZeRO-1)
-        state = whole + -(-(pick(stage.optimiser_state) - whole) // setting.shards) \
-            if setting.training else 0
+        state = per_replica(pick(stage.optimiser_state), pick(stage.whole_state),
+                            setting.shards) if setting.training else 0
         sizes = {"parameters": pick(stage.parameters), "buffers": pick(stage.buffers),
                  "gradients": pick(stage.gradients) if setting.training else 0,
                  "optimiser_state": 0 if setting.offload else state,
