@@ -87,7 +87,9 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
     from pipetorch.parallel.resident import TreeSampler
 
-    with TreeSampler(interval=0.1) as sampler:
+    # --plan times the steps: no Pss then (reading it walks every page of every process)
+    with TreeSampler(interval=0.1,
+                     shares=os.environ.get("MEMORY_BENCHMARK_PSS", "1") == "1") as sampler:
         import torch
 
         sampler.phase("model")
@@ -309,6 +311,7 @@ def report(args: argparse.Namespace, steps: list[str]) -> None:
         # the step measured is the last of 3 calls: in a profiled 12-layer run the second
         # call still took 22.4 s and the third 16.2 s (load average 8)
         os.environ["MEMORY_BENCHMARK_CALLS"] = "3"
+        os.environ["MEMORY_BENCHMARK_PSS"] = "0"
         load = os.getloadavg()[0]
         print(_plan_lines(args, [_run("pipetorch", args) for _ in range(args.repeats)], steps,
                           load))
