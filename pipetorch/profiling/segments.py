@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -246,12 +245,13 @@ def _materialised(model: nn.Module) -> nn.Module:
 
 
 def _piece_seconds(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dict],
-                   rounds: int = 2) -> list[tuple[float, float]]:
+                   rounds: int = 3) -> list[tuple[float, float]]:
     """Each piece's (forward, backward) seconds: the whole model run for real, the clock read
     where each layer begins and ends and, in backward, where the gradient of a layer's input
     (and of the last layer's output) arrives; code between layers counts with the one before,
-    as `measure` counts FLOPs. The mean of `rounds` runs after one to warm up; gradients
-    accumulate as in a step, and the model's gradients and the RNG are left as they were."""
+    as `measure` counts FLOPs. The least of `rounds` runs after one to warm up (what other
+    work on the machine slowed the least); gradients accumulate as in a step, and the model's
+    gradients and the RNG are left as they were."""
     _, layers = _layer_list(model)
     count = len(layers)
     marks: dict[tuple[str, int], float] = {}
@@ -295,12 +295,11 @@ def _piece_seconds(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, d
             h.remove()
         for p, g in grads.items():
             p.grad = g
-    mean = [tuple(statistics.fmean(r[k][i] for r in runs[1:]) for i in (0, 1))
-            for k in range(count + 2)]
+    least = [tuple(min(r[k][i] for r in runs[1:]) for i in (0, 1)) for k in range(count + 2)]
     names = {n for n, _ in _units(model)}
-    before = [] if pieces[0].name in names else [mean[0]]
-    after = [] if pieces[-1].name in names else [mean[-1]]
-    return [*before, *mean[1:-1], *after]
+    before = [] if pieces[0].name in names else [least[0]]
+    after = [] if pieces[-1].name in names else [least[-1]]
+    return [*before, *least[1:-1], *after]
 
 
 def _split(marks: dict[tuple[str, int], float], count: int, start: float, middle: float,
@@ -323,11 +322,18 @@ def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _copy_rate() -> float:
     """Bytes a second of one copy of 32 MiB (a transfer through shared memory is two)."""
     source, target = torch.ones(2**23), torch.empty(2**23)
-    target.copy_(source)
-    start = time.perf_counter()
-    for _ in range(5):
-        target.copy_(source)
-    return 5 * source.nbytes / (time.perf_counter() - start)
+    return source.nbytes / _least(lambda: target.copy_(source), 5)
+
+
+def _least(work: Callable[[], Any], rounds: int) -> float:
+    """The fewest seconds `work` took in `rounds` runs after one to warm up."""
+    work()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dict],
@@ -358,11 +364,7 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
         stepper = make(list(layer.parameters()))
         for p in layer.parameters():
             p.grad = torch.zeros_like(p)
-        stepper.step()
-        start = time.perf_counter()
-        for _ in range(3):
-            stepper.step()
-        per_element = (time.perf_counter() - start) / 3 / sum(p.numel() for p in layer.parameters())
+        per_element = _least(stepper.step, 3) / sum(p.numel() for p in layer.parameters())
         rate = _copy_rate()
     finally:
         torch.set_num_threads(threads)
@@ -379,10 +381,12 @@ dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_s
                         timeout=datetime.timedelta(seconds=60))
 bucket = torch.ones(2**23)
 dist.all_reduce(bucket)
-start = time.perf_counter()
+times = []
 for _ in range(4):
+    start = time.perf_counter()
     dist.all_reduce(bucket)
-print(rss, 4 * bucket.nbytes / (time.perf_counter() - start))
+    times.append(time.perf_counter() - start)
+print(rss, bucket.nbytes / min(times))
 dist.destroy_process_group()
 """
 
@@ -390,7 +394,8 @@ dist.destroy_process_group()
 def _workers(threads: int) -> tuple[int, float]:
     """Two fresh interpreters that imported what a stage worker imports: one's resident bytes
     then (its VmRSS: ru_maxrss would carry this process's peak over the exec), and the bytes a
-    second of an all-reduce of 32 MiB between them over gloo (how tied weights cross)."""
+    second of an all-reduce of 32 MiB between them over gloo (how tied weights cross), the
+    fastest of 4."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "rendezvous")
         workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(rank), path,
