@@ -223,14 +223,14 @@ class Rates:
     overhead: int
 
 
-def _real(leaf: Any) -> Any:
-    """A real CPU tensor for a meta (or spec) leaf: random floats, integer zeros."""
-    if isinstance(leaf, torch.Tensor) and not leaf.is_meta:
-        return leaf
-    shape, dtype = (tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf
-    if dtype.is_floating_point:
-        return torch.randn(shape, dtype=dtype)
-    return (torch.ones if dtype == torch.bool else torch.zeros)(shape, dtype=dtype)
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a real CPU one for a meta tensor: random floats, integer zeros."""
+    if not tensor.is_meta:
+        return tensor
+    if tensor.dtype.is_floating_point:
+        return torch.randn(tensor.shape, dtype=tensor.dtype)
+    return (torch.ones if tensor.dtype == torch.bool else torch.zeros)(tensor.shape,
+                                                                        dtype=tensor.dtype)
 
 
 def _materialised(model: nn.Module) -> nn.Module:
