@@ -6,6 +6,7 @@
     python benchmarks/memory.py --quick               # 4 layers of width 256 (a smoke run)
     python benchmarks/memory.py --layers 24 --apart   # and workers holding their own copies
     python benchmarks/memory.py --layers 12 --plan --schedule zero_bubble  # beside the plan
+    python benchmarks/memory.py --plan --schedule both  # 12 and 24 layers, 1F1B and zero-bubble
     python benchmarks/memory.py --sharding            # optimiser state sharded over replicas
 
 Each setting runs in a fresh interpreter that samples, every 0.1 s, the resident memory
@@ -86,7 +87,9 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
     from pipetorch.parallel.resident import TreeSampler
 
-    with TreeSampler(interval=0.1) as sampler:
+    # --plan times the steps: no Pss then (reading it walks every page of every process)
+    with TreeSampler(interval=0.1,
+                     shares=os.environ.get("MEMORY_BENCHMARK_PSS", "1") == "1") as sampler:
         import torch
 
         sampler.phase("model")
@@ -135,7 +138,7 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
             sampler.phase("compile")
             wrapper.compile(**_inputs(0))
             extra["seconds"] = []
-            for call in range(CALLS):
+            for call in range(int(os.environ.get("MEMORY_BENCHMARK_CALLS", CALLS))):
                 sampler.phase(f"call {call + 1}")
                 start = time.perf_counter()
                 wrapper(**_inputs(call))
@@ -303,9 +306,14 @@ def _row(name: str, runs: list[dict], plain: dict[str, float]) -> str:
                           for w in workers) or "-") + " |")
 
 
-def report(args: argparse.Namespace) -> None:
+def report(args: argparse.Namespace, steps: list[str]) -> None:
     if args.plan:  # the plan beside pipetorch's workers alone: no plain PyTorch to compare
-        print(_plan_lines(args, [_run("pipetorch", args) for _ in range(args.repeats)]))
+        # 3 calls: the first one's step allocates the optimiser state
+        os.environ["MEMORY_BENCHMARK_CALLS"] = "3"
+        os.environ["MEMORY_BENCHMARK_PSS"] = "0"
+        load = os.getloadavg()[0]
+        print(_plan_lines(args, [_run("pipetorch", args) for _ in range(args.repeats)], steps,
+                          load))
         return
     rows: dict[str, list[dict]] = {"plain": [], "pipetorch": []}
     if args.apart:
@@ -348,9 +356,13 @@ def report(args: argparse.Namespace) -> None:
               rows["pipetorch"][0]["cuda"])
 
 
-def _plan_lines(args: argparse.Namespace, runs: list[dict]) -> str:
-    """`poptorch.plan`'s predicted per-worker peak and step time (a layer timed here) beside
-    the measured: each worker's RSS peak over the run, the last call's seconds."""
+def _plan_lines(args: argparse.Namespace, runs: list[dict], steps: list[str],
+                load: float) -> str:
+    """`poptorch.plan`'s predicted per-worker peak and step time (each piece timed here)
+    beside the measured: each worker's RSS peak over the run, the quickest call's seconds
+    after the first; the
+    step's row is also added to `steps`, with the load average before the run and after the
+    plan's timing."""
     if "failed" in runs[0]:
         return f"pipetorch failed: {runs[0]['failed']}"
     import torch
@@ -364,14 +376,19 @@ def _plan_lines(args: argparse.Namespace, runs: list[dict]) -> str:
                           accumulation=ACCUMULATION, split=[f"transformer.h.{args.layers // 2}"],
                           schedule=args.schedule, measure_here=True)
     measured = [statistics.median(w) for w in zip(*(_workers(r) for r in runs))]
-    seconds = statistics.median(r["seconds"][-1] for r in runs)
+    # the quickest call after the first (what other work on the machine slowed the least),
+    # as the plan times each piece
+    seconds = statistics.median(min(r["seconds"][1:]) for r in runs)
     lines = [f"\nplan ({args.schedule}) against measured, per worker (RSS):"]
     for stage, peak in found.peaks.items():
         real = measured[stage]
         lines.append(f"  stage {stage}: predicted {peak / GB:.2f} GB, measured {real / GB:.2f} GB "
                      f"({peak / real - 1:+.0%})")
     lines.append(f"  step: predicted {found.step_seconds:.2f} s, measured {seconds:.2f} s "
-                 f"({found.step_seconds / seconds - 1:+.0%})")
+                 f"({found.step_seconds / seconds - 1:+.0%}); {found.time_method}")
+    steps.append(f"| {args.layers} | {args.schedule} | {found.step_seconds:.2f} s | "
+                 f"{seconds:.2f} s | {found.step_seconds / seconds:.2f} | {load:.1f} / "
+                 f"{os.getloadavg()[0]:.1f} |")
     return "\n".join(lines)
 
 
@@ -393,12 +410,13 @@ def main() -> None:
     parser.add_argument("--mapped", action="store_true",
                         help="also a model built without weights, mapped from a file "
                              "(poptorch.map_weights), trained weights written to a file")
-    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "zero_bubble"))
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "zero_bubble", "both"))
     parser.add_argument("--plan", action="store_true",
                         help="run pipetorch only, and print poptorch.plan's predicted "
                              "per-worker peak and step time beside the measured")
     args = parser.parse_args()
-    os.environ["MEMORY_BENCHMARK_SCHEDULE"] = args.schedule
+    schedules = ("1f1b", "zero_bubble") if args.schedule == "both" else (args.schedule,)
+    os.environ["MEMORY_BENCHMARK_SCHEDULE"] = schedules[0]
     if args.width is None:
         args.width = MLP_WIDTH if args.sharding or args.sharding_child else 1024
     if args.child == "save":
@@ -415,8 +433,16 @@ def main() -> None:
         return
     if args.quick:
         args.layers, args.width = [4], 256
+    steps: list[str] = []
     for layers in args.layers or [12, 24]:
-        report(argparse.Namespace(**{**vars(args), "layers": layers}))
+        for schedule in schedules:
+            os.environ["MEMORY_BENCHMARK_SCHEDULE"] = schedule
+            report(argparse.Namespace(**{**vars(args), "layers": layers, "schedule": schedule}),
+                   steps)
+    if steps:
+        print("\n| layers | schedule | step predicted | measured | predicted / measured | "
+              "load average (1 min) before the run / after the plan |\n|---|---|---|---|---|---|")
+        print("\n".join(steps))
 
 
 if __name__ == "__main__":

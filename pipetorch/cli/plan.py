@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--flops", help='sustained FLOP/s per device for the step time, e.g. '
                                    '"400T" or 4e14')
     p.add_argument("--measure-here", action="store_true",
-                   help="time a layer on this CPU for the step time, and add a worker "
+                   help="time each segment's forward and backward, the optimiser step and "
+                        "the transfers on this CPU for the step time, and add a worker "
                         "process's memory outside the model to each peak (CPU runs)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--sequence", type=int, default=1024)

@@ -4,7 +4,6 @@ optimiser step, outputs) exist once."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -19,27 +18,9 @@ from pipetorch.parallel import devices
 from pipetorch.partition.casting import Casting, within
 from pipetorch.parallel.outputs import OutputCollector
 from pipetorch.schedule import plans
+from pipetorch.schedule.plans import Batching  # noqa: F401 - its home before; read here
 
 __all__: list[str] = []
-
-
-@dataclass(frozen=True)
-class Batching:
-    """D, G and R of a host call, and how gradients are reduced over G and R."""
-
-    device_iterations: int
-    gradient_accumulation: int
-    replication_factor: int
-    reduction: ReductionType = ReductionType.Mean
-
-    @property
-    def micro_batches(self) -> int:
-        return self.device_iterations * self.gradient_accumulation * self.replication_factor
-
-    @property
-    def steps(self) -> int:
-        """Micro-batches per replica: D*G."""
-        return self.device_iterations * self.gradient_accumulation
 
 
 def reduction_multiplier(batching: Batching) -> float:

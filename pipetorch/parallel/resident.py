@@ -105,11 +105,13 @@ class TreePeaks:
 
 class TreeSampler:
     """A thread that samples the RSS of `pid` and its descendants every `interval` seconds,
-    keeping the peaks of the phase set last (`phase(name)`)."""
+    keeping the peaks of the phase set last (`phase(name)`); with `shares`, their Pss too
+    (smaps_rollup walks every page: on a loaded CPU it slows what it measures)."""
 
-    def __init__(self, pid: int | None = None, *, interval: float = 0.1) -> None:
+    def __init__(self, pid: int | None = None, *, interval: float = 0.1,
+                 shares: bool = True) -> None:
         self.pid = os.getpid() if pid is None else pid
-        self.interval = interval
+        self.interval, self.shares = interval, shares
         self.peaks = TreePeaks()
         self._phase = "start"
         self._stop = threading.Event()
@@ -135,7 +137,7 @@ class TreeSampler:
     def sample(self) -> None:
         sizes = {p: rss(p) for p in [self.pid, *descendants(self.pid)]}
         live = {p: s for p, s in sizes.items() if s is not None}
-        shares = sum(pss(p) or 0 for p in live)
+        shares = sum(pss(p) or 0 for p in live) if self.shares else 0
         with self._lock:
             phase, peaks = self._phase, self.peaks
             peaks.tree[phase] = max(peaks.tree.get(phase, 0), sum(live.values()))

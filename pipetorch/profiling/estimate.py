@@ -14,7 +14,8 @@ worst device, each computed by re-pricing this estimate:
     fp16 (model.half())  every float wider than 16 bits halves; optimiser state re-sized
     recomputation        a stage stashes only what it received and produced
     optimiser offload    the optimiser state moves to the host
-    sharded state        each of R replicas keeps 1/R of the optimiser state
+    sharded state        each of R replicas keeps 1/R of the optimiser state (of the weights
+                         over minElementsForReplicatedTensorSharding: the others keep it whole)
     smaller micro-batch  received values and activations halve (they scale with the batch)
     more stages          each stage splits in two: weights and saved tensors halve, in-flight
                          micro-batches follow the schedule on twice the stages
@@ -30,10 +31,11 @@ import torch
 import torch.nn as nn
 
 from pipetorch.errors import OutOfMemoryError
+from pipetorch.parallel.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.memory import (
     ZERO, Footprint, Size, faked, fake_tensors, kept_bytes, measure_forward, module_tensors,
-    optimiser_state_bytes, replica_plan_length, size_of, staged_footprints,
+    optimiser_state_bytes, per_replica, replica_plan_length, size_of, staged_footprints,
 )
 from pipetorch.schedule.devices import engine_kind, owners_of, peak_stash
 
@@ -60,6 +62,7 @@ class StageMemory:
     optimiser_state: Size
     footprint: Footprint
     in_flight: int
+    whole_state: Size = ZERO  # of it, the state of weights too small to shard over replicas
 
 
 @dataclass(frozen=True)
@@ -155,13 +158,16 @@ def fmt(nbytes: int) -> str:
 def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
                     batching: Any, optimizer: torch.optim.Optimizer | None, pipelined: bool,
                     training: bool, offload: bool, recomputation: bool,
-                    capture: Any = None, schedule: str = "pipelined") -> MemoryEstimate:
+                    capture: Any = None, schedule: str = "pipelined",
+                    sharding: int | None = None) -> MemoryEstimate:
     """Each logical device's peak for `model` (the host copy, blocks attached) run on
     `first` (one micro-batch: args, kwargs) as `stages`; see the module doc.
 
     `optimizer` must update `model`'s own parameters (e.g. `device_optimizer`'s copy).
     `recomputation` means every stage keeps only its inputs and outputs for backward;
     `schedule` is the pipelined plan kind (Training.pipelineSchedule: its activation stash).
+    `sharding` (RunConfig.sharding) is set with replicated tensor sharding: weights of more
+    elements than it keep 1/R of their optimiser state on each of the R replicas.
     The model's train/eval modes, buffers and the RNG are left as they were. `capture`
     (split.CaptureOnce) is the compilation's capture: its split and the stages' measured
     footprints are shared with the engine and saved in the executable cache.
@@ -192,10 +198,13 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
         for param in module.parameters():
             stepper[id(param)] = min(stepper.get(id(param), ipu), ipu)
     records = tuple(_stage_memory(j, ipu, module, footprint, flight, optimizer, training,
-                                  stepped={k for k, d in stepper.items() if d == ipu})
+                                  stepped={k for k, d in stepper.items() if d == ipu},
+                                  min_elements=DEFAULT_MIN_ELEMENTS if sharding is None
+                                  else sharding)
                     for j, (ipu, module, footprint, flight)
                     in enumerate(zip(ipu_of, modules, prints, flights)))
-    setting = Setting(training, recomputation and training, offload and training)
+    setting = Setting(training, recomputation and training, offload and training,
+                      shards=batching.replication_factor if sharding is not None else 1)
     return MemoryEstimate(price(records, setting), records, setting, pipelined, batching,
                           batch_size(args, kwargs), method, kind)
 
@@ -262,19 +271,24 @@ def _whole(model: nn.Module, args: tuple, kwargs: dict, *, training: bool) -> Fo
 
 def _stage_memory(index: int, ipu: int, module: nn.Module, footprint: Footprint,
                   flight: int, optimizer: torch.optim.Optimizer | None,
-                  training: bool, *, stepped: set[int]) -> StageMemory:
+                  training: bool, *, stepped: set[int], min_elements: int) -> StageMemory:
     """The stage's sizes; optimiser state for the parameters its device steps (`stepped`,
-    id()s)."""
+    id()s), and of it the state of those of at most `min_elements` elements (never sharded
+    over replicas)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    state = Size(0, 0)
     steps = [p for p in params if id(p) in stepped]
-    if training and optimizer is not None and steps:
-        actual, how = optimiser_state_bytes(optimizer, steps)
-        half, half_how = optimiser_state_bytes(optimizer, steps, dtype=torch.half)
+
+    def state(of: list[nn.Parameter]) -> Size:
+        if not training or optimizer is None or not of:
+            return ZERO
+        actual, how = optimiser_state_bytes(optimizer, of)
+        half, half_how = optimiser_state_bytes(optimizer, of, dtype=torch.half)
         # An optimiser that cannot step at 16 bits is priced as it is: no saving claimed.
-        state = Size(actual, actual if half_how.startswith("unknown") else half)
+        return Size(actual, actual if half_how.startswith("unknown") else half)
+
     return StageMemory(index, ipu, size_of(module.parameters()), size_of(module.buffers()),
-                       size_of(params), state, footprint, flight)
+                       size_of(params), state(steps), footprint, flight,
+                       state([p for p in steps if p.numel() <= min_elements]))
 
 
 def batch_size(args: tuple, kwargs: dict) -> int | None:
@@ -295,7 +309,8 @@ def price(stages: tuple[StageMemory, ...], setting: Setting) -> dict[int, Device
         activations, received = kept_bytes(stage.footprint, stage.in_flight,
                                            training=setting.training,
                                            recomputation=setting.recomputation)
-        state = -(-pick(stage.optimiser_state) // setting.shards) if setting.training else 0
+        state = per_replica(pick(stage.optimiser_state), pick(stage.whole_state),
+                            setting.shards) if setting.training else 0
         sizes = {"parameters": pick(stage.parameters), "buffers": pick(stage.buffers),
                  "gradients": pick(stage.gradients) if setting.training else 0,
                  "optimiser_state": 0 if setting.offload else state,
@@ -423,7 +438,8 @@ def _more_stages(estimate: MemoryEstimate) -> tuple[str, str, dict[int, int]]:
             halves.append(StageMemory(
                 j, j, _halve(stage.parameters), _halve(stage.buffers), _halve(stage.gradients),
                 _halve(stage.optimiser_state),
-                stage.footprint._replace(saved=_halve(stage.footprint.saved)), flights[j]))
+                stage.footprint._replace(saved=_halve(stage.footprint.saved)), flights[j],
+                _halve(stage.whole_state)))
     split = price(tuple(halves), setting)
     peaks = {ipu: max(split[2 * s.index + part].total for s in stages if s.ipu == ipu
                       for part in (0, 1))

@@ -334,6 +334,25 @@ def offloaded(options: Any) -> bool:
     return location is not None and location.use_on_chip_storage is False
 
 
+def sharded_above(options: Any) -> int | None:
+    """With replicated tensor sharding (TensorLocations.setOptimizerLocation(
+    ...useReplicatedTensorSharding(True))), the most elements of a weight whose optimiser state
+    stays whole (minElementsForReplicatedTensorSharding, unset: PopART's 8192); else None."""
+    from pipetorch.parallel.sharded_step import DEFAULT_MIN_ELEMENTS
+
+    location = getattr(getattr(options, "TensorLocations", None), "optimizer_location", None)
+    if location is None or not location.use_replicated_tensor_sharding:
+        return None
+    found = location.min_elements_for_replicated_tensor_sharding
+    return DEFAULT_MIN_ELEMENTS if found is None else found
+
+
+def per_replica(state: int, whole: int, shards: int) -> int:
+    """Optimiser state bytes one of `shards` replicas keeps with replicated tensor sharding:
+    `whole` (the state of the weights too small to shard) whole, 1/R of the rest."""
+    return whole + -(-(state - whole) // shards)
+
+
 def recomputing(options: Any) -> bool:
     """Whether the options checkpoint every stage's activations (Training.recomputation)."""
     return bool(getattr(getattr(options, "Training", None), "recomputation", False))
@@ -369,11 +388,16 @@ def build(compiled: Any, *, training: bool, options: Any,
             activations_method = (f"not computed: the sizing forward failed with "
                                   f"{type(exc).__name__}: {exc}")
     offload = training and offloaded(options)
+    least = sharded_above(options)
+    shards = engine.batching.replication_factor if least is not None else 1
     devices, methods = [], set()
     for lane, module, stashed, footprint in zip(lanes, modules, held, prints):
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = engine.optimizer if training else None
         state, how = optimiser_state_bytes(optimizer, params)
+        if shards > 1:
+            state = per_replica(state, optimiser_state_bytes(
+                optimizer, [p for p in params if p.numel() <= least])[0], shards)
         methods.add(how)
         activations = None
         if footprint is not None or not training:

@@ -9,8 +9,9 @@ The segments are priced with the memory estimate's own functions (`estimate.pric
 gradients, optimiser state, activations x the schedule's micro-batches in flight from
 `schedule.devices.peak_stash`; `estimate.rank_remedies` for what would make it fit), the cut is
 chosen by the balancer (`partition.balance.plan`) and the step time comes from the schedule
-simulator (`simulate_devices`) with each stage's FLOPs (counted on the same fake forward)
-divided by a per-device rate: given (`flops`), or measured here on the CPU.
+simulator (`simulate_devices`) with each stage's seconds: its FLOPs (counted on the same fake
+forward) at a given rate (`flops`), or each segment timed for real on this CPU
+(`measure_here`, with the transfers, the optimiser step and tied weights crossing).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import torch
 import torch.nn as nn
 
 from pipetorch.errors import OutOfMemoryError
-from pipetorch.parallel.local import Batching
+from pipetorch.schedule.plans import Batching
+from pipetorch.parallel.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition import balance
 from pipetorch.profiling.estimate import (
     MemoryEstimate, Remedy, Setting, StageMemory, batch_size, fmt, price, rank_remedies,
@@ -135,6 +137,7 @@ class _Run:
     accumulation: int
     setting: Setting
     layouts: dict[torch.dtype, tuple[int, int]]  # dtype -> (state bytes per element, fixed)
+    min_elements: int  # weights of more elements have their state sharded (with shards > 1)
 
 
 def _optimizer(optimizer: str, loss_scaling: float | None
@@ -193,7 +196,8 @@ def stage_memory(pieces: list[Piece], starts: tuple[int, ...], kind: str,
         records.append(StageMemory(s, s, size_of(params),
                                    size_of(_unique(b for piece in part for b in piece.buffers)),
                                    size_of(trainable), _state(steps, run.layouts), footprint,
-                                   flights[s]))
+                                   flights[s], _state([p for p in steps if p.numel()
+                                                       <= run.min_elements], run.layouts)))
     return tuple(records)
 
 
@@ -254,21 +258,55 @@ def _starts(pieces: list[Piece], split: list[str] | None, kind: str, run: _Run,
 
 
 def _timeline(kind: str, stages: int, run: _Run, forward: list[float],
-              step: float) -> tuple[float, float]:
-    """(makespan, bubble share) of one step in forward-FLOP units: backward costs twice the
-    forward (one more with recomputation), the optimiser step `step`."""
+              backward: list[float], step: list[float]) -> tuple[float, float]:
+    """(makespan, bubble share) of one step in seconds, from each stage's forward and backward
+    seconds for one micro-batch (recomputation runs forward again in backward; zero-bubble
+    splits backward into halves, the input's gradient and the weights') and its optimiser
+    step."""
+    again = forward if run.setting.recomputation else [0.0] * stages
     if kind == "sharded":
-        return run.accumulation * sum(forward) * (4 if run.setting.recomputation else 3) \
-            + step, 0.0
-    unit = max(forward) / 200 or 1.0
-    ticks = [max(1, round(f / unit)) for f in forward]
-    again = ticks if run.setting.recomputation else [0] * stages
+        return run.accumulation * (forward[0] + backward[0] + again[0]) + step[0], 0.0
+    unit = max(forward + backward) / 200 or 1.0
+
+    def ticks(seconds: list[float]) -> list[int]:
+        return [max(1, round(t / unit)) for t in seconds]
+
     split = kind == "zero_bubble"
     timeline = simulate_devices(
         device_plan(kind, stages, run.accumulation, tuple(range(stages)), training=True),
-        tuple(range(stages)), forward=ticks, buffered=True, step=round(step / unit),
-        backward=[t + a if split else 2 * t + a for t, a in zip(ticks, again)], weight=ticks)
+        tuple(range(stages)), forward=ticks(forward), buffered=True,
+        step=[round(t / unit) for t in step],
+        backward=ticks([b / 2 + a if split else b + a for b, a in zip(backward, again)]),
+        weight=ticks([b / 2 for b in backward]))
     return timeline.makespan * unit, timeline.bubble_fraction
+
+
+def _seconds(pieces: list[Piece], starts: tuple[int, ...], run: _Run, flops: float | None,
+             rates: Rates | None) -> tuple[list[float], list[float], list[float]] | None:
+    """Each stage's forward and backward seconds for one micro-batch and its optimiser step's:
+    measured here (each piece timed, a received value's and gradient's transfer as two copies,
+    the step per element, a tied weight's gradient and value all-reduced), else its FLOPs
+    at `flops` with backward twice the forward; None without a rate."""
+    ends = (*starts[1:], len(pieces))
+    spans = list(zip(starts, ends))
+    if rates is None:
+        if not flops:
+            return None
+        forward = [sum(p.flops for p in pieces[i:j]) / flops for i, j in spans]
+        return forward, [2 * f for f in forward], [0.0] * len(spans)
+    copy = [2 * (pieces[i].footprint().received.bytes if i else 0) / rates.copy_rate
+            for i, _ in spans]
+    forward = [sum(rates.seconds[k][0] for k in range(i, j)) + c for (i, j), c in zip(spans, copy)]
+    backward = [sum(rates.seconds[k][1] for k in range(i, j)) + c
+                for (i, j), c in zip(spans, copy[1:] + [0.0])]
+    held = [{id(p): p for piece in pieces[i:j] for p in piece.params} for i, j in spans]
+    tied = {k for s, h in enumerate(held) for k in h if any(k in o for o in held[s + 1:])}
+    # a tied weight: its gradient summed and its stepped value shared, two all-reduces
+    step = [sum(p.numel() for p in _stepped(pieces, starts, s) if p.requires_grad)
+            * rates.step_per_element
+            + 2 * sum(p.numel() * p.element_size() for k, p in h.items() if k in tied)
+            / rates.all_reduce_rate for s, h in enumerate(held)]
+    return forward, backward, step
 
 
 def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
@@ -276,44 +314,42 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
          accumulation: int | None = None, replicas: int = 1, optimizer: str = "adamw",
          loss_scaling: float | None = None, recompute: bool = False, offload: bool = False,
          sharded: bool = False, schedule: str = "auto", split: list[str] | None = None,
-         measure_here: bool = False, flash_attention: bool = False) -> Plan:
+         measure_here: bool = False, flash_attention: bool = False,
+         min_elements: int = DEFAULT_MIN_ELEMENTS) -> Plan:
     """Plan training `model` (on the meta device or any other) on `devices` devices of
     `device_memory` bytes each: `replicas` pipelines of devices / replicas stages, one
     micro-batch being `inputs` (args, kwargs), `accumulation` micro-batches per step (default:
     what keeps the bubble under 10%). `split` names the BeginBlock places where stages 1..
     begin; without it the balancer chooses the cut. `schedule` is "1f1b", "zero_bubble" or
     "auto" (the faster that fits). `sharded` shards the optimiser state over the replicas
-    (replicated tensor sharding), `offload` keeps it in host memory. The step time needs a
-    rate: `flops` (sustained FLOP/s per device) or `measure_here` (a layer timed on this
-    CPU, which also measures a worker's memory outside the model). `flash_attention` sizes
+    (replicated tensor sharding: that of weights over `min_elements` elements, as
+    minElementsForReplicatedTensorSharding), `offload` keeps it in host memory. The step time needs a
+    rate: `flops` (sustained FLOP/s per device) or `measure_here` (each segment timed for
+    real on this CPU, which also measures a worker's memory outside the model). `flash_attention` sizes
     attention as a GPU's flash kernel keeps it (`measure`)."""
     if devices < 1 or replicas < 1 or devices % replicas:
         raise ValueError(f"devices ({devices}) must be a positive multiple of replicas "
                          f"({replicas}): each replica is a pipeline of devices / replicas stages")
     stages = devices // replicas
-    pieces, first = measure(model, inputs, flash=flash_attention)
+    pieces = measure(model, inputs, flash=flash_attention)
     micro_batch = batch_size(*inputs)
     setting = Setting(True, recompute, offload, shards=replicas if sharded else 1)
     make = _optimizer(optimizer, loss_scaling)
     run = _Run(stages, replicas, accumulation or balance.propose_gradient_accumulation(stages),
-               setting, _layouts(make, {p.dtype for p in model.parameters()}))
-    rates = timed(model, pieces, first, make, stages) if measure_here else None
+               setting, _layouts(make, {p.dtype for p in model.parameters()}), min_elements)
+    rates = timed(model, pieces, inputs, make, stages) if measure_here else None
     overhead = rates.overhead if rates else 0
     budget = None if device_memory is None else device_memory - overhead
-    rate = flops or (rates.flops if rates else None)
     options = []
     for kind in _kinds(schedule, stages):
         starts = _starts(pieces, split, kind, run, budget)
         records = stage_memory(pieces, starts, kind, run)
         devices_memory = price(records, setting)
-        ends = (*starts[1:], len(pieces))
-        forward = [float(sum(p.flops for p in pieces[i:j])) for i, j in zip(starts, ends)]
-        step = max(sum(p.numel() for p in _stepped(pieces, starts, s) if p.requires_grad)
-                   for s in range(stages)) * rates.step_per_element * rate if rates else 0.0
-        span, bubble = _timeline(kind, stages, run, forward, step)
+        seconds = _seconds(pieces, starts, run, flops, rates)
+        span, bubble = _timeline(kind, stages, run, *seconds) if seconds else (None, 0.0)
         worst = max(d.total for d in devices_memory.values())
-        options.append((budget is not None and worst > budget, span, kind, starts, records,
-                        devices_memory, bubble))
+        options.append((budget is not None and worst > budget, span or 0.0, kind, starts,
+                        records, devices_memory, bubble))
     over, span, kind, starts, records, devices_memory, bubble = min(
         options, key=lambda o: (o[0], o[1] if not o[0] else max(d.total for d in o[5].values())))
     estimate = MemoryEstimate(devices_memory, records, setting, stages > 1,
@@ -330,7 +366,7 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
                 {v: k for k, v in SCHEDULES.items()}.get(kind, "none"), replicas,
                 run.accumulation, device_memory, overhead,
                 _temporaries(pieces, starts) if rates else {}, remedies,
-                None if rate is None else span / rate, bubble, _time_method(flops, rates),
+                span if flops or rates else None, bubble, _time_method(flops, rates),
                 size_of(_unique(model.parameters())).bytes)
 
 
@@ -354,17 +390,14 @@ def _stepped(pieces: list[Piece], starts: tuple[int, ...], stage: int) -> list[n
 
 
 def _time_method(flops: float | None, rates: Rates | None) -> str:
+    if rates:
+        return ("each piece's forward and backward timed on this CPU with a worker's threads "
+                f"(the model run for real), transfers as two copies at {rates.copy_rate / 1e9:.3g}"
+                f" GB/s, the optimiser step at {rates.step_per_element * 1e9:.2f} ns a "
+                "parameter and a tied weight's gradient and value all-reduced at "
+                f"{rates.all_reduce_rate / 1e9:.3g} GB/s, through the schedule simulator")
     if flops:
         return (f"each stage's forward FLOPs x3 (x4 recomputing) at {flops:.3g} FLOP/s a "
                 "device, through the schedule simulator; the optimiser step and transfers "
                 "not counted")
-    if rates:
-        return (f"each stage's forward FLOPs x3 (x4 recomputing) at {rates.flops:.3g} FLOP/s "
-                "(a layer's forward and backward timed on this CPU) and the optimiser step "
-                f"at {rates.step_per_element * 1e9:.2f} ns a parameter, through the schedule "
-                "simulator")
     return "no rate given (flops or measure_here)"
-
-
-
-

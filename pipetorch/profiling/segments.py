@@ -1,19 +1,22 @@
-"""A model's candidate segments measured on fake tensors (the planner's cost table), and one
-layer timed for real on this CPU.
+"""A model's candidate segments measured on fake tensors (the planner's cost table), and each
+segment timed for real on this CPU.
 
 The segments are what runs before the model's layer list (its largest ModuleList), each layer,
 and what runs after it; code between two layers counts with the one before. One forward on
 fake tensors under saved-tensor hooks (as `memory.measure_forward` sizes a stage) gives each
 segment's Footprint, and a FlopCounterMode its forward FLOPs. Identical layers (same class and
 parameter shapes) are measured once: for that forward the others stand aside, giving back the
-first one's output, so forward may walk the list any way it likes.
+first one's output, so forward may walk the list any way it likes. `measure_here` runs the
+model for real with a worker's threads and reads the clock where each segment's forward and
+backward begin and end.
 """
 from __future__ import annotations
 
 import copy
-import statistics
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -70,24 +73,22 @@ class _FlashAttention(torch.autograd.Function):
 
 
 def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = True,
-            flash: bool = False) -> tuple[list[Piece], dict[str, Any]]:
-    """The candidate segments of `model` run on one micro-batch `inputs` (args, kwargs), and
-    the first layer's inputs as (shape, dtype) leaves (to time it for real on this machine).
+            flash: bool = False) -> list[Piece]:
+    """The candidate segments of `model` run on one micro-batch `inputs` (args, kwargs).
     With `flash`, scaled_dot_product_attention keeps what flash attention keeps (a GPU's
     kernel; on the meta device it would run the math one, which keeps the scores)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from pipetorch import ops
 
-    path, layers = _layer_list(model)
-    units = ([(f"{path}.{i}", u) for i, u in enumerate(layers)] if layers is not None
-             else list(model.named_children()))
+    _, layers = _layer_list(model)
+    units = _units(model) or list(model.named_children())
     same = layers is not None and len(units) > 1 and len({_signature(u) for _, u in units}) == 1
     run = [u for _, u in units[:1]] if same else [u for _, u in units]
     pieces = [Piece(""), *(Piece(n) for n, _ in units[:len(run)]), Piece(""), Piece("")]
     after = len(pieces) - 2  # the last: what runs between identical layers standing aside
     counter = FlopCounterMode(display=False)
-    state: dict[str, Any] = {"at": 0, "flops": 0, "first": None, "stood": 0}
+    state: dict[str, Any] = {"at": 0, "flops": 0, "stood": 0}
     seen: set[int] = set()
     names = {id(m): n for n, m in model.named_modules()}
 
@@ -100,10 +101,6 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
         def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
             flush(k)
             pieces[k].received.update(_sizes((args, kwargs), weights))
-            if k == 1:
-                state["first"] = torch.utils._pytree.tree_map(
-                    lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t,
-                    (args, kwargs))
         return hook
 
     def leave(k: int) -> Any:
@@ -190,7 +187,7 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
         piece.name = piece.name or default
     mids = {id(m) for m in middle}
     kept = [p for p in pieces if p.params or p.saved or p.flops or id(p) in mids]
-    return kept, state["first"] or {}
+    return kept
 
 
 class _Again(nn.Module):
@@ -213,76 +210,211 @@ def _sizes(value: Any, weights: set[int]) -> dict[int, Size]:
 
 @dataclass(frozen=True)
 class Rates:
-    """This machine's measured speed: FLOP/s of a layer's forward and backward, seconds of
-    an optimiser step per parameter element, and a worker process's memory outside the
-    model."""
+    """This machine's measured speed: each piece's forward and backward seconds on one
+    micro-batch (the model run for real with a worker's threads), seconds of an optimiser
+    step per parameter element, bytes a second of a copy (what a transfer through shared
+    memory does twice) and of an all-reduce between two workers, and a worker process's
+    memory outside the model."""
 
-    flops: float
+    seconds: list[tuple[float, float]]  # per piece: (forward, backward)
     step_per_element: float
+    copy_rate: float
+    all_reduce_rate: float
     overhead: int
 
 
-def _real(leaf: Any) -> Any:
-    if not (isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], torch.dtype)):
-        return leaf
-    shape, dtype = leaf
-    if dtype.is_floating_point:
-        return torch.randn(shape, dtype=dtype).requires_grad_()
-    fill = torch.ones if dtype == torch.bool else torch.zeros
-    return fill(shape, dtype=dtype)
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a real CPU one for a meta tensor: random floats, integer zeros."""
+    if not tensor.is_meta:
+        return tensor
+    if tensor.dtype.is_floating_point:
+        return torch.randn(tensor.shape, dtype=tensor.dtype)
+    return (torch.ones if tensor.dtype == torch.bool else torch.zeros)(tensor.shape,
+                                                                        dtype=tensor.dtype)
 
 
-def measure_here(model: nn.Module, pieces: list[Piece], first: Any,
+def _materialised(model: nn.Module) -> nn.Module:
+    """`model` itself, or a copy on the CPU with random weights where it is on meta."""
+    if not any(t.is_meta for t in module_tensors(model)):
+        return model
+    real = copy.deepcopy(model).to_empty(device="cpu")
+    with torch.no_grad():
+        for t in module_tensors(real):
+            t.normal_(0, 0.02) if t.is_floating_point() else t.fill_(1)
+    return real
+
+
+def _piece_seconds(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dict],
+                   rounds: int = 3) -> list[tuple[float, float]]:
+    """Each piece's (forward, backward) seconds: the whole model run for real, the clock read
+    where each layer begins and ends and, in backward, where the gradient of a layer's input
+    (and of the last layer's output) arrives; code between layers counts with the one before,
+    as `measure` counts FLOPs. The least of `rounds` runs after one to warm up (what other
+    work on the machine slowed the least); gradients accumulate as in a step, and the model's
+    gradients and the RNG are left as they were."""
+    _, layers = _layer_list(model)
+    count = len(layers)
+    marks: dict[tuple[str, int], float] = {}
+
+    def first_grad(value: Any) -> torch.Tensor | None:
+        return next((t for t in tensors_of(value) if t.requires_grad), None)
+
+    def mark(key: tuple[str, int]) -> Callable[..., None]:
+        return lambda *_: marks.__setitem__(key, _clock())
+
+    def enter(k: int) -> Callable[..., None]:
+        def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
+            mark(("enter", k))()
+            hidden = first_grad((args, kwargs))
+            if hidden is not None:
+                hidden.register_hook(mark(("grad in", k)))
+        return hook
+
+    def leave(_: nn.Module, __: Any, output: Any) -> None:
+        mark(("leave", count - 1))()
+        hidden = first_grad(output)
+        if hidden is not None:
+            hidden.register_hook(mark(("grad out", count - 1)))
+
+    handles = [u.register_forward_pre_hook(enter(k), with_kwargs=True)
+               for k, u in enumerate(layers)] + [layers[-1].register_forward_hook(leave)]
+    grads = {p: p.grad for p in model.parameters()}
+    args, kwargs = torch.utils._pytree.tree_map(
+        lambda t: _real(t) if isinstance(t, torch.Tensor) else t, inputs)
+    runs = []
+    try:
+        with torch.random.fork_rng():
+            for _ in range(rounds + 1):
+                start = _clock()
+                loss = tensors_of(model(*args, **kwargs))[0].float().sum()
+                middle = _clock()
+                loss.backward()
+                runs.append(_split(marks, count, start, middle, _clock()))
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in grads.items():
+            p.grad = g
+    least = [tuple(min(r[k][i] for r in runs[1:]) for i in (0, 1)) for k in range(count + 2)]
+    names = {n for n, _ in _units(model)}
+    before = [] if pieces[0].name in names else [least[0]]
+    after = [] if pieces[-1].name in names else [least[-1]]
+    return [*before, *least[1:-1], *after]
+
+
+def _split(marks: dict[tuple[str, int], float], count: int, start: float, middle: float,
+           end: float) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of before, each layer, after, from one run's marks."""
+    enter = [marks[("enter", k)] for k in range(count)] + [marks[("leave", count - 1)]]
+    grad = [marks.get(("grad in", k), end) for k in range(count)]
+    grad += [marks.get(("grad out", count - 1), middle)]
+    forward = [enter[0] - start, *(b - a for a, b in zip(enter, enter[1:])),
+               middle - enter[-1]]
+    backward = [end - grad[0], *(a - b for a, b in zip(grad, grad[1:])), grad[-1] - middle]
+    return list(zip(forward, backward))
+
+
+def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    path, layers = _layer_list(model)
+    return [(f"{path}.{i}", u) for i, u in enumerate(layers)] if layers is not None else []
+
+
+def _copy_rate() -> float:
+    """Bytes a second of one copy of 32 MiB (a transfer through shared memory is two)."""
+    source, target = torch.ones(2**23), torch.empty(2**23)
+    return source.nbytes / _least(lambda: target.copy_(source), 5)
+
+
+def _clock() -> float:
+    """Seconds this thread has run on a CPU when torch computes in it alone (one thread, as
+    a worker sharing 2 cores with another gets): what other work on the machine does not
+    slow, so the plan is the step of a quiet machine; else the wall clock."""
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
+def _least(work: Callable[[], Any], rounds: int) -> float:
+    """The fewest seconds `work` took in `rounds` runs after one to warm up."""
+    work()
+    times = []
+    for _ in range(rounds):
+        start = _clock()
+        work()
+        times.append(_clock() - start)
+    return min(times)
+
+
+def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dict],
                  make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  stages: int) -> Rates:
-    """Time the first layer's forward and backward and an optimiser step on it for real on
-    this CPU, with the threads a worker gets; and a worker's interpreter's resident memory."""
+    """Time each piece's forward and backward, an optimiser step on the first layer, a copy
+    and an all-reduce between two workers for real on this CPU, with the threads a worker gets (a model on meta is made real
+    on the CPU first: a CPU run must hold it anyway); and a worker's interpreter's resident
+    memory."""
     from pipetorch.parallel.placement import cpu_cores
 
     _, layers = _layer_list(model)
-    if layers is None or not first:
-        raise ValueError("measure_here times the first layer of the model's layer list "
-                         "(a ModuleList); this model has none: give flops instead")
-    layer = copy.deepcopy(layers[0])
-    if any(t.is_meta for t in module_tensors(layer)):
-        layer = layer.to_empty(device="cpu")
-    with torch.no_grad():
-        for t in module_tensors(layer):
-            t.normal_(0, 0.02) if t.is_floating_point() else t.fill_(1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, cpu_cores() // stages))
+    if layers is None:
+        raise ValueError("measure_here times the model's layer list (its largest ModuleList) "
+                         "and what runs around it; this model has none: give flops instead")
+    threads, workers = torch.get_num_threads(), max(1, cpu_cores() // stages)
+    torch.set_num_threads(workers)
     try:
-        args, kwargs = torch.utils._pytree.tree_map(_real, first, is_leaf=_is_spec)
-        layer.train(True)
-
-        def once() -> float:
-            start = time.perf_counter()
-            out = tensors_of(layer(*args, **kwargs))[0]
-            out.float().sum().backward()
-            return time.perf_counter() - start
-
-        once()
-        seconds = statistics.median(once() for _ in range(3))
+        real = _materialised(model)
+        modes = {m: m.training for m in real.modules()}
+        real.train(True)
+        try:
+            seconds = _piece_seconds(real, pieces, inputs)
+        finally:
+            for module, was in modes.items():
+                module.training = was
+        layer = copy.deepcopy(_layer_list(real)[1][0])
         stepper = make(list(layer.parameters()))
-        stepper.step()
-        start = time.perf_counter()
-        for _ in range(3):
-            stepper.step()
-        per_element = (time.perf_counter() - start) / 3 / sum(p.numel() for p in layer.parameters())
+        for p in layer.parameters():
+            p.grad = torch.zeros_like(p)
+        per_element = _least(stepper.step, 3) / sum(p.numel() for p in layer.parameters())
+        rate = _copy_rate()
     finally:
         torch.set_num_threads(threads)
-    return Rates(3 * pieces[1].flops / seconds, per_element, _worker_overhead())
+    overhead, all_reduce_rate = _workers(workers)
+    return Rates(seconds, per_element, rate, all_reduce_rate, overhead)
 
 
-def _is_spec(leaf: Any) -> bool:
-    return isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], torch.dtype)
+_WORKER = """
+import datetime, sys, time, torch, torch.distributed as dist, pipetorch.parallel.worker
+rank, path, threads = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+torch.set_num_threads(threads)
+dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+bucket = torch.ones(2**23)
+dist.all_reduce(bucket)
+times = []
+for _ in range(4):
+    start = time.perf_counter()
+    dist.all_reduce(bucket)
+    times.append(time.perf_counter() - start)
+print(rss, bucket.nbytes / min(times))
+dist.destroy_process_group()
+"""
 
 
-def _worker_overhead() -> int:
-    """Resident bytes of a fresh interpreter that imported what a stage worker imports (its
-    VmRSS: ru_maxrss would carry this process's peak over the exec)."""
-    code = ("import torch, pipetorch.parallel.worker; "
-            "print(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=True)
-    return int(done.stdout.split()[-1]) * 1024
+def _workers(threads: int) -> tuple[int, float]:
+    """Two fresh interpreters that imported what a stage worker imports: one's resident bytes
+    then (its VmRSS: ru_maxrss would carry this process's peak over the exec), and the bytes a
+    second of an all-reduce of 32 MiB between them over gloo (how tied weights cross), the
+    fastest of 4."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "rendezvous")
+        workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(rank), path,
+                                     str(threads)], stdout=subprocess.PIPE, text=True)
+                   for rank in (0, 1)]
+        try:
+            outs = [w.communicate(timeout=120)[0] for w in workers]
+        finally:
+            for w in workers:
+                w.kill()
+    if any(w.returncode for w in workers):
+        raise RuntimeError("measure_here: the two probe workers (gloo all-reduce) failed, "
+                           f"exit codes {[w.returncode for w in workers]}")
+    rss, rate = outs[0].split()
+    return int(rss), float(rate)

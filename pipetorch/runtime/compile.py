@@ -318,7 +318,8 @@ def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[Stag
     found = estimate.estimate_memory(
         model, first, stages, batching=config.batching, optimizer=optimizer,
         pipelined=pipelined, training=training, offload=config.offload,
-        recomputation=config.recomputation, capture=capture, schedule=config.schedule)
+        recomputation=config.recomputation, capture=capture, schedule=config.schedule,
+        sharding=config.sharding)
     estimate.check_budget(found, budget)
 
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from pipetorch import environment
 from pipetorch.parallel.local import Batching
-from pipetorch.parallel.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.profiling import memory
 
 __all__: list[str] = []
@@ -50,7 +49,7 @@ def run_config(options: Any) -> RunConfig:
                           training.accumulation_and_replication_reduction_type),
         strategy=options.execution_strategy, schedule=training.pipeline_schedule,
         recomputation=memory.recomputing(options), offload=memory.offloaded(options),
-        sharding=_sharding(options),
+        sharding=memory.sharded_above(options),
         auto_loss_scaling=bool(training.auto_loss_scaling),
         process=(options.Distributed.process_id, options.Distributed.num_processes),
         seed=options.random_seed, auto_round=options.auto_round_num_ipus,
@@ -61,13 +60,3 @@ def run_config(options: Any) -> RunConfig:
         precision=options.Precision,
         compile_backend=chosen if chosen is not None else environment.get("compile"),
         execution=environment.get("execution"))
-
-
-def _sharding(options: Any) -> int | None:
-    """The minimum elements of a weight whose optimiser state is sharded over the replicas
-    (TensorLocations.setOptimizerLocation(...useReplicatedTensorSharding(True))), else None."""
-    location = options.TensorLocations.optimizer_location
-    if location is None or not location.use_replicated_tensor_sharding:
-        return None
-    found = location.min_elements_for_replicated_tensor_sharding
-    return DEFAULT_MIN_ELEMENTS if found is None else found

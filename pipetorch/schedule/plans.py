@@ -27,12 +27,34 @@ send costs nothing: stage i+1 is busy with that backward until the gradient goes
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from pipetorch.enums import ReductionType
 from pipetorch.schedule.actions import Action, Kind, Plan
 
 __all__: list[str] = []
 
 KINDS = ("pipelined", "1f1b", "zero_bubble", "fill_drain", "sharded")
 # and, with a device plan (`devices.device_plan`): "interleaved", "interleaved_zero_bubble"
+
+
+@dataclass(frozen=True)
+class Batching:
+    """D, G and R of a host call, and how gradients are reduced over G and R."""
+
+    device_iterations: int
+    gradient_accumulation: int
+    replication_factor: int
+    reduction: ReductionType = ReductionType.Mean
+
+    @property
+    def micro_batches(self) -> int:
+        return self.device_iterations * self.gradient_accumulation * self.replication_factor
+
+    @property
+    def steps(self) -> int:
+        """Micro-batches per replica: D*G."""
+        return self.device_iterations * self.gradient_accumulation
 
 
 def one_f_one_b(stages: int, micro_batches: int) -> Plan:

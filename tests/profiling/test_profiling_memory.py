@@ -119,7 +119,7 @@ def test_on_a_gpu_the_local_engines_peak_is_measured(tmp_path, monkeypatch):
     assert memory["method"].startswith("peak measured with torch.cuda.max_memory_allocated")
 
 
-def staged_report(*, offload, recomputation):
+def staged_report(*, offload, recomputation, sharded=None):
     """memory.json of a two-stage pipelined engine built from a real split (no workers), and
     the compile-time estimate of the same configuration."""
     from types import SimpleNamespace
@@ -137,20 +137,22 @@ def staged_report(*, offload, recomputation):
     model, x = ReluStages(), torch.randn(2, 6)
     stages = [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",))]
     adam = torch.optim.Adam(model.parameters())
-    batching = Batching(1, 4, 1)
+    batching = Batching(1, 4, 1 if sharded is None else 2)
     engine = SimpleNamespace(
         model=model, optimizer=adam, batching=batching, schedule="pipelined",
         staged=split_stages(model, (x,), {}, stages), last_trace=[])
     plan = CompilePlan(tuple(stages), 2, "pipelined",
                        (Placement((0,), 0, "cpu", 1), Placement((1,), 1, "cpu", 1)))
     location = poptorch.TensorLocationSettings().useOnChipStorage(not offload)
+    if sharded is not None:
+        location.useReplicatedTensorSharding(True).minElementsForReplicatedTensorSharding(sharded)
     options = SimpleNamespace(TensorLocations=SimpleNamespace(optimizer_location=location),
                               Training=SimpleNamespace(recomputation=recomputation))
     report = build(Compiled(engine, plan, None, 0.1), training=True, options=options,
                    sample=((x,), {}))
     estimate = estimate_memory(model, ((x,), {}), stages, batching=batching, optimizer=adam,
                                pipelined=True, training=True, offload=offload,
-                               recomputation=recomputation)
+                               recomputation=recomputation, sharding=sharded)
     return report, estimate
 
 
@@ -176,3 +178,15 @@ def test_recomputation_shrinks_the_reported_stash():
     assert "with recomputation" in recomputed["activations_method"]
     assert [d["total"] for d in recomputed["devices"]] == [
         d.total for d in estimate.devices.values()]
+
+
+def test_sharded_optimiser_state_is_reported_as_the_estimate_prices_it():
+    # memory.json counted a whole copy of the optimiser state on every replica with
+    # useReplicatedTensorSharding(True): it keeps 1/R of each weight's over the threshold
+    report, estimate = staged_report(offload=False, recomputation=False, sharded=40)
+    # Adam: two float32 moments an element, a step count a tensor; fc1 (48 elements) sharded
+    # over the 2 replicas, fc2 (32) whole
+    assert [d["optimiser_state"] for d in report["devices"]] == [(48 * 8 + 4) // 2, 32 * 8 + 4]
+    assert [d["optimiser_state"] for d in report["devices"]] == [
+        d.optimiser_state for d in estimate.devices.values()]
+    assert [d["total"] for d in report["devices"]] == [d.total for d in estimate.devices.values()]

@@ -46,3 +46,27 @@ def test_over_budget_is_refused_and_the_fp16_remedy_then_trains():
     assert fp16.fits and "model.half()" in fp16.code
     _, loss = train(model.half(), budget, x.half(), labels)
     assert torch.isfinite(loss).all()
+
+
+def test_the_budget_check_prices_replicated_tensor_sharded_state():
+    # the compile-time estimate counted the whole optimiser state on each replica with
+    # useReplicatedTensorSharding(True): it now prices the 1/R shard each keeps
+    torch.manual_seed(0)
+    model = Net()
+    opts = poptorch.Options().replicationFactor(2).setMemoryBudget(1)
+    opts.showCompilationProgressBar(False)
+    opts.TensorLocations.setOptimizerLocation(
+        poptorch.TensorLocationSettings().useReplicatedTensorSharding(True)
+        .minElementsForReplicatedTensorSharding(100))
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=0.01)
+    wrapper = poptorch.trainingModel(model, opts, optimizer=optimizer)
+    with pytest.raises(OutOfMemoryError) as caught:
+        wrapper(torch.randn(4, 32), torch.randint(0, 4, (4,)))
+    wrapper.destroy()
+    device = caught.value.estimate.devices[0]
+    # Adam's two float32 moments and a 4-byte step count per tensor: the weights over 100
+    # elements sharded (their step counts too: 4 bytes the estimate rounds away), the biases
+    # whole
+    big, small = (32 * 64 + 64 * 4) * 8 + 2 * 4, (64 + 4) * 8 + 2 * 4
+    assert device.optimiser_state == big // 2 + small
+    assert not any("sharded" in r.name for r in caught.value.remedies)
