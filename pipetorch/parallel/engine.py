@@ -52,7 +52,7 @@ from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.weights.shared import SharedWeights
 from pipetorch.parallel.stage import Call, DeviceStage, Span, Trace
 from pipetorch.parallel.tied import stepped_elsewhere, ties_of
-from pipetorch.parallel.worker import Launch, Setup
+from pipetorch.parallel import messages as m
 from pipetorch.partition.split import Source, StagedModel, map_leaves
 from pipetorch.schedule.devices import choose as choose_schedule, runs
 
@@ -181,15 +181,15 @@ class ProcessEngine:
                          stepped_elsewhere(self.ties, placement.stages, self.owners)]
             optimizer = (stage_optimizer(self.optimizer, nn.ModuleList(s.module for s in stages),
                                          elsewhere) if self.optimizer else None)
-            setup = Setup(stages, optimizer, specs, self.schedule, self.owners, devices,
+            setup = m.Setup(stages, optimizer, specs, self.schedule, self.owners, devices,
                           self.ties, self.sharding)
-            launch = Launch(placement, meeting,
+            launch = m.Launch(placement, meeting,
                             self.process_id * self.replicas + placement.replica, self.timeout,
                             os.getpid(), self._folder if keep and (
                                 placement.replica == 0 or self.sharding) else None,
                             self.seed, start_snapshot)
             try:  # the stage's tensors go from their own memory, storage by storage
-                self._send(peer, (launch, setup), share=shared)
+                self._send(peer, m.Start(launch, setup), share=shared)
             except DeviceError:
                 raise
             except Exception as exc:
@@ -258,7 +258,7 @@ class ProcessEngine:
         for peer, placement in zip(self.peers, self.placements):
             stages = tuple(DeviceStage(signatures.skeleton(staged.modules[s]), routes[s],
                                        staged.io[s].inputs) for s in placement.stages)
-            self._send(peer, ("signature", (key, stages, specs)))
+            self._send(peer, m.AddSignature(key, stages, specs))
         self._gather("adding an input signature")
 
     def use(self, key: int) -> None:
@@ -270,7 +270,7 @@ class ProcessEngine:
 
     def _use(self, key: int) -> None:
         for peer in self.peers:
-            self._send(peer, ("use", key))
+            self._send(peer, m.Use(key))
         self._gather("a change of input signature")
         self.signature = key
         self.staged, self.routes, self.specs = self._signatures[key]
@@ -296,7 +296,7 @@ class ProcessEngine:
 
     def _send_skeleton(self) -> None:
         for peer in self.peers:
-            self._send(peer, ("generator", self._skeleton))
+            self._send(peer, m.Generator(self._skeleton))
         self._gather("preparing generate()")
 
     def decode(self, steps: Sequence[generation.Step]) -> list[generation.StepResult]:
@@ -314,7 +314,7 @@ class ProcessEngine:
         with decoding.sending:
             ticket = next(decoding.tickets)
             for n in range(replica * self.devices, (replica + 1) * self.devices):
-                self._send(self.peers[n], ("decode", step))
+                self._send(self.peers[n], m.Decode(step))
                 decoding.awaiting[n].append(ticket)
             return ticket
 
@@ -336,7 +336,7 @@ class ProcessEngine:
         """generate() returned: the workers drop their key/value caches."""
         if self.peers and not self._lost:
             for peer in self.peers:
-                self._send(peer, ("decoded", None))
+                self._send(peer, m.Decoded())
             self._gather("the end of generate()")
 
     def release(self) -> None:
@@ -424,7 +424,7 @@ class ProcessEngine:
         if schedule != self.schedule:
             self.schedule = schedule
             for peer in self.peers:
-                self._send(peer, ("schedule", schedule))
+                self._send(peer, m.Schedule(schedule))
             self._gather("a change of schedule")
 
     def infer(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
@@ -472,13 +472,13 @@ class ProcessEngine:
                 for i, view in zip(reads, views):
                     torch.stack([f[i] for f in mine], out=view)  # straight into shared memory
             call = Call({}, iterations, per_iteration, wanted, scale, overlap)
-            self._send(peer, ("run", (call, training, commit if save else None, packed)))
+            self._send(peer, m.Run(call, training, commit if save else None, packed))
             self._send(peer, packed, shared=self._arenas[n][0])
         arrivals: list[wire.Transfer] = []
         replies = self._gather("a training call" if training else "an inference call",
                                transfers=arrivals)
         if training:
-            written = [t.snapshot for _, traces, _ in replies for t in traces if t.snapshot]
+            written = [t.snapshot for r in replies for t in r.traces if t.snapshot]
             self.points.changed(saved=bool(written))
             self._snapshots.called(time.perf_counter() - start, (
                 max(s for s, _ in written), sum(b for _, b in written)) if written else None)
@@ -498,9 +498,10 @@ class ProcessEngine:
         replicas = self.replicas
         outputs: dict[tuple[int, int], dict[int, list[Any]]] = {}  # (replica, stage) -> m -> ...
         traces: list[Trace] = []
-        for n, (placement, (skeleton, device_traces, packed), arrival) in enumerate(
-                zip(self.placements, replies, arrivals)):
-            by_stage = arena.unpack_tree(self._arenas[n][1], self.peers[n].conn, skeleton, packed)
+        for n, (placement, reply, arrival) in enumerate(zip(self.placements, replies, arrivals)):
+            packed, device_traces = reply.packed, reply.traces
+            by_stage = arena.unpack_tree(self._arenas[n][1], self.peers[n].conn, reply.outputs,
+                                         packed)
             outputs.update({(placement.replica, s): o for s, o in by_stage.items()})
             # device to host: the reply and its outputs copied out of shared memory, on the
             # device's first stage
@@ -538,7 +539,7 @@ class ProcessEngine:
             return
         try:
             for peer in self._asked:
-                self._send(peer, ("pull", optimizer_state))
+                self._send(peer, m.Pull(optimizer_state))
             counts = self._gather("copyWeightsToHost", self._asked)
             loader = snapshot.Loader(self.staged.modules, self.optimizer, writer=self.writer)
             for peer, count in zip(self._first_replica, counts):
@@ -562,7 +563,7 @@ class ProcessEngine:
             modules = [self.staged.modules[s] for s in placement.stages]
             states = {s: ({}, *snapshot.stage_state(m, self.optimizer)[1:])
                       for s, m in zip(placement.stages, modules)}
-            self._send(peer, ("state", states))
+            self._send(peer, m.GiveState(states))
             self._gather("giving the optimiser state back", [peer])
             elsewhere = {id(self.model.get_parameter(n)) for n in
                          stepped_elsewhere(self.ties, placement.stages, self.owners)}
@@ -588,7 +589,7 @@ class ProcessEngine:
         """Copy the gradients of the last optimiser step into the host copy's `.grad`."""
         self._revive()
         for peer in self._asked:
-            self._send(peer, ("grads", None))
+            self._send(peer, m.Grads())
         replies = self._gather("getAnchoredTensor", self._asked)[:self.devices]
         found: dict[int, torch.Tensor] = {}  # a tied weight's gradient: its stepping device's
         for stages in replies:
@@ -636,7 +637,7 @@ class ProcessEngine:
         for peer in self.peers:
             states = {stage: snapshot.stage_state(self.staged.modules[stage], optimizer)
                       for stage in peer.stages}
-            self._send(peer, ("push", (states, commit)))
+            self._send(peer, m.Push(states, commit))
         self.points.changed(saved=any(self._gather("copyWeightsToDevice")), uploaded=True)
         self.points.state_on_host &= not optimizer_state  # then it went to every worker
         if self._shared is not None:
@@ -650,7 +651,7 @@ class ProcessEngine:
             raise ValueError(f"This model runs on {len(self.peers)} worker(s); rng_state got "
                              f"{len(states)} states: pass what rng_state returned")
         for n, peer in enumerate(self.peers):
-            self._send(peer, ("rng", None if states is None else states[n]))
+            self._send(peer, m.Rng(None if states is None else states[n]))
         return self._gather("rng_state")
 
     def set_hyperparameters(self) -> None:
@@ -660,7 +661,7 @@ class ProcessEngine:
         assert self.optimizer is not None
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         for peer in self.peers:
-            self._send(peer, ("hyper", (groups, {})))
+            self._send(peer, m.Hyper(groups))
         self._gather("setOptimizer")
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -828,7 +829,7 @@ def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE
     if grace > 0 and live:
         try:
             for peer in live:
-                wire.send(peer.conn, ("stop", None))
+                wire.send(peer.conn, m.Stop())
             wire.gather(live, timeout=grace, what="shutdown")
         except Exception:
             pass

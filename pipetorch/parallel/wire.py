@@ -112,23 +112,23 @@ def gather(peers: Sequence[Peer], *, timeout: float, what: str,
             n, peer = waiting.pop(conn)  # type: ignore[arg-type]
             start = time.monotonic_ns()
             try:
-                (kind, payload), nbytes = stream.receive(peer.conn, timeout=timeout)
+                reply, nbytes = stream.receive(peer.conn, timeout=timeout)
             except (EOFError, OSError):
                 raise _died(peer, what) from None
             except TimeoutError:
                 raise WorkerFailed(
                     f"A reply during {what} from {peer.describe()} stopped arriving for "
                     f"{timeout:.0f}s; raise PIPETORCH_TIMEOUT if that is legitimate") from None
-            if kind == "error":
+            if isinstance(reply, Failure):
                 # A worker whose peer died fails on the broken connection: name the dead one.
                 dead = _first_dead(peers)
                 if dead:
                     raise _died(dead, what)
-                if payload.stage < 0:  # it failed before it knew its stages
-                    payload = dataclasses.replace(payload, stage=peer.stages[0],
-                                                  device=peer.device, replica=peer.replica)
-                raise WorkerFailed(payload.error, payload)
-            replies[n] = payload
+                if reply.stage < 0:  # it failed before it knew its stages
+                    reply = dataclasses.replace(reply, stage=peer.stages[0],
+                                                device=peer.device, replica=peer.replica)
+                raise WorkerFailed(reply.error, reply)
+            replies[n] = reply.value  # a messages.Done
             timings[n] = Transfer(start, time.monotonic_ns(), nbytes)
             deadline = time.monotonic() + timeout
         if waiting and time.monotonic() > deadline:
