@@ -12,12 +12,19 @@ So every signature trains the one set of weights and optimiser state (Options.in
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn as nn
 
 from pipetorch.errors import CompileError
+from pipetorch.parallel import messages as m
+from pipetorch.parallel.routes import Route
+from pipetorch.parallel.stage import DeviceStage
 from pipetorch.partition.split import StagedModel
+
+if TYPE_CHECKING:
+    from pipetorch.parallel.engine import ProcessEngine
 
 __all__: list[str] = []
 
@@ -62,3 +69,48 @@ def check_same_stages(first: StagedModel, new: StagedModel) -> None:
             f"where the first signature has {len(first.modules)}; weights in other stages: "
             f"{moved[:4]}): its stages cannot run on the first signature's workers. Make the "
             "blocks independent of the input's shape, or build a wrapper per signature")
+
+
+Signature = tuple[StagedModel, list[Route], m.Specs]
+
+
+class Signatures:
+    """A process engine's input signatures: the first's stages carry the weights, the others
+    go as skeletons; `engine.staged`, `routes` and `specs` are the current one's."""
+
+    def __init__(self, engine: ProcessEngine, first: Signature) -> None:
+        self.engine = engine
+        self.all: list[Signature] = [first]
+        self.current = 0
+
+    def add(self, staged: StagedModel, routes: Sequence[Route], specs: m.Specs) -> int:
+        """Send every worker another signature's stages, as graphs bound there to the
+        weights it holds (no weights cross); its number for `use`."""
+        check_same_stages(self.all[0][0], staged)
+        self.all.append((staged, list(routes), specs))
+        self.send(len(self.all) - 1)
+        return len(self.all) - 1
+
+    def send(self, key: int) -> None:
+        staged, routes, specs = self.all[key]
+        workers = self.engine.workers
+        for peer, placement in zip(workers.peers, workers.placements):
+            stages = tuple(DeviceStage(skeleton(staged.modules[s]), routes[s],
+                                       staged.io[s].inputs) for s in placement.stages)
+            workers.send(peer, m.AddSignature(key, stages, specs))
+        workers.gather("adding an input signature")
+
+    def use(self, key: int) -> None:
+        """Run signature `key`'s stages from the next call on (one round trip)."""
+        e = self.engine
+        e.workers.broadcast(m.Use(key), "a change of input signature")
+        self.current = key
+        e.staged, e.routes, e.specs = self.all[key]
+        e.workers.staged = e.staged
+
+    def relaunched(self) -> None:
+        """New workers: every signature again, and the one in use."""
+        for key in range(1, len(self.all)):
+            self.send(key)
+        if self.current:
+            self.use(self.current)

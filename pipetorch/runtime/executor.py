@@ -44,7 +44,6 @@ from pipetorch.runtime.checks import (
 from pipetorch.runtime.compile import Compiled, add_signature, compile_model
 from pipetorch.runtime.config import run_config
 from pipetorch.parallel.devices import default_device
-from pipetorch.parallel.local import LocalEngine
 from pipetorch.runtime.optimizer import (
     copy_hyperparameters, copy_scaling_to_host, copy_state_to_device, copy_state_to_host,
     default_optimizer,
@@ -361,7 +360,7 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
         try:
             self._anchors = Anchors(
                 o.anchored_tensors, engine.model, training=self._training,
-                in_process=isinstance(engine, LocalEngine), default_mode=o.output_mode,
+                in_process=engine.in_process, default_mode=o.output_mode,
                 default_period=o.output_return_period,
                 loss_index=self._compiled.capture.loss_index)
         except ConfigError:
@@ -678,17 +677,11 @@ class PoplarExecutor(counters.PerfCounters, artefact.Exports):
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
         compiled = self._compiled or self._compile_for_generation(args, kwargs)
         self._refresh_from_host()
-        engine = compiled.engine
-        if isinstance(engine, LocalEngine):  # one device: the device copy runs all of it
-            args, kwargs = to_device((args, kwargs), engine.input_device)
-            return engine.model.generate(*args, **kwargs)
-        from pipetorch.runtime import generation
-
         o = self._options
         with device_mismatch_explained(self._device):
-            return generation.generate(self._user_model, engine, compiled.stages,
-                                       lanes=o.device_iterations * o.replication_factor,
-                                       args=args, kwargs=kwargs)
+            return compiled.engine.generate(
+                self._user_model, compiled.stages,
+                lanes=o.device_iterations * o.replication_factor, args=args, kwargs=kwargs)
 
     def _compile_for_generation(self, args: tuple, kwargs: dict) -> Compiled:
         """Compile for generate()'s first call: forward on the prompts (one row per device
