@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from pipetorch.parallel import kv_cache
+from pipetorch.parallel import kv_cache, signatures
 from pipetorch.parallel.eager_stage import Boundary, EagerStage
 from pipetorch.parallel.hops import Hops
 
@@ -38,33 +38,18 @@ class Skeleton:
 
 def skeleton(model: nn.Module, stage_of_block: dict[str, int]) -> Skeleton:
     """`model`'s structure and code for the workers: no parameter's bytes are copied."""
-    memo: dict[int, Any] = {}
     first: dict[int, str] = {}
-    names: dict[str, str] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False),
-                         *model.named_buffers(remove_duplicate=False)]:
-        names[name] = first.setdefault(id(tensor), name)
-    for _, p in model.named_parameters(remove_duplicate=False):
-        memo.setdefault(id(p), nn.Parameter(torch.empty_like(p, device="meta"),
-                                            requires_grad=p.requires_grad))
-    return Skeleton(copy.deepcopy(model, memo), names, dict(stage_of_block))
+    names = {name: first.setdefault(id(tensor), name)
+             for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                                  *model.named_buffers(remove_duplicate=False)]}
+    return Skeleton(signatures.skeleton(model, buffers=False), names, dict(stage_of_block))
 
 
 def bind(found: Skeleton, held: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
     """The skeleton's model with the tensors a worker holds (by any of their names) in place
     of their meta copies, and its other buffers on `device`."""
     mine = {found.first_names.get(name, name): tensor for name, tensor in held.items()}
-    model = found.model
-    for prefix, module in model.named_modules():
-        for registry in (module._parameters, module._buffers):
-            for name, value in registry.items():
-                full = f"{prefix}.{name}" if prefix else name
-                tensor = mine.get(found.first_names.get(full, full))
-                if tensor is not None:
-                    registry[name] = tensor
-                elif value is not None and value.device.type != "meta":
-                    registry[name] = value.to(device)
-    return model.eval()
+    return signatures.bind(found.model, mine, first=found.first_names, device=device).eval()
 
 
 @dataclass(frozen=True)

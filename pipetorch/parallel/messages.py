@@ -7,11 +7,11 @@ any message travel storage by storage (parallel.stream). docs/architecture.md ha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, TypeVar, Union
+from typing import TYPE_CHECKING, Generic, TypeVar, Union
 
 import torch
 
-from pipetorch.parallel import arena, generation
+from pipetorch.parallel import arena
 from pipetorch.parallel import placement as places
 from pipetorch.parallel.rendezvous import Rendezvous
 from pipetorch.parallel.routes import Constant, TensorSpec
@@ -19,6 +19,9 @@ from pipetorch.parallel.stage import Call, DeviceStage, Trace
 from pipetorch.parallel.tied import Tie
 from pipetorch.partition.split import Source
 from pipetorch.weights.snapshot import StageState
+
+if TYPE_CHECKING:  # generation imports signatures, which sends these messages
+    from pipetorch.parallel import generation
 
 __all__: list[str] = []
 

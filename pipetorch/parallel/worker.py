@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator
 
@@ -29,15 +28,13 @@ from pipetorch.parallel import placement as places
 from pipetorch.parallel import arena, compiled, generation, sharded_step, signatures, wire
 from pipetorch.parallel import messages as m
 from pipetorch.weights import snapshot
-from pipetorch.parallel.rendezvous import Rendezvous, join
+from pipetorch.parallel.rendezvous import join
 from pipetorch.parallel import shm, stream
-from pipetorch.parallel.routes import Constant, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, StageExecutor
-from pipetorch.parallel.tied import Tie, TiedGrads, new_groups
+from pipetorch.parallel.tied import TiedGrads, new_groups
 from pipetorch.parallel.shm import new_link
 from pipetorch.parallel import resident
 from pipetorch.parallel.transport import backend_for, link_kind
-from pipetorch.partition.split import Source
 from pipetorch.parallel import devices as device_kinds
 from pipetorch.schedule import devices
 from pipetorch.schedule.actions import Action, Kind
@@ -302,7 +299,8 @@ class Worker:
         (Options.inputSignatures("several"))."""
         key, stages, specs = message.key, message.stages, message.specs
         bound = tuple(dataclasses.replace(
-            s, module=signatures.bind(s.module, self.modules[s.route.index]).to(self.device))
+            s, module=signatures.bind(s.module, signatures.tensors_of(
+                self.modules[s.route.index])).to(self.device))
             for s in stages)
         self._signatures[key] = (bound, specs, self._executor_for(bound, specs, key))
 
@@ -316,9 +314,7 @@ class Worker:
         """Hold the model's code with this worker's weights bound in it, to run its stages
         eagerly for generate() (parallel.generation)."""
         meeting, launch = self.launch.rendezvous, self.launch
-        held = {s: dict([*module.named_parameters(remove_duplicate=False),
-                         *module.named_buffers(remove_duplicate=False)])
-                for s, module in self.modules.items()}
+        held = {s: signatures.tensors_of(module) for s, module in self.modules.items()}
         self._generation = generation.Generation(
             message.skeleton, held, ranks=tuple(meeting.rank(launch.replica, d) for d in self.setup.owners),
             rank=meeting.rank(launch.replica, self.setup.device), device=self.device,

@@ -15,7 +15,7 @@ from helpers.reference import assert_same_weights
 from pipetorch.errors import InputMismatchError
 from pipetorch.parallel.engine import ProcessEngine
 from pipetorch.parallel.local import LocalEngine
-from pipetorch.parallel.signatures import bind, skeleton
+from pipetorch.parallel.signatures import bind, skeleton, tensors_of
 from pipetorch.runtime.artefact import saved_inputs
 
 LENGTHS = (16, 24, 16, 32, 24)
@@ -171,7 +171,7 @@ def test_a_skeleton_holds_no_weights_and_binds_to_the_held_ones():
     held = TokenTagger(1)
     bare = skeleton(held)
     assert all(p.device.type == "meta" for p in bare.parameters())
-    bound = bind(bare, held)
+    bound = bind(bare, tensors_of(held))
     assert [id(p) for p in bound.parameters()] == [id(p) for p in held.parameters()]
 
 
