@@ -16,7 +16,7 @@ MODULE_LINES, CLASS_LINES = 500, 300
 # AsynchronousDataAccessor; this remains)
 KNOWN_CLASSES = {"pipetorch/options/run_setters.py:RunSetters": 307}
 # the share of annotated parameters mentioning Any (the goal is 5%: lower this as it falls)
-ANY_SHARE = 0.168
+ANY_SHARE = 0.164
 
 
 def sources() -> dict[str, ast.Module]:

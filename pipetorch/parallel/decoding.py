@@ -15,7 +15,7 @@ import contextlib
 import functools
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 import cloudpickle
 import torch
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from pipetorch.parallel.engine import ProcessEngine
 
 __all__: list[str] = []
+
+T = TypeVar("T")
 
 
 class GenerationSession:
@@ -276,26 +278,26 @@ class _Steps:
         return outputs
 
 
-def _batch_size(call: Any) -> int:
+def _batch_size(call: object) -> int:
     """The rows of the call: the first dimension of its first tensor of two or more."""
     return next((leaf.shape[0] for leaf in _leaves(call)
                  if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2), 1)
 
 
-def _leaves(tree: Any) -> list[Any]:
+def _leaves(tree: object) -> list[object]:
     return pytree.tree_leaves(tree, is_leaf=kv_cache.is_cache_or_slot)
 
 
-def _lanes(call: Any, lanes: int) -> list[Any]:
+def _lanes(call: T, lanes: int) -> list[T]:
     """The call's arguments for each lane: the batch's rows in `lanes` groups (at most one per
     row), every tensor of the batch cut there (a 1-d tensor, such as cache_position, is the
     same for every row)."""
     batch = _batch_size(call)
 
-    def rows(part: torch.Tensor) -> Any:
+    def rows(part: torch.Tensor) -> T:
         start, stop = int(part[0]), int(part[-1]) + 1
 
-        def cut(leaf: Any) -> Any:
+        def cut(leaf: object) -> object:
             if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[0] == batch:
                 return leaf[start:stop]
             return leaf
@@ -305,7 +307,7 @@ def _lanes(call: Any, lanes: int) -> list[Any]:
     return [rows(part) for part in torch.arange(batch).tensor_split(min(batch, lanes))]
 
 
-def _joined(outputs: list[Any]) -> Any:
+def _joined(outputs: list[T]) -> T:
     """The lanes' results as one: tensors concatenated along the batch."""
     flat = [pytree.tree_flatten(o, is_leaf=kv_cache.is_cache_or_slot) for o in outputs]
     leaves, spec = flat[0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -24,6 +24,8 @@ from pipetorch.parallel.eager_stage import Boundary, EagerStage
 from pipetorch.parallel.hops import Hops
 
 __all__: list[str] = []
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ class Generation:
             self.caches[key] = copy.deepcopy(step.template)
         return self.caches[key]
 
-    def _send(self, value: Any, stage: int) -> None:
+    def _send(self, value: object, stage: int) -> None:
         if self.ranks[stage] == self.rank:
             self._local.append(value)
         else:
@@ -153,7 +155,7 @@ class Generation:
         return self.hops.receive(self.ranks[stage], self.device)
 
 
-def _to(tree: Any, device: torch.device) -> Any:
+def _to(tree: T, device: torch.device) -> T:
     """`tree` with its tensors on `device` (the host's inputs in, results back to the host)."""
     return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, tree,
                            is_leaf=kv_cache.is_cache_or_slot)

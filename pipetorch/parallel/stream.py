@@ -68,7 +68,7 @@ class _Pickler(cloudpickle.Pickler):
         self._seen: dict[int, int] = {}
         self._shared = shared
 
-    def persistent_id(self, obj: Any) -> Any:
+    def persistent_id(self, obj: object) -> tuple | None:
         if isinstance(obj, torch.storage.TypedStorage):
             untyped, dtype = obj._untyped_storage, obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
@@ -95,7 +95,7 @@ class _Unpickler(pickle.Unpickler):
         self.storages = storages
         self._read: dict[mapped.Region, torch.UntypedStorage] = {}
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: tuple) -> torch.UntypedStorage | torch.storage.TypedStorage:
         kind, index, dtype = pid
         if kind != "storage":
             if index not in self._read:

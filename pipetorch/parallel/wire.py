@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -17,7 +18,7 @@ __all__: list[str] = []
 _POLL = 0.2  # seconds between liveness checks while waiting
 
 
-def send(conn: Connection, message: Any, *, shared: Collection[int] = ()) -> None:
+def send(conn: Connection, message: object, *, shared: Collection[int] = ()) -> None:
     """Send by value (no shared-memory handles that could outlive their sender), each tensor's
     bytes from its own memory; `shared`: the host's live weights this worker maps instead
     (weights.shared)."""
@@ -71,7 +72,7 @@ class Peer:
     stages: tuple[int, ...]
     device: str
     conn: Connection
-    process: Any  # subprocess.Popen
+    process: subprocess.Popen
     replica: int = 0
     replicas: int = 1  # this process's replicas: named in messages only when more than one
     oom_kills: int | None = None  # the kernel's count of OOM kills when it started (exits)
@@ -170,7 +171,7 @@ def _first_dead(peers: Sequence[Peer], *, grace: float = 1.0) -> Peer | None:
         time.sleep(0.05)
 
 
-def _exit_code(process: Any) -> int | None:
+def _exit_code(process: subprocess.Popen) -> int | None:
     try:
         return process.wait(timeout=2)
     except Exception:

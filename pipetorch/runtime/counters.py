@@ -14,13 +14,16 @@ import os
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
 from pipetorch.errors import ConfigError, IpuOnlyError, createPoptorchError
 from pipetorch.runtime.batching import split_micro_batches, to_device
+
+if TYPE_CHECKING:
+    from pipetorch.profiling.recorder import Profiler
 
 __all__: list[str] = []
 
@@ -80,7 +83,7 @@ class PerfCounters:
     _times: Any
     _options: Any
     _training: bool
-    _profiler: Any
+    _profiler: Profiler | None
     _profile_writer: weakref.finalize | None
     destroy: Callable[[], None]
 
@@ -178,7 +181,7 @@ def ipuHardwareVersion() -> int:
                        "yourself")
 
 
-def _write_report(profiler: Any) -> None:
+def _write_report(profiler: Profiler) -> None:
     try:
         path = profiler.write()
         logger.info("Profiling report written to %s", os.path.join(path, "report.html"))

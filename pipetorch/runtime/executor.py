@@ -409,13 +409,13 @@ def _own_options(options: Options | None, *, training: bool) -> tuple[Options, O
     return options, own
 
 
-def trainingModel(model: nn.Module, options: Any = None,
+def trainingModel(model: nn.Module, options: Options | None = None,
                   optimizer: torch.optim.Optimizer | None = None) -> PoplarExecutor:
     """Wrap `model` for training: each call runs forward, backward and optimiser steps."""
     return PoplarExecutor(model, options, training=True, optimizer=optimizer)
 
 
-def inferenceModel(model: nn.Module, options: Any = None) -> PoplarExecutor:
+def inferenceModel(model: nn.Module, options: Options | None = None) -> PoplarExecutor:
     """Wrap `model` for inference (eval mode, no gradients)."""
     return PoplarExecutor(model, options, training=False)
 
