@@ -33,7 +33,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import signal
 import tempfile
 import weakref
 from collections import deque
@@ -44,6 +43,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor pickling through shared memory
 
 from pipetorch.data.fetch import LoaderStats
+from pipetorch.data.loader_pipe import LoaderPipe
 from pipetorch.data.producer import POLL_S, LoaderSettings, run_loader
 from pipetorch.data.ring_buffer import Msg, pin, unpin
 from pipetorch.data.sampling import rebatched_length
@@ -58,7 +58,6 @@ logger = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[AsynchronousDataAccessor] = weakref.WeakSet()
 _START_METHODS = {SharingStrategy.Fork: "fork", SharingStrategy.ForkServer: "forkserver",
                   SharingStrategy.SharedMemory: "spawn", SharingStrategy.FileSystem: "spawn"}
-_WARN_AFTER_S = 60.0
 
 
 def _default_strategy() -> SharingStrategy:
@@ -101,7 +100,7 @@ def _strategy(value: Any) -> SharingStrategy:
         raise ValueError(f"sharing_strategy must be one of {valid}; got {value!r}.") from None
 
 
-class AsynchronousDataAccessor:
+class AsynchronousDataAccessor(LoaderPipe):
     """Iterates `dataset` (any iterable; one pass is one epoch) in a separate process.
 
     miss_sleep_time_in_ms is accepted for PopTorch compatibility: waits here are woken by
@@ -235,70 +234,6 @@ class AsynchronousDataAccessor:
             self.terminate()
         except Exception:  # noqa: BLE001 - interpreter shutdown may have torn modules down
             pass
-
-    # -- messages ---------------------------------------------------------------------
-
-    def _send(self, kind: Msg, *payload: Any) -> None:
-        try:
-            self._conn.send((kind, *payload))
-        except OSError:
-            self._died()
-
-    def _receive(self) -> tuple[Any, ...]:
-        if self._pending:
-            return self._pending.popleft()
-        waited = 0.0
-        while True:
-            if self._conn.poll(0):
-                try:
-                    return self._conn.recv()
-                except (EOFError, OSError):
-                    self._died()
-            if not self._process.is_alive():
-                if self._conn.poll(0):
-                    continue  # read what it sent before exiting
-                self._died()
-            wait([self._conn, self._process.sentinel], timeout=POLL_S)
-            waited += POLL_S
-            if waited >= _WARN_AFTER_S:
-                logger.warning("still waiting for a batch from loader process %d after %.0f s",
-                               self._process.pid, waited)
-                waited = 0.0
-
-    def _died(self) -> None:
-        process = self._process
-        if process is not None and process.exitcode is None:
-            process.join(timeout=2.0)  # its pipe can close before its exit status is ready
-        code = process.exitcode if process is not None else None
-        how = f"exit code {code}"
-        if code is not None and code < 0:
-            how = f"killed by signal {signal.Signals(-code).name}"
-        pid = process.pid if process is not None else "?"
-        self._fail_with(LoaderError(
-            f"An error occurred in the data fetcher: the data loader process (pid {pid}) died "
-            f"unexpectedly ({how}). Its dataset may "
-            "have crashed the interpreter or been killed for memory; run with "
-            "mode=DataLoaderMode.Sync to see the failure in this process."))
-
-    def _fail(self, payload: tuple[Any, ...]) -> None:
-        name, message, text, pickled = payload
-        # PopTorch's words first ("An error occurred in the data fetcher"), then what it was
-        error = LoaderError(f"An error occurred in the data fetcher: the data loader process "
-                            f"raised {name}: {message}\n\n"
-                            f"Traceback in the loader process:\n{text}")
-        original = None
-        if pickled is not None:
-            try:
-                original = pickle.loads(pickled)
-            except Exception:  # noqa: BLE001 - the traceback text is kept either way
-                original = None
-        error.__cause__ = original
-        self._fail_with(error)
-
-    def _fail_with(self, error: LoaderError) -> None:
-        self._failure = error
-        self.terminate()
-        raise error
 
     # -- iteration --------------------------------------------------------------------
 

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from pipetorch.parallel import kv_cache
+from pipetorch.parallel import kv_cache, signatures
 from pipetorch.parallel.eager_stage import Boundary, EagerStage
 from pipetorch.parallel.hops import Hops
 
 __all__: list[str] = []
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,33 +40,18 @@ class Skeleton:
 
 def skeleton(model: nn.Module, stage_of_block: dict[str, int]) -> Skeleton:
     """`model`'s structure and code for the workers: no parameter's bytes are copied."""
-    memo: dict[int, Any] = {}
     first: dict[int, str] = {}
-    names: dict[str, str] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False),
-                         *model.named_buffers(remove_duplicate=False)]:
-        names[name] = first.setdefault(id(tensor), name)
-    for _, p in model.named_parameters(remove_duplicate=False):
-        memo.setdefault(id(p), nn.Parameter(torch.empty_like(p, device="meta"),
-                                            requires_grad=p.requires_grad))
-    return Skeleton(copy.deepcopy(model, memo), names, dict(stage_of_block))
+    names = {name: first.setdefault(id(tensor), name)
+             for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                                  *model.named_buffers(remove_duplicate=False)]}
+    return Skeleton(signatures.skeleton(model, buffers=False), names, dict(stage_of_block))
 
 
 def bind(found: Skeleton, held: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
     """The skeleton's model with the tensors a worker holds (by any of their names) in place
     of their meta copies, and its other buffers on `device`."""
     mine = {found.first_names.get(name, name): tensor for name, tensor in held.items()}
-    model = found.model
-    for prefix, module in model.named_modules():
-        for registry in (module._parameters, module._buffers):
-            for name, value in registry.items():
-                full = f"{prefix}.{name}" if prefix else name
-                tensor = mine.get(found.first_names.get(full, full))
-                if tensor is not None:
-                    registry[name] = tensor
-                elif value is not None and value.device.type != "meta":
-                    registry[name] = value.to(device)
-    return model.eval()
+    return signatures.bind(found.model, mine, first=found.first_names, device=device).eval()
 
 
 @dataclass(frozen=True)
@@ -156,7 +143,7 @@ class Generation:
             self.caches[key] = copy.deepcopy(step.template)
         return self.caches[key]
 
-    def _send(self, value: Any, stage: int) -> None:
+    def _send(self, value: object, stage: int) -> None:
         if self.ranks[stage] == self.rank:
             self._local.append(value)
         else:
@@ -168,7 +155,7 @@ class Generation:
         return self.hops.receive(self.ranks[stage], self.device)
 
 
-def _to(tree: Any, device: torch.device) -> Any:
+def _to(tree: T, device: torch.device) -> T:
     """`tree` with its tensors on `device` (the host's inputs in, results back to the host)."""
     return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, tree,
                            is_leaf=kv_cache.is_cache_or_slot)

@@ -4,7 +4,7 @@ optimiser step, outputs) exist once."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -14,11 +14,12 @@ from pipetorch.enums import ReductionType
 from pipetorch.parallel.routes import Route
 from pipetorch.parallel.stage import Call, DeviceStage, StageExecutor
 from pipetorch.partition.split import Source
+from pipetorch.partition.strategies import StageSpec
 from pipetorch.parallel import devices
 from pipetorch.partition.casting import Casting, within
 from pipetorch.parallel.outputs import OutputCollector
 from pipetorch.schedule import plans
-from pipetorch.schedule.plans import Batching  # noqa: F401 - its home before; read here
+from pipetorch.schedule.plans import Batching
 
 __all__: list[str] = []
 
@@ -73,6 +74,7 @@ class LocalEngine:
         self.batching = batching
         self._replica_buffers = replica_buffers
         self.schedule = "local"  # every stage in this process, one after another
+        self.in_process = True
         self.last_trace: list = []  # the executor's spans are not reported for one device
         self.input_device = next((t.device for t in [*model.parameters(), *model.buffers()]),
                                  torch.device("cpu"))
@@ -120,6 +122,13 @@ class LocalEngine:
 
     def close(self) -> None:
         """Nothing runs outside this process."""
+
+    def generate(self, model: nn.Module, stages: Sequence[StageSpec], *, lanes: int,
+                 args: tuple, kwargs: dict) -> object:
+        """HuggingFace's generate() on the device copy, which runs all of it."""
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda x: x.to(self.input_device, non_blocking=True), (args, kwargs))
+        return self.model.generate(*args, **kwargs)  # type: ignore[operator]
 
     def release(self) -> None:
         """The device copy stays in this process while detached."""

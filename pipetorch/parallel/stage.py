@@ -20,7 +20,8 @@ from pipetorch.parallel.overlap import EarlyReduce, arming
 from pipetorch.parallel.sharded_step import ShardedStep
 from pipetorch.parallel.routes import Constant, Route, TensorSpec
 from pipetorch.parallel.tied import TiedGrads
-from pipetorch.parallel.transport import BundleLayout, ChannelSpec, PeerLink, Tag, channel
+from pipetorch.parallel.stage_transfers import Transfers
+from pipetorch.parallel.transport import BundleLayout, PeerLink, Tag
 from pipetorch.parallel.recompute import original_module
 from pipetorch.parallel.split_backward import Deferred, backward_input, backward_weight
 from pipetorch.partition.inplace import inplace_inputs
@@ -126,7 +127,7 @@ class _Held:
         self.trace = Trace(self.route.index, replica=self.replica)
 
 
-class StageExecutor:
+class StageExecutor(Transfers):
     """Runs a device's action list (any schedule) over the stages the device holds: compute,
     bundle transfers and optimiser steps.
 
@@ -169,28 +170,6 @@ class StageExecutor:
         self.early: EarlyReduce | None = None  # built by the first run that all-reduces
         self._early_now: EarlyReduce | None = None  # in use by this run
 
-    def channels(self, actions: list[Action]) -> list[ChannelSpec]:
-        """Every direction of traffic with another worker that `actions` use, with its largest
-        message (empty bundles, which are never sent, and transfers within this worker left
-        out)."""
-        carries = {Kind.SEND_ACT: (Tag.ACTIVATIONS, True, "act_out"),
-                   Kind.RECV_ACT: (Tag.ACTIVATIONS, False, "act_in"),
-                   Kind.SEND_GRAD: (Tag.GRADIENTS, True, "grad_out"),
-                   Kind.RECV_GRAD: (Tag.GRADIENTS, False, "grad_in"),
-                   Kind.SEND_DONE: (Tag.DONE, True, None), Kind.RECV_DONE: (Tag.DONE, False, None)}
-        found: dict[tuple[int, int, bool], int] = {}
-        for action in actions:
-            if action.kind not in carries or action.peer is None or self._local(action.peer):
-                continue
-            tag, outgoing, bundle = carries[action.kind]
-            layout = getattr(self.held[action.stage], bundle)[1] if bundle else None
-            if layout is None or layout.specs:
-                sender = action.stage if outgoing else action.peer
-                key = (self.owners[action.peer], channel(tag, sender), outgoing)
-                found[key] = max(found.get(key, 0), layout.nbytes if layout else 0)
-        return [ChannelSpec(peer, tag, outgoing, nbytes)
-                for (peer, tag, outgoing), nbytes in sorted(found.items())]
-
     @property
     def outputs(self) -> dict[int, dict[int, list[Any]]]:
         """Stage -> micro-batch -> the host outputs of the last `run` the host asked for."""
@@ -200,9 +179,6 @@ class StageExecutor:
     def traces(self) -> list[Trace]:
         """The spans of the last `run`, one Trace per held stage in pipeline order."""
         return [h.trace for h in self.held.values()]
-
-    def _local(self, stage: int | None) -> bool:
-        return stage in self.held
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, actions: list[Action], call: Call, *, training: bool) -> None:
@@ -398,58 +374,6 @@ class StageExecutor:
                     self.optimizer.step()
         if self.tied:
             self.tied.share_updates(self.link)
-
-    # -- transfers: over the link to another device, or handed over within this one --------
-    def _transfer_out(self, tag: Tag, action: Action, m: int, layout: BundleLayout,
-                      tensors: list[torch.Tensor]) -> None:
-        peer = action.peer
-        assert peer is not None
-        if self._local(peer):
-            layout.check(tensors)
-            self._handovers[(tag, peer, m)] = [t.detach() for t in tensors]
-        else:
-            self.link.send(layout, tensors, self.owners[peer], channel(tag, action.stage))
-
-    def _transfer_in(self, tag: Tag, action: Action, m: int,
-                     layout: BundleLayout) -> list[torch.Tensor]:
-        peer = action.peer
-        assert peer is not None
-        if self._local(peer):
-            return self._handovers.pop((tag, action.stage, m))
-        return self.link.recv(layout, self.owners[peer], channel(tag, peer))
-
-    def _recv_act(self, m: int, action: Action) -> None:
-        held = self.held[action.stage]
-        sources, layout = held.act_in
-        tensors = self._transfer_in(Tag.ACTIVATIONS, action, m, layout)
-        for source, tensor in zip(sources, tensors):
-            if self._training and self.specs[source].requires_grad:  # type: ignore[union-attr]
-                tensor.requires_grad_(True)
-        held.received[m] = dict(zip(sources, tensors))
-
-    def _send_act(self, m: int, action: Action) -> None:
-        held = self.held[action.stage]
-        forward = held.forwards[m] if self._training else held.forwards.pop(m)
-        sources, layout = held.act_out
-        self._transfer_out(Tag.ACTIVATIONS, action, m, layout,
-                           [forward.values[s] for s in sources])
-
-    def _recv_grad(self, m: int, action: Action) -> None:
-        held = self.held[action.stage]
-        held.grads[m] = self._transfer_in(Tag.GRADIENTS, action, m, held.grad_in[1])
-
-    def _send_grad(self, m: int, action: Action) -> None:
-        held = self.held[action.stage]
-        self._transfer_out(Tag.GRADIENTS, action, m, held.grad_out[1],
-                           held.grads_out.pop(m, []))
-
-    def _send_done(self, m: int, action: Action) -> None:
-        if not self._local(action.peer):  # within the device its list already orders them
-            self.link.signal(self.owners[action.peer], channel(Tag.DONE, action.stage))
-
-    def _recv_done(self, m: int, action: Action) -> None:
-        if not self._local(action.peer):
-            self.link.wait_signal(self.owners[action.peer], channel(Tag.DONE, action.peer))
 
 
 def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:

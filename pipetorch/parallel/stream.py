@@ -49,7 +49,7 @@ CHUNK = 16 << 20  # bytes per pipe message: bounds what a GPU storage stages in 
 _POLL = 0.2  # seconds between checks that the sender is still there
 
 
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+def bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the storage's memory (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
@@ -68,7 +68,7 @@ class _Pickler(cloudpickle.Pickler):
         self._seen: dict[int, int] = {}
         self._shared = shared
 
-    def persistent_id(self, obj: Any) -> Any:
+    def persistent_id(self, obj: object) -> tuple | None:
         if isinstance(obj, torch.storage.TypedStorage):
             untyped, dtype = obj._untyped_storage, obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
@@ -88,14 +88,14 @@ class _Pickler(cloudpickle.Pickler):
 
 
 class _Unpickler(pickle.Unpickler):
-    """Rebuilds the skeleton over new, empty storages of the sizes the sender named."""
+    """Rebuilds the skeleton over `storages`, the ones the sender took out, in its order."""
 
-    def __init__(self, file: io.BytesIO, sizes: list[int]) -> None:
+    def __init__(self, file: io.BytesIO, storages: list[torch.UntypedStorage]) -> None:
         super().__init__(file)
-        self.storages = [torch.UntypedStorage(size) for size in sizes]
+        self.storages = storages
         self._read: dict[mapped.Region, torch.UntypedStorage] = {}
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: tuple) -> torch.UntypedStorage | torch.storage.TypedStorage:
         kind, index, dtype = pid
         if kind != "storage":
             if index not in self._read:
@@ -108,18 +108,33 @@ class _Unpickler(pickle.Unpickler):
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
 
-def send(conn: Connection, message: Any, *, shared: Collection[int] = ()) -> int:
-    """Send `message` (any picklable object holding tensors on any device); its bytes. The
-    receiver maps the live regions whose storages' data pointers are in `shared`."""
+def pack(message: object, *, shared: Collection[int] = ()) -> tuple[bytes, list[torch.UntypedStorage]]:
+    """`message` pickled with every tensor storage taken out, as a header that names their
+    sizes; the storages, whose bytes the receiver reads into those `unpack` is given."""
     buffer = io.BytesIO()
     pickler = _Pickler(buffer, shared)
     pickler.dump(message)
     sizes = [s.nbytes() for s in pickler.storages]
-    skeleton = buffer.getvalue()
-    conn.send_bytes(pickle.dumps((sizes, skeleton), protocol=pickle.HIGHEST_PROTOCOL))
-    sent = len(skeleton)
-    for storage in pickler.storages:
-        whole = _bytes_of(storage)
+    header = pickle.dumps((sizes, buffer.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
+    return header, pickler.storages
+
+
+def unpack(header: bytes, storage: Callable[[int], torch.UntypedStorage]
+           ) -> tuple[_Unpickler, list[int]]:
+    """The unpickler of a `pack`ed message over new storages (`storage(size)`), and their
+    sizes: its load() rebuilds the message once their bytes are read in."""
+    sizes, skeleton = pickle.loads(header)
+    return _Unpickler(io.BytesIO(skeleton), [storage(size) for size in sizes]), sizes
+
+
+def send(conn: Connection, message: object, *, shared: Collection[int] = ()) -> int:
+    """Send `message` (any picklable object holding tensors on any device); its bytes. The
+    receiver maps the live regions whose storages' data pointers are in `shared`."""
+    header, storages = pack(message, shared=shared)
+    conn.send_bytes(header)
+    sent = len(header)
+    for storage in storages:
+        whole = bytes_of(storage)
         for start in range(0, storage.nbytes(), CHUNK):
             chunk = whole[start:start + CHUNK]
             if chunk.device.type != "cpu":
@@ -135,8 +150,8 @@ def receive(conn: Connection, *, timeout: float,
     (TimeoutError) and each later read likewise; `alive()` False ends the wait (EOFError).
     A message that cannot be rebuilt raises Undeliverable once its bytes are read."""
     wait(conn, timeout, alive)
-    sizes, skeleton = pickle.loads(conn.recv_bytes())
-    unpickler = _Unpickler(io.BytesIO(skeleton), sizes)
+    header = conn.recv_bytes()
+    unpickler, sizes = unpack(header, torch.UntypedStorage)
     try:
         message = unpickler.load()
     except Exception as exc:
@@ -147,11 +162,11 @@ def receive(conn: Connection, *, timeout: float,
                 _read_message_into(conn, scratch[:min(CHUNK, size - start)])
         raise Undeliverable(f"{type(exc).__name__}: {exc}") from exc
     for storage in unpickler.storages:
-        whole = _bytes_of(storage).numpy()
+        whole = bytes_of(storage).numpy()
         for start in range(0, storage.nbytes(), CHUNK):
             wait(conn, timeout, alive)
             _read_message_into(conn, memoryview(whole)[start:start + CHUNK])
-    return message, len(skeleton) + sum(sizes)
+    return message, len(header) + sum(sizes)
 
 
 def wait(conn: Connection, timeout: float, alive: Callable[[], bool] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -17,7 +18,7 @@ __all__: list[str] = []
 _POLL = 0.2  # seconds between liveness checks while waiting
 
 
-def send(conn: Connection, message: Any, *, shared: Collection[int] = ()) -> None:
+def send(conn: Connection, message: object, *, shared: Collection[int] = ()) -> None:
     """Send by value (no shared-memory handles that could outlive their sender), each tensor's
     bytes from its own memory; `shared`: the host's live weights this worker maps instead
     (weights.shared)."""
@@ -71,7 +72,7 @@ class Peer:
     stages: tuple[int, ...]
     device: str
     conn: Connection
-    process: Any  # subprocess.Popen
+    process: subprocess.Popen
     replica: int = 0
     replicas: int = 1  # this process's replicas: named in messages only when more than one
     oom_kills: int | None = None  # the kernel's count of OOM kills when it started (exits)
@@ -112,23 +113,23 @@ def gather(peers: Sequence[Peer], *, timeout: float, what: str,
             n, peer = waiting.pop(conn)  # type: ignore[arg-type]
             start = time.monotonic_ns()
             try:
-                (kind, payload), nbytes = stream.receive(peer.conn, timeout=timeout)
+                reply, nbytes = stream.receive(peer.conn, timeout=timeout)
             except (EOFError, OSError):
                 raise _died(peer, what) from None
             except TimeoutError:
                 raise WorkerFailed(
                     f"A reply during {what} from {peer.describe()} stopped arriving for "
                     f"{timeout:.0f}s; raise PIPETORCH_TIMEOUT if that is legitimate") from None
-            if kind == "error":
+            if isinstance(reply, Failure):
                 # A worker whose peer died fails on the broken connection: name the dead one.
                 dead = _first_dead(peers)
                 if dead:
                     raise _died(dead, what)
-                if payload.stage < 0:  # it failed before it knew its stages
-                    payload = dataclasses.replace(payload, stage=peer.stages[0],
-                                                  device=peer.device, replica=peer.replica)
-                raise WorkerFailed(payload.error, payload)
-            replies[n] = payload
+                if reply.stage < 0:  # it failed before it knew its stages
+                    reply = dataclasses.replace(reply, stage=peer.stages[0],
+                                                device=peer.device, replica=peer.replica)
+                raise WorkerFailed(reply.error, reply)
+            replies[n] = reply.value  # a messages.Done
             timings[n] = Transfer(start, time.monotonic_ns(), nbytes)
             deadline = time.monotonic() + timeout
         if waiting and time.monotonic() > deadline:
@@ -170,7 +171,7 @@ def _first_dead(peers: Sequence[Peer], *, grace: float = 1.0) -> Peer | None:
         time.sleep(0.05)
 
 
-def _exit_code(process: Any) -> int | None:
+def _exit_code(process: subprocess.Popen) -> int | None:
     try:
         return process.wait(timeout=2)
     except Exception:

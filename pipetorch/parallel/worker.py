@@ -15,9 +15,8 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,16 +26,15 @@ from pipetorch.optim import offload
 from pipetorch.optim.peers import Peers
 from pipetorch.parallel import placement as places
 from pipetorch.parallel import arena, compiled, generation, sharded_step, signatures, wire
+from pipetorch.parallel import messages as m
 from pipetorch.weights import snapshot
-from pipetorch.parallel.rendezvous import Rendezvous, join
+from pipetorch.parallel.rendezvous import join
 from pipetorch.parallel import shm, stream
-from pipetorch.parallel.routes import Constant, TensorSpec
 from pipetorch.parallel.stage import Call, DeviceStage, Span, StageExecutor
-from pipetorch.parallel.tied import Tie, TiedGrads, new_groups
+from pipetorch.parallel.tied import TiedGrads, new_groups
 from pipetorch.parallel.shm import new_link
 from pipetorch.parallel import resident
 from pipetorch.parallel.transport import backend_for, link_kind
-from pipetorch.partition.split import Source
 from pipetorch.parallel import devices as device_kinds
 from pipetorch.schedule import devices
 from pipetorch.schedule.actions import Action, Kind
@@ -45,42 +43,6 @@ __all__: list[str] = []
 
 _WATCH_PERIOD = 0.25  # seconds between checks that the host process is still there
 _FRAMES = 12  # the last frames of a worker's traceback that the host shows
-
-
-@dataclass(frozen=True)
-class Setup:
-    """Everything a worker needs, sent once as its first message."""
-
-    stages: tuple[DeviceStage, ...]             # the device's stages, in pipeline order
-    optimizer: torch.optim.Optimizer | None     # over all of their parameters
-    specs: dict[Source, TensorSpec | Constant]
-    schedule: str              # plans.KINDS or devices.INTERLEAVED
-    owners: tuple[int, ...]    # every stage's device (its worker within the replica)
-    devices: tuple[str, ...]   # the physical device of every worker of this host process
-    ties: tuple[Tie, ...] = ()  # every weight tied across devices (the same on every worker)
-    # replicated tensor sharding: (minimum elements of a sliced weight, replicas sharing out
-    # the state: this host process's); None: off
-    sharding: tuple[int, int] | None = None
-
-    @property
-    def device(self) -> int:
-        """This worker's device number within its replica."""
-        return self.owners[self.stages[0].route.index]
-
-
-@dataclass(frozen=True)
-class Launch:
-    """The small arguments a worker is started with."""
-
-    placement: places.Placement
-    rendezvous: Rendezvous
-    replica: int               # global replica: process_id x replicationFactor + local replica
-    timeout: float
-    host_pid: int
-    snapshots: str | None      # folder for the state after calls (None: keep none)
-    seed: int                  # random numbers: seed + rank, so runs repeat exactly
-    start_snapshot: bool = False  # write the state at start-up (call 0): weights shared with
-    # the host can be torn by a call cut short, and need a restore point from the start
 
 
 def _die_with_host(parent: int, host: int | None) -> None:
@@ -104,7 +66,7 @@ def _die_with_host(parent: int, host: int | None) -> None:
 class Worker:
     """Holds the device's stages and answers commands: run, pull, push, grads, hyper, stop."""
 
-    def __init__(self, launch: Launch, setup: Setup, conn: Connection) -> None:
+    def __init__(self, launch: m.Launch, setup: m.Setup, conn: Connection) -> None:
         self.launch, self.setup, self.conn = launch, setup, conn
         self._inputs, self._outputs = arena.Arena(), arena.Arena()  # shared with the host
         self._growth: arena.Packed | None = None  # outputs' new arena, sent after the reply
@@ -176,14 +138,14 @@ class Worker:
             # while compiling, not inside the first training call.
             importlib.import_module("torch._dynamo")
 
-    def handle(self, kind: str, payload: Any, arrival: wire.Transfer) -> Any:
-        if kind == "run":
-            return self._run(payload, arrival)
-        return getattr(self, f"_{kind}")(payload)
+    def handle(self, message: m.Message, arrival: wire.Transfer) -> object:
+        """The reply to `message` (its handler in HANDLERS); `arrival`: when it came."""
+        self.arrival = arrival
+        return HANDLERS[type(message)](self, message)
 
-    def _run(self, payload: tuple[Call, bool, int | None, arena.Packed],
-             arrival: wire.Transfer) -> Any:
-        call, training, commit, packed = payload
+    def _run(self, message: m.Run) -> m.RunReply:
+        call, training, commit = message.call, message.training, message.commit
+        packed, arrival = message.packed, self.arrival
         key = (call.micro_batches, training)
         if key not in self._plans:
             self._plans[key] = self._plan(call.micro_batches, training)
@@ -210,7 +172,7 @@ class Worker:
         if training and commit is not None:
             traces[0].snapshot = self._snapshot(commit)
         outputs, self._growth = arena.pack_tree(self._outputs, self.executor.outputs)
-        return outputs, traces, self._growth
+        return m.RunReply(outputs, traces, self._growth)
 
     def replied(self) -> None:
         """After the reply to a call went out: the outputs' new arena, if they needed one."""
@@ -263,12 +225,13 @@ class Worker:
             written += snapshot.nbytes(state)
         return time.perf_counter() - start, written
 
-    def _pull(self, optimizer_state: bool) -> int:
+    def _pull(self, message: m.Pull) -> int:
         """The number of values that follow the reply: every stage's weights, and with
         `optimizer_state` its optimiser state too, which moves: each tensor leaves this
         worker as it is sent (the host gives it back before the next training call, `_state`),
         so it is never in memory twice. A sharded state (held in the sharding's shell) stays:
         every replica gathers the slices; the first sends."""
+        optimizer_state = message.optimizer_state
         followers = self.tied.followers()  # a tied weight comes from the device stepping it
         states = {stage: self._stage_state(module, tensors=optimizer_state, skip=followers)
                   for stage, module in self.modules.items()}
@@ -291,15 +254,18 @@ class Worker:
             states.update(self.sharding.named_state(module))
         return weights, states, attributes
 
-    def _state(self, payload: dict[int, snapshot.StageState]) -> None:
+    def _give_state(self, message: m.GiveState) -> None:
         """The optimiser state a copy to the host moved there, back (no weights); a sharded
         one is cut to this replica's slices again."""
-        for stage, state in payload.items():
+        self._load(message.states)
+
+    def _load(self, states: dict[int, snapshot.StageState]) -> None:
+        for stage, state in states.items():
             snapshot.load_stage_state(self.modules[stage], self.optimizer, state)
         if self.sharding is not None:
             self.sharding.take_state()
 
-    def _grads(self, payload: None) -> dict[int, dict[str, torch.Tensor]]:
+    def _grads(self, message: m.Grads) -> dict[int, dict[str, torch.Tensor]]:
         """The last optimiser step's gradients of each stage (Gradient___ anchors), on the CPU."""
         if self.sharding is not None:
             return {stage: self.sharding.whole_grads(module)
@@ -308,66 +274,57 @@ class Worker:
                         for name, p in module.named_parameters() if p.grad is not None}
                 for stage, module in self.modules.items()}
 
-    def _push(self, payload: tuple[dict[int, snapshot.StageState], int]
-              ) -> tuple[float, int] | None:
-        states, commit = payload
-        for stage, state in states.items():
-            snapshot.load_stage_state(self.modules[stage], self.optimizer, state)
-        if self.sharding is not None:
-            self.sharding.take_state()
-        return self._snapshot(commit)
+    def _push(self, message: m.Push) -> m.Written:
+        self._load(message.states)
+        return self._snapshot(message.commit)
 
-    def _rng(self, payload: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        if payload is not None:
-            device_kinds.set_rng_state(payload, self.device)
+    def _rng(self, message: m.Rng) -> list[torch.Tensor]:
+        if message.states is not None:
+            device_kinds.set_rng_state(message.states, self.device)
         return device_kinds.rng_state(self.device)
 
-    def _hyper(self, payload: tuple[list[dict[str, Any]], dict[str, Any]]) -> None:
-        groups, attributes = payload
+    def _hyper(self, message: m.Hyper) -> None:
         assert self.optimizer is not None
-        for group, values in zip(self.optimizer.param_groups, groups, strict=True):
+        for group, values in zip(self.optimizer.param_groups, message.groups, strict=True):
             group.update(values)
-        for name, value in attributes.items():
-            setattr(self.optimizer, name, value)
 
-    def _schedule(self, payload: str) -> None:
+    def _schedule(self, message: m.Schedule) -> None:
         """Run another schedule from the next call on (pipelineSchedule "auto" re-choosing);
         every schedule has the same transfers, so the links stay as they are."""
-        self.setup = dataclasses.replace(self.setup, schedule=payload)
+        self.setup = dataclasses.replace(self.setup, schedule=message.name)
         self._plans.clear()
 
-    def _signature(self, payload: tuple[int, tuple[DeviceStage, ...], dict]) -> None:
+    def _add_signature(self, message: m.AddSignature) -> None:
         """Another input signature's stages, as graphs bound to the weights held here
         (Options.inputSignatures("several"))."""
-        key, stages, specs = payload
+        key, stages, specs = message.key, message.stages, message.specs
         bound = tuple(dataclasses.replace(
-            s, module=signatures.bind(s.module, self.modules[s.route.index]).to(self.device))
+            s, module=signatures.bind(s.module, signatures.tensors_of(
+                self.modules[s.route.index])).to(self.device))
             for s in stages)
         self._signatures[key] = (bound, specs, self._executor_for(bound, specs, key))
 
-    def _use(self, key: int) -> None:
+    def _use(self, message: m.Use) -> None:
         """Run the stages of input signature `key` from the next call on."""
-        stages, specs, self.executor = self._signatures[key]
+        stages, specs, self.executor = self._signatures[message.key]
         self.setup = dataclasses.replace(self.setup, stages=stages, specs=specs)
         self.reads = sorted({i for s in stages for i in s.route.host_inputs})
 
-    def _generator(self, payload: generation.Skeleton) -> None:
+    def _generator(self, message: m.Generator) -> None:
         """Hold the model's code with this worker's weights bound in it, to run its stages
         eagerly for generate() (parallel.generation)."""
         meeting, launch = self.launch.rendezvous, self.launch
-        held = {s: dict([*module.named_parameters(remove_duplicate=False),
-                         *module.named_buffers(remove_duplicate=False)])
-                for s, module in self.modules.items()}
+        held = {s: signatures.tensors_of(module) for s, module in self.modules.items()}
         self._generation = generation.Generation(
-            payload, held, ranks=tuple(meeting.rank(launch.replica, d) for d in self.setup.owners),
+            message.skeleton, held, ranks=tuple(meeting.rank(launch.replica, d) for d in self.setup.owners),
             rank=meeting.rank(launch.replica, self.setup.device), device=self.device,
             wire_device=self._wire_device)
 
-    def _decode(self, payload: generation.Step) -> generation.StepResult:
+    def _decode(self, message: m.Decode) -> generation.StepResult:
         assert self._generation is not None, "a generation step before the model's skeleton"
-        return self._generation.step(payload)
+        return self._generation.step(message.step)
 
-    def _decoded(self, payload: None) -> None:
+    def _decoded(self, message: m.Decoded) -> None:
         if self._generation is not None:
             self._generation.end()
 
@@ -376,8 +333,13 @@ class Worker:
         for _, _, executor in self._signatures.values():
             executor.link.close()
 
-    def _stop(self, payload: None) -> None:
-        return None
+
+HANDLERS: dict[type, Callable[[Worker, Any], object]] = {
+    m.Run: Worker._run, m.Pull: Worker._pull, m.GiveState: Worker._give_state,
+    m.Grads: Worker._grads, m.Push: Worker._push, m.Rng: Worker._rng, m.Hyper: Worker._hyper,
+    m.Schedule: Worker._schedule, m.AddSignature: Worker._add_signature, m.Use: Worker._use,
+    m.Generator: Worker._generator, m.Decode: Worker._decode, m.Decoded: Worker._decoded}
+"""Each message's handler (Start and Stop are main()'s)."""
 
 
 def _freeing(values: Iterator[snapshot.Item], every: int = 64 << 20) -> Iterator[snapshot.Item]:
@@ -407,7 +369,7 @@ def _move_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
                 state[key] = value.to(param.device)
 
 
-def _failure(launch: Launch | None, executor: StageExecutor | None,
+def _failure(launch: m.Launch | None, executor: StageExecutor | None,
              exc: BaseException) -> wire.Failure:
     """`exc` as the host shows it: the cause of a message that could not be rebuilt here (a
     class this worker cannot import, a weights file gone), and its last frames."""
@@ -433,40 +395,41 @@ def main(conn: Connection, host: int | None = None) -> None:
     _die_with_host(os.getppid(), host)
     parent = os.getppid() if host is None else None  # a zygote's death does not end a worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle
-    launch: Launch | None = None
+    launch: m.Launch | None = None
     record = None
     worker: Worker | None = None
     try:
         try:
-            launch, setup = wire.receive(conn, timeout=environment.get("timeout"), parent=parent)
+            start: m.Start = wire.receive(conn, timeout=environment.get("timeout"), parent=parent)
+            launch, setup = start.launch, start.setup
             torch.set_num_threads(launch.placement.threads)
             record = places.register(launch.placement, host_pid=launch.host_pid)
             worker = Worker(launch, setup, conn)
-            wire.send(conn, ("ok", os.getpid()))
+            wire.send(conn, m.Done(os.getpid()))
         except (EOFError, TimeoutError):
             raise
         except Exception as exc:
-            wire.send(conn, ("error", _failure(launch, None, exc)))
+            wire.send(conn, _failure(launch, None, exc))
         broken = worker is None
         while True:
             try:
-                (kind, payload), arrival = wire.receive_timed(conn, timeout=float("inf"),
-                                                              parent=parent)
+                message, arrival = wire.receive_timed(conn, timeout=float("inf"),
+                                                      parent=parent)
             except stream.Undeliverable as exc:
                 if not broken:
-                    wire.send(conn, ("error", _failure(launch, None, exc)))
+                    wire.send(conn, _failure(launch, None, exc))
                 broken = True
                 continue
-            if kind == "stop":
-                wire.send(conn, ("ok", None))
+            if isinstance(message, m.Stop):
+                wire.send(conn, m.Done(None))
                 break
             if broken or worker is None:
                 continue  # after a failure only "stop" (or being killed) ends the worker
             try:
-                wire.send(conn, ("ok", worker.handle(kind, payload, arrival)))
+                wire.send(conn, m.Done(worker.handle(message, arrival)))
                 worker.replied()
             except Exception as exc:
-                wire.send(conn, ("error", _failure(launch, worker.executor, exc)))
+                wire.send(conn, _failure(launch, worker.executor, exc))
                 broken = True
     except (EOFError, OSError, TimeoutError):
         pass  # the host has gone: nothing left to serve

@@ -122,7 +122,7 @@ class MemoryEstimate:
     stages: tuple[StageMemory, ...]
     setting: Setting
     pipelined: bool
-    batching: Any  # parallel.local.Batching
+    batching: Any  # schedule.plans.Batching
     micro_batch_size: int | None
     method: str = METHOD
     kind: str = "pipelined"  # the plan kind the workers run (schedule.devices.engine_kind)

@@ -26,6 +26,7 @@ from pipetorch.enums import AutoStage
 from pipetorch.parallel.build import plan_stages, stage_graphs
 from pipetorch.parallel.compile_plan import CompilePlan
 from pipetorch.parallel.compiled import CompiledStage
+from pipetorch.parallel.engines import Engine
 from pipetorch.parallel.local import FlatStage, LocalEngine, ReplicaBuffers
 from pipetorch.weights.host_copy import held
 from pipetorch.runtime.config import RunConfig
@@ -43,7 +44,7 @@ class Compiled:
     """Everything a wrapper needs to run host calls: the engine, the plan it started from and
     what capturing forward found."""
 
-    engine: Any  # LocalEngine or parallel.engine.ProcessEngine
+    engine: Engine
     plan: CompilePlan
     capture: Capture
     seconds: float
@@ -129,7 +130,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
                            compile_backend=config.compile_backend,
                            loss_index=graph.probe.loss_index)
         if plan.local:
-            engine: Any = _local_engine(model, micro[0], graph.probe, config, training=training,
+            engine: Engine = _local_engine(model, micro[0], graph.probe, config, training=training,
                                         optimizer=device_opt, casting=cast,
                                         replica_buffers=replica_buffers)
         else:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipetorch import environment
-from pipetorch.parallel.local import Batching
+from pipetorch.schedule.plans import Batching
 from pipetorch.profiling import memory
 
 __all__: list[str] = []

@@ -9,16 +9,25 @@ are reduced from the counters as PopTorch reduces them.
 """
 from __future__ import annotations
 
+import logging
+import os
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
-from pipetorch.errors import IpuOnlyError, createPoptorchError
+from pipetorch.errors import ConfigError, IpuOnlyError, createPoptorchError
+from pipetorch.runtime.batching import split_micro_batches, to_device
+
+if TYPE_CHECKING:
+    from pipetorch.profiling.recorder import Profiler
 
 __all__: list[str] = []
+
+logger = logging.getLogger("pipetorch.runtime.executor")
 
 EVENTS = ("input", "input_complete", "output", "output_complete")
 Counters = dict[str, list[list[float]]]
@@ -66,12 +75,46 @@ def latency(counters: Counters, start: str, start_reduce: Callable[[list[float]]
 
 
 class PerfCounters:
-    """PoplarExecutor's counters and latencies, read from the last call's `_times`."""
+    """PoplarExecutor's counters and latencies, read from the last call's `_times`, and its
+    profiler (Options.enableProfiling)."""
 
     _compiled: Any
     _signature: Any
     _times: Any
     _options: Any
+    _training: bool
+    _profiler: Profiler | None
+    _profile_writer: weakref.finalize | None
+    destroy: Callable[[], None]
+
+    def _start_profiler(self, args: tuple, kwargs: dict) -> None:
+        """Reports go to <profiling dir>/training or /inference, rewritten at detach/destroy/exit."""
+        from pipetorch.profiling.recorder import Profiler
+
+        assert self._compiled is not None
+        o = self._options
+        sample = to_device(split_micro_batches(
+            args, kwargs, device_iterations=o.device_iterations,
+            gradient_accumulation=o.Training.gradient_accumulation,
+            replication_factor=o.replication_factor)[0], self._compiled.engine.input_device)
+        directory = os.path.join(o.profiling_dir, "training" if self._training else "inference")
+        try:  # now, not at destroy(): a report that cannot be written must not be lost
+            os.makedirs(directory, exist_ok=True)
+        except OSError as error:
+            self.destroy()
+            raise ConfigError(
+                f"The profiling report directory {directory!r} cannot be created "
+                f"({error.strerror or error}); it comes from opts.enableProfiling() or "
+                "POPLAR_ENGINE_OPTIONS autoReport.directory. Name a directory this process "
+                "can write to, then wrap the model again") from error
+        self._profiler = Profiler(directory, self._compiled, training=self._training, options=o,
+                                  sample=sample)
+        self._profile_writer = weakref.finalize(self, _write_report, self._profiler)
+
+    def _write_profile(self) -> None:
+        if self._profile_writer is not None:
+            self._profile_writer()  # at most once; a later call starts a new profiler
+        self._profiler, self._profile_writer = None, None
 
     def getPerfCounters(self) -> dict[str, list[list[float]]]:
         """PopTorch's counters of the last call: {"input", "input_complete", "output",
@@ -136,3 +179,11 @@ def ipuHardwareVersion() -> int:
     raise _NoIpuError("No IPU hardware available on this system: pipetorch runs on CPUs and "
                        "GPUs. Pass the version to useOfflineIpuTarget(2) (Mk2) or (21) (Bow) "
                        "yourself")
+
+
+def _write_report(profiler: Profiler) -> None:
+    try:
+        path = profiler.write()
+        logger.info("Profiling report written to %s", os.path.join(path, "report.html"))
+    except Exception as exc:  # at exit: a report must not turn a clean exit into a crash
+        logger.warning("Could not write the profiling report: %s", exc)

@@ -289,7 +289,7 @@ def _scenario(name: str) -> None:
     wrapper, x, y = _wrapper_for(name)
     engine = wrapper._compiled.engine
     pids = list(engine.worker_pids)
-    print(json.dumps({"host": os.getpid(), "pids": pids, "folder": engine._folder,
+    print(json.dumps({"host": os.getpid(), "pids": pids, "folder": engine.workers.folder,
                       "sigint": inherited}), flush=True)
     if name == "exit":
         return

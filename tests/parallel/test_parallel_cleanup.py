@@ -38,7 +38,7 @@ def test_destroy_stops_the_workers_and_removes_their_files(registry):
         wrapper(tokens, labels)
         engine = wrapper._compiled.engine
         pids = list(engine.worker_pids)
-        folder = engine._folder
+        folder = engine.workers.folder
         assert len(pids) == 2 and all(alive(p) for p in pids)
         records = sorted(records_of(os.getpid()), key=lambda r: r["ipu"])
         threads = max(1, placement.cpu_cores() // 2)

@@ -14,7 +14,7 @@ from parallel_cases import (assert_same_result, assert_same_state, cleaned, loca
 from pipetorch.partition import blocks
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.estimate import estimate_memory
-from pipetorch.parallel.local import Batching
+from pipetorch.schedule.plans import Batching
 
 B = 2  # samples per micro-batch
 VOCAB, WIDTH = TIED_VOCAB, TIED_WIDTH

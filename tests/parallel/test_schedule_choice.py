@@ -1,5 +1,5 @@
 """pipelineSchedule("auto") after the first call: per-stage tick costs from the measured spans."""
-from pipetorch.parallel.engine import measured_costs
+from pipetorch.parallel.schedule_choice import measured_costs
 from pipetorch.parallel.stage import Span, Trace
 from pipetorch.schedule import devices
 

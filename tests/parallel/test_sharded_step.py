@@ -104,7 +104,7 @@ def test_adamw_with_weight_decay_matches_the_unsharded_run_and_plain_pytorch(
     for name, param in unsharded.named_parameters():
         assert_close(model.get_parameter(name), param)
     # each replica's snapshot holds its slices only: half of a's moments, the padding dropped
-    folder = wrapper._compiled.engine._folder
+    folder = wrapper._compiled.engine.workers.folder
     part = glob.glob(os.path.join(folder, "stage0-*.r1.pt"))
     assert part, os.listdir(folder)
     _, (weights, states, attributes) = torch.load(part[0], weights_only=False)

@@ -229,7 +229,7 @@ def test_pipelined_training_over_shm_equals_plain_pytorch_and_gloo(request, monk
         assert_in_processes(wrapper, 3)
         engine = wrapper._compiled.engine
         assert {t.transport for t in engine.last_trace} == {transport}
-        prefixes = list(engine._segments)
+        prefixes = list(engine.workers.segments)
         assert prefixes and all(our_files(p) == [] for p in prefixes)  # nothing left while running
         wrapper.destroy()
         models[transport] = wrapper.model

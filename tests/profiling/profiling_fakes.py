@@ -15,7 +15,7 @@ from pipetorch.parallel.placement import Placement
 from pipetorch.parallel.stage import Span, Trace
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.runtime.compile import Compiled
-from pipetorch.parallel.local import Batching
+from pipetorch.schedule.plans import Batching
 from pipetorch.schedule.checks import simulate
 from pipetorch.schedule.plans import plan
 

@@ -8,7 +8,7 @@ from helpers.models import ReluStages
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.estimate import check_budget, device_budget, estimate_memory, fmt
-from pipetorch.parallel.local import Batching
+from pipetorch.schedule.plans import Batching
 
 M = 2  # samples per micro-batch
 STAGES = [StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",))]

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 import pipetorch as poptorch
-from pipetorch.parallel.local import Batching
+from pipetorch.schedule.plans import Batching
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.estimate import estimate_memory
 

@@ -131,7 +131,7 @@ def staged_report(*, offload, recomputation, sharded=None):
     from pipetorch.profiling.estimate import estimate_memory
     from pipetorch.profiling.memory import build
     from pipetorch.runtime.compile import Compiled
-    from pipetorch.parallel.local import Batching
+    from pipetorch.schedule.plans import Batching
 
     torch.manual_seed(0)
     model, x = ReluStages(), torch.randn(2, 6)

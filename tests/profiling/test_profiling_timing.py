@@ -6,7 +6,7 @@ from pipetorch.parallel.stage import Span, Trace
 from pipetorch.profiling.timing import (
     CallRecord, concurrency, device_times, measured_bubble, theoretical_bubble, timing_summary,
 )
-from pipetorch.parallel.local import Batching
+from pipetorch.schedule.plans import Batching
 
 
 def call(traces, index=0):

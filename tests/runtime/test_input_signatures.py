@@ -15,7 +15,7 @@ from helpers.reference import assert_same_weights
 from pipetorch.errors import InputMismatchError
 from pipetorch.parallel.engine import ProcessEngine
 from pipetorch.parallel.local import LocalEngine
-from pipetorch.parallel.signatures import bind, skeleton
+from pipetorch.parallel.signatures import bind, skeleton, tensors_of
 from pipetorch.runtime.artefact import saved_inputs
 
 LENGTHS = (16, 24, 16, 32, 24)
@@ -79,10 +79,10 @@ def test_training_over_lengths_pipelined_on_two_devices_equals_plain_pytorch(req
     model = train_lengths(request, 2, 4, caplog)
     engine = model._compiled.engine
     assert isinstance(engine, ProcessEngine) and len(engine.worker_pids) == 2
-    assert len(engine._signatures) == 3
+    assert len(engine.signatures.all) == 3
     # every signature's stages hold the user's parameters themselves: no copy per signature
     users = {id(p) for p in model._user_model.parameters()}
-    for staged, _, _ in engine._signatures:
+    for staged, _, _ in engine.signatures.all:
         assert {id(p) for m in staged.modules for p in m.parameters()} == users
 
 
@@ -117,7 +117,9 @@ def test_inference_over_lengths_equals_plain_pytorch(request, devices):
         with torch.no_grad():
             want = net(ids)
         assert_close(model(ids), want, msg=f"call {call} ({length})")
-    assert len(model._compiled.engine._signatures) == 3
+    engine = model._compiled.engine
+    held = engine.signatures.all if isinstance(engine, ProcessEngine) else engine._signatures
+    assert len(held) == 3
 
 
 @pytest.mark.slow
@@ -169,7 +171,7 @@ def test_a_skeleton_holds_no_weights_and_binds_to_the_held_ones():
     held = TokenTagger(1)
     bare = skeleton(held)
     assert all(p.device.type == "meta" for p in bare.parameters())
-    bound = bind(bare, held)
+    bound = bind(bare, tensors_of(held))
     assert [id(p) for p in bound.parameters()] == [id(p) for p in held.parameters()]
 
 

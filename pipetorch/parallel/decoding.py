@@ -1,7 +1,8 @@
-"""`generate()` on an inferenceModel of a HuggingFace model split over worker processes:
+"""The host side of generate() on a HuggingFace model split over worker processes:
 HuggingFace's generation loop (sampling, stopping, padding) runs in the user's process, and
 each forward it calls runs in the stages, where every worker keeps the key/value cache of its
-own layers (parallel.generation).
+own layers (parallel.generation). The model's code goes to the workers once, then each step
+goes out with a ticket and the replies are read back in order.
 
 Each forward's batch is cut into lanes (deviceIterations x replicationFactor of them, at most
 one per sequence): lane i runs on replica i % replicationFactor, and a replica's stages run
@@ -9,24 +10,107 @@ its lanes one after another, so its devices work on different lanes at once.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
 import threading
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
+import cloudpickle
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from pipetorch.errors import ConfigError
-from pipetorch.parallel import kv_cache
-from pipetorch.parallel.engine import ProcessEngine
+from pipetorch.errors import CompileError, ConfigError
+from pipetorch.parallel import generation, kv_cache
+from pipetorch.parallel import messages as m
 from pipetorch.parallel.generation import Step, skeleton
+from pipetorch.parallel.workers import WorkerSet
 from pipetorch.partition import blocks
 from pipetorch.partition.strategies import StageSpec
 
+if TYPE_CHECKING:
+    from pipetorch.parallel.engine import ProcessEngine
+
 __all__: list[str] = []
+
+T = TypeVar("T")
+
+
+class GenerationSession:
+    """generate()'s messages to one WorkerSet: the skeleton (kept, to send new workers
+    again), then steps, each with a ticket; replies are read in the order sent."""
+
+    def __init__(self, workers: WorkerSet) -> None:
+        self.workers = workers
+        self.skeleton: generation.Skeleton | None = None  # generate()'s model, once sent
+        self.restart()
+
+    def restart(self) -> None:
+        """New workers: they owe no replies (and get the skeleton again, if one was sent)."""
+        self.tickets = itertools.count()
+        self.awaiting: dict[int, collections.deque[int]] = {
+            n: collections.deque() for n in range(len(self.workers.placements))}
+        self.replies: dict[int, dict[int, generation.StepResult]] = {}
+        self.sending, self.reading = threading.Lock(), threading.Lock()
+
+    def start(self, make: Callable[[], generation.Skeleton]) -> None:
+        """Send every worker the model's code without weights (`make()`), bound there to its
+        stages' weights (once: the workers keep it)."""
+        if self.skeleton is None:
+            found = make()
+            try:  # before anything is written to a worker's pipe
+                cloudpickle.dumps(found)
+            except Exception as exc:
+                raise CompileError(
+                    "generate() sends the model's code (without its weights) to the stage "
+                    f"workers, and pickling it failed with {type(exc).__name__}: {exc}. Objects "
+                    "that cannot be pickled (a lock, an open file, a generator) cannot cross "
+                    "processes: remove them from the model, or generate on one device") from exc
+            self.skeleton = found
+            self.send_skeleton()
+
+    def send_skeleton(self) -> None:
+        if self.skeleton is not None:
+            self.workers.broadcast(m.Generator(self.skeleton), "preparing generate()")
+
+    def decode(self, steps: Sequence[generation.Step]) -> list[generation.StepResult]:
+        """One generation step of every replica: replica r's workers run `steps[r]`'s lanes
+        through its stages; the StepResults of every worker involved."""
+        tickets = [self.submit(r, step) for r, step in enumerate(steps) if step.lanes]
+        return [result for ticket in tickets for result in self.collect(ticket)]
+
+    def submit(self, replica: int, step: generation.Step) -> int:
+        """Send replica `replica`'s workers `step` (they run steps in the order sent, so
+        steps from several threads follow one another); its ticket for `collect`."""
+        devices = self.workers.devices
+        with self.sending:
+            ticket = next(self.tickets)
+            for n in range(replica * devices, (replica + 1) * devices):
+                self.workers.send(self.workers.peers[n], m.Decode(step))
+                self.awaiting[n].append(ticket)
+            return ticket
+
+    def collect(self, ticket: int) -> list[generation.StepResult]:
+        """The StepResults of a submitted step, reading the workers' replies in order (one
+        thread at a time; replies to other threads' steps are kept for them)."""
+        with self.reading:
+            for n, awaiting in self.awaiting.items():
+                while ticket in awaiting:
+                    head = awaiting[0]
+                    reply = self.workers.gather("a generation step", [self.workers.peers[n]])[0]
+                    assert isinstance(reply, generation.StepResult)
+                    self.replies.setdefault(head, {})[n] = reply
+                    awaiting.popleft()
+            replies = self.replies.pop(ticket)
+        return [replies[n] for n in sorted(replies)]
+
+    def end(self) -> None:
+        """generate() returned: the workers drop their key/value caches."""
+        if self.workers.peers and not self.workers.lost:
+            self.workers.broadcast(m.Decoded(), "the end of generate()")
+
 
 _sessions = itertools.count(1)  # one per generate() call: the workers' caches belong to it
 
@@ -194,26 +278,26 @@ class _Steps:
         return outputs
 
 
-def _batch_size(call: Any) -> int:
+def _batch_size(call: object) -> int:
     """The rows of the call: the first dimension of its first tensor of two or more."""
     return next((leaf.shape[0] for leaf in _leaves(call)
                  if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2), 1)
 
 
-def _leaves(tree: Any) -> list[Any]:
+def _leaves(tree: object) -> list[object]:
     return pytree.tree_leaves(tree, is_leaf=kv_cache.is_cache_or_slot)
 
 
-def _lanes(call: Any, lanes: int) -> list[Any]:
+def _lanes(call: T, lanes: int) -> list[T]:
     """The call's arguments for each lane: the batch's rows in `lanes` groups (at most one per
     row), every tensor of the batch cut there (a 1-d tensor, such as cache_position, is the
     same for every row)."""
     batch = _batch_size(call)
 
-    def rows(part: torch.Tensor) -> Any:
+    def rows(part: torch.Tensor) -> T:
         start, stop = int(part[0]), int(part[-1]) + 1
 
-        def cut(leaf: Any) -> Any:
+        def cut(leaf: object) -> object:
             if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[0] == batch:
                 return leaf[start:stop]
             return leaf
@@ -223,7 +307,7 @@ def _lanes(call: Any, lanes: int) -> list[Any]:
     return [rows(part) for part in torch.arange(batch).tensor_split(min(batch, lanes))]
 
 
-def _joined(outputs: list[Any]) -> Any:
+def _joined(outputs: list[T]) -> T:
     """The lanes' results as one: tensors concatenated along the batch."""
     flat = [pytree.tree_flatten(o, is_leaf=kv_cache.is_cache_or_slot) for o in outputs]
     leaves, spec = flat[0]
