@@ -136,10 +136,10 @@ class Generation:
             kv_cache.mirror(cache, step.shapes.get(lane, {}))
         args, kwargs = kv_cache.fill(_to((args, kwargs), self.device), cache)
         if entry is not None:
-            entry = Boundary(*kv_cache.fill((entry.args, entry.kwargs), cache))
+            entry = Boundary(*kv_cache.fill((entry.args, entry.kwargs, entry.records), cache))
         out = stage.run(step.path, args, kwargs, entry)
         if isinstance(out, Boundary):
-            self._send(Boundary(*kv_cache.strip((out.args, out.kwargs))), s + 1)
+            self._send(Boundary(*kv_cache.strip((out.args, out.kwargs, out.records))), s + 1)
         else:
             result.outputs[lane] = _to(kv_cache.strip(out), torch.device("cpu"))
             if not last:

@@ -19,11 +19,9 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from pipetorch.errors import ConfigError
 from pipetorch.parallel import kv_cache
 from pipetorch.parallel.engine import ProcessEngine
 from pipetorch.parallel.generation import Step, skeleton
-from pipetorch.partition import blocks
 from pipetorch.partition.strategies import StageSpec
 
 __all__: list[str] = []
@@ -39,7 +37,6 @@ def generate(model: nn.Module, engine: ProcessEngine, stages: list[StageSpec], *
     """`model.generate(*args, **kwargs)` with every forward it calls run in `engine`'s stages."""
     _check_supported(model, kwargs)
     stage_of_block = {block: spec.index for spec in stages for block in spec.block_ids}
-    _check_enterable(stages, model, stage_of_block)
     engine.start_generation(lambda: skeleton(model, stage_of_block))
     steps = _Steps(engine, next(_sessions), lanes=lanes)
     try:
@@ -71,24 +68,6 @@ def _check_supported(model: nn.Module, kwargs: dict) -> None:
                 f"generate({name}=...) rearranges or trims the key/value cache between steps, "
                 "which the stages keep apart: greedy decoding and sampling run through the "
                 "stages; run this search on one device (poptorch.removeBlocks)")
-
-
-def _check_enterable(stages: list[StageSpec], model: nn.Module,
-                     stage_of_block: dict[str, int]) -> None:
-    """Refuse, naming the block, a stage begun by a `with Block(...)` scope: a worker enters
-    its stage at the module that begins it, skipping the earlier stages' modules (which must
-    hand on a tensor shaped like their input: a layer of the model's stack of layers)."""
-    begun = {stage_of_block.get(uid) for uid, _ in blocks.begin_blocks(model).values()}
-    for spec in stages[1:]:
-        if spec.index not in begun:
-            block = spec.block_ids[0] if spec.block_ids else str(spec.index)
-            raise ConfigError(
-                f"generate() enters each stage at the module that begins it (BeginBlock), and "
-                f"stage {spec.index} begins with block {block!r}, a `with poptorch.Block(...)` "
-                "scope inside forward: split the model with poptorch.BeginBlock(layer, "
-                f"{block!r}, ipu_id={spec.ipu_id}) in place of the scope, on the layer of the "
-                "model's stack of layers that begins the stage (model.transformer.h[i], "
-                "model.model.layers[i]), or call the model's own generate() in this process")
 
 
 def _lanes_apart(model: nn.Module, lanes: int, args: tuple, kwargs: dict) -> bool:
