@@ -122,6 +122,24 @@ def test_four_lanes_and_an_end_token(request):
     assert (got[1, 9 + 5:] == 0).all()  # padded after its end token, as HuggingFace does
 
 
+# Issue 39: each lane's step read the stage's weights again; with more lanes than devices the
+# lanes waiting together now run as one batch, and give the same tokens.
+def test_lanes_waiting_together_run_as_one_batch(request, monkeypatch):
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    ids = torch.randint(3, VOCAB, (8, 9), generator=torch.Generator().manual_seed(2))
+    settings = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                    pad_token_id=0, do_sample=False)
+    wrapper = cleaned(request, inference(model, lanes=4))
+    wrapper.generate(**dict(settings, max_new_tokens=1))
+    engine, sent = wrapper._compiled.engine, []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda r, step: sent.append(step) or submit(r, step))
+    assert torch.equal(wrapper.generate(**settings), model.generate(**settings))
+    # 4 lanes alike on 2 devices: every step, the prompt's too, is two lanes as one batch
+    assert len(sent) == 2 * NEW and all(len(s.lanes) == 2 and s.batched for s in sent)
+
+
 def test_encoder_decoder_generates_in_the_stages_like_plain_hf(request):
     torch.manual_seed(0)
     model = t5().eval()
