@@ -23,10 +23,10 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch import environment
-from pipetorch.parallel.wire import WorkerFailed
 from pipetorch.parallel import kv_cache
 from pipetorch.parallel.engine import ProcessEngine
 from pipetorch.parallel.generation import Step, rows, skeleton
+from pipetorch.parallel.wire import WorkerFailed
 from pipetorch.partition.strategies import StageSpec
 
 __all__: list[str] = []
