@@ -108,11 +108,15 @@ class Generation:
         self.hops = Hops(wire_device)
         self.session = -1
         self.caches: dict[tuple[int, int], Any] = {}  # (stage, lane) -> its cache
+        # (stage, first lane) -> the lanes (and their rows) whose caches the first lane's cache
+        # holds, joined while the same lanes run as one batch, given back when they do not
+        self.joined: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self._local: list[Any] = []  # values for this worker's own next stage
 
     def step(self, step: Step) -> StepResult:
         if step.session != self.session:
             self.caches.clear()
+            self.joined.clear()
             self.session = step.session
         result = StepResult()
         self.hops.reap()  # sends still in flight may finish while the next stage computes
@@ -126,6 +130,7 @@ class Generation:
         """Drop every lane's cache (the host's generate() returned)."""
         self.hops.wait()
         self.caches.clear()
+        self.joined.clear()
         self.session = -1
 
     def _run(self, s: int, stage: EagerStage, lanes: list[int], step: Step,
@@ -137,10 +142,8 @@ class Generation:
                 self._send(_Skip(), s + 1)
             return
         calls = [step.lanes[lane] for lane in lanes]
-        caches = [self._cache(s, lane, step) for lane in lanes] if kv_cache.has_slot(calls) else []
-        for lane, cache in zip(lanes, caches):
-            kv_cache.mirror(cache, step.shapes.get(lane, {}))
-        cache = kv_cache.gather(caches)
+        counts = [rows(c) for c in calls]
+        cache = self._joined(s, lanes, counts, step) if kv_cache.has_slot(calls) else None
         args, kwargs = kv_cache.fill(_to(join(calls), self.device), cache)
         if entry is not None:
             entry = Boundary(*kv_cache.fill((entry.args, entry.kwargs, entry.records), cache))
@@ -148,13 +151,32 @@ class Generation:
         if isinstance(out, Boundary):
             self._send(Boundary(*kv_cache.strip((out.args, out.kwargs, out.records))), s + 1)
         else:
-            parts = split(_to(kv_cache.strip(out), torch.device("cpu")), [rows(c) for c in calls])
+            parts = split(_to(kv_cache.strip(out), torch.device("cpu")), counts)
             result.outputs.update(zip(lanes, parts))
             if not last:
                 self._send(_Skip(), s + 1)
-        kv_cache.scatter(caches, [rows(c) for c in calls])
-        for lane, cache in zip(lanes, caches):
-            result.shapes.setdefault(lane, {}).update(kv_cache.held_shapes(cache))
+        if cache is not None:
+            for lane, count in zip(lanes, counts):
+                result.shapes.setdefault(lane, {}).update(kv_cache.held_shapes(cache, count))
+
+    def _joined(self, s: int, lanes: list[int], counts: list[int], step: Step) -> Any:
+        """Stage `s`'s cache for `lanes` run as one batch: the first lane's, holding all
+        their rows (a batch joined before that shares a lane gives its lanes theirs back)."""
+        for key, (held, parts) in list(self.joined.items()):
+            if key[0] == s and held != lanes and set(held) & set(lanes):
+                kv_cache.scatter([self.caches[s, lane] for lane in held], parts)
+                del self.joined[key]
+        caches = [self._cache(s, lane, step) for lane in lanes]
+        if (s, lanes[0]) not in self.joined:
+            for lane, cache in zip(lanes, caches):
+                kv_cache.mirror(cache, step.shapes.get(lane, {}))
+            kv_cache.gather(caches)
+            if len(lanes) > 1:
+                self.joined[s, lanes[0]] = (lanes, counts)
+        else:  # the other stages' layers, as long as all the lanes' together
+            kv_cache.mirror(caches[0], {key: ((sum(counts), *shape[1:]), dtype) for key, (
+                shape, dtype) in step.shapes.get(lanes[0], {}).items()})
+        return caches[0]
 
     def _cache(self, s: int, lane: int, step: Step) -> Any:
         key = (s, lane)

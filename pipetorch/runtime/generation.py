@@ -161,6 +161,7 @@ class _Gate:
         self.flying: set[int] = set()  # lanes whose step is in flight
         self.sending = collections.Counter[int]()  # replica -> its steps in flight
         self.last: dict[int, Hashable] = {}  # lane -> the kind of its last step sent
+        self.partners: dict[int, set[int]] = {}  # lane -> the other lanes of its last batch
         self.results: dict[int, Any] = {}  # outputs for lanes another thread sent
         self.changed = threading.Condition()
 
@@ -181,6 +182,7 @@ class _Gate:
                     raise WorkerFailed(f"Lane {lane}'s generation step waited {timeout:.0f}s "
                                        "for the stages; raise PIPETORCH_TIMEOUT if legitimate")
             self.last.update((n, alike) for n in group)
+            self.partners.update((n, set(group) - {n}) for n in group)
             calls = {n: self.waiting.pop(n)[1] for n in group}
             self.flying.update(group)
             self.sending[lane % self.replicas] += 1
@@ -216,11 +218,14 @@ class _Gate:
             return [lane]
         mine = [n for n in self.lanes if n % self.replicas == replica]
         share = -(-len(mine) // self.devices)
-        group = [lane, *(n for n in sorted(self.waiting) if n != lane and n % self.replicas ==
-                         replica and self.waiting[n][0] == alike)][:share]
-        # lanes in their own loop's code, alike at their last step: they may join it soon
-        coming = [n for n in mine if n not in self.waiting and n not in self.flying
-                  and self.last.get(n) == self.last.get(lane)]
+        partners = self.partners.get(lane, set())
+        # lanes in their own loop's code that may join it soon: those of its last batch, or
+        # (before its first) those alike at their last step; while one may, it waits for them
+        coming = [n for n in mine if n not in self.waiting and n not in self.flying and (
+            n in partners if partners else self.last.get(n) == self.last.get(lane))]
+        group = [lane, *sorted(n for n in self.waiting if n != lane and n % self.replicas ==
+                               replica and self.waiting[n][0] == alike and (
+                                   n in partners or not (partners and coming)))][:share]
         return group if len(group) >= share or not coming else None
 
 
