@@ -1,15 +1,17 @@
 """Tokens per second of HuggingFace generate(): plain, and through pipetorch's stages.
 
-    python benchmarks/generate.py                 # GPT-2 shape, 8 layers of width 512, 2 devices
+    python benchmarks/generate.py                 # GPT-2 shape, 8 layers of width 512, 2 devices,
+                                                  # 1, 4 and 16 sequences
     python benchmarks/generate.py --quick         # 2 layers of width 64, fewer tokens
     python benchmarks/generate.py --layers 12 --width 768 --new 64
 
 Rows, all in one run, repeated in interleaved rounds (A B C ... A B C ...), medians reported:
-plain HuggingFace generate() with 1 and with 2 threads, for 1 sequence and for a batch; and
-pipetorch's inferenceModel over 2 devices (BeginBlock where the layers and the vocabulary
-head balance the weights each device reads per token) for 1 sequence (ShardedExecution) and
-for the batch (PipelinedExecution) with its lanes in flight (`deviceIterations`: 2 and 4 by
-default, a row each). Greedy decoding of `--new` tokens after
+plain HuggingFace generate() with 1 and with 2 threads, for 1 sequence and for each batch
+(4 and 16 sequences by default); and pipetorch's inferenceModel over 2 devices (BeginBlock
+where the layers and the vocabulary head balance the weights each device reads per token)
+for 1 sequence (ShardedExecution) and for each batch (PipelinedExecution) with its lanes in
+flight (`deviceIterations`: 2 and 4 by default, a row each; lanes waiting together run as
+one batch). Greedy decoding of `--new` tokens after
 prompts of `--prompt` tokens; the time to the first token is a generate() of one new token.
 The same tokens are checked between plain and pipetorch. torch.distributed.pipelining has no
 row: its schedules run a forward over a fixed micro-batch shape and keep no key/value cache
@@ -66,7 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=4, help="sequences generated together")
+    parser.add_argument("--batch", type=int, nargs="+", default=[4, 16],
+                        help="sequences generated together, a group of rows each")
     parser.add_argument("--lanes", type=int, nargs="+", default=[2, 4],
                         help="lanes in flight (deviceIterations), a row each")
     parser.add_argument("--prompt", type=int, default=32)
@@ -76,6 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.layers, args.width, args.new, args.prompt, args.rounds = 2, 64, 8, 8, 2
+        args.batch = [4]
 
     import pipetorch as poptorch
 
@@ -87,17 +91,18 @@ def main() -> None:
         strategy = poptorch.PipelinedExecution if lanes > 1 else poptorch.ShardedExecution
         opts.setExecutionStrategy(strategy(poptorch.AutoStage.SameAsIpu))
         wrappers[lanes] = poptorch.inferenceModel(split, opts)
-    one, batch = _prompts(1, args.prompt), _prompts(args.batch, args.prompt)
-    rows: dict[str, tuple[Callable[..., torch.Tensor], torch.Tensor, int | None]] = {
-        "plain HF, 1 thread, 1 sequence": (plain.generate, one, 1),
-        "plain HF, 2 threads, 1 sequence": (plain.generate, one, 2),
-        "pipetorch 2 devices, 1 sequence": (wrappers[1].generate, one, None),
-        f"plain HF, 1 thread, {args.batch} sequences": (plain.generate, batch, 1),
-        f"plain HF, 2 threads, {args.batch} sequences": (plain.generate, batch, 2),
-    }
-    for lanes in args.lanes:
-        rows[f"pipetorch 2 devices, {args.batch} sequences, {min(lanes, args.batch)} lanes"] = (
-            wrappers[lanes].generate, batch, None)
+    Row = tuple[Callable[..., torch.Tensor], torch.Tensor, int | None]
+    groups: dict[int, dict[str, Row]] = {}  # sequences -> its rows, plain HF's two first
+    for n in (1, *args.batch):
+        ids, word = _prompts(n, args.prompt), "sequence" if n == 1 else "sequences"
+        group = groups.setdefault(n, {
+            f"plain HF, 1 thread, {n} {word}": (plain.generate, ids, 1),
+            f"plain HF, 2 threads, {n} {word}": (plain.generate, ids, 2)})
+        for lanes in (1,) if n == 1 else args.lanes:
+            name = f"pipetorch 2 devices, {n} {word}" + (
+                f", {min(lanes, n)} lanes" if n > 1 else "")
+            group[name] = (wrappers[lanes].generate, ids, None)
+    rows = {name: row for group in groups.values() for name, row in group.items()}
     for generate, ids, threads in rows.values():  # compile, start workers, warm up
         _seconds(generate, ids, 2, threads)
     runs: dict[str, list[float]] = {name: [] for name in rows}
@@ -111,22 +116,19 @@ def main() -> None:
     for wrapper in wrappers.values():
         wrapper.destroy()
 
-    names = list(rows)
-    same = torch.equal(outputs[names[0]], outputs[names[2]]) and all(
-        torch.equal(outputs[names[3]], outputs[name]) for name in names[5:])
+    same = all(torch.equal(outputs[next(iter(group))], outputs[name])
+               for group in groups.values() for name in group if name.startswith("pipetorch"))
     print(f"GPT-2 shape: {args.layers} layers of width {args.width}, vocabulary {VOCABULARY}; "
           f"prompts of {args.prompt} tokens, {args.new} new tokens, greedy; "
           f"medians of {args.rounds} interleaved rounds; same tokens: {same}")
     print(f"{'':<48} {'tokens/s':>9} {'vs 1 thread':>11} {'vs 2 threads':>12} "
           f"{'first token ms':>14}")
-    for name in names:
-        sequences = rows[name][1].shape[0]
-        rate = sequences * args.new / statistics.median(runs[name])
-        group = names[:3] if sequences == 1 else names[3:]
-        base1 = rows[group[0]][1].shape[0] * args.new / statistics.median(runs[group[0]])
-        base2 = rows[group[1]][1].shape[0] * args.new / statistics.median(runs[group[1]])
-        print(f"{name:<48} {rate:>9.1f} {rate / base1:>10.2f}x {rate / base2:>11.2f}x "
-              f"{1000 * statistics.median(firsts[name]):>14.1f}")
+    for n, group in groups.items():
+        base1, base2 = (n * args.new / statistics.median(runs[name]) for name in list(group)[:2])
+        for name in group:
+            rate = n * args.new / statistics.median(runs[name])
+            print(f"{name:<48} {rate:>9.1f} {rate / base1:>10.2f}x {rate / base2:>11.2f}x "
+                  f"{1000 * statistics.median(firsts[name]):>14.1f}")
 
 
 if __name__ == "__main__":

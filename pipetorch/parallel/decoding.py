@@ -6,7 +6,9 @@ goes out with a ticket and the replies are read back in order.
 
 Each forward's batch is cut into lanes (deviceIterations x replicationFactor of them, at most
 one per sequence): lane i runs on replica i % replicationFactor, and a replica's stages run
-its lanes one after another, so its devices work on different lanes at once.
+its lanes one after another, so its devices work on different lanes at once. In greedy
+decoding each lane runs its own loop; its steps wait while the replica has a step in flight
+per device, and the lanes waiting with steps alike go as one batch (continuous batching).
 """
 from __future__ import annotations
 
@@ -15,19 +17,20 @@ import contextlib
 import functools
 import itertools
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
 import cloudpickle
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from pipetorch.errors import CompileError, ConfigError
+from pipetorch import environment
+from pipetorch.errors import CompileError
 from pipetorch.parallel import generation, kv_cache
 from pipetorch.parallel import messages as m
-from pipetorch.parallel.generation import Step, skeleton
+from pipetorch.parallel.generation import Step, rows, skeleton
+from pipetorch.parallel.wire import WorkerFailed
 from pipetorch.parallel.workers import WorkerSet
-from pipetorch.partition import blocks
 from pipetorch.partition.strategies import StageSpec
 
 if TYPE_CHECKING:
@@ -123,7 +126,6 @@ def generate(model: nn.Module, engine: ProcessEngine, stages: list[StageSpec], *
     """`model.generate(*args, **kwargs)` with every forward it calls run in `engine`'s stages."""
     _check_supported(model, kwargs)
     stage_of_block = {block: spec.index for spec in stages for block in spec.block_ids}
-    _check_enterable(stages, model, stage_of_block)
     engine.start_generation(lambda: skeleton(model, stage_of_block))
     steps = _Steps(engine, next(_sessions), lanes=lanes)
     try:
@@ -157,31 +159,13 @@ def _check_supported(model: nn.Module, kwargs: dict) -> None:
                 "stages; run this search on one device (poptorch.removeBlocks)")
 
 
-def _check_enterable(stages: list[StageSpec], model: nn.Module,
-                     stage_of_block: dict[str, int]) -> None:
-    """Refuse, naming the block, a stage begun by a `with Block(...)` scope: a worker enters
-    its stage at the module that begins it, skipping the earlier stages' modules (which must
-    hand on a tensor shaped like their input: a layer of the model's stack of layers)."""
-    begun = {stage_of_block.get(uid) for uid, _ in blocks.begin_blocks(model).values()}
-    for spec in stages[1:]:
-        if spec.index not in begun:
-            block = spec.block_ids[0] if spec.block_ids else str(spec.index)
-            raise ConfigError(
-                f"generate() enters each stage at the module that begins it (BeginBlock), and "
-                f"stage {spec.index} begins with block {block!r}, a `with poptorch.Block(...)` "
-                "scope inside forward: split the model with poptorch.BeginBlock(layer, "
-                f"{block!r}, ipu_id={spec.ipu_id}) in place of the scope, on the layer of the "
-                "model's stack of layers that begins the stage (model.transformer.h[i], "
-                "model.model.layers[i]), or call the model's own generate() in this process")
-
-
 def _lanes_apart(model: nn.Module, lanes: int, args: tuple, kwargs: dict) -> bool:
     """Whether each lane can run its own generation loop: greedy decoding of a tensor, whose
     rows do not depend on one another (sampling draws for the whole batch at once, so it
     keeps one loop to draw HuggingFace's numbers)."""
     apart = not _setting(model, kwargs, "do_sample") and not _setting(
         model, kwargs, "return_dict_in_generate") and kwargs.get("streamer") is None
-    return apart and lanes > 1 and _batch_size((args, kwargs)) > 1
+    return apart and lanes > 1 and rows((args, kwargs)) > 1
 
 
 def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
@@ -202,7 +186,10 @@ def _generate_apart(model: nn.Module, steps: "_Steps", args: tuple, kwargs: dict
             found[lane] = model.generate(*call[0], **call[1])
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failed.append(exc)
+        finally:
+            steps.gate.leave(lane)
 
+    steps.gate.lanes.update(range(len(calls)))
     threads = [threading.Thread(target=run, args=(lane, call), name=f"pipetorch-lane-{lane}",
                                 daemon=True) for lane, call in enumerate(calls)]
     for thread in threads:
@@ -239,6 +226,93 @@ class _Current(threading.local):
 _current = _Current()
 
 
+class _Failed:
+    """What a lane's thread raises when the step another thread sent for it failed."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Gate:
+    """Greedy lanes' steps waiting for their replica's stages: a step goes while the replica
+    has fewer steps in flight than devices, with the waiting lanes whose steps are alike (the
+    same shapes but for their rows), up to an even share of the replica's lanes per step."""
+
+    def __init__(self, replicas: int, devices: int) -> None:
+        self.replicas, self.devices = replicas, devices
+        self.lanes: set[int] = set()  # lanes whose loops still run
+        self.waiting: dict[int, tuple[Hashable, Any]] = {}  # lane -> (its step's kind, call)
+        self.flying: set[int] = set()  # lanes whose step is in flight
+        self.sending = collections.Counter[int]()  # replica -> its steps in flight
+        self.last: dict[int, Hashable] = {}  # lane -> the kind of its last step sent
+        self.partners: dict[int, set[int]] = {}  # lane -> the other lanes of its last batch
+        self.results: dict[int, Any] = {}  # outputs for lanes another thread sent
+        self.changed = threading.Condition()
+
+    def run(self, lane: int, alike: Hashable | None, call: Any,
+            send: Callable[[dict[int, Any]], dict[int, Any]]) -> Any:
+        """`lane`'s output for `call`: sent by this thread with the lanes joining it, or by
+        the thread of a lane it joined. `alike`: None where it runs alone."""
+        timeout = environment.get("timeout")
+        with self.changed:
+            self.waiting[lane] = (alike, call)
+            while (group := self._group(lane)) is None:
+                if lane in self.results:
+                    out = self.results.pop(lane)
+                    if isinstance(out, _Failed):
+                        raise out.error
+                    return out
+                if not self.changed.wait(timeout):
+                    raise WorkerFailed(f"Lane {lane}'s generation step waited {timeout:.0f}s "
+                                       "for the stages; raise PIPETORCH_TIMEOUT if legitimate")
+            self.last.update((n, alike) for n in group)
+            self.partners.update((n, set(group) - {n}) for n in group)
+            calls = {n: self.waiting.pop(n)[1] for n in group}
+            self.flying.update(group)
+            self.sending[lane % self.replicas] += 1
+        outputs: dict[int, Any] = {}
+        try:
+            outputs = send(calls)
+        except BaseException as exc:
+            outputs = {n: _Failed(exc) for n in calls}
+            raise
+        finally:
+            with self.changed:
+                self.sending[lane % self.replicas] -= 1
+                for n in calls:
+                    self.flying.discard(n)
+                    if n != lane:
+                        self.results[n] = outputs[n]
+                self.changed.notify_all()
+        return outputs[lane]
+
+    def leave(self, lane: int) -> None:
+        """`lane`'s loop ended: the others stop waiting for its steps."""
+        with self.changed:
+            self.lanes.discard(lane)
+            self.changed.notify_all()
+
+    def _group(self, lane: int) -> list[int] | None:
+        """The lanes to send with `lane`'s step now (None: not yet, or not by this thread)."""
+        replica = lane % self.replicas
+        if lane not in self.waiting or self.sending[replica] >= self.devices:
+            return None
+        alike = self.waiting[lane][0]
+        if alike is None:
+            return [lane]
+        mine = [n for n in self.lanes if n % self.replicas == replica]
+        share = -(-len(mine) // self.devices)
+        partners = self.partners.get(lane, set())
+        # lanes in their own loop's code that may join it soon: those of its last batch, or
+        # (before its first) those alike at their last step; while one may, it waits for them
+        coming = [n for n in mine if n not in self.waiting and n not in self.flying and (
+            n in partners if partners else self.last.get(n) == self.last.get(lane))]
+        group = [lane, *sorted(n for n in self.waiting if n != lane and n % self.replicas ==
+                               replica and self.waiting[n][0] == alike and (
+                                   n in partners or not (partners and coming)))][:share]
+        return group if len(group) >= share or not coming else None
+
+
 class _Steps:
     """Runs one forward call of the generation loop in the stages: all lanes of the batch,
     or (in a lane's own thread) that lane."""
@@ -247,19 +321,26 @@ class _Steps:
         self.engine, self.session, self.lanes = engine, session, lanes
         self.shapes: dict[int, kv_cache.Shapes] = {}  # lane -> its cache's layers, all workers
         self.cached: set[int] = set()  # lanes whose workers hold their cache
+        self.gate = _Gate(engine.replicas, engine.workers.devices)
 
     def __call__(self, path: str, args: tuple, kwargs: dict) -> Any:
         host_cache = kv_cache.find((args, kwargs))
         call = kv_cache.strip((args, kwargs))
         lane = _current.lane
         if lane is not None:
-            out = self._run({lane: call}, path, host_cache)[lane]
+            lengths = sorted((key, shape[1:]) for key, (shape, _) in self.shapes.get(
+                lane, {}).items())  # the lane's cache in the workers, but for its rows
+            alike = (path, _signature(call), tuple(lengths)) if kv_cache.joinable(
+                [host_cache] * (host_cache is not None)) else None
+            out = self.gate.run(lane, alike, call, lambda calls: self._run(
+                calls, path, host_cache, batched=len(calls) > 1))
             return kv_cache.fill(out, host_cache)
         calls = _lanes(call, self.lanes)
         outputs = self._run(dict(enumerate(calls)), path, host_cache)
         return kv_cache.fill(_joined([outputs[lane] for lane in range(len(calls))]), host_cache)
 
-    def _run(self, calls: dict[int, Any], path: str, host_cache: Any) -> dict[int, Any]:
+    def _run(self, calls: dict[int, Any], path: str, host_cache: Any, *,
+             batched: bool = False) -> dict[int, Any]:
         """Each lane's call on its replica (lane % replicas); their outputs by lane."""
         replicas = self.engine.replicas
         # a lane's workers copy the (empty) host cache once, at its first step with one
@@ -267,7 +348,7 @@ class _Steps:
         if host_cache is not None:
             self.cached.update(calls)
         steps = [Step(self.session, path, mine, {i: self.shapes.get(i, {}) for i in mine},
-                      template=host_cache if fresh else None)
+                      template=host_cache if fresh else None, batched=batched)
                  for mine in ({lane: c for lane, c in calls.items() if lane % replicas == r}
                               for r in range(replicas))]
         outputs: dict[int, Any] = {}
@@ -278,23 +359,22 @@ class _Steps:
         return outputs
 
 
-def _batch_size(call: object) -> int:
-    """The rows of the call: the first dimension of its first tensor of two or more."""
-    return next((leaf.shape[0] for leaf in _leaves(call)
-                 if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2), 1)
+def _signature(call: Any) -> Hashable:
+    """What lanes' calls must share to run as one batch: all but their rows."""
+    leaves, spec = pytree.tree_flatten(call, is_leaf=kv_cache.is_cache_or_slot)
+    return str(spec), tuple(
+        (tuple(v.shape[1:]), v.dtype) if isinstance(v, torch.Tensor) and v.dim() >= 2
+        else tuple(v.tolist()) if isinstance(v, torch.Tensor) else repr(v) for v in leaves)
 
-
-def _leaves(tree: object) -> list[object]:
-    return pytree.tree_leaves(tree, is_leaf=kv_cache.is_cache_or_slot)
 
 
 def _lanes(call: T, lanes: int) -> list[T]:
     """The call's arguments for each lane: the batch's rows in `lanes` groups (at most one per
     row), every tensor of the batch cut there (a 1-d tensor, such as cache_position, is the
     same for every row)."""
-    batch = _batch_size(call)
+    batch = rows(call)
 
-    def rows(part: torch.Tensor) -> T:
+    def part_of(part: torch.Tensor) -> T:
         start, stop = int(part[0]), int(part[-1]) + 1
 
         def cut(leaf: object) -> object:
@@ -304,7 +384,7 @@ def _lanes(call: T, lanes: int) -> list[T]:
 
         return pytree.tree_map(cut, call, is_leaf=kv_cache.is_cache_or_slot)
 
-    return [rows(part) for part in torch.arange(batch).tensor_split(min(batch, lanes))]
+    return [part_of(part) for part in torch.arange(batch).tensor_split(min(batch, lanes))]
 
 
 def _joined(outputs: list[T]) -> T:

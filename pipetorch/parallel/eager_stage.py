@@ -9,6 +9,12 @@ Entering replaces the first module's inputs with the ones the previous stage com
 code around the layers (masks, positions, rotary tables) runs in every worker, on the values
 each worker's key/value cache reports (see kv_cache). This is how HuggingFace's `generate()`
 runs in the stages with each worker keeping the cache of its own layers.
+
+A model with a stage begun inside forward (a `with Block(...)` scope, `Block.start`), which
+has no module to enter at, runs by replay instead: a stage leaves when a later stage's block
+begins, handing on the results of the outermost modules it and the stages before it ran, in
+order; a later stage runs forward from the start, each of those calls giving its recorded
+result, until its own block begins.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ class Boundary:
 
     args: tuple
     kwargs: dict
+    records: tuple[tuple[str, Any], ...] = ()  # replay: (module name, its forward's result)
 
 
 class _Leave(BaseException):
@@ -49,30 +56,33 @@ class EagerStage:
         self.model, self.index, self.stage_of_block = model, index, stage_of_block
         self._entry: Boundary | None = None
         self._inside = False
+        self._records: list[tuple[str, Any]] = []  # replay: what this call hands on
+        self._replayed = 0  # replay: the entry's records given so far
         starts = blocks.begin_blocks(model)
+        begun = {stage_of_block.get(uid) for uid, _ in starts.values()}
+        # a stage begun inside forward: every stage hands on its modules' results (replay)
+        self.replay = any(s not in begun for s in set(stage_of_block.values()) - {0})
         mine = [name for name, (uid, _) in starts.items() if stage_of_block.get(uid) == index]
-        if index > 0 and not mine:
-            raise CompileError(
-                f"generate() runs stage {index} from the module that begins its first block "
-                "(BeginBlock), and none does: its blocks start inside forward (Block scopes). "
-                "Split the model with BeginBlock on its layers to generate through the stages")
         # modules holding the stage's first module run in every stage: their code leads to it
-        leading = {".".join(name.split(".")[:i]) for name in mine
-                   for i in range(len(name.split(".")) + 1)}
+        leading = {".".join(name.split(".")[:i]) for name in ([] if self.replay else mine)
+                   for i in range(len(name.split(".")) + 1)} | {""}
         _after_unpickled_hooks(model)
         for name, module in model.named_modules():
-            if name in starts:
+            if name in starts and not self.replay:
                 module.register_forward_pre_hook(self._crossing, with_kwargs=True)
             if name not in leading and any(True for _ in module.parameters()):
-                module.forward = self._skippable(module, module.forward)
+                module.forward = self._skippable(name, module, module.forward)
 
     def run(self, path: str, args: tuple, kwargs: dict, entry: Boundary | None) -> Any:
         """Call the module at `path` (the model: "") with `args`; the stage's result, or the
         Boundary where the next stage begins. `entry`: the previous stage's Boundary (None for
         stage 0, which starts at the beginning)."""
         self._entry, self._inside = entry, entry is None
+        self._records, self._replayed = [], 0
         try:
-            with blocks.recording(), torch.no_grad():
+            with blocks.recording() as recorder, torch.no_grad():
+                if self.replay:
+                    recorder.on_change = lambda: self._changed(recorder)
                 result = self.model.get_submodule(path)(*args, **kwargs)
         except _Leave as leave:
             return leave.boundary
@@ -98,11 +108,30 @@ class EagerStage:
             return self._entry.args, self._entry.kwargs
         return None
 
-    def _skippable(self, module: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def _changed(self, recorder: blocks.BlockRecorder) -> None:
+        """Replay: a block began or ended; leave for a later stage, or enter this one."""
+        current = recorder.current()
+        stage = self.stage_of_block.get(current, 0) if current is not None else None
+        if stage is not None and stage > self.index and self._inside:
+            raise _Leave(Boundary((), {}, tuple(self._records)))
+        if stage == self.index:
+            self._inside = True
+
+    def _skippable(self, name: str, module: nn.Module,
+                   forward: Callable[..., Any]) -> Callable[..., Any]:
         def run_or_skip(*args: Any, **kwargs: Any) -> Any:
-            if self._inside:
-                return forward(*args, **kwargs)
-            return _skipped(module, args, kwargs)
+            if not self._inside and not self.replay:
+                return _skipped(module, args, kwargs)
+            incoming = self._entry.records if self._entry is not None else ()
+            at, done = self._replayed, len(self._records)
+            if not self._inside and at < len(incoming) and incoming[at][0] == name:
+                self._replayed += 1  # an earlier stage ran it: its result
+                self._records.append(incoming[at])
+                return incoming[at][1]
+            result = forward(*args, **kwargs)
+            if self.replay:  # its inner modules' results are in this one's
+                self._records[done:] = [(name, result)]
+            return result
 
         return run_or_skip
 

@@ -8,6 +8,9 @@ sequences; a worker runs lane after lane, so while stage 1 runs lane 0, stage 0 
 
     stage 0:  L0  L1  L2  L3
     stage 1:      L0  L1  L2  L3     -> logits of each lane to the host
+
+A batched step runs its lanes as one batch (their rows and their caches joined, each stage's
+weights read once for all of them), then hands each lane its rows back.
 """
 from __future__ import annotations
 
@@ -64,6 +67,7 @@ class Step:
     lanes: dict[int, tuple[tuple, dict]]
     shapes: dict[int, kv_cache.Shapes]
     template: Any = None  # an empty cache to copy for each new lane (the step's first)
+    batched: bool = False  # the lanes run as one batch (their shapes match)
 
 
 @dataclass(frozen=True)
@@ -91,48 +95,75 @@ class Generation:
         self.hops = Hops(wire_device)
         self.session = -1
         self.caches: dict[tuple[int, int], Any] = {}  # (stage, lane) -> its cache
+        # (stage, first lane) -> the lanes (and their rows) whose caches the first lane's cache
+        # holds, joined while the same lanes run as one batch, given back when they do not
+        self.joined: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         self._local: list[Any] = []  # values for this worker's own next stage
 
     def step(self, step: Step) -> StepResult:
         if step.session != self.session:
             self.caches.clear()
+            self.joined.clear()
             self.session = step.session
         result = StepResult()
         self.hops.reap()  # sends still in flight may finish while the next stage computes
+        groups = [sorted(step.lanes)] if step.batched else [[lane] for lane in sorted(step.lanes)]
         for s, stage in self.stages.items():
-            for lane, (args, kwargs) in sorted(step.lanes.items()):
-                self._run(s, stage, lane, step, args, kwargs, result)
+            for lanes in groups:
+                self._run(s, stage, lanes, step, result)
         return result
 
     def end(self) -> None:
         """Drop every lane's cache (the host's generate() returned)."""
         self.hops.wait()
         self.caches.clear()
+        self.joined.clear()
         self.session = -1
 
-    def _run(self, s: int, stage: EagerStage, lane: int, step: Step, args: tuple,
-             kwargs: dict, result: StepResult) -> None:
+    def _run(self, s: int, stage: EagerStage, lanes: list[int], step: Step,
+             result: StepResult) -> None:
         last = s == len(self.ranks) - 1
         entry = self._receive(s - 1) if s > 0 else None
         if isinstance(entry, _Skip):
             if not last:
                 self._send(_Skip(), s + 1)
             return
-        cache = self._cache(s, lane, step) if kv_cache.has_slot((args, kwargs)) else None
-        if cache is not None:
-            kv_cache.mirror(cache, step.shapes.get(lane, {}))
-        args, kwargs = kv_cache.fill(_to((args, kwargs), self.device), cache)
+        calls = [step.lanes[lane] for lane in lanes]
+        counts = [rows(c) for c in calls]
+        cache = self._joined(s, lanes, counts, step) if kv_cache.has_slot(calls) else None
+        args, kwargs = kv_cache.fill(_to(join(calls), self.device), cache)
         if entry is not None:
-            entry = Boundary(*kv_cache.fill((entry.args, entry.kwargs), cache))
+            entry = Boundary(*kv_cache.fill((entry.args, entry.kwargs, entry.records), cache))
         out = stage.run(step.path, args, kwargs, entry)
         if isinstance(out, Boundary):
-            self._send(Boundary(*kv_cache.strip((out.args, out.kwargs))), s + 1)
+            self._send(Boundary(*kv_cache.strip((out.args, out.kwargs, out.records))), s + 1)
         else:
-            result.outputs[lane] = _to(kv_cache.strip(out), torch.device("cpu"))
+            parts = split(_to(kv_cache.strip(out), torch.device("cpu")), counts)
+            result.outputs.update(zip(lanes, parts))
             if not last:
                 self._send(_Skip(), s + 1)
         if cache is not None:
-            result.shapes.setdefault(lane, {}).update(kv_cache.held_shapes(cache))
+            for lane, count in zip(lanes, counts):
+                result.shapes.setdefault(lane, {}).update(kv_cache.held_shapes(cache, count))
+
+    def _joined(self, s: int, lanes: list[int], counts: list[int], step: Step) -> Any:
+        """Stage `s`'s cache for `lanes` run as one batch: the first lane's, holding all
+        their rows (a batch joined before that shares a lane gives its lanes theirs back)."""
+        for key, (held, parts) in list(self.joined.items()):
+            if key[0] == s and held != lanes and set(held) & set(lanes):
+                kv_cache.scatter([self.caches[s, lane] for lane in held], parts)
+                del self.joined[key]
+        caches = [self._cache(s, lane, step) for lane in lanes]
+        if (s, lanes[0]) not in self.joined:
+            for lane, cache in zip(lanes, caches):
+                kv_cache.mirror(cache, step.shapes.get(lane, {}))
+            kv_cache.gather(caches)
+            if len(lanes) > 1:
+                self.joined[s, lanes[0]] = (lanes, counts)
+        else:  # the other stages' layers, as long as all the lanes' together
+            kv_cache.mirror(caches[0], {key: ((sum(counts), *shape[1:]), dtype) for key, (
+                shape, dtype) in step.shapes.get(lanes[0], {}).items()})
+        return caches[0]
 
     def _cache(self, s: int, lane: int, step: Step) -> Any:
         key = (s, lane)
@@ -153,6 +184,34 @@ class Generation:
         if self.ranks[stage] == self.rank:
             return self._local.pop(0)
         return self.hops.receive(self.ranks[stage], self.device)
+
+
+def rows(call: Any) -> int:
+    """The rows of a call: the first dimension of its first tensor of two or more (a 1-d
+    tensor, such as cache_position, is the same for every row)."""
+    leaves = pytree.tree_leaves(call, is_leaf=kv_cache.is_cache_or_slot)
+    return next((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim() >= 2), 1)
+
+
+def join(calls: list[Any]) -> Any:
+    """The calls (alike but for their rows) as one: their row tensors concatenated."""
+    if len(calls) == 1:
+        return calls[0]
+    flat = [pytree.tree_flatten(call, is_leaf=kv_cache.is_cache_or_slot) for call in calls]
+    leaves, spec = flat[0]
+    return pytree.tree_unflatten(
+        [torch.cat([f[0][i] for f in flat]) if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2
+         else leaf for i, leaf in enumerate(leaves)], spec)
+
+
+def split(tree: Any, counts: list[int]) -> list[Any]:
+    """`tree` cut into parts of `counts` rows (the inverse of `join`)."""
+    if len(counts) == 1:
+        return [tree]
+    leaves, spec = pytree.tree_flatten(tree, is_leaf=kv_cache.is_cache_or_slot)
+    cut = [leaf.split(counts) if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2
+           and leaf.shape[0] == sum(counts) else [leaf] * len(counts) for leaf in leaves]
+    return [pytree.tree_unflatten([c[i] for c in cut], spec) for i in range(len(counts))]
 
 
 def _to(tree: T, device: torch.device) -> T:

@@ -77,10 +77,11 @@ def _held(layer: Any) -> bool:
             and keys.device.type != "meta" and keys.numel() > 0)
 
 
-def held_shapes(cache: Any) -> Shapes:
-    """The shapes of the layers this worker computed (not its mirrors)."""
-    return {key: (tuple(layer.keys.shape), layer.keys.dtype)
-            for key, layer in _layers(cache).items() if _held(layer)}
+def held_shapes(cache: Any, rows: int | None = None) -> Shapes:
+    """The shapes of the layers this worker computed (not its mirrors), as if `rows` long
+    (a lane's, when the cache holds a batch of lanes)."""
+    return {key: ((layer.keys.shape[0] if rows is None else rows, *layer.keys.shape[1:]),
+                  layer.keys.dtype) for key, layer in _layers(cache).items() if _held(layer)}
 
 
 def mirror(cache: Any, shapes: Shapes) -> None:
@@ -98,3 +99,35 @@ def mirror(cache: Any, shapes: Shapes) -> None:
         layer.keys = torch.empty(shape, dtype=dtype, device="meta")
         layer.values = torch.empty(shape, dtype=dtype, device="meta")
         layer.dtype, layer.device, layer.is_initialized = dtype, torch.device("meta"), True
+
+
+def joinable(caches: list[Any]) -> bool:
+    """Whether lanes' caches can run as one batch (DynamicCaches of DynamicLayers)."""
+    return all(type(c).__name__ == "DynamicCache" and all(
+        type(layer).__name__ == "DynamicLayer" for layer in _layers(c).values()) for c in caches)
+
+
+def gather(caches: list[Any]) -> Any:
+    """The first cache, holding every cache's rows in order; `scatter` gives each its rows
+    back."""
+    if len(caches) > 1:
+        lanes = [_layers(cache) for cache in caches]
+        for key, layer in lanes[0].items():
+            if getattr(layer, "is_initialized", False):
+                layer.keys = torch.cat([found[key].keys for found in lanes])
+                layer.values = torch.cat([found[key].values for found in lanes])
+    return caches[0]
+
+
+def scatter(caches: list[Any], rows: list[int]) -> None:
+    """Give each cache its rows of the first (which `gather` joined them into)."""
+    if len(caches) > 1:
+        lanes = [_layers(cache) for cache in caches]
+        for key, layer in lanes[0].items():
+            if getattr(layer, "is_initialized", False):
+                parts = zip(layer.keys.split(rows), layer.values.split(rows))
+                for found, (keys, values) in zip(lanes, parts):
+                    target = found[key]
+                    target.keys, target.values = keys, values
+                    target.dtype, target.device, target.is_initialized = (
+                        layer.dtype, layer.device, True)

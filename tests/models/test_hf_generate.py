@@ -122,6 +122,26 @@ def test_four_lanes_and_an_end_token(request):
     assert (got[1, 9 + 5:] == 0).all()  # padded after its end token, as HuggingFace does
 
 
+# Issue 39: each lane's step read the stage's weights again; with more lanes than devices the
+# lanes waiting together now run as one batch, and give the same tokens.
+def test_lanes_waiting_together_run_as_one_batch(request, monkeypatch):
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    ids = torch.randint(3, VOCAB, (8, 9), generator=torch.Generator().manual_seed(2))
+    settings = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                    pad_token_id=0, do_sample=False)
+    wrapper = cleaned(request, inference(model, lanes=4))
+    wrapper.generate(**dict(settings, max_new_tokens=1))
+    session, sent = wrapper._compiled.engine.session, []
+    submit = session.submit
+    monkeypatch.setattr(session, "submit", lambda r, step: sent.append(step) or submit(r, step))
+    assert torch.equal(wrapper.generate(**settings), model.generate(**settings))
+    # 4 lanes alike on 2 devices: the steps go as batches of two lanes (2 * NEW of them when
+    # every lane waits for its partner; a lane whose partner is busy elsewhere goes alone)
+    batched = [s for s in sent if len(s.lanes) == 2 and s.batched]
+    assert len(batched) >= NEW and all(len(s.lanes) <= 2 for s in sent)
+
+
 def test_encoder_decoder_generates_in_the_stages_like_plain_hf(request):
     torch.manual_seed(0)
     model = t5().eval()
@@ -212,7 +232,10 @@ def test_an_inference_call_after_generate_compiles_for_its_own_inputs(request):
 
 
 class _Scoped(transformers.GPT2LMHeadModel):
-    """GPT-2 split by Block scopes in forward: the layers in one, the head in another."""
+    """GPT-2 split by Blocks begun in forward: the layers in one, the head in another, each a
+    `with Block(...)` scope, or (floating) started by Block.start."""
+
+    floating = False
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None,
                 use_cache=None, position_ids=None, cache_position=None, **kwargs):
@@ -220,25 +243,51 @@ class _Scoped(transformers.GPT2LMHeadModel):
             out = self.transformer(input_ids, attention_mask=attention_mask,
                                    past_key_values=past_key_values, use_cache=use_cache,
                                    position_ids=position_ids, cache_position=cache_position)
-        with poptorch.Block("head", ipu_id=1):
+        if self.floating:
+            poptorch.Block.start("head", ipu_id=1)
             logits = self.lm_head(out[0])
+        else:
+            with poptorch.Block("head", ipu_id=1):
+                logits = self.lm_head(out[0])
         return transformers.modeling_outputs.CausalLMOutputWithPast(
             logits=logits, past_key_values=out.past_key_values)
 
 
-# Issue 39: a Block-scope split was refused inside a worker, as "stage 1 failed outside the
-# schedule", naming neither the block nor the layer to mark instead.
-def test_a_block_scope_split_is_refused_naming_the_block_and_the_fix(request):
+class _ScopedLayers(transformers.GPT2LMHeadModel):
+    """GPT-2 whose layers each run in a `with Block(...)` scope inside the layer stack's own
+    forward (hooks), two layers per device, and the rest on device 1 from Block.start: stage
+    1 begins mid-stack."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        for i, layer in enumerate(self.transformer.h):
+            layer.register_forward_pre_hook(_scope_enter(f"layer{i}", i // 2))
+            layer.register_forward_hook(_scope_exit)
+        self.transformer.ln_f.register_forward_pre_hook(
+            lambda module, args: poptorch.Block.start("tail", ipu_id=1))
+
+
+def _scope_enter(name: str, ipu: int):
+    def enter(module, args):
+        module._scope = poptorch.Block(name, ipu_id=ipu)
+        module._scope.__enter__()
+    return enter
+
+
+def _scope_exit(module, args, output):
+    module.__dict__.pop("_scope").__exit__(None, None, None)
+
+
+# Issue 39: a Block-scope split could not generate (refused, naming the block and asking for a
+# BeginBlock on a layer instead): a stage begun inside forward has no module to enter at.
+@pytest.mark.parametrize("kind", ["scope", "start", "layers"])
+def test_a_split_begun_inside_forward_generates_like_plain_hf(request, kind: str):
     torch.manual_seed(0)
-    model = _Scoped(gpt2().config).eval()
+    config = poptorch.removeBlocks(gpt2()).config
+    model = (_ScopedLayers if kind == "layers" else _Scoped)(config).eval()
+    model.floating = kind == "start"
     opts = poptorch.Options().deviceIterations(2).showCompilationProgressBar(False)
     wrapper = cleaned(request, poptorch.inferenceModel(model, opts))
-    with pytest.raises(ConfigError, match=r"stage 1 begins with block 'head', a `with "
-                                          r"poptorch.Block\(...\)` scope inside forward: split "
-                                          r"the model with poptorch.BeginBlock\(layer, 'head', "
-                                          r"ipu_id=1\)"):
-        wrapper.generate(**prompts(), max_new_tokens=2, pad_token_id=0)
-    ids = prompts()["input_ids"]
-    with torch.no_grad():  # the workers were never touched: the wrapper runs on
-        torch.testing.assert_close(wrapper(input_ids=ids, use_cache=False).logits,
-                                   model(input_ids=ids, use_cache=False).logits)
+    same_as_plain(wrapper, model, do_sample=False)
+    same_as_plain(wrapper, model, do_sample=True, top_k=20)
+    assert_in_processes(wrapper, 2)
