@@ -43,7 +43,7 @@ import torch.nn as nn
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel import generation, placement as places
-from pipetorch.parallel import arena, exits, pool, resident, shm, signatures, wire
+from pipetorch.parallel import arena, cross_process, exits, pool, resident, shm, signatures, wire
 from pipetorch.weights import mapped, snapshot
 from pipetorch.weights.points import Points
 from pipetorch.parallel.compile_plan import CompilePlan
@@ -98,7 +98,7 @@ class ProcessEngine:
     def __init__(self, model: nn.Module, plan: CompilePlan, *, batching: Batching,
                  optimizer: torch.optim.Optimizer | None, process: tuple[int, int] = (0, 1),
                  seed: int | None = None, writer: mapped.Writer | None = None,
-                 sharding: int | None = None) -> None:
+                 sharding: int | None = None, across: bool = False) -> None:
         assert plan.graphs is not None, "stage workers run the plan's stage graphs"
         staged, routes, specs = plan.graphs.staged, plan.graphs.routes, plan.graphs.specs
         schedule, placements = plan.schedule, plan.placements
@@ -129,6 +129,13 @@ class ProcessEngine:
         self.peak_memory: dict[int, int] = {}
         self.timeout = environment.get("timeout")
         self.specs, self.placements = specs, list(placements)
+        # Distributed.stagesAcrossProcesses: this process runs its own devices' workers only,
+        # and exchanges outputs and weights with the others (parallel.cross_process)
+        self.spread = (cross_process.spread(placements, plan.owners, process=process[0],
+                                            processes=process[1]) if across else None)
+        if self.spread is not None:
+            self.placements = cross_process.local_placements(placements, self.spread)
+        self._hosts: cross_process.HostLink | None = None
         self.devices = len(self.placements) // self.replicas  # workers per replica
         self.owners = plan.owners
         self.auto = schedule == "auto"  # Training.pipelineSchedule("auto"): the simulator
@@ -158,9 +165,14 @@ class ProcessEngine:
     def _launch(self) -> None:
         """Start a worker per device and replica with the host copy's weights and optimiser
         state."""
+        spread = self.spread
         meeting = next_rendezvous(process_id=self.process_id, num_processes=self.num_processes,
-                                  devices=self.devices, replicas=self.replicas,
-                                  timeout=self.timeout)
+                                  devices=len(spread.ipus) if spread else self.devices,
+                                  replicas=self.replicas, timeout=self.timeout,
+                                  across=spread is not None)
+        if spread is not None:  # every process is there before any starts workers
+            self._hosts = cross_process.HostLink(meeting, spread, self.timeout)
+            self._across("start-up", None)
         self._segments.append(shm.segment_prefix(os.getpid(), meeting.prefix))
         devices = tuple(p.device for p in self.placements)
         keep = self.optimizer is not None and self._snapshots.setting != "0"
@@ -184,7 +196,8 @@ class ProcessEngine:
             setup = Setup(stages, optimizer, specs, self.schedule, self.owners, devices,
                           self.ties, self.sharding)
             launch = Launch(placement, meeting,
-                            self.process_id * self.replicas + placement.replica, self.timeout,
+                            (0 if spread else self.process_id * self.replicas)
+                            + placement.replica, self.timeout,
                             os.getpid(), self._folder if keep and (
                                 placement.replica == 0 or self.sharding) else None,
                             self.seed, start_snapshot)
@@ -399,7 +412,8 @@ class ProcessEngine:
         """D optimiser steps of G micro-batches on each replica (laid out [D][G][R])."""
         b = self.batching
         assert self.optimizer is not None and len(micro_batches) == b.micro_batches
-        every = dataclasses.replace(b, replication_factor=self.replicas * self.num_processes)
+        every = dataclasses.replace(b, replication_factor=self.replicas * (
+            1 if self.spread else self.num_processes))
         self._run(micro_batches, collector, training=True, iterations=b.device_iterations,
                   per_iteration=b.gradient_accumulation,
                   scale=reduction_multiplier(every))
@@ -436,6 +450,8 @@ class ProcessEngine:
              training: bool, iterations: int, per_iteration: int, scale: float) -> None:
         """Send replica r the micro-batches r, r + R, r + 2R, ... and collect what comes back."""
         self._revive()
+        if self._hosts is not None:
+            self._across("the start of a call", None, check=True)
         if training:
             self._return_state()
         try:
@@ -513,6 +529,9 @@ class ProcessEngine:
                     self.peak_memory[trace.stage] = max(trace.peak_memory,
                                                         self.peak_memory.get(trace.stage, 0))
         self.last_trace = sorted(traces, key=lambda t: (t.replica, t.stage))
+        if self._hosts is not None:  # the other processes' stages' outputs
+            for theirs in self._across("the outputs of a call", outputs).values():
+                outputs.update(theirs)
         for j in sorted(wanted):
             for replica in range(replicas):
                 m = j * replicas + replica
@@ -545,11 +564,37 @@ class ProcessEngine:
                 for _ in range(count):
                     loader.put(self._receive(peer, "copyWeightsToHost"))
             loader.finish()
+            if self._hosts is not None:  # the other processes' stages, from their hosts
+                self._pull_across(optimizer_state and self.optimizer is not None)
             self.points.pulled(optimizer_state=optimizer_state and self.optimizer is not None)
         except DeviceError as exc:
             logger.warning("Could not copy the weights from the stage workers (%s): the host "
                            "copy keeps the weights of the last completed call",
                            str(exc).splitlines()[0])
+
+    # -- one pipeline over several processes (parallel.cross_process) ----------------------
+    def _across(self, what: str, value: Any, *, check: bool = False) -> dict[int, Any]:
+        """One round of values with the other host processes (with `check`, only whether
+        one failed); their failure or silence fails this engine too."""
+        assert self._hosts is not None
+        try:
+            if check:
+                self._hosts.check()
+                return {}
+            return self._hosts.exchange(what, value)
+        except DeviceError as exc:
+            self._fail(str(exc).splitlines()[0])
+            raise DeviceError(f"On {self._hosts.name}: {exc}") from None
+
+    def _pull_across(self, optimizer_state: bool) -> None:
+        """Each stage's weights (and optimiser state) into the host copy from the process
+        holding it: this process's stages out, the others' in."""
+        optimizer = self.optimizer if optimizer_state else None
+        mine = {s: snapshot.stage_state(self.staged.modules[s], optimizer)
+                for peer in self._first_replica for s in peer.stages}
+        for theirs in self._across("a copy of the weights to the host", mine).values():
+            for stage, state in theirs.items():
+                snapshot.load_stage_state(self.staged.modules[stage], optimizer, state)
 
     def _return_state(self) -> None:
         """The optimiser state a copy to the host moved there, back to replica 0's workers
@@ -606,7 +651,9 @@ class ProcessEngine:
         points = self.points
         if self.optimizer is None or (points.workers == 0 and self._shared is None):
             return  # with shared weights a cut call may have changed them: restore anyway
-        saved = ([snapshot.read(self._folder, r.index, points.saved) for r in self.routes]
+        held = {s for p in self.placements for s in p.stages}  # this process's stages
+        routes = [r for r in self.routes if r.index in held]
+        saved = ([snapshot.read(self._folder, r.index, points.saved) for r in routes]
                  if points.saved is not None else [])
         if points.saved == 0 and points.workers == 0 and any(s is None for s in saved):
             return  # start-up failed before its restore point: no call has run
@@ -621,7 +668,7 @@ class ProcessEngine:
                 "completed one (PIPETORCH_SNAPSHOTS=auto writes once writing costs at most a "
                 "tenth of the training time; =1 writes after every call)",
                 points.workers - points.saved)
-        for route, stage in zip(self.routes, saved):
+        for route, stage in zip(routes, saved):
             snapshot.load_stage_state(self.staged.modules[route.index], self.optimizer, stage)
 
     def push(self, *, optimizer_state: bool = False) -> None:
@@ -698,6 +745,9 @@ class ProcessEngine:
                                what=what, transfers=transfers)
         except wire.WorkerFailed as exc:
             message = self._describe(exc.failure) if exc.failure else str(exc)
+            if self._hosts is not None:
+                message = (f"On {self._hosts.name}: {message}\n(This pipeline runs "
+                           f"{self._hosts.layout.layout()}.)")
             self._fail(message.splitlines()[0])
             raise wire.WorkerFailed(message, exc.failure) from None
         except KeyboardInterrupt:
@@ -725,6 +775,8 @@ class ProcessEngine:
     def _fail(self, reason: str) -> None:
         if self._lost is None:
             self._restore_last_call()  # before the workers and their files go
+        if self._hosts is not None:
+            self._hosts.fail(reason)
         self._lost = reason
         _shutdown(self.peers, self._folder, grace=0.0, segments=self._segments)
 
