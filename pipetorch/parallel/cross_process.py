@@ -33,7 +33,7 @@ from pipetorch.parallel.rendezvous import Rendezvous
 
 __all__: list[str] = []
 
-_POLL = 0.05  # seconds between looks at the store while waiting for another process
+_POLL = 0.05  # the longest pause, in seconds, between looks at the store
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class HostLink:
         self._store = None  # type: ignore[assignment]
 
     def _wait(self, key: str, process: int, what: str) -> bytes:
-        deadline = time.monotonic() + self.timeout
+        deadline, pause = time.monotonic() + self.timeout, 0.001
         while True:
             found = self._failure()
             if found is not None:
@@ -141,7 +141,8 @@ class HostLink:
                     f"sent nothing for {what} within {self.timeout:.0f}s (PIPETORCH_TIMEOUT): "
                     "it stopped answering, never joined, or did not reach this point of the "
                     "script; every process of one pipeline must run the same calls and reads")
-            time.sleep(_POLL)
+            time.sleep(pause)  # from a millisecond, the usual lag, up to _POLL
+            pause = min(2 * pause, _POLL)
 
     def _failure(self) -> DeviceError | None:
         for q in range(self.layout.processes):

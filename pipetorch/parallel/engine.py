@@ -746,8 +746,9 @@ class ProcessEngine:
         except wire.WorkerFailed as exc:
             message = self._describe(exc.failure) if exc.failure else str(exc)
             if self._hosts is not None:
-                message = (f"On {self._hosts.name}: {message}\n(This pipeline runs "
-                           f"{self._hosts.layout.layout()}.)")
+                first, newline, rest = message.partition("\n")
+                message = (f"On {self._hosts.name}: {first} (this pipeline runs "
+                           f"{self._hosts.layout.layout()}){newline}{rest}")
             self._fail(message.splitlines()[0])
             raise wire.WorkerFailed(message, exc.failure) from None
         except KeyboardInterrupt:
