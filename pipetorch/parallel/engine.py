@@ -563,9 +563,9 @@ class ProcessEngine:
             for peer, count in zip(self._first_replica, counts):
                 for _ in range(count):
                     loader.put(self._receive(peer, "copyWeightsToHost"))
-            loader.finish()
             if self._hosts is not None:  # the other processes' stages, from their hosts
-                self._pull_across(optimizer_state and self.optimizer is not None)
+                self._pull_across(loader, optimizer_state and self.optimizer is not None)
+            loader.finish()
             self.points.pulled(optimizer_state=optimizer_state and self.optimizer is not None)
         except DeviceError as exc:
             logger.warning("Could not copy the weights from the stage workers (%s): the host "
@@ -586,15 +586,16 @@ class ProcessEngine:
             self._fail(str(exc).splitlines()[0])
             raise DeviceError(f"On {self._hosts.name}: {exc}") from None
 
-    def _pull_across(self, optimizer_state: bool) -> None:
+    def _pull_across(self, loader: snapshot.Loader, optimizer_state: bool) -> None:
         """Each stage's weights (and optimiser state) into the host copy from the process
-        holding it: this process's stages out, the others' in."""
+        holding it: this process's stages out, the others' into `loader`."""
         optimizer = self.optimizer if optimizer_state else None
         mine = {s: snapshot.stage_state(self.staged.modules[s], optimizer)
                 for peer in self._first_replica for s in peer.stages}
         for theirs in self._across("a copy of the weights to the host", mine).values():
             for stage, state in theirs.items():
-                snapshot.load_stage_state(self.staged.modules[stage], optimizer, state)
+                for item in snapshot.items(stage, state):
+                    loader.put(item)
 
     def _return_state(self) -> None:
         """The optimiser state a copy to the host moved there, back to replica 0's workers
