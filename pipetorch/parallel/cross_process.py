@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import io
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -76,12 +77,14 @@ def spread(placements: Sequence[Placement], owners: Sequence[int], *, process: i
 
 
 def local_placements(placements: Sequence[Placement], layout: Spread) -> list[Placement]:
-    """The placements of this process's devices, on this machine's devices in turn (its
-    first GPU first, whatever the ipu's number), its CPU cores shared among them."""
+    """The placements of this process's devices, on this machine's devices in turn (from
+    its first GPU, whatever the ipu's number; several processes on one machine, torchrun's
+    LOCAL_RANK, take the next ones), its CPU cores shared among them."""
     mine = [p for p in placements if layout.holder(layout.ipus.index(p.ipu)) == layout.process]
     found = places.physical()
     threads = found.threads or max(1, found.cores // len(mine))
-    return [dataclasses.replace(p, device=found.devices[n % len(found.devices)],
+    first = int(os.environ.get("LOCAL_RANK", "0")) * len(mine)
+    return [dataclasses.replace(p, device=found.devices[(first + n) % len(found.devices)],
                                 threads=threads) for n, p in enumerate(mine)]
 
 

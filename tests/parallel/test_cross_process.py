@@ -9,7 +9,7 @@ from helpers.reference import plain_train_call
 from helpers.torchrun import two_nodes
 from pipetorch.errors import ConfigError
 from pipetorch.parallel import cross_process
-from pipetorch.parallel.placement import Placement, running
+from pipetorch.parallel.placement import Physical, Placement, running
 
 TIMEOUT = 20  # PIPETORCH_TIMEOUT of the fault jobs, seconds
 
@@ -53,12 +53,20 @@ def test_a_fault_on_one_process_raises_on_every_process(tmp_path, mode):
         assert not [pid for pid in result["pids"] if running(pid)], (p, error)  # no orphan
 
 
-def test_devices_are_shared_out_in_blocks_of_processes():
+def test_devices_are_shared_out_in_blocks_of_processes(monkeypatch):
     placements = [Placement((s,), ipu, "cpu", 1, r) for r in range(2) for s, ipu in
                   enumerate([0, 1, 2, 3])]
     layout = cross_process.spread(placements, (0, 1, 2, 3), process=1, processes=2)
     assert [layout.holder(d) for d in range(4)] == [0, 0, 1, 1]
     mine = cross_process.local_placements(placements, layout)
     assert [(p.ipu, p.replica) for p in mine] == [(2, 0), (3, 0), (2, 1), (3, 1)]
+    # on GPUs: this machine's own, from the first; a second process here takes the next ones
+    monkeypatch.setattr(cross_process.places, "physical",
+                        lambda: Physical(("cuda:0", "cuda:1", "cuda:2", "cuda:3"), 8, None))
+    assert [p.device for p in cross_process.local_placements(placements[:4], layout)] == [
+        "cuda:0", "cuda:1"]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert [p.device for p in cross_process.local_placements(placements[:4], layout)] == [
+        "cuda:2", "cuda:3"]
     with pytest.raises(ConfigError, match="3 ipu"):
         cross_process.spread(placements[:3], (0, 1, 2), process=0, processes=2)
