@@ -14,7 +14,7 @@ ROOT = Path(pipetorch.__file__).parent
 MODULE_LINES, CLASS_LINES = 500, 300
 # classes over CLASS_LINES (issue 37 split ProcessEngine, PoplarExecutor, StageExecutor and
 # AsynchronousDataAccessor; this remains)
-KNOWN_CLASSES = {"pipetorch/options/run_setters.py:RunSetters": 307}
+KNOWN_CLASSES = {"pipetorch/options/run_setters.py:RunSetters": 306}
 # the share of annotated parameters mentioning Any (the goal is 5%: lower this as it falls)
 ANY_SHARE = 0.164
 

@@ -173,7 +173,7 @@ class DataLoader(torch.utils.data.DataLoader):
         iterable = isinstance(dataset, IterableDataset)
         samples.check_dataset(dataset)
         _check_batch_sampler(user_batch_sampler, batch_size, shuffle, user_sampler, iterable,
-                             processes=options.Distributed.num_processes
+                             processes=options.Distributed.data_share[1]
                              if auto_distributed_partitioning else 1)
 
         micro = batch_size if user_batch_sampler is None else getattr(
@@ -247,7 +247,7 @@ class DataLoader(torch.utils.data.DataLoader):
     def _base_sampler(self, dataset: Any, iterable: bool, shuffle: bool, drop_last: bool,
                       user_sampler: Any, auto_partition: bool, num_workers: int,
                       kwargs: dict[str, Any]) -> Any:
-        processes = self._options.Distributed.num_processes
+        processes = self._options.Distributed.data_share[1]
         if iterable:
             if auto_partition and processes > 1:
                 raise ValueError(

@@ -20,7 +20,7 @@ class _DistributedOptions(OptionGroup):
     """
 
     _LABEL = "Options.Distributed"
-    _DEFAULTS: dict[str, Any] = {"configured": None, "env_var_names": None}
+    _DEFAULTS: dict[str, Any] = {"configured": None, "env_var_names": None, "across": False}
 
     def _resolved(self) -> tuple[int, int]:
         if self._values["configured"] is not None:
@@ -81,6 +81,25 @@ class _DistributedOptions(OptionGroup):
         self._set(env_var_names=names)
         return self
 
+    @property
+    def stages_across_processes(self) -> bool:
+        """Whether the processes run one pipeline together (`stagesAcrossProcesses`)."""
+        return self._values["across"]
+
+    @property
+    def data_share(self) -> tuple[int, int]:
+        """(share, shares) of the data this process reads: one pipeline's processes read the
+        same share, so with `stagesAcrossProcesses` every process reads the whole data."""
+        return (0, 1) if self.stages_across_processes else self._resolved()
+
+    def stagesAcrossProcesses(self, enabled: bool = True) -> _DistributedOptions:
+        """One pipeline over all the processes (a pipetorch extension): devices are numbered
+        across them, process p holding ipus p*k .. p*k + k - 1 of every replica (k: the
+        model's ipus / processes); every process passes the same inputs and gets the outputs
+        (docs/machines.md, "One pipeline over several machines")."""
+        self._set(across=check.boolean("stagesAcrossProcesses", "enabled", enabled))
+        return self
+
     def disable(self) -> _DistributedOptions:
         """Ignore the environment: run as the only process (0 of 1)."""
         self._set(configured=(0, 1))
@@ -89,4 +108,5 @@ class _DistributedOptions(OptionGroup):
     def _export(self) -> dict[str, Any]:
         names = self._values["env_var_names"]
         return {"process_id": self.process_id, "num_processes": self.num_processes,
-                "env_var_names": list(names) if names else None}
+                "env_var_names": list(names) if names else None,
+                "stages_across_processes": self.stages_across_processes}

@@ -118,11 +118,9 @@ class RunSetters(OptionGroup):
 
     @property
     def input_replica_grouping(self) -> tuple[int, CommGroupType]:
-        """(number of distinct input streams, arrangement); (R, Consecutive) by default.
-
-        With input_group_size k, Consecutive gives replicas {0..k-1} stream 0, {k..2k-1}
-        stream 1, ...; Orthogonal gives replica r stream r % input_group_count.
-        """
+        """(number of distinct input streams, arrangement); (R, Consecutive) by default. With
+        input_group_size k, Consecutive gives replicas {0..k-1} stream 0, {k..2k-1} stream 1,
+        ...; Orthogonal gives replica r stream r % input_group_count."""
         return self.input_group_count, self._values["input_group_type"]
 
     def deviceIterations(self, device_iterations: int) -> Options:

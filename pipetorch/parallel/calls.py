@@ -41,7 +41,10 @@ class Calls:
         e = self.engine
         b = e.batching
         assert e.optimizer is not None and len(micro_batches) == b.micro_batches
-        every = dataclasses.replace(b, replication_factor=e.replicas * e.num_processes)
+        # the replicas summing gradients: every process's, or (one pipeline over the
+        # processes) this process's, which hold all of them
+        every = dataclasses.replace(b, replication_factor=e.replicas * (
+            1 if e.spread else e.num_processes))
         self._run(micro_batches, collector, training=True, iterations=b.device_iterations,
                   per_iteration=b.gradient_accumulation, scale=reduction_multiplier(every))
         e.choice.called(e.last_trace, e.workers)
@@ -54,6 +57,8 @@ class Calls:
     def _run(self, micro_batches: MicroBatches, collector: OutputCollector, *,
              training: bool, iterations: int, per_iteration: int, scale: float) -> None:
         """Send replica r the micro-batches r, r + R, r + 2R, ... and collect what comes back."""
+        if self.engine.workers.link is not None:
+            self.engine.workers.across("the start of a call", check=True)
         if training:
             self.engine.sync.return_state()
         try:
@@ -136,6 +141,9 @@ class Calls:
                     e.peak_memory[trace.stage] = max(trace.peak_memory,
                                                      e.peak_memory.get(trace.stage, 0))
         e.last_trace = sorted(traces, key=lambda t: (t.replica, t.stage))
+        if e.workers.link is not None:  # the other processes' stages' outputs
+            for theirs in e.workers.across("the outputs of a call", outputs).values():
+                outputs.update(cast(dict, theirs))
         for j in sorted(wanted):
             for replica in range(replicas):
                 micro = j * replicas + replica

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
-from pipetorch.parallel import generation, shm, wire
+from pipetorch.parallel import cross_process, generation, shm, wire
 from pipetorch.parallel import messages as m
 from pipetorch.parallel.calls import Calls, MicroBatches
 from pipetorch.parallel.compile_plan import CompilePlan
@@ -58,7 +58,7 @@ class ProcessEngine:
     def __init__(self, model: nn.Module, plan: CompilePlan, *, batching: Batching,
                  optimizer: torch.optim.Optimizer | None, process: tuple[int, int] = (0, 1),
                  seed: int | None = None, writer: mapped.Writer | None = None,
-                 sharding: int | None = None) -> None:
+                 sharding: int | None = None, across: bool = False) -> None:
         assert plan.graphs is not None, "stage workers run the plan's stage graphs"
         self.plan = plan  # what compiling decided; the fields below change as the engine runs
         self.model, self.optimizer, self.batching = model, optimizer, batching
@@ -82,6 +82,12 @@ class ProcessEngine:
         self.peak_memory: dict[int, int] = {}
         self.timeout = environment.get("timeout")
         self.placements, self.owners = list(plan.placements), plan.owners
+        # Distributed.stagesAcrossProcesses: this process runs its own devices' workers only,
+        # and exchanges outputs and weights with the others (parallel.cross_process)
+        self.spread = (cross_process.spread(self.placements, self.owners, process=self.process_id,
+                                            processes=self.num_processes) if across else None)
+        if self.spread is not None:
+            self.placements = cross_process.local_placements(self.placements, self.spread)
         self.choice = ScheduleChoice(plan.schedule, stages=len(self.routes), owners=self.owners,
                                      accumulation=batching.gradient_accumulation)
         self.ties = ties_of(model, self.staged, self.owners)  # weights held on several devices
@@ -98,9 +104,14 @@ class ProcessEngine:
     def _launch(self) -> None:
         """Start a worker per device and replica with the host copy's weights and optimiser
         state."""
+        spread = self.spread
         meeting = next_rendezvous(process_id=self.process_id, num_processes=self.num_processes,
-                                  devices=self.workers.devices, replicas=self.replicas,
-                                  timeout=self.timeout)
+                                  devices=len(spread.ipus) if spread else self.workers.devices,
+                                  replicas=self.replicas, timeout=self.timeout,
+                                  across=spread is not None)
+        if spread is not None:  # every process is there before any starts workers
+            self.workers.link = cross_process.HostLink(meeting, spread, self.timeout)
+            self.workers.across("start-up")
         devices = tuple(p.device for p in self.placements)
         keep = self.optimizer is not None and self.sync.snapshots.setting != "0"
         shares = self.sync.share(keep)
@@ -122,7 +133,8 @@ class ProcessEngine:
             setup = m.Setup(stages, self._stage_optimizer(placement.stages, stages), specs,
                             self.schedule, self.owners, devices, self.ties, self.sharding)
             launch = m.Launch(placement, meeting,
-                              self.process_id * self.replicas + placement.replica, self.timeout,
+                              (0 if spread else self.process_id * self.replicas)
+                              + placement.replica, self.timeout,
                               os.getpid(), folder if placement.replica == 0 or self.sharding
                               else None, self.seed, start_snapshot)
             try:  # the stage's tensors go from their own memory, storage by storage

@@ -68,12 +68,14 @@ def _host_store(process_id: int, num_processes: int, timeout: float) -> tuple[st
 
 
 def next_rendezvous(*, process_id: int, num_processes: int, devices: int, replicas: int,
-                    timeout: float) -> Rendezvous:
-    """The meeting point of this launch's workers (replicas: this process's replicationFactor)."""
+                    timeout: float, across: bool = False) -> Rendezvous:
+    """The meeting point of this launch's workers (replicas: this process's replicationFactor;
+    `across`: the processes hold one pipeline's devices, `devices` of them in all, and share
+    its replicas rather than adding their own)."""
     global _launches
     _launches += 1
     address, port = _host_store(process_id, num_processes, timeout)
-    total = replicas * num_processes
+    total = replicas if across else replicas * num_processes
     return Rendezvous(address, port, f"pipetorch/{_launches}/", total * devices, devices, total)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections import defaultdict
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -115,12 +115,26 @@ class WeightSync:
                 assert isinstance(count, int)
                 for _ in range(count):
                     loader.put(workers.receive(peer, "copyWeightsToHost"))  # type: ignore[arg-type]
+            if workers.link is not None:  # the other processes' stages, from their hosts
+                self._pull_across(loader, optimizer_state and e.optimizer is not None)
             loader.finish()
             self.points.pulled(optimizer_state=optimizer_state and e.optimizer is not None)
         except DeviceError as exc:
             logger.warning("Could not copy the weights from the stage workers (%s): the host "
                            "copy keeps the weights of the last completed call",
                            str(exc).splitlines()[0])
+
+    def _pull_across(self, loader: snapshot.Loader, optimizer_state: bool) -> None:
+        """Each stage's weights (and optimiser state) into the host copy from the process
+        holding it: this process's stages out, the others' into `loader`."""
+        e = self.engine
+        optimizer = e.optimizer if optimizer_state else None
+        mine = {s: snapshot.stage_state(e.staged.modules[s], optimizer)
+                for peer in e.workers.first_replica for s in peer.stages}
+        for theirs in e.workers.across("a copy of the weights to the host", mine).values():
+            for stage, state in cast(dict, theirs).items():
+                for item in snapshot.items(stage, state):
+                    loader.put(item)
 
     def return_state(self) -> None:
         """The optimiser state a copy to the host moved there, back to replica 0's workers
@@ -167,7 +181,9 @@ class WeightSync:
         if e.optimizer is None or (points.workers == 0 and self.shared is None):
             return  # with shared weights a cut call may have changed them: restore anyway
         folder = e.workers.folder
-        saved = ([snapshot.read(folder, r.index, points.saved) for r in e.routes]
+        held = {s for p in e.placements for s in p.stages}  # this process's stages
+        routes = [r for r in e.routes if r.index in held]
+        saved = ([snapshot.read(folder, r.index, points.saved) for r in routes]
                  if points.saved is not None else [])
         if points.saved == 0 and points.workers == 0 and any(s is None for s in saved):
             return  # start-up failed before its restore point: no call has run
@@ -182,7 +198,7 @@ class WeightSync:
                 "completed one (PIPETORCH_SNAPSHOTS=auto writes once writing costs at most a "
                 "tenth of the training time; =1 writes after every call)",
                 points.workers - points.saved)
-        for route, stage in zip(e.routes, saved):
+        for route, stage in zip(routes, saved):
             snapshot.load_stage_state(e.staged.modules[route.index], e.optimizer, stage)
 
     def push(self, *, optimizer_state: bool = False) -> None:

@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from typing import Callable, Sequence
 
 from pipetorch.errors import DeviceError
-from pipetorch.parallel import arena, exits, pool, shm, wire
+from pipetorch.parallel import arena, cross_process, exits, pool, shm, wire
 from pipetorch.parallel import messages as m
 from pipetorch.parallel import placement as places
 from pipetorch.schedule.plans import Batching
@@ -45,6 +45,8 @@ class WorkerSet:
         self.lost: str | None = None
         self.interrupted = False  # Ctrl-C stopped the workers; the next use starts new ones
         self.on_loss: Callable[[], None] = lambda: None
+        # the pipeline's other host processes (Distributed.stagesAcrossProcesses), else None
+        self.link: cross_process.HostLink | None = None
         self.folder = tempfile.mkdtemp(prefix="pipetorch-")
         self.peers: list[wire.Peer] = []
         self.segments: list[str] = []  # each launch's shared-memory name prefix
@@ -124,6 +126,10 @@ class WorkerSet:
                                what=what, transfers=transfers)
         except wire.WorkerFailed as exc:
             message = self.describe(exc.failure) if exc.failure else str(exc)
+            if self.link is not None:
+                first, newline, rest = message.partition("\n")
+                message = (f"On {self.link.name}: {first} (this pipeline runs "
+                           f"{self.link.layout.layout()}){newline}{rest}")
             self.fail(message.splitlines()[0])
             raise wire.WorkerFailed(message, exc.failure) from None
         except KeyboardInterrupt:
@@ -161,8 +167,24 @@ class WorkerSet:
     def fail(self, reason: str) -> None:
         if self.lost is None:
             self.on_loss()  # before the workers and their files go
+        if self.link is not None:
+            self.link.fail(reason)
         self.lost = reason
         self.stop(grace=0.0)
+
+    def across(self, what: str, value: object = None, *, check: bool = False
+               ) -> dict[int, object]:
+        """One round of values with the pipeline's other host processes (with `check`, only
+        whether one failed); their failure or silence fails these workers too."""
+        assert self.link is not None
+        try:
+            if check:
+                self.link.check()
+                return {}
+            return self.link.exchange(what, value)
+        except DeviceError as exc:
+            self.fail(str(exc).splitlines()[0])
+            raise DeviceError(f"On {self.link.name}: {exc}") from None
 
     def stop(self, *, grace: float = _STOP_GRACE, remove: bool = True) -> None:
         """Stop the workers (`remove`: and their files); new ones may start later."""

@@ -138,7 +138,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
 
             engine = ProcessEngine(
                 model, plan, batching=batching, optimizer=device_opt, process=config.process,
-                seed=config.seed, sharding=config.sharding,
+                seed=config.seed, sharding=config.sharding, across=config.across,
                 writer=weight_files.output_of(user_model) if model is user_model else None)
         graph.save()  # the capture and what was measured from it, for the next run
         bar.update()

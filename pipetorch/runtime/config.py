@@ -37,6 +37,7 @@ class RunConfig:
     precision: Any             # Precision: what partition.casting reads
     compile_backend: str | None  # Jit.compileStages, else $PIPETORCH_COMPILE
     execution: str             # $PIPETORCH_EXECUTION
+    across: bool = False       # Distributed.stagesAcrossProcesses: one pipeline, all processes
 
 
 def run_config(options: Any) -> RunConfig:
@@ -59,4 +60,5 @@ def run_config(options: Any) -> RunConfig:
         cache_dir=options.executable_cache_dir, settings=options.toDict(),
         precision=options.Precision,
         compile_backend=chosen if chosen is not None else environment.get("compile"),
-        execution=environment.get("execution"))
+        execution=environment.get("execution"),
+        across=options.Distributed.stages_across_processes)

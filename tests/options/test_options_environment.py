@@ -122,6 +122,18 @@ def test_configure_process_id_wins_over_environment(monkeypatch):
     assert (Options().Distributed.disable().process_id, Options().Distributed.process_id) == (0, 5)
 
 
+def test_stages_across_processes_read_the_same_data_on_every_process():
+    opts = Options()
+    opts.Distributed.configureProcessId(1, 2)
+    assert opts.Distributed.data_share == (1, 2)  # data parallel: each its own share
+    opts.Distributed.stagesAcrossProcesses(True)
+    assert opts.Distributed.data_share == (0, 1)  # one pipeline: all the data, on each
+    assert opts.Distributed.process_id == 1 and opts.toDict()["Distributed"][
+        "stages_across_processes"] is True
+    with pytest.raises(TypeError, match="stagesAcrossProcesses: enabled must be True or False"):
+        opts.Distributed.stagesAcrossProcesses(1)
+
+
 @pytest.mark.parametrize("size, rank, message", [
     ("2", "2", "OMPI_COMM_WORLD_RANK=2 and OMPI_COMM_WORLD_SIZE=2 need 0 <= OMPI_COMM_WORLD_RANK "
                "< OMPI_COMM_WORLD_SIZE"),

@@ -114,7 +114,8 @@ def test_to_dict_holds_every_option_and_is_json_serialisable():
     assert out["Training"]["accumulation_and_replication_reduction_type"] == ReductionType.Sum
     assert out["TensorLocations"]["optimizer_location"]["use_on_chip_storage"] is False
     assert out["Precision"]["partials_type"] == "torch.float16"
-    assert out["Distributed"] == {"process_id": 0, "num_processes": 1, "env_var_names": None}
+    assert out["Distributed"] == {"process_id": 0, "num_processes": 1, "env_var_names": None,
+                                  "stages_across_processes": False}
     assert out["_Popart"] == {"options": {"key": [1, 2]}}
     assert out["execution_strategy"] == repr(opts.execution_strategy)
     expected_keys = set(Options._DEFAULTS) | set(Options._SUBGROUPS)

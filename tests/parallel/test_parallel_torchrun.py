@@ -1,7 +1,4 @@
 """Two torchrun nodes on 127.0.0.1: replicas span the nodes and train like one process."""
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,32 +7,15 @@ from torch.testing import assert_close
 
 import torchrun_job as job
 from helpers.reference import plain_train_call
+from helpers.torchrun import two_nodes
 
 pytestmark = pytest.mark.slow
 
 JOB = Path(job.__file__)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_train_like_two_replicas_in_one_process(tmp_path):
-    port = free_port()
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-         str(JOB), str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
-    try:
-        logs = [node.communicate(timeout=240)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(logs)
-    results = [torch.load(tmp_path / f"process{p}.pt", weights_only=False) for p in range(2)]
+    results = two_nodes(JOB, tmp_path)
     assert [(r["process"], r["processes"], r["workers"]) for r in results] == [(0, 2, 1), (1, 2, 1)]
 
     # One process with 2 replicas would see, per step, process 0's micro-batch as replica 0's

@@ -227,28 +227,11 @@ def test_snapshot_parts_join_into_whole_moments(tmp_path):
 def test_two_torchrun_processes_shard_over_their_own_replicas(tmp_path):
     # each process's 2 replicas share the state out (PopTorch's default); the slices are
     # summed over the processes: 4 replicas' numbers, as plain PyTorch computes them
-    import socket
-    import subprocess
-    import sys
-
     import torchrun_sharded_job as job
     from helpers.reference import plain_train_call
+    from helpers.torchrun import two_nodes
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
-         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-         job.__file__, str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in range(2)]
-    try:
-        logs = [node.communicate(timeout=300)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(logs)
-    results = [torch.load(tmp_path / f"process{p}.pt", weights_only=False) for p in range(2)]
+    results = two_nodes(job.__file__, tmp_path)
     data = job.dataset(2 * job.R)
     share, call = len(data) // 2, job.D * job.G * job.R * job.B
     torch.manual_seed(0)

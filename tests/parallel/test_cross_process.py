@@ -1,0 +1,72 @@
+"""One pipeline over two torchrun "machines" on 127.0.0.1 (Distributed.stagesAcrossProcesses):
+the same numbers as plain PyTorch on every process, and faults raised on every process."""
+import pytest
+import torch
+from torch.testing import assert_close
+
+import torchrun_pipeline_job as job
+from helpers.reference import plain_train_call
+from helpers.torchrun import two_nodes
+from pipetorch.errors import ConfigError
+from pipetorch.parallel import cross_process
+from pipetorch.parallel.placement import Physical, Placement, running
+
+TIMEOUT = 20  # PIPETORCH_TIMEOUT of the fault jobs, seconds
+
+
+def plain_calls(replicas: int):
+    """Plain PyTorch's losses of each call and its weights after each call."""
+    data = job.dataset(replicas)
+    call = job.D * job.G * job.B * replicas
+    torch.manual_seed(0)
+    plain = job.Net()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for c in range(job.CALLS):
+        rows = slice(c * call, (c + 1) * call)
+        got = plain_train_call(plain, optimizer, data.tensors[0][rows], data.tensors[1][rows],
+                               D=job.D, G=job.G, R=replicas)
+        yield torch.stack([loss for *_, loss in got]), plain.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, replicas, workers", [("train", 1, 1), ("replicas", 2, 2)])
+def test_one_pipeline_over_two_processes_trains_like_plain_pytorch(tmp_path, mode, replicas,
+                                                                   workers):
+    results = two_nodes(job.__file__, tmp_path, mode)
+    # each process runs its own stage's workers (of every replica) and no other
+    assert [len(r["pids"]) for r in results] == [workers, workers]
+    for c, (losses, state) in enumerate(plain_calls(replicas)):
+        for p, result in enumerate(results):
+            assert_close(result["losses"][c], losses, msg=f"process {p}, call {c}")
+            for name, value in state.items():
+                assert_close(result["states"][c][name], value, msg=f"process {p}, {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["kill", "stop", "absent"])
+def test_a_fault_on_one_process_raises_on_every_process(tmp_path, mode):
+    results = two_nodes(job.__file__, tmp_path, mode, env={"PIPETORCH_TIMEOUT": str(TIMEOUT)})
+    for p, result in enumerate(results):
+        error = result.get("error", "")
+        assert "rocess" in error and "stage" in error, (p, error)
+        assert result["seconds"] < 3 * TIMEOUT, (p, result["seconds"], error)  # not a hang
+        assert not [pid for pid in result["pids"] if running(pid)], (p, error)  # no orphan
+
+
+def test_devices_are_shared_out_in_blocks_of_processes(monkeypatch):
+    placements = [Placement((s,), ipu, "cpu", 1, r) for r in range(2) for s, ipu in
+                  enumerate([0, 1, 2, 3])]
+    layout = cross_process.spread(placements, (0, 1, 2, 3), process=1, processes=2)
+    assert [layout.holder(d) for d in range(4)] == [0, 0, 1, 1]
+    mine = cross_process.local_placements(placements, layout)
+    assert [(p.ipu, p.replica) for p in mine] == [(2, 0), (3, 0), (2, 1), (3, 1)]
+    # on GPUs: this machine's own, from the first; a second process here takes the next ones
+    monkeypatch.setattr(cross_process.places, "physical",
+                        lambda: Physical(("cuda:0", "cuda:1", "cuda:2", "cuda:3"), 8, None))
+    assert [p.device for p in cross_process.local_placements(placements[:4], layout)] == [
+        "cuda:0", "cuda:1"]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert [p.device for p in cross_process.local_placements(placements[:4], layout)] == [
+        "cuda:2", "cuda:3"]
+    with pytest.raises(ConfigError, match="3 ipu"):
+        cross_process.spread(placements[:3], (0, 1, 2), process=0, processes=2)
