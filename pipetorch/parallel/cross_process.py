@@ -9,9 +9,10 @@ runs the workers of its own devices; they join the one process group of every wo
 
 The hosts exchange, in rounds every process takes in the same order (they run the same
 script): the outputs of each call, and the stages' weights when the host copy is read. Each
-round's value goes through the store at MASTER_ADDR:MASTER_PORT. A process that fails writes
-its error there, so the others stop waiting at once and name it; one that never writes is
-named after PIPETORCH_TIMEOUT.
+round is an all-gather over a gloo process group of the host processes (a process's death
+breaks it at once). Each process also marks its arrival at a round in the store at
+MASTER_ADDR:MASTER_PORT, and writes its error there when it fails, so the others stop waiting
+at once and name it; one that never arrives is named after PIPETORCH_TIMEOUT.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,27 +90,39 @@ def local_placements(placements: Sequence[Placement], layout: Spread) -> list[Pl
 
 
 class HostLink:
-    """Rounds of values between the host processes of one pipeline, through the store."""
+    """Rounds of values between the host processes of one pipeline: all-gathers over a gloo
+    group of the hosts, with failure notices and arrival marks in torchrun's store."""
 
     def __init__(self, meeting: Rendezvous, layout: Spread, timeout: float) -> None:
         self.layout, self.timeout = layout, timeout
         self.name = f"process {layout.process} of {layout.processes} ({socket.gethostname()})"
-        wait = datetime.timedelta(seconds=timeout)
+        self._wait_for = datetime.timedelta(seconds=timeout)
         self._store = dist.PrefixStore(
             meeting.prefix + "hosts/",
-            dist.TCPStore(meeting.address, meeting.port, is_master=False, timeout=wait))
+            dist.TCPStore(meeting.address, meeting.port, is_master=False, timeout=self._wait_for))
+        self._group: dist.ProcessGroup | None = None  # joined once every process is there
         self._round = 0
         self._failed = False
 
-    def exchange(self, what: str, value: Any) -> dict[int, Any]:
-        """Send `value` to the other processes; their values of this round, by process."""
-        me, n = self.layout.process, self._round
-        self._round += 1
-        self._store.set(f"{n}/{me}", _dumps(value))
-        if n >= 2:  # everyone read round n - 2 before writing round n - 1, which we read
-            self._store.delete_key(f"{n - 2}/{me}")
-        return {q: _loads(self._wait(f"{n}/{q}", q, what))
-                for q in range(self.layout.processes) if q != me}
+    def exchange(self, what: str, value: object) -> dict[int, object]:
+        """Send `value` to the other processes; their values of this round, by process (the
+        first round waits for every process, then joins their gloo group)."""
+        if self._group is None:
+            self._arrive(what)
+            try:
+                self._group = dist.ProcessGroupGloo(dist.PrefixStore("group/", self._store),
+                                                    self.layout.process, self.layout.processes,
+                                                    self._wait_for)
+            except (RuntimeError, dist.DistError) as exc:
+                self.check()
+                raise self._broken(what, exc) from None
+        data = torch.frombuffer(bytearray(_dumps(value)), dtype=torch.uint8)
+        sizes = self._all_gather(torch.tensor([data.numel()]), what)
+        padded = torch.zeros(int(max(sizes)), dtype=torch.uint8)
+        padded[:data.numel()] = data
+        parts = self._all_gather(padded, what)
+        return {q: _loads(parts[q][:int(sizes[q])].numpy().tobytes())
+                for q in range(self.layout.processes) if q != self.layout.process}
 
     def check(self) -> None:
         """Raise if another process has failed (before starting a call with it)."""
@@ -126,26 +139,66 @@ class HostLink:
             except Exception:  # the store's process is gone: the others see that themselves
                 pass
 
-    def close(self) -> None:
-        self._store = None  # type: ignore[assignment]
-
-    def _wait(self, key: str, process: int, what: str) -> bytes:
+    def _all_gather(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every process's `tensor` (all the same shape), in process order."""
+        assert self._group is not None
+        out = [torch.empty_like(tensor) for _ in range(self.layout.processes)]
+        work = self._group.allgather([out], [tensor])
+        self._arrive(what, wait=False)
         deadline, pause = time.monotonic() + self.timeout, 0.001
-        while True:
-            found = self._failure()
-            if found is not None:
-                raise found
-            if self._store.check([key]):
-                return self._store.get(key)
+        while not work.is_completed():
+            self.check()
             if time.monotonic() > deadline:
-                stages = self.layout.stages_of(process)
-                raise DeviceError(
-                    f"Process {process} of {self.layout.processes} (running stage(s) {stages}) "
-                    f"sent nothing for {what} within {self.timeout:.0f}s (PIPETORCH_TIMEOUT): "
-                    "it stopped answering, never joined, or did not reach this point of the "
-                    "script; every process of one pipeline must run the same calls and reads")
+                raise self._silent(what)
             time.sleep(pause)  # from a millisecond, the usual lag, up to _POLL
             pause = min(2 * pause, _POLL)
+        try:
+            work.wait()
+        except RuntimeError as exc:  # a process died: its notice, else the broken link
+            time.sleep(_POLL)
+            self.check()
+            raise self._broken(what, exc) from None
+        return out
+
+    def _broken(self, what: str, exc: Exception) -> DeviceError:
+        others = [q for q in range(self.layout.processes) if q != self.layout.process]
+        return DeviceError(f"The link to {self._named(others)} broke during {what} "
+                           f"({str(exc).splitlines()[0]}): that process stopped")
+
+    def _arrive(self, what: str, *, wait: bool = True) -> None:
+        """Mark this process's arrival at this round; with `wait`, until every process has
+        (a process that never does is named after the timeout)."""
+        me, n = self.layout.process, self._round
+        self._round += 1
+        self._store.set(f"{n}/{me}", b"")
+        if n >= 2:  # everyone marked round n - 1 after round n - 2
+            self._store.delete_key(f"{n - 2}/{me}")
+        if not wait:
+            return
+        deadline, pause = time.monotonic() + self.timeout, 0.001
+        while not self._store.check([f"{n}/{q}" for q in range(self.layout.processes)]):
+            self.check()
+            if time.monotonic() > deadline:
+                raise self._silent(what, n)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL)
+        self.check()  # one there before failing, or gone since
+
+    def _silent(self, what: str, round_: int | None = None) -> DeviceError:
+        """The error naming the processes that have not reached round `round_` (the last)."""
+        n = self._round - 1 if round_ is None else round_
+        missing = [q for q in range(self.layout.processes) if q != self.layout.process
+                   and not self._store.check([f"{n}/{q}"])] or [
+            q for q in range(self.layout.processes) if q != self.layout.process]
+        return DeviceError(
+            f"{self._named(missing).capitalize()} sent nothing for {what} within "
+            f"{self.timeout:.0f}s (PIPETORCH_TIMEOUT): it stopped answering, never joined, or "
+            "did not reach this point of the script; every process of one pipeline must run "
+            "the same calls and reads")
+
+    def _named(self, processes: list[int]) -> str:
+        return " and ".join(f"process {q} of {self.layout.processes} (running stage(s) "
+                            f"{self.layout.stages_of(q)})" for q in processes)
 
     def _failure(self) -> DeviceError | None:
         for q in range(self.layout.processes):
@@ -157,11 +210,11 @@ class HostLink:
         return None
 
 
-def _dumps(value: Any) -> bytes:
+def _dumps(value: object) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
 
 
-def _loads(data: bytes) -> Any:
+def _loads(data: bytes) -> object:
     return torch.load(io.BytesIO(data), weights_only=False)
