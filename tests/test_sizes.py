@@ -12,9 +12,9 @@ import pipetorch
 
 ROOT = Path(pipetorch.__file__).parent
 MODULE_LINES, CLASS_LINES = 500, 300
-# classes over CLASS_LINES (issue 37 split ProcessEngine, PoplarExecutor, StageExecutor and
-# AsynchronousDataAccessor; this remains)
-KNOWN_CLASSES = {"pipetorch/options/run_setters.py:RunSetters": 306}
+# classes over CLASS_LINES (issue 37 split ProcessEngine, PoplarExecutor, StageExecutor,
+# AsynchronousDataAccessor and RunSetters; none remains)
+KNOWN_CLASSES: dict[str, int] = {}
 # the share of annotated parameters mentioning Any (the goal is 5%: lower this as it falls)
 ANY_SHARE = 0.164
 

@@ -13,12 +13,13 @@ from pipetorch.options.groups import (
 )
 from pipetorch.options.ipu_setters import IpuSetters
 from pipetorch.options.locations import _TensorLocationOptions
+from pipetorch.options.report_setters import ReportSetters
 from pipetorch.options.run_setters import RunSetters
 
 __all__ = ["Options"]
 
 
-class Options(RunSetters, IpuSetters):
+class Options(RunSetters, ReportSetters, IpuSetters):
     """All options controlling how a model is prepared and run.
 
     >>> opts = poptorch.Options().deviceIterations(10).replicationFactor(2).randomSeed(0)
@@ -33,7 +34,8 @@ class Options(RunSetters, IpuSetters):
     """
 
     _LABEL = "Options"
-    _DEFAULTS = {**RunSetters._OWN_DEFAULTS, **IpuSetters._OWN_DEFAULTS}
+    _DEFAULTS = {**RunSetters._OWN_DEFAULTS, **ReportSetters._OWN_DEFAULTS,
+                 **IpuSetters._OWN_DEFAULTS}
     _SUBGROUPS = ("Training", "Distributed", "TensorLocations", "Precision", "Jit", "_Popart")
 
     def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Options setters that change what runs: batching, outputs, seed, strategy, caching, reports."""
+"""Options setters that change what runs: batching, outputs, seed, strategy, caching."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +11,6 @@ from pipetorch.enums import AutoStage, CommGroupType, OutputMode
 from pipetorch.errors import ConfigError
 from pipetorch.options import _validate as check
 from pipetorch.options._group import OptionGroup, readback
-from pipetorch.options.environment import DEFAULT_REPORT_DIR, ENGINE_OPTIONS_VAR
 
 if TYPE_CHECKING:
     from pipetorch.options.options import Options
@@ -36,21 +35,14 @@ class RunSetters(OptionGroup):
         "auto_balance_devices": None,  # pipetorch extension: autoBalance(devices)
         "enable_synthetic_data": False,
         "executable_cache_dir": None,
-        "profiling_dir": None,
-        "log_dir": None,
-        "model_name": None,
         "auto_round_num_ipus": False,
         "broadcast_buffers": True,
-        "show_compilation_progress_bar": True,
-        "relax_optimizer_attributes_checks": False,
         "input_group_size": 1,
         "input_group_type": CommGroupType.Consecutive,
-        "max_repeat_logs": 4,
         "updatable_named_buffers": [],
         "check_non_finite": False,  # pipetorch extension: checkNonFinite()
         "input_signatures": "one",  # pipetorch extension: inputSignatures("several")
     }
-    _env_profiling_dir: str | None = None
 
     device_iterations = readback("device_iterations", "Iterations per host call (D).")
     replication_factor = readback("replication_factor", "Number of model replicas (R).")
@@ -63,23 +55,14 @@ class RunSetters(OptionGroup):
         "enable_synthetic_data", "Whether inputs are replaced by device-generated data.")
     executable_cache_dir = readback(
         "executable_cache_dir", "Directory caching prepared executables, or None.")
-    log_dir = readback("log_dir", "Directory for log files, or None (working directory).")
-    model_name = readback("model_name", "Name used for report subdirectories, or None.")
     auto_round_num_ipus = readback(
         "auto_round_num_ipus", "Round the device count up to a power of two.")
     broadcast_buffers = readback(
         "broadcast_buffers", "Broadcast buffers from replica 0 to all replicas each call.")
-    show_compilation_progress_bar = readback(
-        "show_compilation_progress_bar", "Show a progress bar while preparing the model.")
-    relax_optimizer_attributes_checks = readback(
-        "relax_optimizer_attributes_checks",
-        "Log unexpected optimiser attributes at debug level instead of warning.")
     input_group_size = readback(
         "input_group_size", "Replicas per input group: replicas in a group get the same data.")
     input_group_type = readback(
         "input_group_type", "How replicas are arranged into input groups.")
-    max_repeat_logs = readback(
-        "max_repeat_logs", "How often one repeated log message is printed before it is muted.")
     updatable_named_buffers = readback(
         "updatable_named_buffers", "Buffers copyNamedBuffersToDevice() sends to the device.")
     check_non_finite = readback(
@@ -100,11 +83,6 @@ class RunSetters(OptionGroup):
     def _execution_strategy(self) -> Any:
         """PopTorch's name of `execution_strategy` (scripts and its tests read it back)."""
         return self.execution_strategy
-
-    @property
-    def profiling_dir(self) -> str | None:
-        """Report directory, or None: POPLAR_ENGINE_OPTIONS wins over enableProfiling."""
-        return self._env_profiling_dir or self._values["profiling_dir"]
 
     @property
     def input_group_count(self) -> int:
@@ -208,33 +186,6 @@ class RunSetters(OptionGroup):
             "enableExecutableCaching", "path", path, holds="the executable cache"))
         return self
 
-    def enableProfiling(self, profile_dir: str | os.PathLike | None = None) -> Options:
-        """Write profiling reports to `profile_dir` (default "./").
-
-        A directory requested by POPLAR_ENGINE_OPTIONS takes precedence, as in PopTorch. The
-        directory must be writable or creatable (checked here: the reports are written at the
-        end of the run, too late to tell).
-        """
-        directory = check.output_directory("enableProfiling", "profile_dir",
-                                           DEFAULT_REPORT_DIR if profile_dir is None
-                                           else profile_dir,
-                                           holds="the profiling reports")
-        if self._env_profiling_dir:
-            logger.warning("Profiling directory set by %s (%s) overrides enableProfiling(%r)",
-                           ENGINE_OPTIONS_VAR, self._env_profiling_dir, directory)
-        self._set(profiling_dir=directory)
-        return self
-
-    def logDir(self, log_dir: str | os.PathLike) -> Options:
-        """Directory for log files (default: the working directory)."""
-        self._set(log_dir=check.path("logDir", "log_dir", log_dir))
-        return self
-
-    def modelName(self, name: str) -> Options:
-        """Name of the model, used as the report subdirectory (default: training/inference)."""
-        self._set(model_name=check.text("modelName", "name", name))
-        return self
-
     def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True) -> Options:
         """Round the number of devices up to a power of two instead of raising an error."""
         self._set(auto_round_num_ipus=check.boolean(
@@ -245,18 +196,6 @@ class RunSetters(OptionGroup):
         """Broadcast buffers to all replicas (True, default) or keep them per replica."""
         self._set(broadcast_buffers=check.boolean(
             "broadcastBuffers", "broadcast_buffers", broadcast_buffers))
-        return self
-
-    def showCompilationProgressBar(self, show: bool = True) -> Options:
-        """Show (default) or hide the progress bar while the model is prepared."""
-        self._set(show_compilation_progress_bar=check.boolean(
-            "showCompilationProgressBar", "show", show))
-        return self
-
-    def relaxOptimizerAttributesChecks(self, relax: bool = True) -> Options:
-        """Log unexpected attributes in setOptimizer() at debug level instead of warning."""
-        self._set(relax_optimizer_attributes_checks=check.boolean(
-            "relaxOptimizerAttributesChecks", "relax", relax))
         return self
 
     def inputReplicaGrouping(self, input_group_size: int,
@@ -277,14 +216,6 @@ class RunSetters(OptionGroup):
             raise check.value_error("inputReplicaGrouping", "input_group_size", size,
                                     "1 with CommGroupType.NoGrouping")
         self._set(input_group_size=size, input_group_type=kind)
-        return self
-
-    def maxRepeatLogs(self, number_repeated: int | None) -> Options:
-        """Print one repeated pipetorch log message at most `number_repeated` times, then
-        once more saying that further repeats are muted (applied when a model is wrapped);
-        None, as in PopTorch: print every repeat."""
-        self._set(max_repeat_logs=None if number_repeated is None else check.integer(
-            "maxRepeatLogs", "number_repeated", number_repeated, minimum=0))
         return self
 
     def updatableNamedBuffers(self, buffers: list[str]) -> Options:
