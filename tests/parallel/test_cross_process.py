@@ -11,7 +11,7 @@ from pipetorch.errors import ConfigError
 from pipetorch.parallel import cross_process
 from pipetorch.parallel.placement import Physical, Placement, running
 
-TIMEOUT = 20  # PIPETORCH_TIMEOUT of the fault jobs, seconds
+TIMEOUT = 12  # PIPETORCH_TIMEOUT of the fault jobs, seconds
 
 
 def plain_calls(replicas: int):
