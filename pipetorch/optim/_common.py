@@ -4,17 +4,21 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeAlias, TypeVar
 
 import torch
+from torch.optim.optimizer import StateDict
 
 from pipetorch.optim import (attributes, clipping, ipu_param, ipu_state, peers, per_param,
                              scaling, swap_buckets)
 from pipetorch.optim.checks import check_flag, check_number  # noqa: F401 (optimisers import them here)
+from pipetorch.optim.per_param import ParamGroup
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Dtypes an optimiser state (or gradient accumulator) may be stored in.
 ACCUM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -26,8 +30,10 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 #: PopTorch's default LAMB `max_weight_norm`: the largest float16 value.
 FP16_MAX = 65500.0
 
+#: The value of a PopTorch extra argument once validated: a scale or limit, a flag, a dtype.
+OptionValue: TypeAlias = float | bool | torch.dtype
 # Extra keyword argument -> (value that None stands for, kind). Kinds decide validation.
-_OPTION_RULES: dict[str, tuple[Any, str]] = {
+_OPTION_RULES: dict[str, tuple[OptionValue, str]] = {
     "loss_scaling": (1.0, "scale"),
     "velocity_scaling": (1.0, "scale"),
     "max_grad_norm": (math.inf, "limit"),
@@ -44,7 +50,7 @@ _OPTION_RULES: dict[str, tuple[Any, str]] = {
 _GLOBAL_OPTIONS = ("loss_scaling", "max_grad_norm")
 
 
-def check_betas(betas: Any) -> Any:
+def check_betas(betas: _T) -> _T:
     """Return `betas` if it is a pair of numbers in [0, 1), else raise naming the fix."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}; "
@@ -54,7 +60,7 @@ def check_betas(betas: Any) -> Any:
     return betas
 
 
-def _check_dtype(name: str, value: Any) -> torch.dtype:
+def _check_dtype(name: str, value: object) -> torch.dtype:
     if value in ACCUM_DTYPES:
         return value
     choices = "torch.float32, torch.float16 or torch.bfloat16 (or None for torch.float32)"
@@ -73,7 +79,7 @@ def storage_dtype(option: torch.dtype, param_dtype: torch.dtype) -> torch.dtype:
     return option
 
 
-def normalize_option(name: str, value: Any) -> Any:
+def normalize_option(name: str, value: object) -> OptionValue:
     """Validate a PopTorch extra argument; None stands for PopTorch's default."""
     default, kind = _OPTION_RULES[name]
     if value is None:
@@ -98,13 +104,13 @@ class Option:
         self.name = name
         owner._option_names = (*getattr(owner, "_option_names", ()), name)
 
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+    def __get__(self, obj: PopTorchOptimizer | None, objtype: type | None = None) -> Any:
         if obj is None:
             return self
         group = obj.param_groups[0]  # a subclass in PopTorch's style may not have set it
         return group[self.name] if self.name in group else normalize_option(self.name, None)
 
-    def __set__(self, obj: Any, value: Any) -> None:
+    def __set__(self, obj: PopTorchOptimizer, value: OptionValue | None) -> None:
         value = normalize_option(self.name, value)
         obj.defaults[self.name] = value
         for group in obj.param_groups:
@@ -151,22 +157,22 @@ class PopTorchOptimizer(scaling.LossScaled):
     max_grad_norm = Option()
     accum_type = Option()
 
-    param_groups: list[dict[str, Any]]
+    param_groups: list[ParamGroup]
     defaults: dict[str, Any]
     state: dict[Any, dict[str, Any]]
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         # PopTorch's subclasses call `Optimizer.__init__(self)` before the torch class's.
         if args or kwargs:
             super().__init__(*args, **kwargs)  # type: ignore[call-arg]
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, "_pipetorch_records", False):
             cls.__init__ = attributes.recording_explicit_args(init)  # type: ignore[misc]
 
-    def _install_options(self, **options: Any) -> None:
+    def _install_options(self, **options: OptionValue | None) -> None:
         """Put the extra arguments in `defaults` and fill them into groups that lack them."""
         assert set(options) == set(self._option_names), (set(options), self._option_names)
         for name, value in options.items():
@@ -178,7 +184,7 @@ class PopTorchOptimizer(scaling.LossScaled):
         self.variable_attrs = attributes.default_attributes(  # type: ignore[arg-type]
             self, explicit=explicit)  # type: ignore[arg-type]
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """torch's state dict plus "ipu_state" and "ipu_param": the state and the
         hyper-parameters under PopTorch's names once a trainingModel has compiled with this
         optimiser (None before), see `ipu_state` and `ipu_param`."""
@@ -195,12 +201,12 @@ class PopTorchOptimizer(scaling.LossScaled):
         """Set the device's optimiser state from PopTorch's names (all or some of them)."""
         ipu_state.write(self, state)  # type: ignore[arg-type]
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
+    def add_param_group(self, param_group: ParamGroup) -> None:
         for name in set(self._option_names) & set(param_group):
             param_group[name] = normalize_option(name, param_group[name])
         super().add_param_group(param_group)  # type: ignore[misc]
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """torch's load_state_dict, then "ipu_state" / "ipu_param" if there (PopTorch's
         checkpoint). A plain torch optimiser's state (trained on a CPU, say) loads too, and
         reaches the device when the model compiles (PopTorch refuses it: "Only IPU optimizer
@@ -231,21 +237,21 @@ class PopTorchOptimizer(scaling.LossScaled):
         if params is not None:
             ipu_param.write(self, params)  # type: ignore[arg-type]
 
-    def _formats(self, group: dict[str, Any],
+    def _formats(self, group: ParamGroup,
                  param: torch.Tensor) -> tuple[torch.dtype, StateFormats]:
         """(dtype the gradient is rounded to, {state key: (storage dtype, scale)})."""
         formats = {key: (storage_dtype(group[option], param.dtype), 1.0)
                    for key, option in self._state_dtype_options.items()}
         return storage_dtype(group["accum_type"], param.dtype), formats
 
-    def _uses_own_update(self, group: dict[str, Any]) -> bool:
+    def _uses_own_update(self, group: ParamGroup) -> bool:
         """Whether this group is updated by `_own_update` instead of the torch parent's step."""
         return False
 
-    def _own_update(self, group: dict[str, Any]) -> None:
+    def _own_update(self, group: ParamGroup) -> None:
         raise AssertionError(f"{type(self).__name__} has no update of its own")
 
-    def _global_option(self, name: str) -> Any:
+    def _global_option(self, name: str) -> float:
         values = {group[name] for group in self.param_groups}
         if len(values) > 1:
             raise ValueError(f"{name} must be the same in every param group, got "
@@ -253,13 +259,13 @@ class PopTorchOptimizer(scaling.LossScaled):
         return values.pop()
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Un-scale and clip the gradients, then update as torch does (see the class doc),
         each parameter with its own hyper-parameters where it has some (`per_param`)."""
         with per_param.stepping(self):  # type: ignore[arg-type]
             return self._step(closure)
 
-    def _step(self, closure: Callable[[], Any] | None) -> Any:
+    def _step(self, closure: Callable[[], float] | None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -367,7 +373,7 @@ class PopTorchOptimizer(scaling.LossScaled):
             function = function.__wrapped__
         function(self)
 
-    def _work_dtypes(self, group: dict[str, Any],
+    def _work_dtypes(self, group: ParamGroup,
                      param: torch.Tensor) -> tuple[torch.dtype, torch.dtype] | None:
         """(gradient's rounding dtype, update's dtype) when `param` is updated through a
         stand-in; None when the update sees the parameter itself."""
@@ -379,7 +385,7 @@ class PopTorchOptimizer(scaling.LossScaled):
         # float32 at least: a float16 update loses small steps and overflows eps=1e-8.
         return grad_dtype, torch.promote_types(param.dtype, torch.float32)
 
-    def _working_grad(self, group: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+    def _working_grad(self, group: ParamGroup, param: torch.Tensor) -> torch.Tensor:
         """A new tensor holding the gradient the update of `param` sees (before un-scaling)."""
         dtypes = self._work_dtypes(group, param)
         if dtypes is None:
@@ -387,7 +393,7 @@ class PopTorchOptimizer(scaling.LossScaled):
         grad_dtype, work_dtype = dtypes
         return param.grad.to(grad_dtype).to(work_dtype, copy=True)
 
-    def _swap_in(self, group: dict[str, Any], param: torch.Tensor, fresh_grad: bool) -> _Swap:
+    def _swap_in(self, group: ParamGroup, param: torch.Tensor, fresh_grad: bool) -> _Swap:
         grad = param.grad
         if grad is None:
             return _Swap(param, param, None)
@@ -405,7 +411,7 @@ class PopTorchOptimizer(scaling.LossScaled):
             self.state[work] = _load_state(state, formats, dtypes[1])
         return _Swap(param, work, None)
 
-    def _swap_out(self, group: dict[str, Any], swap: _Swap) -> None:
+    def _swap_out(self, group: ParamGroup, swap: _Swap) -> None:
         if swap.grad is not None:
             swap.param.grad = swap.grad
         if swap.work is swap.param:
@@ -417,7 +423,7 @@ class PopTorchOptimizer(scaling.LossScaled):
             self.state[swap.param] = _store_state(state, formats)
 
 
-def _saved_tensors(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+def _saved_tensors(optimizer: torch.optim.Optimizer, state_dict: StateDict
                    ) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
     """(parameter, key, tensor) of every floating state tensor in a torch state dict, the
     parameters matched by position as torch's `load_state_dict` matches them."""

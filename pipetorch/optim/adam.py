@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from pipetorch.optim._common import (
     Option, PopTorchOptimizer, check_betas, check_flag, check_number,
 )
+from pipetorch.optim.per_param import ParamGroup
 
 __all__ = ["Adam", "AdamW", "AdamWNoBias"]
 
@@ -28,7 +30,8 @@ _MOMENT_DTYPES = {"exp_avg": "first_order_momentum_accum_type",
                   "exp_avg_sq": "second_order_momentum_accum_type"}
 
 
-def _check_adam_args(lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: Any) -> None:
+def _check_adam_args(lr: float | torch.Tensor, betas: tuple[float, float], eps: float,
+                     weight_decay: float, amsgrad: bool) -> None:
     check_number("lr", lr)
     check_betas(betas)
     check_number("eps", eps)
@@ -38,7 +41,7 @@ def _check_adam_args(lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: 
                          "amsgrad=False (the default), or use torch.optim outside the executor")
 
 
-def adam_direction(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], *,
+def adam_direction(param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], *,
                    betas: tuple[float, float], eps: float,
                    bias_correction: bool) -> torch.Tensor:
     """Advance Adam's moments in `state` by `grad`; return the step m_hat / (sqrt(v_hat) + eps).
@@ -70,14 +73,14 @@ class Adam(PopTorchOptimizer, torch.optim.Adam):
     first_order_momentum_accum_type = Option()
     second_order_momentum_accum_type = Option()
 
-    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
+    def __init__(self, params: ParamsT, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *,
                  loss_scaling: float | None = 1.0, max_grad_norm: float | None = math.inf,
                  accum_type: torch.dtype | None = None,
                  first_order_momentum_accum_type: torch.dtype | None = None,
                  second_order_momentum_accum_type: torch.dtype | None = None,
-                 **torch_kwargs: Any) -> None:
+                 **torch_kwargs: bool | None) -> None:
         _check_adam_args(lr, betas, eps, weight_decay, amsgrad)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **torch_kwargs)
         self._install_options(
@@ -98,14 +101,14 @@ class AdamW(PopTorchOptimizer, torch.optim.AdamW):
     first_order_momentum_accum_type = Option()
     second_order_momentum_accum_type = Option()
 
-    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
+    def __init__(self, params: ParamsT, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  loss_scaling: float | None = 1.0, bias_correction: bool | None = True,
                  max_grad_norm: float | None = math.inf, accum_type: torch.dtype | None = None,
                  first_order_momentum_accum_type: torch.dtype | None = None,
                  second_order_momentum_accum_type: torch.dtype | None = None,
-                 **torch_kwargs: Any) -> None:
+                 **torch_kwargs: bool | None) -> None:
         _check_adam_args(lr, betas, eps, weight_decay, amsgrad)
         # torch >= 2.6 puts decoupled_weight_decay=True in AdamW's defaults but its
         # constructor rejects it; accept it so `AdamW(groups, **opt.defaults)` works.
@@ -119,10 +122,10 @@ class AdamW(PopTorchOptimizer, torch.optim.AdamW):
             first_order_momentum_accum_type=first_order_momentum_accum_type,
             second_order_momentum_accum_type=second_order_momentum_accum_type)
 
-    def _uses_own_update(self, group: dict[str, Any]) -> bool:
+    def _uses_own_update(self, group: ParamGroup) -> bool:
         return not group["bias_correction"]
 
-    def _own_update(self, group: dict[str, Any]) -> None:
+    def _own_update(self, group: ParamGroup) -> None:
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -136,13 +139,13 @@ class AdamW(PopTorchOptimizer, torch.optim.AdamW):
 class AdamWNoBias(AdamW):
     """PopTorch's AdamW without bias correction (`AdamW(..., bias_correction=False)`)."""
 
-    def __init__(self, params: Iterable[Any], *args: Any, bias_correction: bool = False,
+    def __init__(self, params: ParamsT, *args: Any, bias_correction: bool = False,
                  **kwargs: Any) -> None:
         _refuse_bias_correction(type(self).__name__, bias_correction)
         super().__init__(params, *args, bias_correction=False, **kwargs)
 
 
-def _refuse_bias_correction(name: str, bias_correction: Any) -> None:
+def _refuse_bias_correction(name: str, bias_correction: object) -> None:
     if bias_correction is not False:
         raise ValueError(f"{name} never corrects the bias, got bias_correction="
                          f"{bias_correction!r}; use the class without NoBias for that")

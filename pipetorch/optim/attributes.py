@@ -14,9 +14,12 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
+
+if TYPE_CHECKING:
+    from pipetorch.optim._common import PopTorchOptimizer
 
 __all__ = ["VariableAttributes"]
 
@@ -111,7 +114,7 @@ def recording_explicit_args(init: Callable[..., None]) -> Callable[..., None]:
     signature = inspect.signature(init)
 
     @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self: PopTorchOptimizer, *args: object, **kwargs: object) -> None:
         if EXPLICIT_ARGS not in self.__dict__:
             passed = _passed(signature, (self, *args), kwargs)
             if passed is not None:
@@ -147,7 +150,7 @@ def default_attributes(optimizer: torch.optim.Optimizer, *,
     return VariableAttributes(variable, names)
 
 
-def _value(value: Any) -> Any:
+def _value(value: object) -> object:
     if isinstance(value, torch.Tensor):
         return float(value)
     if isinstance(value, (tuple, list)):
@@ -165,7 +168,7 @@ def attributes_of(optimizer: torch.optim.Optimizer) -> VariableAttributes:
 class Compiled:
     """What the compiled program fixed: constant values, and the attributes it knows."""
 
-    constants: dict[tuple[int, str], Any]
+    constants: dict[tuple[int, str], object]
     group_keys: list[set[str]]
     optimizer_keys: set[str]
     relaxed: bool = False  # Options.relaxOptimizerAttributesChecks: debug lines, not warnings

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import TypeVar
 
 import torch
 
 __all__: list[str] = []
 
+_T = TypeVar("_T")
 
-def _real(value: Any) -> float | None:
+
+def _real(value: object) -> float | None:
     """`value` as a float if it is a real number (or a one-element tensor), else None."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
         return float(value)
@@ -19,8 +21,8 @@ def _real(value: Any) -> float | None:
     return None
 
 
-def check_number(name: str, value: Any, *, minimum: float = 0.0, strict: bool = False,
-                 maximum: float | None = None, allow_inf: bool = False) -> Any:
+def check_number(name: str, value: _T, *, minimum: float = 0.0, strict: bool = False,
+                 maximum: float | None = None, allow_inf: bool = False) -> _T:
     """Return `value` unchanged if it is a real number in range, else raise naming the fix."""
     low = f"> {minimum:g}" if strict else f">= {minimum:g}"
     wanted = low if maximum is None else f"{low} and < {maximum:g}"
@@ -38,7 +40,7 @@ def check_number(name: str, value: Any, *, minimum: float = 0.0, strict: bool = 
     return value
 
 
-def check_flag(name: str, value: Any) -> bool:
+def check_flag(name: str, value: object) -> bool:
     """Return `value` if it is a bool, else raise TypeError naming the fix."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")

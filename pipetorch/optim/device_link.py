@@ -4,11 +4,14 @@ scaling, which must not import each other)."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Callable, Mapping, TypeVar
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 __all__: list[str] = []
+
+_V = TypeVar("_V")
 
 _LINK = "_pipetorch_ipu_link"
 POPTORCH_ROOT = "model."  # PopTorch's IR name of the user's model: `Accl___model.fc.weight`
@@ -19,7 +22,7 @@ def poptorch_name(name: str) -> str:
     return POPTORCH_ROOT + name
 
 
-def resolve(name: str, known: dict[str, Any]) -> str | None:
+def resolve(name: str, known: Mapping[str, object]) -> str | None:
     """The key of `known` (PopTorch's names) that `name` stands for: itself, or, spelled
     without PopTorch's root (`fc.weight`, as pipetorch wrote before), its PopTorch name."""
     if name in known:
@@ -27,7 +30,7 @@ def resolve(name: str, known: dict[str, Any]) -> str | None:
     return poptorch_name(name) if poptorch_name(name) in known else None
 
 
-def poptorch_keys(values: dict[str, Any], known: dict[str, Any]) -> dict[str, Any]:
+def poptorch_keys(values: dict[str, _V], known: Mapping[str, object]) -> dict[str, _V]:
     """`values` (`Accl___fc.weight`, `learningRate___specific___fc.weight`: the parameter
     after the last `___`) with each parameter named as in `known`, where `resolve` finds it."""
     spelled = {}
@@ -45,7 +48,7 @@ class Link:
                  push: Callable[[], None]) -> None:
         self.names = names
         self._sync, self._push = weakref.WeakMethod(sync), weakref.WeakMethod(push)
-        self.hook: Any = None  # the optimiser's state_dict pre-hook (a RemovableHandle)
+        self.hook: RemovableHandle | None = None  # the optimiser's state_dict pre-hook
 
     def sync(self) -> None:
         method = self._sync()

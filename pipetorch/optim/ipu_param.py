@@ -23,11 +23,12 @@ the device steps them with those values.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from pipetorch.optim import ipu_state, per_param
+from pipetorch.optim.per_param import ParamGroup
 
 __all__: list[str] = []
 
@@ -53,11 +54,11 @@ def _family(optimizer: torch.optim.Optimizer) -> str:
                 "")
 
 
-def _sgd0(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+def _sgd0(optimizer: torch.optim.Optimizer, group: ParamGroup) -> bool:
     return _family(optimizer) == "SGD" and not float(group.get("momentum", 0.0))
 
 
-def _group_values(optimizer: torch.optim.Optimizer, group: dict[str, Any],
+def _group_values(optimizer: torch.optim.Optimizer, group: ParamGroup,
                   loss_scaling: float) -> dict[str, float]:
     """PopART name -> value for the parameters of `group`."""
     if _sgd0(optimizer, group):
@@ -85,7 +86,7 @@ def describe(optimizer: torch.optim.Optimizer) -> list[str]:
         return []
     loss_scaling = float(optimizer.defaults.get("loss_scaling", 1.0))
 
-    def values(group: dict[str, Any], prefix: str) -> str:
+    def values(group: ParamGroup, prefix: str) -> str:
         shown = []
         for name, key in _NAMES[family].items():
             if key == "betas" and "betas" in group:
@@ -132,7 +133,7 @@ def read(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
     return params
 
 
-def write(optimizer: torch.optim.Optimizer, params: dict[str, Any]) -> None:
+def write(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor | float]) -> None:
     """Set the hyper-parameters from PopTorch's names: now if compiled, else at compile."""
     if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
         raise TypeError("ipu_param must be a dict of PopTorch names (such as "
@@ -155,7 +156,7 @@ def apply_pending(optimizer: torch.optim.Optimizer) -> bool:
     return bool(pending)
 
 
-def _apply(optimizer: torch.optim.Optimizer, params: dict[str, Any]) -> None:
+def _apply(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor | float]) -> None:
     names = ipu_state.linked_names(optimizer)
     assert names is not None
     group_of = {names[id(p)]: index for index, g in enumerate(optimizer.param_groups)
@@ -196,13 +197,13 @@ def _apply(optimizer: torch.optim.Optimizer, params: dict[str, Any]) -> None:
         per_param.settle(optimizer, group, wanted)
 
 
-def _same(current: float, value: Any) -> bool:
+def _same(current: float, value: torch.Tensor | float) -> bool:
     """Whether `value` is `current` as a float32 scalar holds it."""
     as_float32 = torch.tensor([float(current), float(value)], dtype=torch.float32)
     return bool(as_float32[0] == as_float32[1])
 
 
-def _set_group(optimizer: torch.optim.Optimizer, group: dict[str, Any],
+def _set_group(optimizer: torch.optim.Optimizer, group: ParamGroup,
                values: dict[str, float]) -> None:
     if _sgd0(optimizer, group):
         kept = 1.0 - float(group.get("dampening", 0.0))

@@ -14,11 +14,12 @@ reads as the zeros (and step 0) the first update starts from.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from pipetorch.optim import per_param, scaling
+from pipetorch.optim.per_param import ParamGroup
 # linked_names, push and sync are also called through this module (ipu_param, optim._common)
 from pipetorch.optim.device_link import (  # noqa: F401
     _LINK, Link, linked_names, poptorch_keys, poptorch_name, push, sync)
@@ -148,7 +149,8 @@ def _apply(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> 
                        len(missing), ", ".join(missing[:4]))
 
 
-def _check_shapes(state: dict[str, torch.Tensor], by_name: dict[str, Any],
+def _check_shapes(state: dict[str, torch.Tensor],
+                  by_name: dict[str, tuple[torch.Tensor, ParamGroup]],
                   prefixes: dict[str, str]) -> None:
     """Refuse, before anything is set, a tensor the update could not use: a moment of
     another shape than its parameter, a step count of more than one number."""
@@ -166,7 +168,7 @@ def _check_shapes(state: dict[str, torch.Tensor], by_name: dict[str, Any],
                              f"optimiser state of {name} has shape {want}: nothing was set")
 
 
-def _uses(group: dict, key: str) -> bool:
+def _uses(group: ParamGroup, key: str) -> bool:
     """Whether a fresh state in `group` holds `key` (momentum 0 keeps no velocity)."""
     if key == "momentum_buffer":
         return bool(group.get("momentum", 0))
@@ -175,7 +177,7 @@ def _uses(group: dict, key: str) -> bool:
     return True
 
 
-def _fresh(optimizer: torch.optim.Optimizer, group: dict,
+def _fresh(optimizer: torch.optim.Optimizer, group: ParamGroup,
            param: torch.Tensor) -> dict[str, torch.Tensor]:
     """The state the first update of `param` starts from, in its accumulation dtypes: zeros
     (TensorFlow's RMSprop starts its mean square at ones), step 0."""

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from pipetorch.optim._common import (
     FP16_MAX, Option, PopTorchOptimizer, check_betas, check_flag, check_number,
@@ -12,6 +13,7 @@ from pipetorch.optim._common import (
 from pipetorch.optim import peers
 from pipetorch.optim.adam import _refuse_bias_correction, adam_direction
 from pipetorch.optim.peers import SLICED
+from pipetorch.optim.per_param import ParamGroup
 
 __all__ = ["LAMB", "LAMBNoBias"]
 
@@ -40,7 +42,7 @@ class LAMB(PopTorchOptimizer, torch.optim.Optimizer):
     first_order_momentum_accum_type = Option()
     second_order_momentum_accum_type = Option()
 
-    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
+    def __init__(self, params: ParamsT, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, bias_correction: bool | None = True,
                  loss_scaling: float | None = 1.0, max_weight_norm: float | None = FP16_MAX,
@@ -64,10 +66,10 @@ class LAMB(PopTorchOptimizer, torch.optim.Optimizer):
             first_order_momentum_accum_type=first_order_momentum_accum_type,
             second_order_momentum_accum_type=second_order_momentum_accum_type)
 
-    def _uses_own_update(self, group: dict[str, Any]) -> bool:
+    def _uses_own_update(self, group: ParamGroup) -> bool:
         return True
 
-    def _own_update(self, group: dict[str, Any]) -> None:
+    def _own_update(self, group: ParamGroup) -> None:
         for param in group["params"]:
             if param.grad is None:
                 continue
@@ -98,7 +100,7 @@ def _norms(param: torch.Tensor, update: torch.Tensor, *,
 class LAMBNoBias(LAMB):
     """PopTorch's LAMB without bias correction (`LAMB(..., bias_correction=False)`)."""
 
-    def __init__(self, params: Iterable[Any], *args: Any, bias_correction: bool = False,
+    def __init__(self, params: ParamsT, *args: Any, bias_correction: bool = False,
                  **kwargs: Any) -> None:
         _refuse_bias_correction(type(self).__name__, bias_correction)
         super().__init__(params, *args, bias_correction=False, **kwargs)

@@ -15,9 +15,8 @@ offloaded. The hooks are module-level functions for the same reason.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch.optim.optimizer import Args, Kwargs
 
 __all__ = ["offload_state", "is_offloaded"]
 
@@ -47,23 +46,23 @@ def _leave_devices(optimizer: torch.optim.Optimizer) -> None:
                 state[key] = value.to("cpu", copy=True)
 
 
-def _state_tensors(state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+def _state_tensors(state: dict[str, object]) -> list[tuple[str, torch.Tensor]]:
     """(key, tensor) of a parameter's state that offload moves: not scalars such as `step`."""
     return [(key, value) for key, value in state.items()
             if isinstance(value, torch.Tensor) and value.dim()]
 
 
-def _stream_in(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _stream_in(optimizer: torch.optim.Optimizer, args: Args, kwargs: Kwargs) -> None:
     """Step pre-hook: the state onto its parameters' devices."""
     _move(optimizer, to_host=False)
 
 
-def _stream_out(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _stream_out(optimizer: torch.optim.Optimizer, args: Args, kwargs: Kwargs) -> None:
     """Step post-hook: the updated state back to host memory."""
     _move(optimizer, to_host=True)
 
 
-def _rebuild(cls: type, state: dict[str, Any]) -> torch.optim.Optimizer:
+def _rebuild(cls: type, state: dict[str, object]) -> torch.optim.Optimizer:
     """Unpickling helper: an offloaded optimiser of class `cls` with `state`."""
     optimizer = cls.__new__(cls)
     optimizer.__setstate__(state)
@@ -74,7 +73,7 @@ def _rebuild(cls: type, state: dict[str, Any]) -> torch.optim.Optimizer:
 def _offloaded_class(cls: type) -> type:
     """`cls` whose pickles and deep copies come back offloaded."""
     if cls not in _classes:
-        def __reduce_ex__(self: torch.optim.Optimizer, protocol: Any) -> Any:
+        def __reduce_ex__(self: torch.optim.Optimizer, protocol: int) -> tuple[object, ...]:
             return _rebuild, (cls, self.__getstate__())
 
         _classes[cls] = type(cls.__name__, (cls,), {

@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
+
+from pipetorch.optim.per_param import ParamGroup
 
 __all__: list[str] = []
 
@@ -30,7 +32,7 @@ class Peers:
     slices: int = 1
     slice_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def weight(self, group: dict[str, Any]) -> float:
+    def weight(self, group: ParamGroup) -> float:
         """What a term of `group`'s tensors counts for in `reduce`: a slice is held by one
         of `slices` replicas, where a whole weight is on each."""
         return float(self.slices) if group.get(SLICED) else 1.0

@@ -12,7 +12,7 @@ sees the values PopTorch would use; the user's groups are the same before and af
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeAlias
 
 import torch
 
@@ -21,16 +21,21 @@ __all__: list[str] = []
 #: The state key of a parameter's own hyper-parameters (an empty dict: none).
 KEY = "pipetorch_own_hyperparameters"
 
+#: A param group as torch keeps it: "params" (the group's parameters) and the hyper-parameters
+#: by name (lr, betas, flags, dtypes...), each of its own type, hence torch's dict[str, Any],
+#: named here once. Also what a parameter overrides of its group (the dict under KEY).
+ParamGroup: TypeAlias = dict[str, Any]
 
-def own(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
+
+def own(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> ParamGroup:
     """The group keys `param` overrides (empty when it takes its group's values)."""
     if param not in optimizer.state:
         return {}
     return dict(optimizer.state[param].get(KEY) or {})
 
 
-def settle(optimizer: torch.optim.Optimizer, group: dict[str, Any],
-           wanted: dict[torch.Tensor, dict[str, Any]]) -> None:
+def settle(optimizer: torch.optim.Optimizer, group: ParamGroup,
+           wanted: dict[torch.Tensor, ParamGroup]) -> None:
     """Give the parameters of `group` the hyper-parameters `wanted` (a parameter's whole
     group dict, "params" aside): the group's own values when every parameter agrees, else
     each parameter keeps what differs from the group under KEY."""
@@ -64,10 +69,9 @@ def stepping(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             optimizer.state[param][KEY] = values
 
 
-def _split(group: dict[str, Any], held: dict[torch.Tensor, dict[str, Any]]
-           ) -> list[dict[str, Any]]:
+def _split(group: ParamGroup, held: dict[torch.Tensor, ParamGroup]) -> list[ParamGroup]:
     """`group` as groups of parameters sharing overrides: its own values first."""
-    parts: dict[tuple[tuple[str, Any], ...], list[torch.Tensor]] = {}
+    parts: dict[tuple[tuple[str, object], ...], list[torch.Tensor]] = {}
     for param in group["params"]:
         parts.setdefault(tuple(sorted((held.get(param) or {}).items())), []).append(param)
     return [{**group, **dict(values), "params": params} for values, params in parts.items()]

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from pipetorch.optim._common import Option, PopTorchOptimizer, check_flag, check_number
+from pipetorch.optim.per_param import ParamGroup
 
 __all__ = ["RMSprop"]
 
@@ -40,14 +41,14 @@ class RMSprop(PopTorchOptimizer, torch.optim.RMSprop):
     second_order_momentum_accum_type = Option()
     use_tf_variant = Option()
 
-    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-2,
+    def __init__(self, params: ParamsT, lr: float | torch.Tensor = 1e-2,
                  alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
                  momentum: float = 0.0, centered: bool = False, *,
                  loss_scaling: float | None = 1.0, max_grad_norm: float | None = math.inf,
                  accum_type: torch.dtype | None = None,
                  first_order_momentum_accum_type: torch.dtype | None = None,
                  second_order_momentum_accum_type: torch.dtype | None = None,
-                 use_tf_variant: bool | None = False, **torch_kwargs: Any) -> None:
+                 use_tf_variant: bool | None = False, **torch_kwargs: bool | None) -> None:
         check_number("lr", lr)
         check_number("alpha", alpha)
         check_number("eps", eps)
@@ -62,10 +63,10 @@ class RMSprop(PopTorchOptimizer, torch.optim.RMSprop):
             second_order_momentum_accum_type=second_order_momentum_accum_type,
             use_tf_variant=use_tf_variant)
 
-    def _uses_own_update(self, group: dict[str, Any]) -> bool:
+    def _uses_own_update(self, group: ParamGroup) -> bool:
         return group["use_tf_variant"]
 
-    def _own_update(self, group: dict[str, Any]) -> None:
+    def _own_update(self, group: ParamGroup) -> None:
         alpha, lr, momentum = group["alpha"], group["lr"], group["momentum"]
         for param in group["params"]:
             if param.grad is None:

@@ -15,7 +15,7 @@ every stage and replica (optim.peers), so an overflow on any of them skips the s
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TypedDict
 
 import torch
 
@@ -48,6 +48,16 @@ class DynamicScale:
     used: float | None = None  # the scale the last step multiplied its loss by
 
 
+class ScalingState(TypedDict, total=False):
+    """`DynamicScale` as a plain dict (`scaling_state`); empty when automatic scaling is off."""
+
+    scale: float
+    growth_interval: int
+    clean_steps: int
+    skipped_steps: int
+    used: float | None
+
+
 def _dynamic(optimizer: torch.optim.Optimizer) -> DynamicScale | None:
     return optimizer.__dict__.get(_ATTR)
 
@@ -58,7 +68,7 @@ def _synced(optimizer: torch.optim.Optimizer) -> DynamicScale | None:
     return _dynamic(optimizer)
 
 
-def _check_growth_interval(growth_interval: Any) -> int:
+def _check_growth_interval(growth_interval: object) -> int:
     if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
         raise TypeError(f"growth_interval must be an int >= 1, got {growth_interval!r} "
                         f"({type(growth_interval).__name__}); pass e.g. growth_interval=2000")
@@ -140,13 +150,13 @@ def skipped_steps(optimizer: torch.optim.Optimizer) -> int:
     return 0 if state is None else state.skipped_steps
 
 
-def scaling_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def scaling_state(optimizer: torch.optim.Optimizer) -> ScalingState:
     """The dynamic state as a plain dict ({} when automatic loss scaling is off)."""
     state = _dynamic(optimizer)
     return {} if state is None else asdict(state)
 
 
-def load_scaling_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_scaling_state(optimizer: torch.optim.Optimizer, state: ScalingState) -> None:
     """Set the dynamic state from `scaling_state(...)` of another copy; {} turns it off."""
     if not state:
         disable_automatic_loss_scaling(optimizer)

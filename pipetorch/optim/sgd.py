@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Iterable
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from pipetorch.optim._common import (
     Option, PopTorchOptimizer, StateFormats, check_flag, check_number, storage_dtype,
 )
+from pipetorch.optim.per_param import ParamGroup
 
 __all__ = ["SGD"]
 
@@ -38,13 +39,14 @@ class SGD(PopTorchOptimizer, torch.optim.SGD):
     use_combined_accum = Option()
     velocity_accum_type = Option()
 
-    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
+    def __init__(self, params: ParamsT, lr: float | torch.Tensor = 1e-3,
                  momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float | torch.Tensor = 0.0, nesterov: bool = False, *,
                  loss_scaling: float | None = 1.0, max_grad_norm: float | None = math.inf,
                  velocity_scaling: float | None = 1.0, use_combined_accum: bool | None = False,
                  accum_type: torch.dtype | None = None,
-                 velocity_accum_type: torch.dtype | None = None, **torch_kwargs: Any) -> None:
+                 velocity_accum_type: torch.dtype | None = None,
+                 **torch_kwargs: bool | None) -> None:
         check_number("lr", lr)
         check_number("momentum", momentum)
         check_number("dampening", dampening)
@@ -62,7 +64,7 @@ class SGD(PopTorchOptimizer, torch.optim.SGD):
                            "error. Please update your code. (velocity_scaling=%s)",
                            self.velocity_scaling)
 
-    def _formats(self, group: dict[str, Any],
+    def _formats(self, group: ParamGroup,
                  param: torch.Tensor) -> tuple[torch.dtype, StateFormats]:
         if group["use_combined_accum"]:
             return param.dtype, {"momentum_buffer": (param.dtype, group["velocity_scaling"])}

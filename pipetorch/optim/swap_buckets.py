@@ -13,9 +13,11 @@ per parameter, so the numbers do not depend on how the parameters are grouped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
+
+from pipetorch.optim.per_param import ParamGroup
 
 __all__: list[str] = []
 
@@ -35,7 +37,7 @@ def working_bytes(param: torch.Tensor) -> int:
     return param.numel() * max(param.element_size(), 4)
 
 
-def split(param_groups: Sequence[dict[str, Any]], limit: int | None = None) -> list[Bucket]:
+def split(param_groups: Sequence[ParamGroup], limit: int | None = None) -> list[Bucket]:
     """The param groups' parameters cut into buckets of at most `limit` working bytes
     (`BUCKET_BYTES` by default), a larger parameter alone in its bucket."""
     limit = BUCKET_BYTES if limit is None else limit
