@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from pipetorch.errors import ConfigError
 
@@ -17,15 +17,18 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
+_T = TypeVar("_T")
+_Number = TypeVar("_Number", int, float)
 
-def _var(default: Any, shown: str, meaning: str, parse: Callable[[str, str], Any]) -> Any:
+
+def _var(default: _T, shown: str, meaning: str, parse: Callable[[str, str], _T]) -> _T:
     """A field; `parse(variable, its value stripped)` gives the value when the variable is set."""
     return field(default=default, metadata={"shown": shown, "meaning": meaning, "parse": parse})
 
 
-def _choice(default: str, meanings: dict[str, str], convert: Callable[[str], Any] = str) -> Any:
+def _choice(default: str, meanings: dict[str, str], convert: Callable[[str], str] = str) -> str:
     """A field taking one of `meanings`' keys (in any case), as `convert` turns it."""
-    def parse(name: str, raw: str) -> Any:
+    def parse(name: str, raw: str) -> str:
         if raw.lower() not in meanings:
             allowed = [f"{value} ({meaning})" for value, meaning in meanings.items()]
             raise ConfigError(f"{name}={raw!r} must be {', '.join(allowed[:-1])} or {allowed[-1]}")
@@ -35,8 +38,8 @@ def _choice(default: str, meanings: dict[str, str], convert: Callable[[str], Any
     return _var(convert(default), f"`{default}`", described, parse)
 
 
-def _positive(kind: type, what: str) -> Callable[[str, str], Any]:
-    def parse(name: str, raw: str) -> Any:
+def _positive(kind: type[_Number], what: str) -> Callable[[str, str], _Number]:
+    def parse(name: str, raw: str) -> _Number:
         try:
             if kind(raw) > 0:
                 return kind(raw)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 import json
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeAlias, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -12,11 +12,11 @@ from torch.utils.hooks import RemovableHandle
 __all__ = ["ICustomArgParser", "registerCustomArgParser", "registerPreCompileHook",
            "registerPostCompileHook", "accessAttributes", "ATTR_PREFIX"]
 
-_pre_compile_hooks: collections.OrderedDict[int, Callable[[], Any]] = collections.OrderedDict()
-_post_compile_hooks: collections.OrderedDict[int, Callable[[], Any]] = collections.OrderedDict()
+_pre_compile_hooks: collections.OrderedDict[int, Callable[[], object]] = collections.OrderedDict()
+_post_compile_hooks: collections.OrderedDict[int, Callable[[], object]] = collections.OrderedDict()
 
 
-def _register(hooks: collections.OrderedDict, hook: Callable[[], Any],
+def _register(hooks: collections.OrderedDict, hook: Callable[[], object],
               kind: str) -> RemovableHandle:
     if not callable(hook):
         raise RuntimeError(f"{kind} hook must be callable; got {type(hook).__name__} ({hook!r})")
@@ -25,12 +25,12 @@ def _register(hooks: collections.OrderedDict, hook: Callable[[], Any],
     return handle
 
 
-def registerPreCompileHook(hook: Callable[[], Any]) -> RemovableHandle:
+def registerPreCompileHook(hook: Callable[[], object]) -> RemovableHandle:
     """Call `hook()` before each model is compiled; `handle.remove()` unregisters it."""
     return _register(_pre_compile_hooks, hook, "Pre-compile")
 
 
-def registerPostCompileHook(hook: Callable[[], Any]) -> RemovableHandle:
+def registerPostCompileHook(hook: Callable[[], object]) -> RemovableHandle:
     """Call `hook()` after each model is compiled; `handle.remove()` unregisters it."""
     return _register(_post_compile_hooks, hook, "Post-compile")
 
@@ -52,11 +52,13 @@ class ICustomArgParser:
     objects of `MyType` may then be passed to a wrapped model and returned by a DataLoader.
     """
 
+    # `struct` / `original_structure` stay Any: a subclass names its own type there, which a
+    # wider type (object) here would make an incompatible override.
     def yieldTensors(self, struct: Any) -> Iterator[torch.Tensor]:
         """Yield every tensor held by `struct`, in a fixed order."""
         raise NotImplementedError
 
-    def reconstruct(self, original_structure: Any, tensor_iterator: Iterator[Any]) -> Any:
+    def reconstruct(self, original_structure: Any, tensor_iterator: Iterator[torch.Tensor]) -> Any:
         """A copy of `original_structure` holding the next tensors of `tensor_iterator`."""
         raise NotImplementedError
 
@@ -65,7 +67,7 @@ class _Original:
     """The object a custom input was flattened from; equal to any other of the same type,
     so two calls with fresh objects of one type share an input signature."""
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: object) -> None:
         self.value = value
 
     def __eq__(self, other: object) -> bool:
@@ -92,10 +94,10 @@ def registerCustomArgParser(arg_type: type, parser: ICustomArgParser) -> None:
         pytree._deregister_pytree_node(arg_type)
     _parsers[arg_type] = parser
 
-    def flatten(obj: Any) -> tuple[list[Any], _Original]:
+    def flatten(obj: object) -> tuple[list[torch.Tensor], _Original]:
         return list(parser.yieldTensors(obj)), _Original(obj)
 
-    def unflatten(values: Iterable[Any], context: _Original) -> Any:
+    def unflatten(values: Iterable[torch.Tensor], context: _Original) -> Any:
         return parser.reconstruct(context.value, iter(values))
 
     name = f"{arg_type.__module__}.{arg_type.__qualname__}"
@@ -109,10 +111,13 @@ def parser_for(value_type: type) -> ICustomArgParser | None:
 
 # Custom-op attributes are passed to a backend as a string naming a registered dict.
 ATTR_PREFIX = "attr:"
-_attributes: dict[int, dict[str, Any]] = {}
+# An attribute's value, as PopTorch documents custom_op's: a number or a string, or a list (or
+# tuple) of numbers or of strings.
+AttributeValue: TypeAlias = Union[int, float, str, Sequence[int], Sequence[float], Sequence[str]]
+_attributes: dict[int, dict[str, AttributeValue]] = {}
 
 
-def register_attributes(attributes: dict[str, Any] | None) -> str:
+def register_attributes(attributes: dict[str, AttributeValue] | None) -> str:
     """The attribute string `accessAttributes` turns back into `attributes`."""
     _attributes[id(attributes)] = attributes if attributes is not None else {}
     return f"{ATTR_PREFIX}{id(attributes):x}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import TextIO
 
 __all__ = ["logger", "setLogLevel", "LOG_LEVELS", "limit_repeats"]
 
@@ -51,11 +51,11 @@ class _Console(logging.StreamHandler):
     """Writes to whatever sys.stderr is when a message comes (it may be replaced later)."""
 
     @property  # type: ignore[override]
-    def stream(self) -> Any:
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, value: Any) -> None:
+    def stream(self, value: TextIO) -> None:
         pass
 
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
@@ -47,7 +45,7 @@ class LossGraph:
         self.kinds.append(kind)
         self._depends[loss] = before | {len(self.tensors) - 1}
 
-    def propagate(self, inputs: Any, output: Any) -> None:
+    def propagate(self, inputs: object, output: object) -> None:
         """An op read `inputs` and returned `output`: the output depends on their losses."""
         if not self.tensors:  # nothing to follow before the first loss
             return
@@ -65,16 +63,18 @@ class LossGraph:
         return [i for i in range(len(self.tensors)) if i not in self.consumed]
 
 
-def _tensors(structure: Any) -> list[torch.Tensor]:
+# Forward's output, and a torch op's inputs and output, may be any value (a tensor, nested
+# containers of tensors and other values, a ModelOutput...): pytree finds the tensors in it.
+def _tensors(structure: object) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(structure) if isinstance(x, torch.Tensor)]
 
 
-def tensor_leaves(output: Any) -> list[torch.Tensor]:
+def tensor_leaves(output: object) -> list[torch.Tensor]:
     """Forward's returned tensors in pytree order (the order a captured graph returns them)."""
     return _tensors(output)
 
 
-def find_loss(output: Any, index: int) -> torch.Tensor:
+def find_loss(output: object, index: int) -> torch.Tensor:
     """The loss of one micro-batch's output: its tensor leaf `index` (see `final_loss_index`)."""
     return tensor_leaves(output)[index]
 
@@ -85,7 +85,7 @@ def for_backward(loss: torch.Tensor, scale: float) -> torch.Tensor:
     return (loss.sum() if loss.dim() else loss) * scale
 
 
-def final_loss_index(output: Any, graph: LossGraph) -> int:
+def final_loss_index(output: object, graph: LossGraph) -> int:
     """Position among `output`'s tensor leaves of PopTorch's final loss.
 
     One final loss: the returned tensor that is it or, failing that, the one returned tensor
@@ -121,7 +121,7 @@ def final_loss_index(output: Any, graph: LossGraph) -> int:
         "the loss itself (alone, in a tuple, or as the 'loss' entry of a dict)")
 
 
-def _checked(index: int, output: Any, graph: LossGraph, final: int | None) -> int:
+def _checked(index: int, output: object, graph: LossGraph, final: int | None) -> int:
     """`index`, once the loss it names is a loss backward can start from."""
     loss = tensor_leaves(output)[index]
     if final is not None and graph.kinds[final] != IDENTITY_LOSS and loss.dim() > 0 \
@@ -134,7 +134,7 @@ def _checked(index: int, output: Any, graph: LossGraph, final: int | None) -> in
     return index
 
 
-def _unmarked_loss(output: Any, leaves: list[torch.Tensor]) -> int:
+def _unmarked_loss(output: object, leaves: list[torch.Tensor]) -> int:
     """No loss operation ran: a scalar output itself or a scalar "loss" entry; else an error."""
     if _scalar(output):
         return 0
@@ -146,11 +146,11 @@ def _unmarked_loss(output: Any, leaves: list[torch.Tensor]) -> int:
         "poptorch.identity_loss(x, reduction='sum'|'mean'|'none'), and return it")
 
 
-def _scalar(value: Any) -> bool:
+def _scalar(value: object) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 0
 
 
-def _describe(graph: LossGraph, index: int, output: Any) -> str:
+def _describe(graph: LossGraph, index: int, output: object) -> str:
     made = graph.tensors[index]
     kind = graph.kinds[index]
     name = f"poptorch.{kind}" if kind == IDENTITY_LOSS else f"F.{kind}"
@@ -158,7 +158,7 @@ def _describe(graph: LossGraph, index: int, output: Any) -> str:
     return f"{name} #{index + 1} ({f'returned as {at[0]}' if at else 'not returned'})"
 
 
-def _path(output: Any, index: int) -> str:
+def _path(output: object, index: int) -> str:
     """`output[1]`, `output['loss']`, `output.loss`: where tensor leaf `index` sits."""
     try:
         flat, _ = pytree.tree_flatten_with_path(output)
@@ -168,7 +168,7 @@ def _path(output: Any, index: int) -> str:
     return "output" + pytree.keystr(paths[index])
 
 
-def _summary(output: Any) -> str:
+def _summary(output: object) -> str:
     if isinstance(output, torch.Tensor):
         return f"a {output.dtype} tensor"
     leaves = tensor_leaves(output)

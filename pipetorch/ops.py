@@ -141,7 +141,7 @@ def _fx_leaf(fn: _Fn) -> _Fn:
     every spelling. The node's target is the public function, so the traced graph runs it.
     """
     @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: object, **kwargs: object) -> Any:
         proxy = _first_proxy((args, kwargs))
         if proxy is not None:
             return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
@@ -149,14 +149,15 @@ def _fx_leaf(fn: _Fn) -> _Fn:
     return wrapper  # type: ignore[return-value]
 
 
-def _first_proxy(structure: Any) -> torch.fx.Proxy | None:
+def _first_proxy(structure: tuple[tuple[object, ...], dict[str, object]]
+                 ) -> torch.fx.Proxy | None:
     found: list[torch.fx.Proxy] = []
     torch.fx.node.map_aggregate(
         structure, lambda x: found.append(x) if isinstance(x, torch.fx.Proxy) else None)
     return found[0] if found else None
 
 
-def _require_tensor(op: str, value: Any, what: str = "tensor") -> None:
+def _require_tensor(op: str, value: object, what: str = "tensor") -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"poptorch.{op} expects {what} to be a torch.Tensor, got "
                         f"{type(value).__name__}; pass the tensor itself.")
@@ -288,7 +289,8 @@ def nop(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _as_tensor_list(op: str, what: str, values: Any) -> list[torch.Tensor]:
+def _as_tensor_list(op: str, what: str,
+                    values: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """A tensor or a list/tuple of tensors, as a list (PopTorch accepts either)."""
     values = [values] if isinstance(values, torch.Tensor) else values
     if not isinstance(values, (list, tuple)):
@@ -303,7 +305,7 @@ class _LoopInputError(TypeError, ValueError):
     """PopTorch's ValueError for for_loop's inputs, a TypeError too (what it is)."""
 
 
-def _loop_inputs(inputs: Any) -> list[torch.Tensor]:
+def _loop_inputs(inputs: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
     """for_loop's inputs as a list, refused with PopTorch's ValueErrors (a single tensor is
     accepted too, as a list of one)."""
     if isinstance(inputs, torch.Tensor):

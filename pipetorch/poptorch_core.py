@@ -3,8 +3,6 @@
 rest of that C++ module has no meaning here)."""
 from __future__ import annotations
 
-from typing import Any
-
 from pipetorch.errors import ConfigError, Error, RecoverableError, UnrecoverableError
 from pipetorch.options import Options, popart_names
 from pipetorch.partition import blocks
@@ -12,7 +10,7 @@ from pipetorch.partition import blocks
 __all__ = ["Error", "RecoverableError", "UnrecoverableError"]
 
 
-def _validateOptions(options: dict[str, Any]) -> None:
+def _validateOptions(options: dict[str, object]) -> None:
     """Check `Options.toDict()` as PopTorch's core does when a model compiles: an option name
     Options does not have, or a PopART option (`_Popart.set`) PopART does not have or of a
     value type PopTorch cannot pass, raises a ConfigError in PopTorch's words."""

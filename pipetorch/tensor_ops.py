@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Mapping, Sequence, TypeAlias, TypeVar, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -12,8 +12,16 @@ from torch.utils import _pytree as pytree
 from pipetorch.enums import MatMulSerializationMode, OverlapMode
 from pipetorch.errors import IpuOnlyError, createPoptorchError
 
+if TYPE_CHECKING:
+    from pipetorch.extensions import AttributeValue
+
 __all__ = ["dynamic_slice", "dynamic_update", "serializedMatMul", "set_overlap_for_input",
            "set_overlap_for_output", "ctc_beam_search_decoder", "custom_op"]
+
+# What the overlap markers take: a tensor, or tuples, lists and dicts of them to any depth.
+TensorStructure: TypeAlias = Union[torch.Tensor, Sequence["TensorStructure"],
+                                   Mapping[str, "TensorStructure"]]
+_Tensors = TypeVar("_Tensors", bound=TensorStructure)
 
 
 def _check(condition: bool, message: str) -> None:
@@ -21,7 +29,7 @@ def _check(condition: bool, message: str) -> None:
         raise createPoptorchError(message)
 
 
-def _indices(op: str, start: Any, dim_size: int, size: int, step: int = 1) -> torch.Tensor:
+def _indices(op: str, start: torch.Tensor, dim_size: int, size: int, step: int = 1) -> torch.Tensor:
     """start, start+step, ... below start+size, as a tensor: start stays a run-time value, so
     the op traces (torch.export) without reading it."""
     _check(isinstance(start, torch.Tensor),
@@ -96,7 +104,7 @@ def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializa
     return torch.stack(parts).sum(0).to(torch.result_type(lhs, rhs))
 
 
-def _set_overlap(what: str, tensors: Any, mode: OverlapMode) -> Any:
+def _set_overlap(what: str, tensors: _Tensors, mode: OverlapMode) -> _Tensors:
     if not isinstance(mode, OverlapMode):
         raise TypeError(f"set_overlap_for_{what}: mode must be a poptorch.OverlapMode, got {mode!r}")
     for leaf in pytree.tree_leaves(tensors):
@@ -106,12 +114,12 @@ def _set_overlap(what: str, tensors: Any, mode: OverlapMode) -> Any:
     return tensors
 
 
-def set_overlap_for_input(input_tensors: Any, mode: OverlapMode) -> Any:
+def set_overlap_for_input(input_tensors: _Tensors, mode: OverlapMode) -> _Tensors:
     """Mark inputs for host-IO overlap (an IPU IO-tile setting); returns them unchanged."""
     return _set_overlap("input", input_tensors, mode)
 
 
-def set_overlap_for_output(output_tensors: Any, mode: OverlapMode) -> Any:
+def set_overlap_for_output(output_tensors: _Tensors, mode: OverlapMode) -> _Tensors:
     """Mark outputs for host-IO overlap (an IPU IO-tile setting); returns them unchanged."""
     return _set_overlap("output", output_tensors, mode)
 
@@ -180,8 +188,9 @@ def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: i
     return [out_probs.to(probs.device), out_lengths.to(probs.device), out_paths.to(probs.device)]
 
 
-def custom_op(inputs: Any, name: str, domain: str, domain_version: int, example_outputs: Any,
-              attributes: dict[str, Any] | None = None) -> list[torch.Tensor]:
+def custom_op(inputs: Sequence[torch.Tensor], name: str, domain: str, domain_version: int,
+              example_outputs: Sequence[torch.Tensor],
+              attributes: dict[str, AttributeValue] | None = None) -> list[torch.Tensor]:
     """PopART custom operators are IPU programs; on CPU/GPU this raises IpuOnlyError."""
     raise IpuOnlyError(
         f"poptorch.custom_op({name!r}, domain={domain!r}) runs a PopART custom operator, a "

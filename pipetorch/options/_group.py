@@ -32,11 +32,11 @@ def frozen_error(group: OptionGroup, call: str) -> AttributeError:
         "wrap (or build the DataLoader) again with the copy")
 
 
-def _guarded(name: str, setter: Callable[..., Any]) -> Callable[..., Any]:
+def _guarded(name: str, setter: Callable[..., object]) -> Callable[..., object]:
     """`setter`, refusing with the call's own text when its options are frozen."""
 
     @functools.wraps(setter)
-    def guarded(self: OptionGroup, *args: Any, **kwargs: Any) -> Any:
+    def guarded(self: OptionGroup, *args: object, **kwargs: object) -> object:
         if self._is_frozen:
             raise frozen_error(self, _call_text(self, name, args, kwargs))
         return setter(self, *args, **kwargs)
@@ -56,7 +56,7 @@ def readback(name: str, doc: str) -> property:
     return property(get, doc=doc)
 
 
-def plain(value: Any) -> Any:
+def plain(value: object) -> Any:
     """`value` made JSON-friendly: dtypes as strings, containers as dicts/lists, objects as repr."""
     if value is None or isinstance(value, (bool, int, float, str, enum.Enum)):
         return value  # IntEnum members serialise to JSON as their int
@@ -83,7 +83,7 @@ class OptionGroup:
     _SUBGROUPS: ClassVar[tuple[str, ...]] = ()
     _frozen_by = ""  # what froze the options ("poptorch.trainingModel"), named when refusing
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         # Every public method is a setter: refused, naming itself, once the options are frozen.
         for name, value in list(vars(cls).items()):
@@ -95,7 +95,7 @@ class OptionGroup:
         self._values: dict[str, Any] = copy.deepcopy(self._DEFAULTS)
         self._is_frozen = False
 
-    def _set(self, **values: Any) -> None:
+    def _set(self, **values: object) -> None:
         self._check_not_frozen()
         self._values.update(values)
 
@@ -158,7 +158,7 @@ class OptionGroup:
             return getter.fget(self)
         raise self._unknown(f"{self._LABEL} has no option {name!r}", name, readbacks=True)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if name.startswith("_"):
             object.__setattr__(self, name, value)
             return

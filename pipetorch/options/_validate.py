@@ -6,35 +6,35 @@ import numbers
 import os
 import re
 import tempfile
-from typing import Any, Iterable, TypeVar
+from typing import Iterable, TypeVar
 
 import torch
 
 E = TypeVar("E", bound=enum.Enum)
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def type_error(setter: str, arg: str, value: Any, accepted: str) -> TypeError:
+def type_error(setter: str, arg: str, value: object, accepted: str) -> TypeError:
     """A TypeError naming the setter, the argument, what it accepts and what it got."""
     return TypeError(f"{setter}: {arg} must be {accepted}; got {_shown(value)}")
 
 
-def value_error(setter: str, arg: str, value: Any, accepted: str) -> ValueError:
+def value_error(setter: str, arg: str, value: object, accepted: str) -> ValueError:
     """A ValueError naming the setter, the argument, what it accepts and what it got."""
     return ValueError(f"{setter}: {arg} must be {accepted}; got {_shown(value)}")
 
 
-def boolean(setter: str, arg: str, value: Any) -> bool:
+def boolean(setter: str, arg: str, value: object) -> bool:
     """`value` itself if it is a bool (1/0 are refused: they usually hide a mistake)."""
     if not isinstance(value, bool):
         raise type_error(setter, arg, value, "True or False")
     return value
 
 
-def integer(setter: str, arg: str, value: Any, *, minimum: int | None = None,
+def integer(setter: str, arg: str, value: object, *, minimum: int | None = None,
             maximum: int | None = None) -> int:
     """`value` as an int, within [minimum, maximum] when those are given."""
     accepted = "an int" + (f" >= {minimum}" if minimum is not None else "") + (
@@ -47,7 +47,7 @@ def integer(setter: str, arg: str, value: Any, *, minimum: int | None = None,
     return value
 
 
-def enum_member(setter: str, arg: str, value: Any, enum_cls: type[E], *,
+def enum_member(setter: str, arg: str, value: object, enum_cls: type[E], *,
                 allowed: Iterable[E] | None = None) -> E:
     """`value` if it is a member of `enum_cls` (and of `allowed` when given)."""
     members = list(enum_cls) if allowed is None else list(allowed)
@@ -59,7 +59,7 @@ def enum_member(setter: str, arg: str, value: Any, enum_cls: type[E], *,
     return value
 
 
-def text(setter: str, arg: str, value: Any) -> str:
+def text(setter: str, arg: str, value: object) -> str:
     """`value` if it is a non-empty string."""
     if not isinstance(value, str):
         raise type_error(setter, arg, value, "a non-empty str")
@@ -68,7 +68,7 @@ def text(setter: str, arg: str, value: Any) -> str:
     return value
 
 
-def path(setter: str, arg: str, value: Any, *, optional: bool = False) -> str | None:
+def path(setter: str, arg: str, value: object, *, optional: bool = False) -> str | None:
     """`value` as a str path (str or os.PathLike, non-empty); None passes when optional."""
     accepted = "a non-empty path (str or os.PathLike)" + (" or None" if optional else "")
     if value is None and optional:
@@ -142,7 +142,7 @@ def _write_problem(directory: str, problem: str) -> str | None:
         return f"{problem} ({error.strerror or error})"
 
 
-def output_directory(setter: str, arg: str, value: Any, *, holds: str) -> str | None:
+def output_directory(setter: str, arg: str, value: object, *, holds: str) -> str | None:
     """`value` as a path (or None) to a directory that can be created and written; `holds`
     says what goes there, for the message ("the executable cache")."""
     directory = path(setter, arg, value, optional=True)
@@ -153,7 +153,7 @@ def output_directory(setter: str, arg: str, value: Any, *, holds: str) -> str | 
     return directory
 
 
-def strings(setter: str, arg: str, value: Any) -> list[str]:
+def strings(setter: str, arg: str, value: object) -> list[str]:
     """`value` as a list of str (from a list, tuple or set of str)."""
     accepted = "a list of str"
     if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
@@ -164,7 +164,7 @@ def strings(setter: str, arg: str, value: Any) -> list[str]:
     return list(value)
 
 
-def proportion(setter: str, arg: str, value: Any) -> float:
+def proportion(setter: str, arg: str, value: object) -> float:
     """`value` as a float in (0, 1]."""
     accepted = "a number in (0, 1]"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -174,7 +174,7 @@ def proportion(setter: str, arg: str, value: Any) -> float:
     return float(value)
 
 
-def dtype(setter: str, arg: str, value: Any, allowed: Iterable[torch.dtype]) -> torch.dtype:
+def dtype(setter: str, arg: str, value: object, allowed: Iterable[torch.dtype]) -> torch.dtype:
     """`value` if it is one of the `allowed` torch dtypes."""
     allowed = list(allowed)
     accepted = "one of " + ", ".join(str(d) for d in allowed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import inspect
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -30,7 +30,7 @@ class _Refused(Exception):
     """A construct an option line may not use; the message says which and why."""
 
 
-def _member(owner: Any, name: str, shown: str) -> Any:
+def _member(owner: object, name: str, shown: str) -> Any:
     """`owner.name` where `shown` is how the chain up to `owner` is written."""
     if isinstance(owner, OptionGroup):
         valid = owner._setter_names()
@@ -51,7 +51,7 @@ def _member(owner: Any, name: str, shown: str) -> Any:
         raise _Refused(f"{shown} has no attribute {name!r}") from err
 
 
-def _check_callable(func: Any, shown: str) -> None:
+def _check_callable(func: object, shown: str) -> None:
     owner = type(func.__self__) if inspect.ismethod(func) else func
     if not (inspect.isclass(owner) and owner.__module__.startswith(_CALLABLE_HOMES)):
         raise _Refused(f"{shown} may not be called: only option setters, "
@@ -69,7 +69,7 @@ class _Walker:
             raise _Refused("a line must call a setter, e.g. deviceIterations(4)")
         self._chain(node, lambda name: _member(self.options, name, ""))
 
-    def _chain(self, node: ast.expr, root: Callable[[str], Any]) -> Any:
+    def _chain(self, node: ast.expr, root: Callable[[str], object]) -> Any:
         if isinstance(node, ast.Name):
             return root(node.id)
         if isinstance(node, ast.Attribute):
@@ -125,7 +125,8 @@ def load_file(options: OptionGroup, filepath: str | Path) -> None:
             raise ConfigFileError(f"{filepath}, line {lineno}: {text!r}: {err}") from err
 
 
-def apply_setting(options: OptionGroup, dotted: str, args: list[Any], source: str) -> None:
+def apply_setting(options: OptionGroup, dotted: str, args: Sequence[object],
+                  source: str) -> None:
     """Call the setter named `dotted` (e.g. "Training.gradientAccumulation") with `args`."""
     target: Any = options
     shown = ""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, TypeAlias, Union
 
 import torch
 
@@ -23,6 +23,8 @@ ENGINE_OPTIONS_VAR = "POPLAR_ENGINE_OPTIONS"
 DEFAULT_PROCESS_VARS = (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), ("WORLD_SIZE", "RANK"))
 # Poplar writes reports to the working directory when autoReport.directory is not given.
 DEFAULT_REPORT_DIR = "./"
+# A value as json.loads gives it.
+_Json: TypeAlias = Union[None, bool, int, float, str, list["_Json"], dict[str, "_Json"]]
 
 
 def cache_dir() -> str | None:
@@ -37,7 +39,7 @@ def cache_dir() -> str | None:
     return directory
 
 
-def _json_object(var: str, example: str) -> dict[str, Any] | None:
+def _json_object(var: str, example: str) -> dict[str, _Json] | None:
     raw = os.environ.get(var, "").strip()
     if not raw:
         return None
@@ -74,7 +76,7 @@ def profiling_dir() -> str | None:
     return directory
 
 
-def _decode(value: Any) -> Any:
+def _decode(value: _Json) -> Any:
     """JSON can't spell enums or dtypes: "OutputMode.All" and "torch.float16" stand for them."""
     if isinstance(value, list):
         return [_decode(v) for v in value]

@@ -266,7 +266,7 @@ class _PopartOptions(OptionGroup):
         if training is not None:
             training._popart = self
 
-    def set(self, key: str, value: Any) -> _PopartOptions:
+    def set(self, key: str, value: popart_names.PopartValue) -> _PopartOptions:
         """Set PopART session option `key` to `value` (no-op here, but two keys).
 
         `value` must be a bool, int, float, str, or a list/set/dict of those, and `key` one of
@@ -292,7 +292,7 @@ class _PopartOptions(OptionGroup):
                                if not popart_names.passable(v)})
         return out
 
-    def _set_recomputation(self, value: Any) -> None:
+    def _set_recomputation(self, value: popart_names.PopartValue) -> None:
         kinds = ", ".join(f"{i} ({name})" for i, name in enumerate(_RECOMPUTATION_TYPES))
         if isinstance(value, bool) or not isinstance(value, int) \
                 or not 0 <= value < len(_RECOMPUTATION_TYPES):

@@ -26,7 +26,7 @@ _BUDGET_FORMS = ('bytes as an int > 0, a size string such as "897MB", "16GB" or 
                  "or None for no budget")
 
 
-def _budget_bytes(arg: str, value: Any) -> int:
+def _budget_bytes(arg: str, value: int | str) -> int:
     """One device's budget in bytes, from an int or a size string."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
         raise check.type_error("setMemoryBudget", arg, value, _BUDGET_FORMS)

@@ -96,7 +96,7 @@ class TensorLocationSettings(OptionGroup):
 _KINDS = ("activation", "weight", "optimizer", "accumulator")
 
 
-def _snapshot_of(setter: str, location: Any) -> dict[str, Any]:
+def _snapshot_of(setter: str, location: object) -> dict[str, Any]:
     if not isinstance(location, TensorLocationSettings):
         raise check.type_error(setter, "location", location,
                                "a poptorch.TensorLocationSettings, e.g. "

@@ -95,7 +95,7 @@ class Options(RunSetters, ReportSetters, IpuSetters):
         config.load_file(self, os.fspath(filepath))
         return self
 
-    def set(self, **values: Any) -> Options:
+    def set(self, **values: object) -> Options:
         """Set options by their read-back names, as PopTorch's raw setter does:
         `opts.set(random_seed=42)`. Prefer the named setters, which check the values; this
         refuses, in PopTorch's words, a name Options does not have and a value of another

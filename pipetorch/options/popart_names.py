@@ -12,7 +12,7 @@ would refuse, or a value of a type PopTorch cannot pass to PopART.
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import AbstractSet, Mapping, Sequence, TypeAlias, Union
 
 from pipetorch.errors import ConfigError
 
@@ -69,12 +69,17 @@ SESSION_OPTIONS = frozenset(
     + [f"{struct}.{field}" for struct, fields in _NESTED.items() for field in fields.split()])
 
 _SCALARS = (bool, int, float, str)
+_Scalar: TypeAlias = Union[bool, int, float, str]
+#: What `opts._Popart.set` takes as a value: a bool, int, float or str, or a list (tuple), set
+#: or dict of those (PopTorch refuses any other when the model compiles: `check`).
+PopartValue: TypeAlias = Union[_Scalar, Sequence[_Scalar], AbstractSet[_Scalar],
+                               Mapping[str, _Scalar]]
 # PopTorch's words for the kind of value (its parser keeps one table per kind)
 _KINDS = ((bool, "bool"), (int, "uint64"), (float, "double"), (str, "string"),
           ((list, tuple, set, frozenset), "container"), (dict, "map"))
 
 
-def _kind(value: Any) -> str | None:
+def _kind(value: object) -> str | None:
     """PopTorch's kind of `value`, or None for a type it cannot pass to PopART."""
     if isinstance(value, dict):
         fits = all(isinstance(k, str) and isinstance(v, _SCALARS) for k, v in value.items())
@@ -84,12 +89,12 @@ def _kind(value: Any) -> str | None:
     return next((kind for types, kind in _KINDS if isinstance(value, types)), None)
 
 
-def passable(value: Any) -> bool:
+def passable(value: object) -> bool:
     """Whether PopTorch can pass `value` to PopART as an option's value."""
     return _kind(value) is not None
 
 
-def check(options: dict[str, Any]) -> None:
+def check(options: Mapping[str, object]) -> None:
     """Raise ConfigError (a poptorch.Error) for the first name PopART does not have or value
     PopTorch cannot pass, in PopTorch's words followed by the fix."""
     for name, value in options.items():
