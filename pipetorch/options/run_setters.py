@@ -14,6 +14,7 @@ from pipetorch.options._group import OptionGroup, readback
 
 if TYPE_CHECKING:
     from pipetorch.options.options import Options
+    from pipetorch.partition.strategies import ExecutionStrategy
 
 __all__ = ["RunSetters"]
 
@@ -71,7 +72,7 @@ class RunSetters(OptionGroup):
         "input_signatures", "How many input signatures a wrapper runs: 'one' or 'several'.")
 
     @property
-    def execution_strategy(self) -> Any:
+    def execution_strategy(self) -> ExecutionStrategy:
         """The execution strategy; PipelinedExecution(AutoStage.SameAsIpu) unless set."""
         if self._values["execution_strategy"] is None:
             # Imported here so that importing options never imports the partitioner.
@@ -80,7 +81,7 @@ class RunSetters(OptionGroup):
         return self._values["execution_strategy"]
 
     @property
-    def _execution_strategy(self) -> Any:
+    def _execution_strategy(self) -> ExecutionStrategy:
         """PopTorch's name of `execution_strategy` (scripts and its tests read it back)."""
         return self.execution_strategy
 
@@ -149,10 +150,10 @@ class RunSetters(OptionGroup):
         self._set(random_seed=seed)
         return self
 
-    def setExecutionStrategy(self, strategy: Any) -> Options:
+    def setExecutionStrategy(self, strategy: ExecutionStrategy) -> Options:
         """How blocks become stages: PipelinedExecution (default), ShardedExecution, phased."""
         from pipetorch.partition.strategies import ExecutionStrategy
-        if not isinstance(strategy, ExecutionStrategy):
+        if not isinstance(strategy, ExecutionStrategy):  # a user's script passes anything
             raise check.type_error(
                 "setExecutionStrategy", "strategy", strategy,
                 "a PipelinedExecution, ShardedExecution, SerialPhasedExecution or "
