@@ -19,7 +19,7 @@ their anchors take only OutputMode.Final (or the default mode).
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypedDict
 
 import torch
 import torch.nn as nn
@@ -32,10 +32,33 @@ from pipetorch.losses import find_loss
 from pipetorch.parallel.outputs import OutputCollector, resolve_mode
 from pipetorch.weights.host_copy import held
 
+if TYPE_CHECKING:
+    from pipetorch.parallel.engines import Engine
+
 __all__: list[str] = []
 
 GRADIENT, UPDATED = "Gradient___", "UpdatedVar___"
 LOSS, LOSS_SCALE = "loss", "finalLossScale"
+
+
+class AnchorSpec(TypedDict):
+    """One anchored tensor as Options.anchorTensor records it (`options.anchored_tensors`
+    maps each short name to one)."""
+
+    long_name: str
+    output_mode: OutputMode | None  # None: the model's own output mode
+    output_return_period: int
+
+
+class Collector(Protocol):
+    """What a host call hands its micro-batches' outputs to: an OutputCollector, or one of the
+    collectors wrapping it (the anchors' tee, checkNonFinite's watch)."""
+
+    def wants(self, step: int) -> bool: ...
+
+    def add(self, step: int, replica: int, output: object) -> None: ...
+
+    def result(self) -> Any: ...
 
 
 def tensor_names(model: nn.Module, *, training: bool, in_process: bool) -> list[str]:
@@ -64,7 +87,7 @@ def poptorch_spellings(names: list[str]) -> dict[str, str]:
 class Anchors:
     """The anchors of one wrapped model: checked at compile, filled by every call."""
 
-    def __init__(self, requested: dict[str, dict[str, Any]], model: nn.Module, *,
+    def __init__(self, requested: dict[str, AnchorSpec], model: nn.Module, *,
                  training: bool, in_process: bool, default_mode: OutputMode,
                  default_period: int, loss_index: int | None = None) -> None:
         self.model, self.training, self.loss_index = model, training, loss_index
@@ -80,7 +103,7 @@ class Anchors:
                                                            default_period))
         self._values: dict[str, Any] = {}
         self._live: dict[str, OutputCollector] = {}
-        self._activations: dict[str, torch.Tensor] = {}
+        self._activations: dict[str, object] = {}  # modules' outputs, tensors detached
         self._hooks = [model.get_submodule(long).register_forward_hook(self._keeper(long))
                        for long, _, _ in self._requested.values() if self._is_activation(long)]
 
@@ -95,7 +118,7 @@ class Anchors:
         raise ConfigError(f"anchorTensor({short!r}, {long!r}): no tensor named {long!r} in this "
                           f"model{where}{hint}. getTensorNames() lists the names")
 
-    def _mode_of(self, short: str, spec: dict[str, Any], default_mode: OutputMode,
+    def _mode_of(self, short: str, spec: AnchorSpec, default_mode: OutputMode,
                  default_period: int) -> tuple[OutputMode, int]:
         """The anchor's output mode and period; None or Default means the model's own."""
         if spec["output_mode"] in (None, OutputMode.Default):
@@ -114,14 +137,14 @@ class Anchors:
         modules = dict(self.model.named_modules())
         return long != LOSS and not self._per_call(long) and long in modules
 
-    def _keeper(self, long: str) -> Any:
-        def keep(module: nn.Module, args: Any, output: Any) -> None:
+    def _keeper(self, long: str) -> Callable[[nn.Module, tuple[object, ...], object], None]:
+        def keep(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             detached = isinstance(output, torch.Tensor)
             self._activations[long] = output.detach() if detached else output
         return keep
 
     # -- one call ---------------------------------------------------------------------------
-    def tee(self, collector: OutputCollector, *, steps: int, replicas: int) -> Any:
+    def tee(self, collector: Collector, *, steps: int, replicas: int) -> Collector:
         """A collector feeding `collector` and every per-micro-batch anchor of this call."""
         self._live = {short: OutputCollector(resolve_mode(mode, training=self.training),
                                              steps=steps, replicas=replicas, period=period)
@@ -132,7 +155,7 @@ class Anchors:
     def _activation_names(self) -> list[str]:
         return [long for long, _, _ in self._requested.values() if self._is_activation(long)]
 
-    def add(self, step: int, replica: int, output: Any) -> None:
+    def add(self, step: int, replica: int, output: object) -> None:
         for short, collector in self._live.items():
             long = self._requested[short][0]
             if not collector.wants(step):
@@ -148,7 +171,7 @@ class Anchors:
                     "this process (it runs in a stage worker, or forward never calls it); "
                     "module outputs can be anchored only for a model that runs in this process")
 
-    def after_call(self, engine: Any) -> None:
+    def after_call(self, engine: Engine) -> None:
         """Read this call's values; per-call ones after copying them back from the device."""
         if self.per_call():
             if self.wants_gradients():
@@ -192,15 +215,15 @@ class Anchors:
 
 
 class _Tee:
-    """An OutputCollector that also hands every micro-batch's output to the anchors."""
+    """A collector that also hands every micro-batch's output to the anchors."""
 
-    def __init__(self, anchors: Anchors, main: OutputCollector) -> None:
+    def __init__(self, anchors: Anchors, main: Collector) -> None:
         self._anchors, self._main = anchors, main
 
     def wants(self, step: int) -> bool:
         return self._main.wants(step) or any(c.wants(step) for c in self._anchors._live.values())
 
-    def add(self, step: int, replica: int, output: Any) -> None:
+    def add(self, step: int, replica: int, output: object) -> None:
         self._main.add(step, replica, output)
         self._anchors.add(step, replica, output)
 

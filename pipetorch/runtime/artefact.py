@@ -20,7 +20,7 @@ import logging
 import pickle
 import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, TypedDict
 
 import torch
 import torch.fx as fx
@@ -31,11 +31,17 @@ import pipetorch
 from pipetorch import ops
 from pipetorch.enums import ConnectionType
 from pipetorch.errors import ConfigError, Error
+from pipetorch.optim.attributes import VariableAttributes
 from pipetorch.partition import blocks
 from pipetorch.partition.cache import read_checked, unpickle, write_checked
 from pipetorch.partition.stage_module import StageModule, attribute
 from pipetorch.partition.trace import BLOCK_KEY, InputLayout, Traced
 from pipetorch.runtime.batching import Signature
+
+if TYPE_CHECKING:
+    from pipetorch.options import Options
+    from pipetorch.runtime.compile import Compiled
+    from pipetorch.runtime.executor import PoplarExecutor
 
 __all__ = ["ExecutableError"]
 
@@ -47,6 +53,14 @@ FORMAT = 1
 
 class ExecutableError(Error, RuntimeError):
     """A saved executable that cannot be loaded here (another version, a damaged file)."""
+
+
+# A training executable's optimiser: its class, defaults, groups (parameters by name) and
+# state_dict, rebuilt over the loaded graph's parameters.
+OptimizerRecord = TypedDict("OptimizerRecord", {
+    "class": type[torch.optim.Optimizer], "defaults": dict[str, Any],
+    "groups": list[dict[str, Any]], "state": dict[str, Any],
+    "variable_attrs": VariableAttributes | None})
 
 
 def _versions() -> dict[str, Any]:
@@ -70,13 +84,13 @@ class LoadedModel(nn.Module):
         self.net, self.layout = graph, layout
         # As text where it can be: copies of the model (one per device) then copy no pytree
         # objects (whose copying warns on some torch versions).
-        self._spec: Any = output_spec
+        self._spec: pytree.TreeSpec | str | None = output_spec
         try:
             self._spec = None if output_spec is None else pytree.treespec_dumps(output_spec)
         except Exception:  # a node type without serialisation (a ModelOutput): keep it
             pass
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         leaves = self.net(*self.layout.flatten(args, kwargs))
         if self._spec is None:
             return leaves
@@ -86,7 +100,7 @@ class LoadedModel(nn.Module):
 
 def _model_class(layout: InputLayout) -> type:
     """LoadedModel with forward's signature the saved model's (splitting binds by name)."""
-    def forward(self: LoadedModel, *args: Any, **kwargs: Any) -> Any:
+    def forward(self: LoadedModel, *args: object, **kwargs: object) -> Any:
         return LoadedModel.forward(self, *args, **kwargs)
 
     me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -96,7 +110,7 @@ def _model_class(layout: InputLayout) -> type:
                                                        "__module__": __name__})
 
 
-def save(wrapper: Any, path: str | Path) -> None:
+def save(wrapper: PoplarExecutor, path: str | Path) -> None:
     """Write `wrapper`'s (a compiled PoplarExecutor) executable to `path`."""
     compiled = wrapper._require_compiled("save()")
     wrapper._flush_host()
@@ -163,7 +177,8 @@ def _with_blocks_and_losses(traced: Traced, loss_index: int | None) -> fx.Graph:
     return graph
 
 
-def _mark_loss(graph: fx.Graph, outputs: Any, mapping: dict, loss_index: int) -> Any:
+def _mark_loss(graph: fx.Graph, outputs: fx.node.Argument, mapping: dict[fx.Node, fx.Node],
+               loss_index: int) -> fx.node.Argument:
     """The output with the loss (tensor output `loss_index`) passed through identity_loss."""
     leaves, flat_spec = pytree.tree_flatten(fx.node.map_arg(outputs, lambda n: mapping[n]))
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Node)]
@@ -182,7 +197,7 @@ def _portable(layout: InputLayout) -> InputLayout:
                        dict(layout.nested))
 
 
-def _optimizer_record(wrapper: Any) -> dict[str, Any]:
+def _optimizer_record(wrapper: PoplarExecutor) -> OptimizerRecord:
     optimizer = wrapper._user_optimizer
     names = {id(p): n for n, p in wrapper.model.named_parameters()}
     state = optimizer.state_dict()
@@ -195,7 +210,8 @@ def _optimizer_record(wrapper: Any) -> dict[str, Any]:
             "variable_attrs": optimizer.__dict__.get("variable_attrs")}
 
 
-def read_executable(path: str | Path, edit_opts_fn: Any = None) -> dict[str, Any]:
+def read_executable(path: str | Path, edit_opts_fn: Callable[[Options], object] | None = None
+                    ) -> dict[str, Any]:
     """What a wrapper for the executable saved at `path` is built from (`executor.load`):
     model, options, training, optimizer; `edit_opts_fn(options)` may change its (unfrozen
     copy of the) options first."""
@@ -276,7 +292,7 @@ def _read(path: str | Path) -> dict[str, Any]:
     return unpickle(data)
 
 
-def _rebuild_optimizer(record: dict[str, Any], graph: nn.Module) -> torch.optim.Optimizer:
+def _rebuild_optimizer(record: OptimizerRecord, graph: nn.Module) -> torch.optim.Optimizer:
     groups = [{**g, "params": [graph.get_parameter(n) for n in g["params"]]}
               for g in record["groups"]]
     optimizer = record["class"](groups, **record["defaults"])
@@ -289,7 +305,7 @@ def _rebuild_optimizer(record: dict[str, Any], graph: nn.Module) -> torch.optim.
 class Exports:
     """PoplarExecutor's saving of executables and compiling for a saved one."""
 
-    _compiled: Any
+    _compiled: Compiled | None
     _user_model: nn.Module
 
     def save(self, path: str) -> None:
@@ -310,8 +326,8 @@ class Exports:
         args, kwargs = saved_inputs(filename)
         self.compile(*args, **kwargs)
 
-    def compileAndExport(self, filename: str, *args: Any, export_model: bool = True,
-                         **kwargs: Any) -> None:
+    def compileAndExport(self, filename: str, *args: object, export_model: bool = True,
+                         **kwargs: object) -> None:
         """Compile for these inputs (if not compiled yet) and save an executable that
         `poptorch.load(filename)` runs in another process without the model's source."""
         if self._compiled is None:

@@ -4,12 +4,15 @@ from __future__ import annotations
 import collections
 import inspect
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeVar
 
 import torch
+import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 __all__: list[str] = []
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,7 @@ class LeafSpec:
 
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
-    constant: Any = None
+    constant: object = None
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ class InputName:
         return self.argument_expr + self.inner
 
 
-def forward_parameters(model: Any) -> tuple[str, ...]:
+def forward_parameters(model: nn.Module) -> tuple[str, ...]:
     """The names of `model.forward`'s positional parameters ((x, labels) for most models)."""
     try:
         params = inspect.signature(model.forward).parameters.values()
@@ -50,7 +53,7 @@ def forward_parameters(model: Any) -> tuple[str, ...]:
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
-def keyed_leaves(tree: Any) -> list[tuple[tuple, Any]]:
+def keyed_leaves(tree: object) -> list[tuple[tuple, object]]:
     """`tree`'s leaves with their key paths; a node type registered without keys (an
     ICustomArgParser type) keys its leaves by their position in it."""
     try:
@@ -229,7 +232,7 @@ def conversion(dtype: torch.dtype) -> str:
     return _CONVERSIONS.get(dtype, f".to({dtype})")
 
 
-def _same_constant(a: Any, b: Any) -> bool:
+def _same_constant(a: object, b: object) -> bool:
     try:
         return bool(a == b)
     except Exception:  # objects whose == is not a bool (arrays): compare identity
@@ -290,7 +293,7 @@ def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_a
                 "Use a poptorch.DataLoader to build batches of the right size")
 
 
-def _is_number(x: Any) -> bool:
+def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
@@ -311,7 +314,7 @@ def split_micro_batches(args: tuple, kwargs: dict, *, device_iterations: int,
     return result
 
 
-def plain_containers(tree: Any) -> Any:
+def plain_containers(tree: object) -> Any:
     """`tree` with dict subclasses that torch's pytree does not know (a user's
     `class Batch(OrderedDict)`) turned into OrderedDict or dict, as PopTorch hands forward
     its inputs' dicts rebuilt; lists, tuples and registered types are walked, not changed."""
@@ -330,7 +333,7 @@ def plain_containers(tree: Any) -> Any:
     return tree
 
 
-def to_device(tree: Any, device: torch.device) -> Any:
+def to_device(tree: T, device: torch.device) -> T:
     """Move every tensor of a nested structure to `device` (no copy if already there)."""
     return pytree.tree_map(
         lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x, tree)

@@ -4,7 +4,8 @@ picks, and torch's common failures of a forward told in terms of the user's inpu
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -14,9 +15,13 @@ from pipetorch.enums import MeanReductionStrategy, OutputMode
 from pipetorch.errors import (
     ConfigError, DeviceMismatchError, Error, ModelChangedError, NonFiniteError,
 )
-from pipetorch.runtime.anchors import GRADIENT, LOSS_SCALE, UPDATED
+from pipetorch.runtime.anchors import GRADIENT, LOSS_SCALE, UPDATED, Collector
 from pipetorch.weights.host_copy import held
 from pipetorch.tracebacks import HINTS, error_kind, user_line_of
+
+if TYPE_CHECKING:
+    from pipetorch.options import Options
+    from pipetorch.runtime.batching import InputName
 
 __all__: list[str] = []
 
@@ -69,7 +74,7 @@ def _wants_running(optimizer: torch.optim.Optimizer) -> bool:
     return accum == torch.float16 and not combined
 
 
-def resolve_mean_strategy(optimizer: torch.optim.Optimizer, *options: Any) -> None:
+def resolve_mean_strategy(optimizer: torch.optim.Optimizer, *options: Options) -> None:
     """PopTorch picks Running for float16 accumulators (unless combined), even over a
     strategy the user chose, else keeps the user's choice or Post; the choice is readable on
     the user's options afterwards."""
@@ -83,7 +88,7 @@ def resolve_mean_strategy(optimizer: torch.optim.Optimizer, *options: Any) -> No
         o.Training._values["mean_accumulation_and_replication_reduction_strategy"] = strategy
 
 
-def check_mean_strategy_kept(optimizer: torch.optim.Optimizer, options: Any) -> None:
+def check_mean_strategy_kept(optimizer: torch.optim.Optimizer, options: Options) -> None:
     """setOptimizer on a compiled model: an optimiser that needs the Running strategy cannot
     replace one compiled with another (PopTorch's ValueError)."""
     strategy = options.Training.meanAccumulationAndReplicationReductionStrategy
@@ -96,7 +101,7 @@ def check_mean_strategy_kept(optimizer: torch.optim.Optimizer, options: Any) -> 
             "Running), or build a new trainingModel")
 
 
-def check_return_periods(options: Any) -> None:
+def check_return_periods(options: Options) -> None:
     """EveryN's period must divide the D x G iterations of a call, or the last ones are
     never returned (checked at wrap time, for outputMode and every anchorTensor)."""
     d, g = options.device_iterations, options.Training.gradient_accumulation
@@ -126,7 +131,7 @@ def check_return_periods(options: Any) -> None:
 
 
 
-def check_inference_accumulation(options: Any) -> None:
+def check_inference_accumulation(options: Options) -> None:
     """An inference wrapper refuses gradientAccumulation > 1, in PopTorch's words."""
     g = options.Training.gradient_accumulation
     if g == 1:
@@ -184,13 +189,14 @@ def _same_kind(error: BaseException, message: str) -> BaseException:
     return RuntimeError(message)
 
 
-def _described(names: Sequence[Any], leaves: Sequence[Any]) -> str:
+def _described(names: Sequence[InputName], leaves: Sequence[object]) -> str:
     return ", ".join(f"{n.label} {list(x.shape)} {x.dtype}" for n, x in zip(names, leaves)
                      if isinstance(x, torch.Tensor))
 
 
-def explain_forward_error(error: BaseException, names: Sequence[Any], call: Sequence[Any],
-                          micro: Sequence[Any], model_dtype: torch.dtype | None) -> str | None:
+def explain_forward_error(error: BaseException, names: Sequence[InputName],
+                          call: Sequence[object], micro: Sequence[object],
+                          model_dtype: torch.dtype | None) -> str | None:
     """torch's message of a failed forward (on the first micro-batch, on the host) retold:
     which input (name, shape, dtype, values), the user's line, and the fix; None if torch's
     message is not one of the common kinds."""
@@ -228,7 +234,8 @@ def explain_forward_error(error: BaseException, names: Sequence[Any], call: Sequ
 
 
 @contextlib.contextmanager
-def forward_errors_explained(names: Sequence[Any], call: Sequence[Any], micro: Any,
+def forward_errors_explained(names: Sequence[InputName], call: Sequence[object],
+                             micro: Callable[[], Sequence[object]],
                              model_dtype: torch.dtype | None) -> Iterator[None]:
     """Retell torch's common failures of the host's run of forward (compiling probes it on
     the first micro-batch) with the inputs' names; `micro()` gives that micro-batch's leaves."""
@@ -253,8 +260,8 @@ def _non_finite(x: torch.Tensor) -> str | None:
     return " and ".join(kinds)
 
 
-def check_finite_inputs(names: Sequence[Any], leaves: Sequence[Any], *, micro_batches: int
-                        ) -> None:
+def check_finite_inputs(names: Sequence[InputName], leaves: Sequence[object], *,
+                        micro_batches: int) -> None:
     """Refuse, before anything runs, a call whose tensor inputs hold NaN or Inf."""
     for name, x in zip(names, leaves):
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
@@ -275,7 +282,7 @@ class NonFiniteWatch:
     """A collector that sees every micro-batch's outputs and remembers the first whose
     tensors hold NaN or Inf; the call's own collector gets what it asked for."""
 
-    def __init__(self, inner: Any, *, gradient_accumulation: int, replicas: int,
+    def __init__(self, inner: Collector, *, gradient_accumulation: int, replicas: int,
                  training: bool) -> None:
         self._inner, self._g, self._replicas, self._training = (
             inner, gradient_accumulation, replicas, training)
@@ -285,7 +292,7 @@ class NonFiniteWatch:
     def wants(self, step: int) -> bool:
         return True
 
-    def add(self, step: int, replica: int, output: Any) -> None:
+    def add(self, step: int, replica: int, output: object) -> None:
         from pipetorch.runtime.batching import keyed_leaves
 
         for path, leaf in keyed_leaves(output):
@@ -321,7 +328,7 @@ class NonFiniteWatch:
             "(max_grad_norm), use loss scaling for float16, or check that micro-batch's data")
 
 
-def warn_non_finite_weights(model: nn.Module, logger: Any, *, calls: int) -> bool:
+def warn_non_finite_weights(model: nn.Module, logger: logging.Logger, *, calls: int) -> bool:
     """Warn (and return True) when `model`'s parameters hold NaN or Inf."""
     bad = [name for name, p in model.named_parameters() if _non_finite(p.detach())]
     if bad:

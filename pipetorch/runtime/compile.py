@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -31,6 +31,10 @@ from pipetorch.parallel.local import FlatStage, LocalEngine, ReplicaBuffers
 from pipetorch.weights.host_copy import held
 from pipetorch.runtime.config import RunConfig
 from pipetorch.runtime.optimizer import device_optimizer
+
+if TYPE_CHECKING:
+    from pipetorch.partition.cache import Stored
+    from pipetorch.partition.trace import Traced
 
 __all__: list[str] = []
 
@@ -66,7 +70,7 @@ def _synthetic_like(micro_batches: list[tuple[tuple, dict]], device: torch.devic
     """Inputs of the compiled shapes made on the device: floats ~N(0,1), integers 0."""
     gen = torch.Generator(device="cpu").manual_seed(0)
 
-    def make(x: Any) -> Any:
+    def make(x: object) -> object:
         if not isinstance(x, torch.Tensor):
             return x
         if x.is_floating_point():
@@ -270,7 +274,7 @@ def _local_engine(model: nn.Module, micro: tuple[tuple, dict], found: Capture,
     (recomputationCheckpoint, Training.setRecomputation) and compiled (compileStages) as the
     options ask."""
     recompute = training and config.recomputation
-    forward: Any = model
+    forward: nn.Module = model
     if training and (found.uses_recomputation or recompute):
         from pipetorch.parallel.recompute import stage_module
 
@@ -283,7 +287,7 @@ def _local_engine(model: nn.Module, micro: tuple[tuple, dict], found: Capture,
 
 
 def _stored(model: nn.Module, args: tuple, kwargs: dict, config: RunConfig, *,
-            training: bool) -> Any:
+            training: bool) -> Stored | None:
     """The executable cache's entry for this call (cache.Stored), None without one: with it
     nothing runs forward before the first step."""
     if not config.cache_dir:
@@ -294,7 +298,8 @@ def _stored(model: nn.Module, args: tuple, kwargs: dict, config: RunConfig, *,
     return cache.lookup(config.cache_dir, model, args, kwargs, settings=config.settings)
 
 
-def _auto_balance(model: nn.Module, args: tuple, kwargs: dict, config: RunConfig) -> Any:
+def _auto_balance(model: nn.Module, args: tuple, kwargs: dict,
+                  config: RunConfig) -> ExecutionStrategy:
     """opts.autoBalance: place the model's stages by measured cost before capturing it; the
     strategy to run with (the options' own, or its kind over the balanced Block scopes)."""
     from pipetorch.profiling.balancing import balanced_strategy
@@ -325,7 +330,7 @@ def _check_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[Stag
 
 
 def _probe_by_export(model: nn.Module, first: tuple[tuple, dict], *, training: bool,
-                     casting: Casting | None) -> tuple[Capture, Any]:
+                     casting: Casting | None) -> tuple[Capture, Traced]:
     """probe_by_export; where torch.export fails, or the capture shows a mistake only a real
     kernel notices (partition.suspects), an eager run says whether forward itself fails (then
     with its own error, as PyTorch raises it, retold by runtime.checks)."""
@@ -341,7 +346,7 @@ def _probe_by_export(model: nn.Module, first: tuple[tuple, dict], *, training: b
     return capture, traced
 
 
-def _declared_devices(model: nn.Module, strategy: Any) -> int:
+def _declared_devices(model: nn.Module, strategy: ExecutionStrategy) -> int:
     """The devices known before forward runs: an explicit strategy's stages, else the model's
     BeginBlock annotations (blocks entered inside forward are found by running it)."""
     declared = strategy.stages

@@ -3,11 +3,15 @@ start of a compilation into frozen values: the layers below get their part, neve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipetorch import environment
 from pipetorch.schedule.plans import Batching
 from pipetorch.profiling import memory
+
+if TYPE_CHECKING:
+    from pipetorch.options import Options
+    from pipetorch.partition.strategies import ExecutionStrategy
 
 __all__: list[str] = []
 
@@ -17,7 +21,7 @@ class RunConfig:
     """One compilation's settings (Options names in brackets)."""
 
     batching: Batching         # deviceIterations, gradientAccumulation, replicationFactor, ...
-    strategy: Any              # setExecutionStrategy: the ExecutionStrategy
+    strategy: ExecutionStrategy  # setExecutionStrategy
     schedule: str              # Training.pipelineSchedule
     recomputation: bool        # Training.recomputation (every stage's activations)
     offload: bool              # TensorLocations.setOptimizerLocation(useOnChipStorage(False))
@@ -31,7 +35,7 @@ class RunConfig:
     synthetic: bool            # enableSyntheticData
     progress_bar: bool         # showCompilationProgressBar
     balance_devices: int | None  # autoBalance (a pipetorch extension)
-    memory_budget: Any         # setMemoryBudget (a pipetorch extension)
+    memory_budget: int | dict[int, int] | None  # setMemoryBudget (a pipetorch extension)
     cache_dir: str | None      # enableExecutableCaching / POPTORCH_CACHE_DIR
     settings: dict[str, Any]   # every option, which the executable cache's key holds
     precision: Any             # Precision: what partition.casting reads
@@ -40,7 +44,7 @@ class RunConfig:
     across: bool = False       # Distributed.stagesAcrossProcesses: one pipeline, all processes
 
 
-def run_config(options: Any) -> RunConfig:
+def run_config(options: Options) -> RunConfig:
     """`options` (and the PIPETORCH_* variables) as one compilation reads them."""
     training = options.Training
     chosen = options.Jit.compile_stages

@@ -14,7 +14,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -23,7 +23,10 @@ from pipetorch.errors import ConfigError, IpuOnlyError, createPoptorchError
 from pipetorch.runtime.batching import split_micro_batches, to_device
 
 if TYPE_CHECKING:
+    from pipetorch.options import Options
     from pipetorch.profiling.recorder import Profiler
+    from pipetorch.runtime.batching import Signature
+    from pipetorch.runtime.compile import Compiled
 
 __all__: list[str] = []
 
@@ -78,10 +81,10 @@ class PerfCounters:
     """PoplarExecutor's counters and latencies, read from the last call's `_times`, and its
     profiler (Options.enableProfiling)."""
 
-    _compiled: Any
-    _signature: Any
-    _times: Any
-    _options: Any
+    _compiled: Compiled | None
+    _signature: Signature | None
+    _times: CallTimes | None
+    _options: Options
     _training: bool
     _profiler: Profiler | None
     _profile_writer: weakref.finalize | None

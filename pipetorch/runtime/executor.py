@@ -9,7 +9,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, SupportsIndex
 
 import torch
 import torch.nn as nn
@@ -25,7 +25,7 @@ from pipetorch.options import popart_names
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, wrapping
 from pipetorch.weights import host_copy
-from pipetorch.runtime.anchors import AnchorReads, Anchors
+from pipetorch.runtime.anchors import AnchorReads, Anchors, Collector
 from pipetorch.runtime.batching import (
     Signature, forward_parameters, input_names, split_micro_batches, to_device,
 )
@@ -44,6 +44,7 @@ from pipetorch.runtime.optimizer import default_optimizer
 
 if TYPE_CHECKING:
     from pipetorch.options import Options
+    from pipetorch.profiling.recorder import Profiler
 from pipetorch.parallel.outputs import OutputCollector, resolve_mode
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "load"]
@@ -57,10 +58,10 @@ class _TrainingOutput(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    def __repr__(self, **kwargs: Any) -> str:  # print like the tensor it is
+    def __repr__(self, **kwargs: object) -> str:  # print like the tensor it is
         return repr(self.as_subclass(torch.Tensor))
 
-    def backward(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def backward(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
         # PopTorch returns plain tensors: torch's own message is what scripts match.
         raise RuntimeError(
             "element 0 of tensors does not require grad and does not have a grad_fn: "
@@ -69,7 +70,7 @@ class _TrainingOutput(torch.Tensor):
             "returned loss for logging only; to train a plain PyTorch model, call the model itself")
 
 
-def _mark_training_output(x: Any) -> Any:
+def _mark_training_output(x: object) -> object:
     if isinstance(x, torch.Tensor):
         return torch.Tensor._make_subclass(_TrainingOutput, x)
     return x
@@ -112,7 +113,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         self._sync: host_copy.HostSync | None = None
         self._uploaded_generation = -1
         self._attached = True
-        self._profiler: Any = None
+        self._profiler: Profiler | None = None
         self._anchors: Anchors | None = None
         self._buffer_ids: dict[str, int] | None = None
         self._profile_writer: weakref.finalize | None = None
@@ -124,7 +125,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         self._from_prompts = False  # compiled by generate() from its prompts, not by a call
 
     # -- calls ------------------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         if not self._attached:
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
         args, kwargs = self._cast_inputs(*self._bound(args, kwargs))
@@ -160,8 +161,9 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
             args, kwargs, device_iterations=o.device_iterations,
             gradient_accumulation=o.Training.gradient_accumulation,
             replication_factor=o.replication_factor)
-        collector = OutputCollector(o.output_mode, steps=compiled.engine.batching.steps,
-                                    replicas=o.replication_factor, period=o.output_return_period)
+        collector: Collector = OutputCollector(
+            o.output_mode, steps=compiled.engine.batching.steps,
+            replicas=o.replication_factor, period=o.output_return_period)
         assert self._anchors is not None
         collector = self._anchors.tee(collector, steps=compiled.engine.batching.steps,
                                       replicas=o.replication_factor)
@@ -199,7 +201,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
                                                            calls=self._calls)
         watch.check()
 
-    def _run(self, compiled: Compiled, micro: list, collector: Any) -> None:
+    def _run(self, compiled: Compiled, micro: list, collector: Collector) -> None:
         if self._training:
             compiled.engine.train(micro, collector)
             # The steps ran on the device: a learning-rate scheduler stepping the user's
@@ -335,7 +337,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         return self._shown_model
 
     @property
-    def options(self) -> Any:
+    def options(self) -> Options:
         """The executor's own frozen copy of the options."""
         return self._options
 
@@ -355,7 +357,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
     def __class__(self) -> type:  # isinstance(wrapped, type(model)) holds, as in PopTorch
         return wrapping.wrapper_class(PoplarExecutor, type(self.__dict__["_user_model"]))
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         # torch.save(wrapper) / pickle: the user's model with the device's latest weights (a
         # wrapper holds devices and processes, which cannot be saved); poptorch.load reads
         # executables written by compileAndExport / save.
@@ -369,7 +371,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         return f"{kind}({module_repr(self._user_model)})"
 
 
-def _new_model(cls: type, *args: Any) -> nn.Module:
+def _new_model(cls: type[nn.Module], *args: object) -> nn.Module:
     """Unpickling helper of a saved wrapper: an empty instance of the user model's class."""
     return cls.__new__(cls, *args)
 
@@ -423,7 +425,8 @@ def inferenceModel(model: nn.Module, options: Options | None = None) -> PoplarEx
     return PoplarExecutor(model, options, training=False)
 
 
-def load(path: str | Path, edit_opts_fn: Any = None) -> PoplarExecutor:
+def load(path: str | Path, edit_opts_fn: Callable[[Options], object] | None = None
+         ) -> PoplarExecutor:
     """A wrapper (trainingModel or inferenceModel) for the executable saved at `path`;
     `edit_opts_fn(options)` may change its (unfrozen copy of the) options first."""
     return PoplarExecutor(**artefact.read_executable(path, edit_opts_fn))

@@ -7,7 +7,7 @@ import inspect
 import logging
 import re
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
@@ -15,8 +15,8 @@ from torch.utils import _pytree as pytree
 
 from pipetorch.errors import ConfigError, DeviceError, InputArgumentError, InputMismatchError
 from pipetorch.runtime.batching import (
-    Signature, cast_float_inputs, check_batch, half_dtype, input_names, plain_containers,
-    split_micro_batches,
+    InputName, Signature, cast_float_inputs, check_batch, half_dtype, input_names,
+    plain_containers, split_micro_batches,
 )
 from pipetorch.runtime.checks import device_mismatch_explained, forward_errors_explained, held
 from pipetorch.runtime.compile import Compiled, add_signature
@@ -55,7 +55,7 @@ class Inputs:
         dtype = half_dtype(held(self._user_model, "_parameters").values())
         return cast_float_inputs(args, kwargs, dtype)
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:
+    def compile(self, *args: object, **kwargs: object) -> None:
         """Prepare the model for these inputs without running it (with
         Options.inputSignatures("several"), for one more signature when already compiled)."""
         args, kwargs = self._cast_inputs(*self._bound(args, kwargs))
@@ -130,7 +130,7 @@ class Inputs:
         bound.apply_defaults()
         return bound.args, bound.kwargs
 
-    def _check_inputs(self, args: tuple, kwargs: dict) -> tuple:
+    def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[InputName, ...]:
         """Refuse, before anything runs, a first call forward cannot take or whose tensors
         cannot be cut into micro-batches; the inputs' names for later messages."""
         self._bound(args, kwargs)
@@ -141,14 +141,14 @@ class Inputs:
                     replication_factor=o.replication_factor, names=names)
         return names
 
-    def _first_micro_batch(self, args: tuple, kwargs: dict) -> list[Any]:
+    def _first_micro_batch(self, args: tuple, kwargs: dict) -> list[object]:
         o = self._options
         return pytree.tree_leaves(split_micro_batches(
             args, kwargs, device_iterations=o.device_iterations,
             gradient_accumulation=o.Training.gradient_accumulation,
             replication_factor=o.replication_factor)[0])
 
-    def _generate(self, *args: Any, **kwargs: Any) -> Any:
+    def _generate(self, *args: object, **kwargs: object) -> object:
         """The model's generate() (HuggingFace), every forward it calls run on the device:
         in the stages, each stage's worker keeping the key/value cache of its own layers."""
         if self._training:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
@@ -12,6 +12,9 @@ import torch.nn as nn
 from pipetorch.errors import ConfigError
 from pipetorch.optim import ipu_param, offload as offloading, scaling
 from pipetorch.optim._common import PopTorchOptimizer
+
+if TYPE_CHECKING:
+    from pipetorch.parallel.engines import Engine
 
 __all__: list[str] = []
 
@@ -74,7 +77,7 @@ def _log_update(optimizer: torch.optim.Optimizer) -> None:
         logger.debug(line)
 
 
-def _ours(function: Any) -> bool:
+def _ours(function: Callable[..., object]) -> bool:
     module = getattr(inspect.unwrap(function), "__module__", "") or ""
     return module.split(".")[0] in ("torch", "pipetorch")
 
@@ -180,7 +183,7 @@ def copy_scaling_to_host(device_opt: torch.optim.Optimizer,
         scaling.load_scaling_state(host_opt, scaling.scaling_state(device_opt))
 
 
-def copy_state_to_device(host_opt: torch.optim.Optimizer, engine: Any) -> None:
+def copy_state_to_device(host_opt: torch.optim.Optimizer, engine: Engine) -> None:
     """The user's optimiser state (and dynamic loss scale) becomes the device's: after
     `write_ipu_state` on a compiled model."""
     state = host_opt.state_dict()

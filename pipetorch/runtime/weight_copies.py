@@ -3,7 +3,7 @@ to the host, uploads, named buffers, setOptimizer and the optimiser's state when
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.nn as nn
@@ -183,7 +183,7 @@ class WeightCopies:
         """The user model's state_dict, holding the device's latest weights."""
         return self._user_model.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True) -> Any:
         """Load weights into the user model and the device."""
         result = self._user_model.load_state_dict(state_dict, strict=strict)
         self.copyWeightsToDevice()

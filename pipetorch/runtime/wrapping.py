@@ -3,9 +3,12 @@ holds, and `model.destroy()` on the user's model destroys the model's wrappers."
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from pipetorch.runtime.executor import PoplarExecutor
 
 __all__: list[str] = []
 
@@ -32,14 +35,14 @@ class DestroyHandle:
         return DestroyHandle, (None,)
 
 
-def register(model: nn.Module, wrapper: Any) -> None:
+def register(model: nn.Module, wrapper: PoplarExecutor) -> None:
     """`wrapper` now wraps `model`: `model.destroy()` reaches it."""
     _wrappers.setdefault(model, weakref.WeakSet()).add(wrapper)
     if not isinstance(model.__dict__.get(_DESTROY), DestroyHandle):
         object.__setattr__(model, _DESTROY, DestroyHandle(model))  # not a submodule or weight
 
 
-def forget(model: nn.Module, wrapper: Any) -> None:
+def forget(model: nn.Module, wrapper: PoplarExecutor) -> None:
     """`wrapper` is destroyed; with no wrapper left the model loses its `destroy`."""
     wrappers = _wrappers.get(model)
     if wrappers is None:

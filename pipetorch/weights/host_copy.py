@@ -5,7 +5,7 @@ import copy
 import inspect
 import types
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, SupportsIndex, TypeAlias
 
 import torch
 import torch.nn as nn
@@ -13,6 +13,8 @@ import torch.nn as nn
 __all__: list[str] = []
 
 _SYNC_ATTR = "_pipetorch_host_sync"
+# a pending fetch: the function, or a weak reference to the wrapper's bound method
+_Fetch: TypeAlias = Callable[[], None] | weakref.WeakMethod[Callable[[], None]]
 _classes: dict[type, type] = {}
 
 
@@ -31,7 +33,7 @@ class HostSync:
         self.modules: list[nn.Module] = []
         self.generation = 0
         self.users = 0
-        self._pending: Callable[[], None] | None = None
+        self._pending: _Fetch | None = None
         self._busy = False
 
     def mark_stale(self, fetch: Callable[[], None]) -> None:
@@ -64,11 +66,11 @@ class HostSync:
         self.generation += 1
 
 
-def _weak(fn: Callable[[], None]) -> Any:
+def _weak(fn: Callable[[], None]) -> _Fetch:
     return weakref.WeakMethod(fn) if inspect.ismethod(fn) else fn
 
 
-def _strong(ref: Any) -> Callable[[], None] | None:
+def _strong(ref: _Fetch) -> Callable[[], None] | None:
     return ref() if isinstance(ref, weakref.WeakMethod) else ref
 
 
@@ -80,10 +82,10 @@ def _new_module(cls: type) -> nn.Module:
 def _synced_class(cls: type) -> type:
     """`cls` with the accessors that read weights flushing the pending device copy first."""
     if cls not in _classes:
-        def flushing(name: str) -> Callable[..., Any]:
+        def flushing(name: str) -> Callable[..., object]:
             original = getattr(cls, name)
 
-            def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            def method(self: nn.Module, *args: object, **kwargs: object) -> object:
                 sync = self.__dict__.get(_SYNC_ATTR)
                 if sync is not None:
                     sync.flush()
@@ -92,7 +94,8 @@ def _synced_class(cls: type) -> type:
             method.__name__ = name
             return method
 
-        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+        def __reduce_ex__(self: nn.Module, protocol: SupportsIndex
+                          ) -> tuple[Callable[[type], nn.Module], tuple[type], dict[str, object]]:
             # Pickles and deep copies hold the fresh weights and the model's own class.
             sync = self.__dict__.get(_SYNC_ATTR)
             if sync is not None:

@@ -121,7 +121,7 @@ class Loader:
         held[key] = value
 
 
-def _compact(value: Any) -> Any:
+def _compact(value: object) -> object:
     """A tensor that is a view of a larger storage (flat parameter buffers) as a copy of its
     own bytes: a message sends whole storages."""
     if isinstance(value, torch.Tensor):
