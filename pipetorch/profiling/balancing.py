@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -15,17 +15,20 @@ from pipetorch.partition.strategies import ExecutionStrategy
 from pipetorch.profiling.costs import cost_table
 from pipetorch.schedule.devices import engine_kind
 
+if TYPE_CHECKING:
+    from pipetorch.options.options import Options
+
 __all__ = ["balance"]
 
 logger = logging.getLogger(__name__)
 
 
-def balance(model: nn.Module, *sample_inputs: Any, devices: int,
-            sample_kwargs: dict[str, Any] | None = None,
+def balance(model: nn.Module, *sample_inputs: object, devices: int,
+            sample_kwargs: dict[str, object] | None = None,
             memory_budget: int | Sequence[int] | None = None, repeats: int = 5,
             optimizer_slots: int = 2, threads: int | None = None,
             link_bytes_per_s: float | None = None, apply: bool = True,
-            options: Any = None) -> Placement:
+            options: Options | None = None) -> Placement:
     """Split `model` over `devices` pipeline stages by measured time and memory.
 
     `sample_inputs` (and `sample_kwargs`, for models called by keyword) is one micro-batch.
@@ -59,7 +62,7 @@ def balance(model: nn.Module, *sample_inputs: Any, devices: int,
     return placement
 
 
-def balanced_strategy(model: nn.Module, args: tuple, kwargs: dict[str, Any], *,
+def balanced_strategy(model: nn.Module, args: tuple, kwargs: dict[str, object], *,
                       devices: int, strategy: ExecutionStrategy,
                       memory_budget: int | None = None, schedule: str = "pipelined",
                       micro_batches: int | None = None) -> ExecutionStrategy:
@@ -87,7 +90,7 @@ def apply_placement(model: nn.Module, placement: Placement) -> nn.Module:
     return model
 
 
-def _schedule_of(options: Any) -> tuple[str, int | None]:
+def _schedule_of(options: Options | None) -> tuple[str, int | None]:
     """The plan kind and G that `options` train with, for the activations in flight; without
     options (or with G unset: 1 cannot train pipelined) 1F1B over the smallest G it allows."""
     if options is None:
@@ -97,14 +100,15 @@ def _schedule_of(options: Any) -> tuple[str, int | None]:
     return kind, training.gradient_accumulation if training.gradient_accumulation > 1 else None
 
 
-def _ordered(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[list[str], bool]:
+def _ordered(model: nn.Module, args: tuple,
+             kwargs: dict[str, object]) -> tuple[list[str], bool]:
     """The candidates in execution order, and whether they are block ids; the forward that
     finds them must not change the model (BatchNorm statistics)."""
     with _buffers_kept(model):
         return ordered_candidates(model, args, kwargs)
 
 
-def _plan(model: nn.Module, names: list[str], args: tuple, kwargs: dict[str, Any], *,
+def _plan(model: nn.Module, names: list[str], args: tuple, kwargs: dict[str, object], *,
           devices: int, scopes: bool, memory_budget: int | Sequence[int] | None,
           repeats: int = 5, threads: int | None = None, optimizer_slots: int = 2,
           link_bytes_per_s: float | None = None, schedule: str = "pipelined",

@@ -6,11 +6,15 @@ import functools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Callable, Iterator, ParamSpec, TypeVar
 
 __all__ = ["Channel", "Span", "recorded_spans", "clear_spans"]
 
 _MAX_SPANS = 100_000  # a long run keeps its latest spans, not all of them
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class Channel:
         finally:
             _spans.append(Span(self._name, name, start, time.perf_counter_ns()))
 
-    def instrument(self, obj: Any, *methods: str) -> Any:
+    def instrument(self, obj: _T, *methods: str) -> _T:
         """Wrap `obj`'s `methods` so each call records a span named `<Class>.<method>`."""
         dunders = {}
         for method in methods:
@@ -73,9 +77,9 @@ class Channel:
                                 f"{type(obj).__name__}: {exc}") from None
         return obj
 
-    def _traced(self, original: Any, label: str) -> Any:
+    def _traced(self, original: Callable[_P, _R], label: str) -> Callable[_P, _R]:
         @functools.wraps(original)
-        def traced(*args: Any, **kwargs: Any) -> Any:
+        def traced(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             with self.tracepoint(label):
                 return original(*args, **kwargs)
 

@@ -8,7 +8,7 @@ micro-batch and the bytes moved.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Sequence, TypedDict
 
 from pipetorch.profiling.summary import Lane
 from pipetorch.profiling.timing import COMPUTE, TRANSFER, CallRecord
@@ -19,6 +19,29 @@ HOST_PID = 0
 CATEGORIES = {"F": "forward", "B": "backward", "W": "weight-gradient", "STEP": "step",
               "H2D": "host-to-device", "D2H": "device-to-host", "AR": "all-reduce",
               "TR": "all-reduce"}
+
+
+class TraceEvent(TypedDict, total=False):
+    """One event: metadata ("M": name, pid, tid and args) or a complete span ("X", with its
+    category, start and duration). A span's args: call, items (the host's), stage, kind,
+    micro_batch, bytes; metadata's: name or sort_index."""
+
+    name: str
+    cat: str
+    ph: str
+    pid: int
+    tid: int
+    ts: float
+    dur: float
+    args: dict[str, str | int | None]
+
+
+class ChromeTrace(TypedDict):
+    """trace.json (`build`), as written and as `recorder.load` reads it back."""
+
+    traceEvents: list[TraceEvent]
+    displayTimeUnit: str
+    otherData: dict[str, str | list[int]]  # producer, and the calls kept
 
 
 def category(kind: str) -> str:
@@ -40,10 +63,10 @@ def lane_tid(lane: Lane) -> int:
     return 0 if lane.stage is None else lane.stage
 
 
-def build(calls: Sequence[CallRecord], lanes: Sequence[Lane]) -> dict[str, Any]:
+def build(calls: Sequence[CallRecord], lanes: Sequence[Lane]) -> ChromeTrace:
     """The trace of the kept calls: metadata naming the lanes, then one X event per span."""
     origin = calls[0].start if calls else 0
-    events: list[dict[str, Any]] = [
+    events: list[TraceEvent] = [
         _meta("process_name", HOST_PID, 0, name=f"host (pid {os.getpid()})"),
         _meta("process_sort_index", HOST_PID, 0, sort_index=0),
         _meta("thread_name", HOST_PID, 0, name="host calls"),
@@ -78,7 +101,7 @@ def build(calls: Sequence[CallRecord], lanes: Sequence[Lane]) -> dict[str, Any]:
             "otherData": {"producer": "pipetorch", "calls": [c.index for c in calls]}}
 
 
-def _meta(event: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
+def _meta(event: str, pid: int, tid: int, **args: str | int) -> TraceEvent:
     return {"name": event, "ph": "M", "pid": pid, "tid": tid, "args": args}
 
 
@@ -87,7 +110,7 @@ def _us(ns: int) -> float:
 
 
 # -- reading a trace back (report.html, compare) --------------------------------------------------
-def device_lanes(trace: dict[str, Any]) -> list[tuple[int, int, str]]:
+def device_lanes(trace: ChromeTrace) -> list[tuple[int, int, str]]:
     """(pid, tid, name) of every device lane (the host's excluded), in display order."""
     processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
                  if e["ph"] == "M" and e["name"] == "process_name"}
@@ -97,10 +120,10 @@ def device_lanes(trace: dict[str, Any]) -> list[tuple[int, int, str]]:
     return sorted(lanes)
 
 
-def spans_of_call(trace: dict[str, Any], call: int) -> list[dict[str, Any]]:
+def spans_of_call(trace: ChromeTrace, call: int) -> list[TraceEvent]:
     """The X events of host call `call`, the host's call span included."""
     return [e for e in trace["traceEvents"] if e["ph"] == "X" and e["args"].get("call") == call]
 
 
-def is_compute(event: dict[str, Any]) -> bool:
+def is_compute(event: TraceEvent) -> bool:
     return event["args"].get("kind") in COMPUTE

@@ -10,13 +10,19 @@ import os
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pipetorch.profiling import html as report_html
 from pipetorch.profiling.recorder import load
 
+if TYPE_CHECKING:
+    from pipetorch.profiling.timing import DeviceRow
+
 __all__: list[str] = []
 
+# One compared quantity of a report: a name, a count, a time or a fraction, or None (absent)
+Value = str | int | float | None
+# How a row shows its quantity; each takes its own row's kind of Value (a fraction, bytes...)
 Format = Callable[[Any], str]
 
 
@@ -26,8 +32,8 @@ class Row:
 
     section: str
     name: str
-    a: Any
-    b: Any
+    a: Value
+    b: Value
     show: Format
     points: bool = False  # a fraction: differences in percentage points, not relative
 
@@ -54,7 +60,7 @@ class Row:
         return text
 
 
-def _plain(value: Any) -> str:
+def _plain(value: Value) -> str:
     return "-" if value is None else str(value)
 
 
@@ -62,15 +68,15 @@ def _fixed(digits: int, unit: str = "") -> Format:
     return lambda v: "-" if v is None else f"{v:.{digits}f}{unit}"
 
 
-def _percent(value: Any) -> str:
+def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _mib(value: Any) -> str:
+def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**20:.3f} MiB"
 
 
-def _per_call(row: dict[str, Any], key: str, calls: int) -> float | None:
+def _per_call(row: DeviceRow, key: str, calls: int) -> float | None:
     return row[key] / calls if calls else None
 
 
@@ -79,7 +85,7 @@ def rows(a: tuple[dict, dict, dict], b: tuple[dict, dict, dict]) -> list[Row]:
     (sa, ma, _), (sb, mb, _) = a, b
     out = []
 
-    def add(section: str, name: str, get: Callable[[dict], Any], show: Format = _plain,
+    def add(section: str, name: str, get: Callable[[dict], Value], show: Format = _plain,
             *, memory: bool = False) -> None:
         pair = (ma, mb) if memory else (sa, sb)
         out.append(Row(section, name, _safe(get, pair[0]), _safe(get, pair[1]), show,
@@ -107,7 +113,7 @@ def rows(a: tuple[dict, dict, dict], b: tuple[dict, dict, dict]) -> list[Row]:
     for i in range(lanes):
         section = f"device {i}"
 
-        def timing(s: dict, key: str, i: int = i) -> Any:
+        def timing(s: dict, key: str, i: int = i) -> float | None:
             return _per_call(s["timing"]["per_device"][i], key, s["timing"]["calls_analysed"])
 
         add(section, "idle per call", lambda s: timing(s, "idle_ms"), _fixed(2, " ms"))
@@ -125,7 +131,7 @@ def rows(a: tuple[dict, dict, dict], b: tuple[dict, dict, dict]) -> list[Row]:
     return out
 
 
-def _safe(get: Callable[[dict], Any], data: dict) -> Any:
+def _safe(get: Callable[[dict], Value], data: dict) -> Value:
     """The value, or None where a report lacks it (fewer devices, no spans)."""
     try:
         return get(data)

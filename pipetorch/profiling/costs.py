@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ def measure_link_speed(*, repeats: int = 5) -> float:
     return _LINK_PROBE_BYTES / max(statistics.median(times), 1e-9)
 
 
-def _loss_of(output: Any) -> torch.Tensor:
+def _loss_of(output: object) -> torch.Tensor:
     tensors = [t for t in tree_flatten(output)[0]
                if isinstance(t, torch.Tensor) and t.requires_grad]
     if not tensors:
@@ -43,7 +43,7 @@ def _loss_of(output: Any) -> torch.Tensor:
 
 
 def _one_step(model: nn.Module, probe: Probe, args: tuple,
-              kwargs: dict[str, Any]) -> tuple[list[float], list[float]]:
+              kwargs: dict[str, object]) -> tuple[list[float], list[float]]:
     """Forward and backward seconds per candidate segment for one micro-batch."""
     probe.reset()
     with torch.autograd.graph.saved_tensors_hooks(probe.pack, lambda t: t), probe.watching():
@@ -72,7 +72,7 @@ def _span(starts: list[float | None], k: int, end: float) -> float:
 
 
 def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
-               kwargs: dict[str, Any] | None = None, *, repeats: int = 5,
+               kwargs: dict[str, object] | None = None, *, repeats: int = 5,
                optimizer_slots: int = 2, link_bytes_per_s: float | None = None,
                training: bool = True, scopes: bool = False) -> list[Segment]:
     """Profile `model` on the micro-batch `args` in this process: one Segment per candidate.

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,10 @@ from pipetorch.profiling.memory import (
     optimiser_state_bytes, per_replica, replica_plan_length, size_of, staged_footprints,
 )
 from pipetorch.schedule.devices import engine_kind, owners_of, peak_stash
+
+if TYPE_CHECKING:
+    from pipetorch.partition.split import CaptureOnce
+    from pipetorch.schedule.plans import Batching
 
 __all__: list[str] = []
 
@@ -122,7 +126,7 @@ class MemoryEstimate:
     stages: tuple[StageMemory, ...]
     setting: Setting
     pipelined: bool
-    batching: Any  # schedule.plans.Batching
+    batching: Batching
     micro_batch_size: int | None
     method: str = METHOD
     kind: str = "pipelined"  # the plan kind the workers run (schedule.devices.engine_kind)
@@ -156,9 +160,9 @@ def fmt(nbytes: int) -> str:
 
 
 def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
-                    batching: Any, optimizer: torch.optim.Optimizer | None, pipelined: bool,
-                    training: bool, offload: bool, recomputation: bool,
-                    capture: Any = None, schedule: str = "pipelined",
+                    batching: Batching, optimizer: torch.optim.Optimizer | None,
+                    pipelined: bool, training: bool, offload: bool, recomputation: bool,
+                    capture: CaptureOnce | None = None, schedule: str = "pipelined",
                     sharding: int | None = None) -> MemoryEstimate:
     """Each logical device's peak for `model` (the host copy, blocks attached) run on
     `first` (one micro-batch: args, kwargs) as `stages`; see the module doc.
@@ -210,7 +214,7 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
 
 
 def _sizing(model: nn.Module, first: tuple[tuple, dict], stages: list[StageSpec], *,
-            training: bool, capture: Any
+            training: bool, capture: CaptureOnce | None
             ) -> tuple[list[nn.Module], list[int], Callable[[], list[Footprint]]]:
     """(the stages' modules, their devices, what sizes their Footprints): the whole model on
     one device, else the capture's stages (their footprints remembered by the capture)."""
@@ -260,7 +264,7 @@ def _whole(model: nn.Module, args: tuple, kwargs: dict, *, training: bool) -> Fo
     """The Footprint of the whole model's forward, run on fake tensors."""
     flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
 
-    def forward(*leaves: Any) -> Any:
+    def forward(*leaves: object) -> object:
         a, k = torch.utils._pytree.tree_unflatten(list(leaves), spec)
         return model(*a, **k)
 

@@ -9,9 +9,15 @@ memory of each device as stacked bars.
 from __future__ import annotations
 
 from html import escape
-from typing import Any
+from typing import TYPE_CHECKING
 
-from pipetorch.profiling.chrome_trace import HOST_PID, device_lanes, spans_of_call
+from pipetorch.profiling.chrome_trace import (
+    HOST_PID, ChromeTrace, TraceEvent, device_lanes, spans_of_call,
+)
+
+if TYPE_CHECKING:
+    from pipetorch.profiling.memory import MemoryReport
+    from pipetorch.profiling.summary import Summary
 
 __all__: list[str] = []
 
@@ -75,12 +81,12 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.2f} MiB"
 
 
-def _table(rows: list[tuple[str, Any]]) -> str:
+def _table(rows: list[tuple[str, str]]) -> str:
     body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v))}</td></tr>" for k, v in rows)
     return f"<table>{body}</table>"
 
 
-def summary_section(summary: dict[str, Any]) -> str:
+def summary_section(summary: Summary) -> str:
     b, t = summary["batch"], summary["throughput"]
     rows = [
         ("model", f"{summary['model']} ({summary['mode']})"),
@@ -126,7 +132,7 @@ def _nice_step(span_us: float) -> float:
     return next(m * scale for m in (1, 2, 5, 10) if m * scale >= raw)
 
 
-def timeline_svg(trace: dict[str, Any]) -> str:
+def timeline_svg(trace: ChromeTrace) -> str:
     """The last recorded call, one lane per device (and the host's lane on top)."""
     calls = trace.get("otherData", {}).get("calls") or []
     lanes = device_lanes(trace)
@@ -166,7 +172,7 @@ def timeline_svg(trace: dict[str, Any]) -> str:
     return "".join(out)
 
 
-def _span(event: dict[str, Any], y: float, t0: float, scale: float) -> str:
+def _span(event: TraceEvent, y: float, t0: float, scale: float) -> str:
     cat, args = event["cat"], event["args"]
     x = LABEL_W + (event["ts"] - t0) * scale
     width = max(event["dur"] * scale, 2.0 if cat in COMPUTE else 0.8)
@@ -191,7 +197,7 @@ def _legend(items: list[tuple[str, str]]) -> str:
 
 
 # -- utilisation and memory --------------------------------------------------------------------
-def utilisation_section(summary: dict[str, Any]) -> str:
+def utilisation_section(summary: Summary) -> str:
     timing = summary["timing"]
     if not timing["spans"]:
         return f"<p class=note>{escape(timing['note'] or '')}</p>"
@@ -217,7 +223,7 @@ def utilisation_section(summary: dict[str, Any]) -> str:
             f"devices computed at once during {_pct(timing['concurrency'])} of the window.</p>")
 
 
-def memory_section(memory: dict[str, Any]) -> str:
+def memory_section(memory: MemoryReport) -> str:
     devices = memory["devices"]
     largest = max((d["total"] for d in devices), default=0) or 1
     bars, rows = [], []
@@ -244,7 +250,7 @@ def memory_section(memory: dict[str, Any]) -> str:
             + "".join(f"<p class=muted>{escape(n)}</p>" for n in notes))
 
 
-def report_page(summary: dict[str, Any], memory: dict[str, Any], trace: dict[str, Any], *,
+def report_page(summary: Summary, memory: MemoryReport, trace: ChromeTrace, *,
                 title: str) -> str:
     """The whole report.html."""
     timing = summary["timing"]

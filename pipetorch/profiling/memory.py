@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, TypedDict, TypeVar
 
 import torch
 import torch.nn as nn
@@ -27,7 +27,18 @@ import torch.nn as nn
 from pipetorch.partition.split import Source
 from pipetorch.profiling.summary import lanes_of, stage_modules
 
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from pipetorch.options.options import Options
+    from pipetorch.partition.split import StagedModel
+    from pipetorch.runtime.compile import Compiled
+    from pipetorch.schedule.plans import Batching
+
 __all__: list[str] = []
+
+_Output = TypeVar("_Output")
+_Value = TypeVar("_Value")
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +48,40 @@ MEASURED = ("peak measured with torch.cuda.max_memory_allocated (on a CPU: each 
             "tensor sizes")
 
 
-def _nbytes(tensors: Any) -> int:
+class DeviceReport(TypedDict):
+    """One device's row of memory.json, in bytes (None: not found)."""
+
+    label: str
+    stage: int | None
+    ipu: int
+    device: str
+    parameters: int
+    buffers: int
+    gradients: int
+    optimiser_state: int
+    host_optimiser_state: int
+    optimiser_location: str
+    activations: int | None
+    activations_per_micro_batch: int | None
+    peak_stashed_micro_batches: int
+    recomputation: bool
+    measured_peak: int | None
+    total: int
+
+
+class MemoryReport(TypedDict):
+    """memory.json (`build`), as written and as `recorder.load` reads it back."""
+
+    method: str
+    units: str
+    optimiser_method: str
+    optimiser_offload_requested: bool
+    optimiser_note: str | None
+    activations_method: str
+    devices: list[DeviceReport]
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -109,7 +153,7 @@ class Size(NamedTuple):
 ZERO = Size(0, 0)
 
 
-def size_of(tensors: Any) -> Size:
+def size_of(tensors: Iterable[torch.Tensor]) -> Size:
     """The Size of some tensors (each counted whole, shared storages more than once)."""
     total = ZERO
     for t in tensors:
@@ -137,10 +181,10 @@ class Footprint(NamedTuple):
         return self.received + self.saved + self.outputs
 
 
-def measure_forward(forward: Callable[..., Any], values: list[Any],
+def measure_forward(forward: Callable[..., _Output], values: list[object],
                     weights: list[torch.Tensor], *, training: bool,
                     fake: Callable[[torch.Tensor], torch.Tensor] | None = None
-                    ) -> tuple[Footprint, Any]:
+                    ) -> tuple[Footprint, _Output]:
     """Run `forward(*values)` once (with gradients when `training`) and size its Footprint;
     `weights` are the module's parameters and buffers, never counted as activations.
 
@@ -185,7 +229,7 @@ def measure_forward(forward: Callable[..., Any], values: list[Any],
     return Footprint(total(received), total(saved), total(produced)), output
 
 
-def fake_tensors() -> Any:
+def fake_tensors() -> FakeTensorMode:
     """A FakeTensorMode that turns the real tensors an op meets (weights) into fake ones;
     `from_tensor` of it gives the fake tensor of a real one, the same for every call."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # imports sympy: only when sizing
@@ -193,7 +237,7 @@ def fake_tensors() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def faked(mode: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+def faked(mode: FakeTensorMode) -> Callable[[torch.Tensor], torch.Tensor]:
     """`mode.from_tensor` for real tensors; fake tensors (earlier stages' outputs) as they are."""
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -224,18 +268,18 @@ def storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def _received(value: Any) -> Any:
+def _received(value: _Value) -> _Value:
     if not isinstance(value, torch.Tensor):
         return value
     return value.detach().clone().requires_grad_(value.requires_grad)
 
 
-def tensors_of(value: Any) -> list[torch.Tensor]:
+def tensors_of(value: object) -> list[torch.Tensor]:
     leaves = torch.utils._pytree.tree_leaves(value)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
 
 
-def footprints(compiled: Any, sample: tuple[tuple, dict]) -> list[Footprint]:
+def footprints(compiled: Compiled, sample: tuple[tuple, dict]) -> list[Footprint]:
     """Each lane's Footprint for one training micro-batch (see the module doc)."""
     from pipetorch import ops
     from pipetorch.partition.probe import preserved
@@ -253,7 +297,7 @@ def footprints(compiled: Any, sample: tuple[tuple, dict]) -> list[Footprint]:
                     lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
                 flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
 
-                def whole(*leaves: Any) -> Any:
+                def whole(*leaves: object) -> object:
                     a, k = torch.utils._pytree.tree_unflatten(list(leaves), spec)
                     return engine.forward(*a, **k)
 
@@ -266,7 +310,7 @@ def footprints(compiled: Any, sample: tuple[tuple, dict]) -> list[Footprint]:
             module.training = mode
 
 
-def staged_footprints(staged: Any, args: tuple, kwargs: dict, *,
+def staged_footprints(staged: StagedModel, args: tuple, kwargs: dict, *,
                       training: bool) -> list[Footprint]:
     """Each stage's Footprint, running the captured stages in order on fake tensors of one
     micro-batch: nothing is computed and no graph holds real memory. A stage receives the
@@ -278,7 +322,7 @@ def staged_footprints(staged: Any, args: tuple, kwargs: dict, *,
     with fake_tensors() as mode:
         fake = faked(mode)
         inputs = staged.flatten_inputs(*args, **kwargs)
-        produced: dict[Any, Any] = {}
+        produced: dict[Source, object] = {}
         result = []
         for j, (module, io, route) in enumerate(zip(staged.modules, staged.io,
                                                     routes_of(staged))):
@@ -294,12 +338,12 @@ def staged_footprints(staged: Any, args: tuple, kwargs: dict, *,
     return result
 
 
-def replica_plan_length(batching: Any, *, training: bool) -> int:
+def replica_plan_length(batching: Batching, *, training: bool) -> int:
     """Micro-batches one run of a replica's plan covers: G (training) or D (inference)."""
     return batching.gradient_accumulation if training else batching.device_iterations
 
 
-def stash_per_lane(compiled: Any, *, training: bool) -> list[int]:
+def stash_per_lane(compiled: Compiled, *, training: bool) -> list[int]:
     """Most micro-batches each lane holds for backward at once: the plan's in-flight count
     (`CompilePlan.in_flight`) for the schedule its engine runs now."""
     engine = compiled.engine
@@ -307,7 +351,7 @@ def stash_per_lane(compiled: Any, *, training: bool) -> list[int]:
     return list(compiled.plan.in_flight(per_plan, training=training, schedule=engine.schedule))
 
 
-def _in_this_process_cuda(compiled: Any) -> torch.device | None:
+def _in_this_process_cuda(compiled: Compiled) -> torch.device | None:
     """The GPU the local engine runs on, when it runs on one (workers' GPUs are elsewhere)."""
     device = getattr(compiled.engine, "input_device", None)
     if not compiled.plan.local or device is None or device.type != "cuda":
@@ -315,26 +359,26 @@ def _in_this_process_cuda(compiled: Any) -> torch.device | None:
     return device if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
-def reset_peak(compiled: Any) -> None:
+def reset_peak(compiled: Compiled) -> None:
     """Start the CUDA allocator's peak afresh, so it covers the profiled calls only."""
     device = _in_this_process_cuda(compiled)
     if device is not None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def measured_peak(compiled: Any) -> int | None:
+def measured_peak(compiled: Compiled) -> int | None:
     """The CUDA allocator's peak on the local engine's GPU; None on the CPU or in workers."""
     device = _in_this_process_cuda(compiled)
     return None if device is None else int(torch.cuda.max_memory_allocated(device))
 
 
-def offloaded(options: Any) -> bool:
+def offloaded(options: Options) -> bool:
     """Whether the options keep the optimiser state in host memory."""
     location = getattr(getattr(options, "TensorLocations", None), "optimizer_location", None)
     return location is not None and location.use_on_chip_storage is False
 
 
-def sharded_above(options: Any) -> int | None:
+def sharded_above(options: Options) -> int | None:
     """With replicated tensor sharding (TensorLocations.setOptimizerLocation(
     ...useReplicatedTensorSharding(True))), the most elements of a weight whose optimiser state
     stays whole (minElementsForReplicatedTensorSharding, unset: PopART's 8192); else None."""
@@ -353,13 +397,13 @@ def per_replica(state: int, whole: int, shards: int) -> int:
     return whole + -(-(state - whole) // shards)
 
 
-def recomputing(options: Any) -> bool:
+def recomputing(options: Options) -> bool:
     """Whether the options checkpoint every stage's activations (Training.recomputation)."""
     return bool(getattr(getattr(options, "Training", None), "recomputation", False))
 
 
-def build(compiled: Any, *, training: bool, options: Any,
-          sample: tuple[tuple, dict] | None) -> dict[str, Any]:
+def build(compiled: Compiled, *, training: bool, options: Options,
+          sample: tuple[tuple, dict] | None) -> MemoryReport:
     """The content of memory.json."""
     engine = compiled.engine
     peak = measured_peak(compiled)  # before the sizing forward below adds to it

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,8 @@ SCHEDULES = {"1f1b": "pipelined", "zero_bubble": "zero_bubble"}
 METHOD = ("activations: one forward on fake tensors under saved-tensor hooks (identical layers "
           "measured once), x the schedule's micro-batches in flight; weights, gradients and "
           "optimiser state from tensor sizes and the state one optimiser step creates")
+
+_Tensor = TypeVar("_Tensor", bound=torch.Tensor)
 
 
 @dataclass(frozen=True)
@@ -167,13 +169,13 @@ def _half(dtype: torch.dtype) -> torch.dtype:
 
 
 def _state(params: list[nn.Parameter], layouts: dict[torch.dtype, tuple[int, int]]) -> Size:
-    def bytes_as(pick: Any) -> int:
+    def bytes_as(pick: Callable[[torch.dtype], torch.dtype]) -> int:
         return sum(layouts[pick(p.dtype)][0] * p.numel() + layouts[pick(p.dtype)][1]
                    for p in params)
     return Size(bytes_as(lambda d: d), bytes_as(_half))
 
 
-def _unique(tensors: Any) -> list[Any]:
+def _unique(tensors: Iterable[_Tensor]) -> list[_Tensor]:
     return list({id(t): t for t in tensors}.values())
 
 

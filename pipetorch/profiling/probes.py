@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from pipetorch.partition.blocks import recording
 __all__: list[str] = []
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def _tensors(value: object) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 

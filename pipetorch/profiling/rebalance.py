@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipetorch.profiling.summary import Summary
 
 __all__: list[str] = []
 
@@ -26,7 +29,7 @@ class Move:
         return self.bottleneck_ms / self.predicted_ms if self.predicted_ms else 1.0
 
 
-def stage_compute(summary: dict[str, Any]) -> list[float]:
+def stage_compute(summary: Summary) -> list[float]:
     """Measured forward+backward ms of each stage in the run, from its trace spans."""
     return [d["compute_ms"] for d in summary.get("timing", {}).get("per_device", [])]
 
@@ -54,7 +57,7 @@ def propose(blocks: list[list[str]], compute_ms: list[float]) -> Move | None:
     return best
 
 
-def advice(summary: dict[str, Any]) -> str | None:
+def advice(summary: Summary) -> str | None:
     """Text naming the bottleneck stage and the proposed move, or None without stage spans."""
     compute = stage_compute(summary)
     stages = summary.get("stages", [])

@@ -17,16 +17,22 @@ import logging
 import os
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pipetorch.profiling import chrome_trace, html, memory, summary
 from pipetorch.profiling.timing import CallRecord
+
+if TYPE_CHECKING:
+    from pipetorch.options.options import Options
+    from pipetorch.runtime.compile import Compiled
 
 __all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
 FILES = ("summary.json", "memory.json", "trace.json", "report.html")
+# what the first three hold: (summary, memory, trace)
+Reports = tuple[summary.Summary, memory.MemoryReport, chrome_trace.ChromeTrace]
 
 
 class Profiler:
@@ -38,8 +44,8 @@ class Profiler:
     utilisation figures.
     """
 
-    def __init__(self, directory: str | os.PathLike, compiled: Any, *, training: bool,
-                 options: Any, sample: tuple[tuple, dict] | None = None,
+    def __init__(self, directory: str | os.PathLike, compiled: Compiled, *, training: bool,
+                 options: Options, sample: tuple[tuple, dict] | None = None,
                  keep_calls: int = 3) -> None:
         if isinstance(keep_calls, bool) or not isinstance(keep_calls, int) or keep_calls < 1:
             raise ValueError(f"keep_calls must be an int >= 1 (calls whose spans are kept), "
@@ -78,7 +84,7 @@ class Profiler:
         self._totals["items"] += items
         self._totals["ns"] += end_ns - start_ns
 
-    def reports(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    def reports(self) -> Reports:
         """(summary, memory, trace) as they would be written now."""
         lanes = summary.lanes_of(self.compiled)
         calls = self.calls
@@ -103,7 +109,9 @@ class Profiler:
         return self.directory
 
 
-def _write_json(path: Path, data: Any, *, indent: int | None) -> None:
+def _write_json(path: Path,
+                data: summary.Summary | memory.MemoryReport | chrome_trace.ChromeTrace, *,
+                indent: int | None) -> None:
     _write_text(path, json.dumps(data, indent=indent, allow_nan=False) + "\n")
 
 
@@ -114,7 +122,7 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(temporary, path)
 
 
-def load(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def load(directory: str | os.PathLike) -> Reports:
     """(summary, memory, trace) read from a report directory; ValueError naming what is missing."""
     folder = Path(directory)
     if not folder.is_dir():

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Callable, TypedDict
 
 import torch
 import torch.nn as nn
@@ -66,10 +66,21 @@ class _FlashAttention(torch.autograd.Function):
     per query and head, never the scores."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
         out = q.new_empty((*q.shape[:-1], v.shape[-1]))
         ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
         return out
+
+
+class _State(TypedDict, total=False):
+    """What `measure`'s hooks share: the piece running, the FLOPs counted when it began, the
+    identical layers stood in for so far, and the output of the last layer run (`again`)."""
+
+    at: int
+    flops: int
+    stood: int
+    again: object
 
 
 def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = True,
@@ -88,7 +99,7 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
     pieces = [Piece(""), *(Piece(n) for n, _ in units[:len(run)]), Piece(""), Piece("")]
     after = len(pieces) - 2  # the last: what runs between identical layers standing aside
     counter = FlopCounterMode(display=False)
-    state: dict[str, Any] = {"at": 0, "flops": 0, "stood": 0}
+    state: _State = {"at": 0, "flops": 0, "stood": 0}
     seen: set[int] = set()
     names = {id(m): n for n, m in model.named_modules()}
 
@@ -97,14 +108,14 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
         pieces[state["at"]].flops += total - state["flops"]
         state["flops"], state["at"] = total, to
 
-    def enter(k: int) -> Any:
+    def enter(k: int) -> Callable[[nn.Module, tuple, dict], None]:
         def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
             flush(k)
             pieces[k].received.update(_sizes((args, kwargs), weights))
         return hook
 
-    def leave(k: int) -> Any:
-        def hook(_: nn.Module, __: Any, output: Any) -> None:
+    def leave(k: int) -> Callable[[nn.Module, tuple, object], None]:
+        def hook(_: nn.Module, __: tuple, output: object) -> None:
             pieces[k].outputs.update(_sizes(output, weights))
             state["again"] = output
             flush(k if k < len(units) else after)  # code between layers: the one before
@@ -114,7 +125,7 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
         state["stood"] += 1
         flush(after if state["stood"] == len(units) - 1 else after + 1)
 
-    def touched(module: nn.Module, *_: Any) -> None:
+    def touched(module: nn.Module, *_: tuple) -> None:
         at = pieces[state["at"]]
         if state["at"] in (0, after) and id(module) not in seen | inside:
             seen.add(id(module))
@@ -129,8 +140,11 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
             pieces[state["at"]].saved.setdefault(key, sized(tensor, nbytes))
         return tensor
 
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any,
-                  **__: Any) -> torch.Tensor:
+    # scaled_dot_product_attention's other arguments (attn_mask, dropout_p, is_causal, scale,
+    # enable_gqa) go unread
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  *_: torch.Tensor | float | None,
+                  **__: torch.Tensor | float | None) -> torch.Tensor:
         pieces[state["at"]].flops += 4 * q.numel() * k.shape[-2]  # QK^T and PV, as counted
         return _FlashAttention.apply(q, k, v)
 
@@ -194,16 +208,16 @@ class _Again(nn.Module):
     """Stands in for an identical layer while measuring: gives back the first layer's output
     (the same shapes), so the layer list is run once whatever way forward walks it."""
 
-    def __init__(self, state: dict[str, Any], turn: Callable[[], None]) -> None:
+    def __init__(self, state: _State, turn: Callable[[], None]) -> None:
         super().__init__()
         self.state, self.turn = state, turn
 
-    def forward(self, *_: Any, **__: Any) -> Any:
+    def forward(self, *_: object, **__: object) -> object:
         self.turn()
         return self.state["again"]
 
 
-def _sizes(value: Any, weights: set[int]) -> dict[int, Size]:
+def _sizes(value: object, weights: set[int]) -> dict[int, Size]:
     return {storage_key(t): sized(t, t.untyped_storage().nbytes())
             for t in tensors_of(value) if storage_key(t) not in weights}
 
@@ -256,7 +270,7 @@ def _piece_seconds(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, d
     count = len(layers)
     marks: dict[tuple[str, int], float] = {}
 
-    def first_grad(value: Any) -> torch.Tensor | None:
+    def first_grad(value: object) -> torch.Tensor | None:
         return next((t for t in tensors_of(value) if t.requires_grad), None)
 
     def mark(key: tuple[str, int]) -> Callable[..., None]:
@@ -270,7 +284,7 @@ def _piece_seconds(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, d
                 hidden.register_hook(mark(("grad in", k)))
         return hook
 
-    def leave(_: nn.Module, __: Any, output: Any) -> None:
+    def leave(_: nn.Module, __: tuple, output: object) -> None:
         mark(("leave", count - 1))()
         hidden = first_grad(output)
         if hidden is not None:
@@ -332,7 +346,7 @@ def _clock() -> float:
     return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
 
 
-def _least(work: Callable[[], Any], rounds: int) -> float:
+def _least(work: Callable[[], object], rounds: int) -> float:
     """The fewest seconds `work` took in `rounds` runs after one to warm up."""
     work()
     times = []

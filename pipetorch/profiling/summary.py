@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence, TypedDict
 
 import torch
 import torch.nn as nn
 
 from pipetorch.parallel.compile_plan import CompilePlan
-from pipetorch.profiling.timing import CallRecord, timing_summary
+from pipetorch.profiling.timing import CallRecord, Timing, timing_summary
+
+if TYPE_CHECKING:
+    from pipetorch.options.options import Options
+    from pipetorch.profiling.memory import MemoryReport
+    from pipetorch.runtime.compile import Compiled
 
 __all__: list[str] = []
 
@@ -30,7 +35,75 @@ class Lane:
         return f"IPU {self.ipu} · {where} · {self.device}"
 
 
-def lanes_of(compiled: Any) -> list[Lane]:
+class LaneRow(TypedDict):
+    """A Lane as summary.json's `lanes` lists it."""
+
+    stage: int | None
+    ipu: int
+    device: str
+    threads: int
+    label: str
+
+
+class StageRow(TypedDict):
+    """One stage of summary.json: its IPU, its blocks and its parameters (None: shared)."""
+
+    index: int
+    ipu: int
+    blocks: list[str]
+    parameters: int | None
+
+
+class BatchRow(TypedDict):
+    """summary.json's `batch`: D, G, R and the micro-batches and items of a call."""
+
+    device_iterations: int
+    gradient_accumulation: int
+    replication_factor: int
+    micro_batches_per_call: int
+    items_per_call: int | None
+    micro_batch_size: int | None
+
+
+class Throughput(TypedDict):
+    """summary.json's `throughput`, over every recorded call."""
+
+    calls: int
+    items: int
+    seconds_in_calls: float
+    items_per_second: float | None
+    mean_call_ms: float | None
+    steady_items_per_second: float | None
+
+
+class ScheduleChoice(TypedDict):
+    """What pipelineSchedule("auto") predicted for the schedule it chose."""
+
+    predicted_bubble: float
+
+
+class Summary(TypedDict):
+    """summary.json (`build`), as written and as `recorder.load` reads it back."""
+
+    format: str
+    model: str
+    mode: str
+    engine: str
+    schedule: str
+    execution_strategy: str | None
+    devices: int
+    replicas: int
+    lanes: list[LaneRow]
+    stages: list[StageRow]
+    parameters: int
+    batch: BatchRow
+    compile_seconds: float
+    throughput: Throughput
+    timing: Timing
+    schedule_chosen: ScheduleChoice | None
+
+
+def lanes_of(compiled: Compiled) -> list[Lane]:
     """The lanes of `compiled`'s plan: one per stage (on its device worker), or a single one
     for the local engine."""
     plan: CompilePlan = compiled.plan
@@ -47,7 +120,7 @@ def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def stage_modules(compiled: Any) -> list[nn.Module] | None:
+def stage_modules(compiled: Compiled) -> list[nn.Module] | None:
     """Each stage's module (owning its parameters), or None when the stages share one model."""
     engine, plan = compiled.engine, compiled.plan
     if not plan.local:
@@ -55,8 +128,8 @@ def stage_modules(compiled: Any) -> list[nn.Module] | None:
     return [engine.model] if len(plan.stages) == 1 else None
 
 
-def build(compiled: Any, calls: Sequence[CallRecord], *, training: bool, options: Any,
-          totals: dict[str, int]) -> dict[str, Any]:
+def build(compiled: Compiled, calls: Sequence[CallRecord], *, training: bool,
+          options: Options, totals: dict[str, int]) -> Summary:
     """The summary of a compiled model and its recorded calls.
 
     `totals` counts every call: calls, items, ns, and first_items / first_ns of the first one.
@@ -112,7 +185,7 @@ def build(compiled: Any, calls: Sequence[CallRecord], *, training: bool, options
     }
 
 
-def _chosen(chosen: dict[str, Any] | None) -> str:
+def _chosen(chosen: ScheduleChoice | None) -> str:
     if not chosen:
         return ""
     return (f" (chosen by pipelineSchedule('auto'), predicted bubble "
@@ -123,11 +196,11 @@ def _rate(items: int, ns: int) -> float | None:
     return items / (ns * 1e-9) if ns > 0 else None
 
 
-def _number(value: Any, spec: str) -> str:
+def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else f"{value:{spec}}"
 
 
-def render_text(summary: dict[str, Any], memory: dict[str, Any] | None = None) -> str:
+def render_text(summary: Summary, memory: MemoryReport | None = None) -> str:
     """The summary as `pipetorch report DIR` prints it."""
     b, t = summary["batch"], summary["throughput"]
     timing = summary["timing"]

@@ -14,7 +14,11 @@ For 1F1B and fill-drain with balanced stages it is (S-1)/(G+S-1); for sharded ex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence, TypedDict
+
+if TYPE_CHECKING:
+    from pipetorch.parallel.stage import Trace
+    from pipetorch.schedule.plans import Batching
 
 __all__: list[str] = []
 
@@ -34,7 +38,7 @@ class CallRecord:
     start: int
     end: int
     items: int
-    traces: tuple[Any, ...] = ()  # parallel.stage.Trace(stage, spans) per stage
+    traces: tuple[Trace, ...] = ()  # (stage, spans) per stage
 
     def window(self) -> tuple[int, int] | None:
         """First span start and last span end over every stage, or None without spans."""
@@ -42,6 +46,45 @@ class CallRecord:
         if not spans:
             return None
         return min(s.start for s in spans), max(s.end for s in spans)
+
+
+class DeviceRow(TypedDict):
+    """One device's row of summary.json's timing.per_device: milliseconds over the calls."""
+
+    stage: int
+    window_ms: float
+    compute_ms: float
+    transfer_ms: float
+    step_ms: float
+    untracked_ms: float
+    idle_ms: float
+    idle_fraction: float | None
+    utilisation: float | None
+
+
+class Bubble(TypedDict):
+    """The measured and theoretical bubble of summary.json's timing section."""
+
+    measured: float | None
+    theoretical: float | None
+    formula: str | None
+    stages: int
+    micro_batches_per_plan: int
+
+
+class Timing(TypedDict):
+    """The `timing` section of summary.json (`timing_summary`)."""
+
+    calls_analysed: int
+    first_call_analysed: int | None
+    spans: bool
+    note: str | None
+    host_call_ms: float
+    device_window_ms: float | None
+    host_overhead_ms: float | None
+    per_device: list[DeviceRow]
+    bubble: Bubble
+    concurrency: float | None
 
 
 @dataclass(frozen=True)
@@ -68,7 +111,7 @@ class DeviceTime:
     def utilisation(self) -> float:
         return self.compute / self.window if self.window else 0.0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> DeviceRow:
         ms = 1e-6
         return {"stage": self.stage, "window_ms": self.window * ms,
                 "compute_ms": self.compute * ms, "transfer_ms": self.transfer * ms,
@@ -166,15 +209,16 @@ def theoretical_bubble(schedule: str, stages: int, micro_batches: int, *, traini
     return fraction, formula
 
 
-def plan_micro_batches(batching: Any, *, training: bool) -> int:
+def plan_micro_batches(batching: Batching, *, training: bool) -> int:
     """Micro-batches one run of the plan covers: G x R per step in training, D x R otherwise."""
     if training:
         return batching.gradient_accumulation * batching.replication_factor
     return batching.device_iterations * batching.replication_factor
 
 
-def timing_summary(calls: Sequence[CallRecord], *, stages: int, schedule: str, batching: Any,
-                   training: bool, owners: Sequence[int] | None = None) -> dict[str, Any]:
+def timing_summary(calls: Sequence[CallRecord], *, stages: int, schedule: str,
+                   batching: Batching, training: bool,
+                   owners: Sequence[int] | None = None) -> Timing:
     """The `timing` section of summary.json: per-device times, measured and ideal bubble."""
     times = device_times(calls, stages)
     per_plan = plan_micro_batches(batching, training=training)
