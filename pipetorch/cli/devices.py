@@ -6,9 +6,10 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TypeAlias, TypedDict
 
 from pipetorch import environment
 
@@ -49,6 +50,62 @@ _PROC = Path("/proc")
 # The variables that choose where stage workers go (placement.physical).
 _ENV_NAMES = tuple(map(environment.variable, ("device", "num_devices", "threads_per_device")))
 
+# A value as json.loads reads it (a worker's registry file).
+JsonValue: TypeAlias = "None | bool | int | float | str | list[JsonValue] | dict[str, JsonValue]"
+
+
+class Worker(TypedDict):
+    """A live worker: its registry record (placement.register writes ints, a list of stages
+    and the device name; unchecked, as read back) and its resident memory in bytes."""
+
+    pid: JsonValue
+    host_pid: JsonValue
+    stages: JsonValue
+    ipu: JsonValue
+    device: JsonValue
+    threads: JsonValue
+    rss: int | None
+
+
+class Device(TypedDict):
+    """One entry of `devices` (the fields are described in _DESCRIPTION)."""
+
+    device: str
+    type: str
+    index: int | None
+    name: str | None
+    cores: int | None
+    cores_total: int | None
+    memory_total: int | None
+    memory_available: int | None
+    visible: bool
+    workers: list[Worker]
+
+
+class Default(TypedDict):
+    """Where stage workers would go now."""
+
+    device: str | None
+    devices: list[str]
+    cores: int | None
+    threads_per_worker: int | None
+    error: str | None
+
+
+class CpuThreads(TypedDict):
+    requested: int
+    cores: int
+
+
+class Snapshot(TypedDict):
+    """What `pipetorch devices --json` prints."""
+
+    registry: str
+    environment: dict[str, str]
+    default: Default
+    cpu_threads: CpuThreads
+    devices: list[Device]
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `devices` subcommand to the `pipetorch` parser."""
@@ -71,7 +128,7 @@ def _command(args: argparse.Namespace) -> int:
 
 
 # -- gathering ---------------------------------------------------------------------------------
-def snapshot() -> dict[str, Any]:
+def snapshot() -> Snapshot:
     """Everything `pipetorch devices` shows, as the JSON-ready object `--json` prints."""
     # Imported here, not at the top: `pipetorch --version` builds every subcommand's parser
     # and should not pay for importing torch.
@@ -97,20 +154,21 @@ def snapshot() -> dict[str, Any]:
     }
 
 
-def _device(device: str, kind: str, index: int | None, **fields: Any) -> dict[str, Any]:
+def _device(device: str, kind: str, index: int | None,
+            **fields: str | int | bool | None) -> Device:
     entry = {"device": device, "type": kind, "index": index, "name": None, "cores": None,
              "cores_total": None, "memory_total": None, "memory_available": None,
              "visible": True}
     return entry | fields | {"workers": []}
 
 
-def _cpu(cores: int) -> dict[str, Any]:
+def _cpu(cores: int) -> Device:
     total, available = _host_memory()
     return _device("cpu", "cpu", None, name=_cpu_model(), cores=cores,
                    cores_total=os.cpu_count(), memory_total=total, memory_available=available)
 
 
-def _gpus() -> list[dict[str, Any]]:
+def _gpus() -> list[Device]:
     import torch
 
     if not torch.cuda.is_available():
@@ -127,7 +185,7 @@ def _gpus() -> list[dict[str, Any]]:
     return gpus
 
 
-def _unseen(name: str) -> dict[str, Any]:
+def _unseen(name: str) -> Device:
     # A worker started with other CUDA_VISIBLE_DEVICES (or on a GPU torch here cannot open).
     kind, _, index = name.partition(":")
     return _device(name, kind, int(index) if index.isdigit() else None, visible=False)
@@ -175,29 +233,29 @@ def _kib_fields(text: str) -> dict[str, int]:
     return fields
 
 
-def _worker(record: dict[str, Any]) -> dict[str, Any]:
+def _worker(record: Mapping[str, JsonValue]) -> Worker:
     pid = record.get("pid")
     keys = ("pid", "host_pid", "stages", "ipu", "device", "threads")
     return {key: record.get(key) for key in keys} | {"rss": _rss(pid)}
 
 
-def _rss(pid: Any) -> int | None:
+def _rss(pid: JsonValue) -> int | None:
     try:
         return _kib_fields((_PROC / str(int(pid)) / "status").read_text()).get("VmRSS")
     except (OSError, TypeError, ValueError):
         return None
 
 
-def _int(value: Any) -> int:
+def _int(value: JsonValue) -> int:
     return value if isinstance(value, int) else 0
 
 
-def _default(placement: Any) -> dict[str, Any]:
+def _default(placement: ModuleType) -> Default:
     """Where stage workers would go now (`placement.physical`, which `place` follows)."""
     from pipetorch.errors import ConfigError
     from pipetorch.parallel.devices import default_device
 
-    result: dict[str, Any] = {"device": None, "devices": [], "cores": None,
+    result: Default = {"device": None, "devices": [], "cores": None,
                               "threads_per_worker": None, "error": None}
     try:
         device = default_device()
@@ -211,7 +269,7 @@ def _default(placement: Any) -> dict[str, Any]:
 
 
 # -- rendering ---------------------------------------------------------------------------------
-def render_text(state: dict[str, Any]) -> str:
+def render_text(state: Snapshot) -> str:
     """The human-readable listing of a `snapshot()`."""
     lines = [f"Registry: {state['registry']}",
              f"Default: {_describe_default(state['default'])}",
@@ -228,7 +286,7 @@ def render_text(state: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _describe_default(default: dict[str, Any]) -> str:
+def _describe_default(default: Default) -> str:
     if default["error"]:
         return f"unusable: {default['error']}"
     if default["device"].startswith("cuda"):
@@ -238,7 +296,7 @@ def _describe_default(default: dict[str, Any]) -> str:
     return f"cpu (stage workers share {default['cores']} core(s), {share})"
 
 
-def _device_row(device: dict[str, Any]) -> tuple[str, ...]:
+def _device_row(device: Device) -> tuple[str, ...]:
     name = device["name"] or ("unknown" if device["visible"] else "(not visible here)")
     cores = "-"
     if device["cores"] is not None:
@@ -247,7 +305,7 @@ def _device_row(device: dict[str, Any]) -> tuple[str, ...]:
             _size(device["memory_available"]))
 
 
-def _attached(device: dict[str, Any], cpu_threads: dict[str, int]) -> list[str]:
+def _attached(device: Device, cpu_threads: CpuThreads) -> list[str]:
     workers = device["workers"]
     lines = []
     if device["type"] == "cpu" and cpu_threads["requested"]:
@@ -273,7 +331,7 @@ def _line(row: Sequence[str], widths: Sequence[int]) -> str:
     return "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
 
 
-def _text(value: Any) -> str:
+def _text(value: JsonValue) -> str:
     if isinstance(value, list):  # a worker's stages: "0,2"
         return ",".join(map(str, value)) or "-"
     return "-" if value is None else str(value)

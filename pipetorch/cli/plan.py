@@ -7,7 +7,10 @@ import inspect
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["register", "load_model"]
 
@@ -103,7 +106,8 @@ def _command(args: argparse.Namespace) -> int:
     return 0 if found.fits is not False else 1
 
 
-def load_model(spec: str, *, dtype: Any, micro_batch: int, sequence: int) -> tuple[Any, Any]:
+def load_model(spec: str, *, dtype: torch.dtype, micro_batch: int,
+               sequence: int) -> tuple[torch.nn.Module, tuple[tuple, dict]]:
     """(model, (args, kwargs) of one micro-batch) from a config.json or module:function."""
     import torch
 
@@ -131,7 +135,7 @@ def load_model(spec: str, *, dtype: Any, micro_batch: int, sequence: int) -> tup
     return model, inputs
 
 
-def _from_config(path: str, dtype: Any) -> Any:
+def _from_config(path: str, dtype: torch.dtype) -> torch.nn.Module:
     """A HuggingFace model from its config.json, built on the meta device."""
     import torch
     import transformers  # only here: the library itself never imports transformers

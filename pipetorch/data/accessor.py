@@ -36,8 +36,9 @@ import pickle
 import tempfile
 import weakref
 from collections import deque
+from collections.abc import Iterable
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, Protocol, TypedDict
 
 import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor pickling through shared memory
@@ -45,7 +46,7 @@ import torch.multiprocessing  # noqa: F401 - registers tensor pickling through s
 from pipetorch.data.fetch import LoaderStats
 from pipetorch.data.loader_pipe import LoaderPipe
 from pipetorch.data.producer import POLL_S, LoaderSettings, run_loader
-from pipetorch.data.ring_buffer import Msg, pin, unpin
+from pipetorch.data.ring_buffer import Msg, SlotSizes, pin, unpin
 from pipetorch.data.sampling import rebatched_length
 from pipetorch.data.structure import unflatten
 from pipetorch.enums import SharingStrategy
@@ -58,6 +59,24 @@ logger = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[AsynchronousDataAccessor] = weakref.WeakSet()
 _START_METHODS = {SharingStrategy.Fork: "fork", SharingStrategy.ForkServer: "forkserver",
                   SharingStrategy.SharedMemory: "spawn", SharingStrategy.FileSystem: "spawn"}
+
+
+class CompletionEvent(Protocol):
+    """What `release_after` waits for: a torch.cuda.Event, or anything with these two."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class AsyncOptions(TypedDict, total=False):
+    """A DataLoader's `async_options`: the AsynchronousDataAccessor arguments it may set."""
+
+    buffer_size: int
+    miss_sleep_time_in_ms: float
+    load_indefinitely: bool
+    early_preload: bool
+    sharing_strategy: SharingStrategy | None
 
 
 def _default_strategy() -> SharingStrategy:
@@ -74,8 +93,8 @@ def _terminate_all() -> None:
         accessor.terminate()
 
 
-def _check_options(buffer_size: Any, miss_sleep_time_in_ms: Any, load_indefinitely: Any,
-                   early_preload: Any, rebatched_size: Any) -> None:
+def _check_options(buffer_size: int, miss_sleep_time_in_ms: float, load_indefinitely: bool,
+                   early_preload: bool, rebatched_size: int | None) -> None:
     if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
         raise ValueError(f"buffer_size must be an int >= 1 (ring-buffer slots), got "
                          f"{buffer_size!r}.")
@@ -92,7 +111,7 @@ def _check_options(buffer_size: Any, miss_sleep_time_in_ms: Any, load_indefinite
         raise ValueError(f"rebatched_size must be None or an int >= 1, got {rebatched_size!r}.")
 
 
-def _strategy(value: Any) -> SharingStrategy:
+def _strategy(value: SharingStrategy | int) -> SharingStrategy:
     try:
         return SharingStrategy(value)
     except ValueError:
@@ -109,7 +128,7 @@ class AsynchronousDataAccessor(LoaderPipe):
     partial batch is dropped unless `dataset.rebatched_drop_last` is False.
     """
 
-    def __init__(self, dataset: Any, *, buffer_size: int = 3,
+    def __init__(self, dataset: Iterable[object], *, buffer_size: int = 3,
                  miss_sleep_time_in_ms: float = 0.1, load_indefinitely: bool = True,
                  early_preload: bool = False, sharing_strategy: SharingStrategy | None = None,
                  rebatched_size: int | None = None) -> None:
@@ -133,8 +152,8 @@ class AsynchronousDataAccessor(LoaderPipe):
         self._pending: deque[tuple[Any, ...]] = deque()
         self._views: list[list[torch.Tensor]] | None = None
         self._held: int | None = None
-        self._held_event: Any = None  # release_after's event for the held slot
-        self._releases: deque[tuple[int, Any]] = deque()  # slots waiting for their event
+        self._held_event: CompletionEvent | None = None  # release_after's, for the held slot
+        self._releases: deque[tuple[int, CompletionEvent]] = deque()  # slots awaiting events
         self._consumed, self._ended, self._announced = 0, False, False
         self._failure: LoaderError | None = None
         self._temp_file: str | None = None
@@ -164,7 +183,7 @@ class AsynchronousDataAccessor(LoaderPipe):
 
     def _start(self, strategy: SharingStrategy, settings: LoaderSettings) -> None:
         context = multiprocessing.get_context(_START_METHODS[strategy])
-        payload: Any = self._dataset
+        payload: Iterable[object] | str = self._dataset
         if strategy == SharingStrategy.FileSystem:
             payload = self._temp_file = self._pickle_to_file()
         self._conn, child_conn = context.Pipe(duplex=True)
@@ -305,7 +324,7 @@ class AsynchronousDataAccessor(LoaderPipe):
             self._fail(message[1:])
         raise AssertionError(f"unexpected message from the loader process: {message!r}")
 
-    def release_after(self, event: Any) -> None:
+    def release_after(self, event: CompletionEvent) -> None:
         """Keep the batch last handed out in its slot until `event` has completed.
 
         `event` is anything with `query()` (True once done) and `synchronize()`, as
@@ -344,7 +363,7 @@ class AsynchronousDataAccessor(LoaderPipe):
         while self._releases:
             self._releases.popleft()[1].synchronize()
 
-    def _take(self, slot: int, sizes: tuple[int | None, ...] | None) -> Any:
+    def _take(self, slot: int, sizes: SlotSizes) -> Any:
         assert self._views is not None
         self._held = slot
         self._consumed += 1

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch.utils.data import TensorDataset, default_collate, get_worker_info
 
 from pipetorch.data import samples
+from pipetorch.data.samples import MapDataset, UserDataset
 from pipetorch.data.structure import batch_rows, concat_batches, num_bytes, tensors_in
 
 __all__: list[str] = []
+
+# A collate_fn: called with the list of one batch's samples (or with what the dataset's
+# `__getitems__` returned), returns the batch: any callable, as in torch.
+CollateFn: TypeAlias = Callable[..., object]
 
 
 class Prebatched:
@@ -29,7 +34,7 @@ class Prebatched:
 
     __slots__ = ("batch",)
 
-    def __init__(self, batch: Any) -> None:
+    def __init__(self, batch: object) -> None:
         self.batch = batch
 
 
@@ -40,11 +45,11 @@ class BatchCollate:
     structure or shape) is named by its dataset index.
     """
 
-    def __init__(self, collate_fn: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, collate_fn: CollateFn | None = None) -> None:
         self.collate_fn = collate_fn or default_collate
         self._explains = collate_fn is None  # a user's collate_fn may accept ragged samples
 
-    def __call__(self, data: Any) -> Any:
+    def __call__(self, data: Prebatched | list[object]) -> Any:
         if isinstance(data, Prebatched):
             return data.batch
         indices = samples.take_fetching()
@@ -94,7 +99,7 @@ class TensorBatches(TensorDataset):
             torch.index_select(tensor, 0, index, out=target)
 
     @classmethod
-    def wrap(cls, dataset: Any, *, collate_fn: Any) -> Any:
+    def wrap(cls, dataset: UserDataset, *, collate_fn: CollateFn | None) -> UserDataset:
         """The fast-path twin of a plain TensorDataset, else the dataset itself.
 
         Subclasses may override `__getitem__` and a custom collate_fn expects samples, so
@@ -105,7 +110,7 @@ class TensorBatches(TensorDataset):
         return dataset
 
 
-def fetch(dataset: Any, indices: Sequence[int], collate: Callable[[Any], Any]) -> Any:
+def fetch(dataset: MapDataset, indices: Sequence[int], collate: CollateFn) -> Any:
     """One combined batch of `dataset` (the same result torch's fetcher would give)."""
     getitems = getattr(dataset, "__getitems__", None)
     data = getitems(indices) if getitems else [dataset[i] for i in indices]
@@ -121,7 +126,7 @@ class CollatedGroups(torch.utils.data.Dataset):
     Other attributes are the user's dataset's.
     """
 
-    def __init__(self, dataset: Any, collate_fn: Callable[[Any], Any] | None) -> None:
+    def __init__(self, dataset: MapDataset, collate_fn: CollateFn | None) -> None:
         self.dataset = dataset
         self.collate = BatchCollate(collate_fn)
 
@@ -148,7 +153,7 @@ class DirectFetch:
     __slots__ = ("dataset", "indices", "collate")
 
     def __init__(self, dataset: TensorBatches, indices: Sequence[int],
-                 collate: Callable[[Any], Any]) -> None:
+                 collate: CollateFn) -> None:
         self.dataset = dataset
         self.indices = indices
         self.collate = collate
@@ -180,7 +185,7 @@ class LoaderStats:
     def bytes_per_item(self) -> float | None:
         return self.bytes / self.items if self.items else None
 
-    def record(self, batch: Any, *, items: int | None = None) -> None:
+    def record(self, batch: object, *, items: int | None = None) -> None:
         """Count one batch; `items` defaults to the batch's first dimension."""
         leaves = tensors_in(batch)
         rows = items if items is not None else batch_rows(leaves)

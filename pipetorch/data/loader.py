@@ -17,21 +17,29 @@ by `collate_fn` (which may pad it), joined along dim 0 (see CombinedBatchSampler
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data._utils.collate import default_convert
 
-from pipetorch.data.accessor import AsynchronousDataAccessor
+from pipetorch.data.accessor import AsyncOptions, AsynchronousDataAccessor, CompletionEvent
 from pipetorch.data import samples
-from pipetorch.data.fetch import BatchCollate, CollatedGroups, LoaderStats, TensorBatches
+from pipetorch.data.fetch import BatchCollate, CollateFn, CollatedGroups, LoaderStats, TensorBatches
+from pipetorch.data.samples import UserDataset
 from pipetorch.data.sampling import (
-    CombinedBatchSampler, DistributedShareSampler, combined_batch_size, rebatched_length,
+    CombinedBatchSampler, DistributedShareSampler, IndexBatches, combined_batch_size,
+    rebatched_length,
 )
-from pipetorch.data.source import BatchSource
+from pipetorch.data.source import BatchSource, TorchLoaderKwargs, TorchLoaderOptions
 from pipetorch.enums import DataLoaderMode
+
+if TYPE_CHECKING:
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+    from typing_extensions import Unpack
+
+    from pipetorch.options import Options
 
 __all__ = ["DataLoader"]
 
@@ -42,7 +50,7 @@ ASYNC_OPTIONS = ("buffer_size", "miss_sleep_time_in_ms", "load_indefinitely", "e
 _WORKER_ONLY = ("prefetch_factor", "multiprocessing_context", "persistent_workers", "timeout")
 
 
-def _mode(mode: Any) -> DataLoaderMode:
+def _mode(mode: DataLoaderMode | int) -> DataLoaderMode:
     try:
         return DataLoaderMode(mode)
     except ValueError:
@@ -50,7 +58,8 @@ def _mode(mode: Any) -> DataLoaderMode:
         raise ValueError(f"mode must be one of {valid}; got {mode!r}.") from None
 
 
-def _check_async_options(async_options: Any, mode: DataLoaderMode) -> dict[str, Any]:
+def _check_async_options(async_options: AsyncOptions | None,
+                         mode: DataLoaderMode) -> AsyncOptions:
     if async_options is None:
         return {}
     if mode == DataLoaderMode.Sync:
@@ -66,8 +75,9 @@ def _check_async_options(async_options: Any, mode: DataLoaderMode) -> dict[str, 
     return dict(async_options)
 
 
-def _check_batch_sampler(batch_sampler: Any, batch_size: Any, shuffle: bool, sampler: Any,
-                         iterable: bool, *, processes: int) -> None:
+def _check_batch_sampler(batch_sampler: IndexBatches | None, batch_size: int | None,
+                         shuffle: bool, sampler: Iterable[int] | None, iterable: bool, *,
+                         processes: int) -> None:
     if batch_sampler is None:
         return
     if processes > 1:
@@ -85,7 +95,7 @@ def _check_batch_sampler(batch_sampler: Any, batch_size: Any, shuffle: bool, sam
                          "indices to sample.")
 
 
-def _check_sampler_batches(batch_sampler: Any, per_call: int, drop_last: bool) -> None:
+def _check_sampler_batches(batch_sampler: IndexBatches, per_call: int, drop_last: bool) -> None:
     """A batch_sampler's batches, counted: one host call takes `per_call` of them."""
     try:
         batches = len(batch_sampler)
@@ -107,7 +117,7 @@ def _check_sampler_batches(batch_sampler: Any, per_call: int, drop_last: bool) -
             "drop_last=True to avoid handling that case.", batches, per_call, batches % per_call)
 
 
-def _factors(options: Any, micro: int) -> str:
+def _factors(options: Options, micro: int) -> str:
     """How a host call's batch is made: "batch_size 4 x deviceIterations 8"."""
     parts = [("batch_size", micro), ("deviceIterations", options.device_iterations),
              ("gradientAccumulation", options.Training.gradient_accumulation),
@@ -117,7 +127,7 @@ def _factors(options: Any, micro: int) -> str:
                       "batch_size")
 
 
-def _check_rebatching(mode: DataLoaderMode, rebatch: bool, worker_size: Any,
+def _check_rebatching(mode: DataLoaderMode, rebatch: bool, worker_size: int | None,
                       combined: int | None, *, batch_sampler: bool) -> None:
     if worker_size is not None and batch_sampler:
         raise ValueError(
@@ -149,13 +159,14 @@ class DataLoader(torch.utils.data.DataLoader):
     the event of a non_blocking copy from them to `release_after`.
     """
 
-    def __init__(self, options: Any, dataset: Any, batch_size: int | None = 1,
+    def __init__(self, options: Options, dataset: UserDataset, batch_size: int | None = 1,
                  shuffle: bool = False, num_workers: int = 0, drop_last: bool = True,
                  persistent_workers: bool | None = None,
                  auto_distributed_partitioning: bool = True,
                  mode: DataLoaderMode = DataLoaderMode.Sync,
-                 async_options: dict[str, Any] | None = None,
-                 rebatched_worker_size: int | None = None, **kwargs: Any) -> None:
+                 async_options: AsyncOptions | None = None,
+                 rebatched_worker_size: int | None = None,
+                 **kwargs: Unpack[TorchLoaderOptions]) -> None:
         if not (hasattr(options, "device_iterations") and hasattr(options, "_freeze")):
             raise TypeError(f"options must be a pipetorch.Options, got "
                             f"{type(options).__name__}.")
@@ -210,10 +221,10 @@ class DataLoader(torch.utils.data.DataLoader):
         fetch_dataset = TensorBatches.wrap(dataset, collate_fn=user_collate)
         if user_batch_sampler is not None:
             fetch_dataset = CollatedGroups(fetch_dataset, user_collate)
-        collate: Any = BatchCollate(user_collate)
+        collate: CollateFn = BatchCollate(user_collate)
         if combined is None and user_batch_sampler is None:  # no batching: torch's rule
             collate = user_collate or default_convert
-        torch_kwargs: dict[str, Any] = dict(
+        torch_kwargs: TorchLoaderKwargs = dict(
             dataset=fetch_dataset, num_workers=num_workers, collate_fn=collate,
             persistent_workers=persistent_workers, **kwargs,
             **self._batching_kwargs(iterable, base_sampler, user_batch_sampler, worker_batch,
@@ -227,8 +238,9 @@ class DataLoader(torch.utils.data.DataLoader):
 
     # -- construction helpers ---------------------------------------------------------
 
-    def _batching_kwargs(self, iterable: bool, base_sampler: Any, user_batch_sampler: Any,
-                         worker_batch: int | None, drop_last: bool) -> dict[str, Any]:
+    def _batching_kwargs(self, iterable: bool, base_sampler: Iterable[int] | None,
+                         user_batch_sampler: IndexBatches | None, worker_batch: int | None,
+                         drop_last: bool) -> TorchLoaderKwargs:
         """How torch's DataLoader should batch: per worker (iterable) or by index lists."""
         # Rebatching keeps the workers' short batches; without batching there is no last
         # batch to drop (torch refuses drop_last with batch_size=None).
@@ -244,9 +256,10 @@ class DataLoader(torch.utils.data.DataLoader):
         return {"batch_sampler": samples.IndexBatchSampler(base_sampler, worker_batch,
                                                           torch_drop_last)}
 
-    def _base_sampler(self, dataset: Any, iterable: bool, shuffle: bool, drop_last: bool,
-                      user_sampler: Any, auto_partition: bool, num_workers: int,
-                      kwargs: dict[str, Any]) -> Any:
+    def _base_sampler(self, dataset: UserDataset, iterable: bool, shuffle: bool,
+                      drop_last: bool, user_sampler: Iterable[int] | None,
+                      auto_partition: bool, num_workers: int,
+                      kwargs: TorchLoaderOptions) -> Iterable[int] | None:
         processes = self._options.Distributed.data_share[1]
         if iterable:
             if auto_partition and processes > 1:
@@ -284,7 +297,7 @@ class DataLoader(torch.utils.data.DataLoader):
         return SequentialSampler(dataset)
 
     def _distributed_sampler(self, num_items: int, shuffle: bool, drop_last: bool,
-                             user_sampler: Any) -> DistributedShareSampler:
+                             user_sampler: Iterable[int] | None) -> DistributedShareSampler:
         distributed = self._options.Distributed
         if self._combined is None:
             raise ValueError("batch_size=None is not allowed with "
@@ -301,7 +314,8 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._share
 
     @staticmethod
-    def _loader_process_kwargs(torch_kwargs: dict[str, Any], dataset: Any) -> dict[str, Any]:
+    def _loader_process_kwargs(torch_kwargs: TorchLoaderKwargs,
+                               dataset: UserDataset) -> TorchLoaderKwargs:
         kwargs = dict(torch_kwargs)
         # Workers only add copies for tensor indexing: the loader process fetches directly.
         if isinstance(dataset, TensorBatches) and kwargs.get("worker_init_fn") is None \
@@ -342,7 +356,7 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._combined
 
     @property
-    def options(self) -> Any:
+    def options(self) -> Options:
         """The (frozen) options this loader was built with."""
         return self._options
 
@@ -356,7 +370,7 @@ class DataLoader(torch.utils.data.DataLoader):
         """Bytes moved per sample by the batches so far (None before the first batch)."""
         return self.stats.bytes_per_item
 
-    def release_after(self, event: Any) -> None:
+    def release_after(self, event: CompletionEvent) -> None:
         """Async modes: keep the last batch's shared-memory slot until `event` (a
         torch.cuda.Event recorded after a non_blocking copy from the batch) has completed; see
         AsynchronousDataAccessor.release_after. Sync mode: nothing to do, as torch's batches
@@ -378,7 +392,8 @@ class DataLoader(torch.utils.data.DataLoader):
 class _Counted:
     """torch's iterator, counting what it hands out into LoaderStats."""
 
-    def __init__(self, inner: Any, stats: LoaderStats, batched: bool) -> None:
+    def __init__(self, inner: _BaseDataLoaderIter, stats: LoaderStats,
+                 batched: bool) -> None:
         self._inner = inner
         self._stats = stats
         self._batched = batched

@@ -30,7 +30,7 @@ class LoaderPipe:
     _failure: LoaderError | None
     terminate: Callable[[], None]  # stops the loader process
 
-    def _send(self, kind: Msg, *payload: Any) -> None:
+    def _send(self, kind: Msg, *payload: int) -> None:
         try:
             self._conn.send((kind, *payload))
         except OSError:
@@ -72,7 +72,7 @@ class LoaderPipe:
             "have crashed the interpreter or been killed for memory; run with "
             "mode=DataLoaderMode.Sync to see the failure in this process."))
 
-    def _fail(self, payload: tuple[Any, ...]) -> None:
+    def _fail(self, payload: tuple[str, str, str, bytes | None]) -> None:
         name, message, text, pickled = payload
         # PopTorch's words first ("An error occurred in the data fetcher"), then what it was
         error = LoaderError(f"An error occurred in the data fetcher: the data loader process "

@@ -16,15 +16,14 @@ import os
 import pickle
 import signal
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 
 from pipetorch.data.fetch import DirectFetch
-from pipetorch.data.ring_buffer import Msg, SlotLayout, SlotWriter, allocate
+from pipetorch.data.ring_buffer import Command, Msg, SlotLayout, SlotSizes, SlotWriter, allocate
 from pipetorch.data.structure import batch_rows, flatten
 
 __all__: list[str] = []
@@ -52,7 +51,7 @@ class _Shutdown(Exception):
     """The user asked the loader to stop, or went away."""
 
 
-def run_loader(source: Any, conn: Connection, settings: LoaderSettings) -> None:
+def run_loader(source: Iterable[object] | str, conn: Connection, settings: LoaderSettings) -> None:
     """Process entry point. `source` may be a path to a pickled source (FileSystem sharing)."""
     # Ctrl-C belongs to the user's process, which then stops this one cleanly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -69,13 +68,14 @@ def run_loader(source: Any, conn: Connection, settings: LoaderSettings) -> None:
 
 
 class _Producer:
-    def __init__(self, source: Any, conn: Connection, settings: LoaderSettings) -> None:
+    def __init__(self, source: Iterable[object] | None, conn: Connection,
+                 settings: LoaderSettings) -> None:
         self.source = source
         self.conn = conn
         self.settings = settings
         self.epoch = 1      # the epoch being loaded, counted from 1
         self.starts = 0     # epochs the user has started (iter() calls, resets included)
-        self.batches: Iterator[Any] | None = None
+        self.batches: Iterator[object] | None = None
         self.writer: SlotWriter | None = None
         self._direct_child = os.getppid() == settings.parent_pid
 
@@ -98,7 +98,7 @@ class _Producer:
             if close is not None:
                 close()
 
-    def _new_epoch(self) -> Iterator[Any]:
+    def _new_epoch(self) -> Iterator[object]:
         epoch = getattr(self.source, "epoch", None)
         return iter(epoch(direct=True)) if epoch is not None else iter(self.source)
 
@@ -156,10 +156,10 @@ class _Producer:
     def _wait_for_free(self) -> None:
         self._handle(self._receive())
 
-    def _publish(self, slot: int, sizes: Any) -> None:
+    def _publish(self, slot: int, sizes: SlotSizes) -> None:
         self._send(Msg.READY, slot, sizes)
 
-    def _handle(self, message: tuple[Any, ...]) -> None:
+    def _handle(self, message: Command) -> None:
         kind = message[0]
         if kind == Msg.FREE:
             assert self.writer is not None
@@ -175,13 +175,13 @@ class _Producer:
         while self.conn.poll(0):
             self._handle(self._recv())
 
-    def _recv(self) -> tuple[Any, ...]:
+    def _recv(self) -> Command:
         try:
             return self.conn.recv()
         except (EOFError, OSError):
             raise _Shutdown from None
 
-    def _receive(self) -> tuple[Any, ...]:
+    def _receive(self) -> Command:
         while not self.conn.poll(POLL_S):
             if not self._user_alive():
                 raise _Shutdown
@@ -199,7 +199,7 @@ class _Producer:
             pass
         return True
 
-    def _send(self, kind: Msg, *payload: Any) -> None:
+    def _send(self, kind: Msg, *payload: object) -> None:
         try:
             self.conn.send((kind, *payload))
         except (BrokenPipeError, ConnectionResetError, EOFError):

@@ -22,7 +22,7 @@ import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 import torch
 
@@ -47,6 +47,12 @@ class Msg(enum.IntEnum):
     START = 12      # the user started (or moved on to) an epoch
     RESET = 13      # the user abandoned the epoch: drop everything, start a fresh one
     SHUTDOWN = 14
+
+
+# READY's sizes: None for a full slot, else each tensor's rows (None for a 0-d tensor).
+SlotSizes: TypeAlias = "tuple[int | None, ...] | None"
+# A message from the user's process to the loader: (kind,), or (FREE, slot).
+Command: TypeAlias = "tuple[Msg] | tuple[Msg, int]"
 
 
 def _aligned(n: int) -> int:
@@ -145,7 +151,7 @@ class SlotWriter:
 
     def __init__(self, layout: SlotLayout, buffer: torch.Tensor, slots: int, *,
                  rows_per_slot: int | None, wait_for_free: Callable[[], None],
-                 publish: Callable[[int, Any], None]) -> None:
+                 publish: Callable[[int, SlotSizes], None]) -> None:
         self.layout = layout
         self.views = [layout.views(buffer, s) for s in range(slots)]
         self.rows_per_slot = rows_per_slot
@@ -167,7 +173,7 @@ class SlotWriter:
             self._wait_for_free()
         return self.free.popleft()
 
-    def write(self, item: Any) -> None:
+    def write(self, item: object) -> None:
         """Copy one batch (a nested batch or a DirectFetch) into the ring."""
         self.batches_seen += 1
         where = f"batch {self.batches_seen} of the epoch"

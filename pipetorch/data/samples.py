@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol, TypeAlias
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils.data import BatchSampler
+from torch.utils.data import BatchSampler, IterableDataset
 
 __all__: list[str] = []
+
+
+class MapDataset(Protocol):
+    """A map-style dataset as a DataLoader reads it: `dataset[i]` and `len(dataset)` (a list
+    will do; torch's Dataset declares no `__len__`)."""
+
+    def __getitem__(self, index: int, /) -> object: ...
+
+    def __len__(self) -> int: ...
+
+
+# What a DataLoader accepts as its dataset (check_dataset refuses anything else).
+UserDataset: TypeAlias = "MapDataset | IterableDataset[object]"
 
 # The indices of the batch this process fetches now. torch's fetchers do not hand indices to
 # collate, but they iterate the index list the sampler gave them (in the main process or in a
@@ -43,7 +56,7 @@ def take_fetching() -> list[int] | None:
     return indices
 
 
-def check_dataset(dataset: Any) -> None:
+def check_dataset(dataset: object) -> None:
     """A map-style dataset must index and count its samples (an IterableDataset streams)."""
     if isinstance(dataset, torch.utils.data.IterableDataset):
         return
@@ -67,7 +80,7 @@ def check_enough(num_items: int, combined: int, factors: str) -> None:
             "(len 0). Use a smaller batch_size or deviceIterations, or a larger dataset")
 
 
-def _none_at(value: Any, where: str = "") -> str | None:
+def _none_at(value: object, where: str = "") -> str | None:
     """Where None sits in a sample ("" for the sample itself, "[1]", "['label']"), or None."""
     if value is None:
         return where
@@ -80,7 +93,7 @@ def _none_at(value: Any, where: str = "") -> str | None:
     return None
 
 
-def _structure(value: Any) -> str:
+def _structure(value: object) -> str:
     """A sample's layout in Python's words: "(tensor, int)", "{'x': tensor}"."""
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k!r}: {_structure(v)}" for k, v in value.items()) + "}"
@@ -90,14 +103,14 @@ def _structure(value: Any) -> str:
     return "tensor" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
-def _shape(leaf: Any) -> list[int] | None:
+def _shape(leaf: object) -> list[int] | None:
     shape = getattr(leaf, "shape", None)
     if shape is not None:
         return list(shape)
     return [] if isinstance(leaf, (int, float, bool)) else None
 
 
-def explain(samples: list[Any], indices: list[int] | None) -> Exception | None:
+def explain(samples: list[object], indices: list[int] | None) -> Exception | None:
     """The error naming the sample that default collation cannot batch, or None if no
     sample is None or differs in structure or shape from the first one."""
     def name(k: int) -> str:

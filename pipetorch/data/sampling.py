@@ -2,16 +2,23 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from torch.utils.data import Sampler
 
+if TYPE_CHECKING:
+    from pipetorch.options import Options
+
 __all__: list[str] = []
 
+# A user's batch_sampler: each item holds the dataset indices of one batch (a torch
+# BatchSampler or any iterable of index lists; it may have a len()).
+IndexBatches: TypeAlias = "Iterable[Sequence[int]]"
 
-def input_replicas(options: Any) -> int:
+
+def input_replicas(options: Options) -> int:
     """Replicas that read distinct micro-batches: replicationFactor over input groups.
 
     `inputReplicaGrouping(size, type)` gives each group of `size` replicas the same data, so
@@ -23,7 +30,7 @@ def input_replicas(options: Any) -> int:
     return int(grouping[0])
 
 
-def combined_batch_size(options: Any, micro_batch: int | None) -> int | None:
+def combined_batch_size(options: Options, micro_batch: int | None) -> int | None:
     """Samples one host call consumes: B x deviceIterations x gradientAccumulation x replicas."""
     if micro_batch is None:
         return None
@@ -111,7 +118,7 @@ class CombinedBatchSampler(Sampler[list[list[int]]]):
     number of indices does not matter: a collate_fn may pad it to any size.
     """
 
-    def __init__(self, batch_sampler: Any, *, count: int, drop_last: bool) -> None:
+    def __init__(self, batch_sampler: IndexBatches, *, count: int, drop_last: bool) -> None:
         self.batch_sampler = batch_sampler
         self.count = count
         self.drop_last = drop_last

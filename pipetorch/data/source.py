@@ -1,14 +1,54 @@
 """What an asynchronous DataLoader's loader process iterates: one epoch of batches per pass."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
-from pipetorch.data.fetch import DirectFetch, TensorBatches, fetch
+from pipetorch.data.fetch import CollateFn, DirectFetch, TensorBatches, fetch
+from pipetorch.data.samples import UserDataset
+from pipetorch.data.sampling import CombinedBatchSampler, IndexBatches
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
 
 __all__: list[str] = []
+
+
+class _PassedOn(TypedDict, total=False):
+    """torch DataLoader arguments that pipetorch's DataLoader hands on as they are."""
+
+    timeout: float
+    worker_init_fn: Callable[[int], None] | None
+    multiprocessing_context: BaseContext | str | None
+    generator: torch.Generator | None
+    prefetch_factor: int | None
+    pin_memory_device: str
+    in_order: bool
+
+
+class TorchLoaderOptions(_PassedOn, total=False):
+    """The torch DataLoader arguments pipetorch's DataLoader takes as **kwargs."""
+
+    sampler: Iterable[int] | None
+    batch_sampler: IndexBatches | None
+    collate_fn: CollateFn | None
+    pin_memory: bool
+
+
+class TorchLoaderKwargs(_PassedOn, total=False):
+    """The arguments of torch's DataLoader as pipetorch's DataLoader builds them (BatchSource
+    makes its loader from them, in any process)."""
+
+    dataset: UserDataset
+    batch_size: int | None
+    sampler: Iterable[int] | None
+    batch_sampler: IndexBatches | CombinedBatchSampler | None
+    num_workers: int
+    collate_fn: CollateFn
+    drop_last: bool
+    persistent_workers: bool
 
 
 class BatchSource:
@@ -20,7 +60,7 @@ class BatchSource:
     its ring-buffer slot (`epoch(direct=True)` yields DirectFetch items for that).
     """
 
-    def __init__(self, torch_kwargs: dict[str, Any], *, rebatched_drop_last: bool = True,
+    def __init__(self, torch_kwargs: TorchLoaderKwargs, *, rebatched_drop_last: bool = True,
                  batched: bool = True) -> None:
         self.torch_kwargs = torch_kwargs
         self.rebatched_drop_last = rebatched_drop_last
@@ -28,11 +68,11 @@ class BatchSource:
         self._loader: torch.utils.data.DataLoader | None = None
 
     @property
-    def dataset(self) -> Any:
+    def dataset(self) -> UserDataset:
         return self.torch_kwargs["dataset"]
 
     @property
-    def index_batches(self) -> Any:
+    def index_batches(self) -> IndexBatches | CombinedBatchSampler | None:
         return self.torch_kwargs.get("batch_sampler")
 
     def _in_process(self) -> bool:

@@ -1,6 +1,7 @@
 """Nested batches (tensors in dicts, tuples, lists) as a flat list of tensors plus a tree."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,21 +19,21 @@ class Tree:
 
     kind: str
     children: tuple[Tree, ...] = ()
-    keys: tuple[Any, ...] = ()
-    cls: Any = None
+    keys: tuple[object, ...] = ()
+    cls: type | None = None
 
 
 _LEAF = Tree("leaf")
 
 
-def flatten(batch: Any, *, where: str = "batch") -> tuple[list[torch.Tensor], Tree]:
+def flatten(batch: object, *, where: str = "batch") -> tuple[list[torch.Tensor], Tree]:
     """Split a nested batch into its tensors (depth first) and the tree that rebuilds it."""
     leaves: list[torch.Tensor] = []
     tree = _flatten_into(batch, leaves, where)
     return leaves, tree
 
 
-def _flatten_into(value: Any, leaves: list[torch.Tensor], where: str) -> Tree:
+def _flatten_into(value: object, leaves: list[torch.Tensor], where: str) -> Tree:
     if isinstance(value, torch.Tensor):
         leaves.append(value)
         return _LEAF
@@ -66,7 +67,7 @@ def unflatten(leaves: list[torch.Tensor], tree: Tree) -> Any:
     return _build(position, tree)
 
 
-def _build(position: Any, tree: Tree) -> Any:
+def _build(position: Iterator[torch.Tensor], tree: Tree) -> Any:
     if tree.kind == "leaf":
         return next(position)
     values = [_build(position, child) for child in tree.children]
@@ -83,7 +84,7 @@ def _build(position: Any, tree: Tree) -> Any:
     return values if tree.kind == "list" else tuple(values)
 
 
-def tensors_in(value: Any) -> list[torch.Tensor]:
+def tensors_in(value: object) -> list[torch.Tensor]:
     """Every tensor of a nested value, skipping anything else (strings, numbers)."""
     if isinstance(value, torch.Tensor):
         return [value]
@@ -105,15 +106,15 @@ def batch_rows(leaves: list[torch.Tensor]) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def _is_sequence(value: Any) -> bool:
+def _is_sequence(value: object) -> bool:
     return isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
 
 
-def _holds_tensors(value: Any) -> bool:
+def _holds_tensors(value: object) -> bool:
     return bool(tensors_in(value))
 
 
-def concat_batches(batches: list[Any], *, where: str = "batch") -> Any:
+def concat_batches(batches: list[object], *, where: str = "batch") -> Any:
     """Join collated batches of one structure along dim 0 (tensors are concatenated, dicts
     and tuples joined key by key, lists of non-tensors such as strings put end to end).
 
@@ -157,7 +158,7 @@ def concat_batches(batches: list[Any], *, where: str = "batch") -> Any:
                     "lists of per-sample values.")
 
 
-def _concat_tensors(batches: list[Any], where: str) -> torch.Tensor:
+def _concat_tensors(batches: list[object], where: str) -> torch.Tensor:
     first = batches[0]
     for k, batch in enumerate(batches):
         if not isinstance(batch, torch.Tensor):
