@@ -8,6 +8,7 @@
     python benchmarks/memory.py --layers 12 --plan --schedule zero_bubble  # beside the plan
     python benchmarks/memory.py --plan --schedule both  # 12 and 24 layers, 1F1B and zero-bubble
     python benchmarks/memory.py --sharding            # optimiser state sharded over replicas
+    python benchmarks/memory.py --sharding --plan     # and each worker beside the plan
 
 Each setting runs in a fresh interpreter that samples, every 0.1 s, the resident memory
 (RSS, and Pss: shared pages counted once over the tree) of itself and of every process below it (the stage workers and the worker pool's
@@ -162,34 +163,45 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
 MLP_LAYERS, MLP_WIDTH, MLP_ROWS, MLP_CALLS = 8, 4096, 4, 4
 
 
+def _mlp(layers: int, width: int):  # noqa: ANN202 - torch is imported by the caller
+    """The sharding rows' MLP, split with BeginBlock on its middle layer."""
+    import torch
+    import torch.nn as nn
+
+    import pipetorch as poptorch
+
+    class Mlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # a ModuleList, the layer list poptorch.plan(measure_here=True) times piece by piece
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU())
+                                        for _ in range(layers))
+            self.layers[layers // 2] = poptorch.BeginBlock(self.layers[layers // 2], ipu_id=1)
+
+        def forward(self, x: torch.Tensor, target: torch.Tensor) -> tuple:
+            for layer in self.layers:
+                x = layer(x)
+            return x, nn.functional.mse_loss(x, target)
+
+    return Mlp()
+
+
 def sharding_child(setting: str, layers: int, width: int) -> None:
     """One MLP run, its optimiser state sharded over the replicas ("on") or not ("off"):
-    prints the whole tree's peaks and each training call's seconds (after a warm-up) as JSON."""
+    prints the whole tree's peaks, each worker's (by stage, replica-major) and each training
+    call's seconds (after a warm-up) as JSON."""
     import time
 
     sys.path.insert(0, os.path.dirname(HERE))
     import torch
-    import torch.nn as nn
 
     import pipetorch as poptorch
     from pipetorch.parallel.resident import TreeSampler
 
     with TreeSampler(interval=0.1) as sampler:
         sampler.phase("model")
-        class Mlp(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU())
-                                              for _ in range(layers)])
-                self.layers[layers // 2] = poptorch.BeginBlock(self.layers[layers // 2],
-                                                               ipu_id=1)
-
-            def forward(self, x: torch.Tensor, target: torch.Tensor) -> tuple:
-                out = self.layers(x)
-                return out, nn.functional.mse_loss(out, target)
-
         torch.manual_seed(0)
-        model = Mlp()
+        model = _mlp(layers, width)
         opts = poptorch.Options().replicationFactor(2).showCompilationProgressBar(False)
         opts.Training.gradientAccumulation(ACCUMULATION)
         opts.TensorLocations.setOptimizerLocation(
@@ -201,6 +213,7 @@ def sharding_child(setting: str, layers: int, width: int) -> None:
         wrapper = poptorch.trainingModel(model, opts, optimizer)
         sampler.phase("compile")
         wrapper.compile(x, x)
+        pids = wrapper._compiled.engine.worker_pids  # replica-major: stage s of replica r
         seconds = []
         for call in range(MLP_CALLS):
             sampler.phase(f"call {call + 1}")
@@ -213,9 +226,37 @@ def sharding_child(setting: str, layers: int, width: int) -> None:
         wrapper.destroy()
         sampler.phase("end")
     peaks = sampler.peaks
+    training = [k for k in peaks.processes if k not in _READING]  # as the plan prices them
+    workers = [max(peaks.processes[k].get(pid, 0) for k in training) for pid in pids]
     print(json.dumps({"tree": peaks.tree, "tree_pss": peaks.tree_pss, "seconds": seconds[1:],
-                      "root": peaks.root,
-                      "processes": {k: sorted(v.values()) for k, v in peaks.processes.items()}}))
+                      "root": peaks.root, "workers": workers}))
+
+
+def _sharding_plan(args: argparse.Namespace, setting: str, runs: list[dict]) -> list[str]:
+    """`poptorch.plan`'s predicted step and per-worker peak (each piece measured here) beside
+    the quickest call after the first and each stage's measured workers (medians over the
+    repeats; both replicas)."""
+    import torch
+
+    import pipetorch as poptorch
+
+    layers = args.layers[0] if args.layers else MLP_LAYERS
+    with torch.device("meta"):
+        model = _mlp(layers, args.width)
+    x = torch.zeros(MLP_ROWS, args.width, device="meta")
+    found = poptorch.plan(model, ((x, x), {}), devices=4, replicas=2,
+                          accumulation=ACCUMULATION, split=[f"layers.{layers // 2}"],
+                          sharded=setting == "on", schedule="1f1b", measure_here=True)
+    measured = [statistics.median(w) for w in zip(*(r["workers"] for r in runs))]
+    quickest = statistics.median(min(r["seconds"]) for r in runs)  # as the GPT-2 rows
+    lines = [f"  sharding {setting}, step: predicted {found.step_seconds:.2f} s, measured "
+             f"{quickest:.2f} s ({found.step_seconds / quickest - 1:+.0%})"]
+    for stage, peak in found.peaks.items():
+        mine = measured[stage::2]  # the stage's worker in each replica
+        lines.append(f"  sharding {setting}, stage {stage}: predicted {peak / GB:.2f} GB, "
+                     f"measured " + ", ".join(f"{m / GB:.2f} GB ({peak / m - 1:+.0%})"
+                                              for m in mine))
+    return lines
 
 
 def sharding_report(args: argparse.Namespace) -> None:
@@ -251,6 +292,10 @@ def sharding_report(args: argparse.Namespace) -> None:
                  for k, reading in (("tree", False), ("tree_pss", False), ("tree", True))]
         print(f"| {setting} | " + " | ".join(cells) + f" | {seconds[setting]:.2f} s "
               f"({seconds[setting] / seconds['off']:.2f}x) |")
+    if args.plan:
+        print("\nplan (1f1b) against measured, per worker (RSS over the training phases):")
+        for setting, runs in rows.items():
+            print("\n".join(_sharding_plan(args, setting, runs)))
 
 
 # a row's name -> the child's setting and its environment

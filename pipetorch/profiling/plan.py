@@ -287,7 +287,10 @@ def _seconds(pieces: list[Piece], starts: tuple[int, ...], run: _Run, flops: flo
              rates: Rates | None) -> tuple[list[float], list[float], list[float]] | None:
     """Each stage's forward and backward seconds for one micro-batch and its optimiser step's:
     measured here (each piece timed, a received value's and gradient's transfer as two copies,
-    the step per element, a tied weight's gradient and value all-reduced), else its FLOPs
+    the step per element, a tied weight's gradient and value all-reduced, and with replicas
+    each stage's gradients all-reduced between them, or with sharded state reduced and its
+    slice of the weights sent to the others, each replica stepping its slice; computing
+    slowed as `rates.crowding` says where the workers outnumber the cores), else its FLOPs
     at `flops` with backward twice the forward; None without a rate."""
     ends = (*starts[1:], len(pieces))
     spans = list(zip(starts, ends))
@@ -298,16 +301,28 @@ def _seconds(pieces: list[Piece], starts: tuple[int, ...], run: _Run, flops: flo
         return forward, [2 * f for f in forward], [0.0] * len(spans)
     copy = [2 * (pieces[i].footprint().received.bytes if i else 0) / rates.copy_rate
             for i, _ in spans]
-    forward = [sum(rates.seconds[k][0] for k in range(i, j)) + c for (i, j), c in zip(spans, copy)]
-    backward = [sum(rates.seconds[k][1] for k in range(i, j)) + c
+    slow = rates.crowding
+    forward = [slow * sum(rates.seconds[k][0] for k in range(i, j)) + c
+               for (i, j), c in zip(spans, copy)]
+    backward = [slow * sum(rates.seconds[k][1] for k in range(i, j)) + c
                 for (i, j), c in zip(spans, copy[1:] + [0.0])]
     held = [{id(p): p for piece in pieces[i:j] for p in piece.params} for i, j in spans]
     tied = {k for s, h in enumerate(held) for k in h if any(k in o for o in held[s + 1:])}
     # a tied weight: its gradient summed and its stepped value shared, two all-reduces
-    step = [sum(p.numel() for p in _stepped(pieces, starts, s) if p.requires_grad)
-            * rates.step_per_element
+    replicas, sharded = run.replicas, run.setting.shards > 1
+    trained = [[p for p in _stepped(pieces, starts, s) if p.requires_grad]
+               for s in range(len(spans))]
+    # between replicas: a ring all-reduce moves 2 (R - 1) / R of the gradients (what the
+    # two-worker rate measured, R = 2, moves once); sharded, each replica's slice of the
+    # stepped weights goes to the others as well, (R - 1) / R of them
+    ring = 2 * (replicas - 1) / replicas if replicas > 1 else 0.0
+    shared = (replicas - 1) / replicas if sharded else 0.0
+    step = [slow * sum(p.numel() for p in mine) * rates.step_per_element
+            / (replicas if sharded else 1)
+            + (ring + shared) * sum(p.numel() * p.element_size() for p in mine)
+            / rates.all_reduce_rate
             + 2 * sum(p.numel() * p.element_size() for k, p in h.items() if k in tied)
-            / rates.all_reduce_rate for s, h in enumerate(held)]
+            / rates.all_reduce_rate for mine, h in zip(trained, held)]
     return forward, backward, step
 
 
@@ -339,7 +354,7 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
     make = _optimizer(optimizer, loss_scaling)
     run = _Run(stages, replicas, accumulation or balance.propose_gradient_accumulation(stages),
                setting, _layouts(make, {p.dtype for p in model.parameters()}), min_elements)
-    rates = timed(model, pieces, inputs, make, stages) if measure_here else None
+    rates = timed(model, pieces, inputs, make, stages * replicas) if measure_here else None
     overhead = rates.overhead if rates else 0
     budget = None if device_memory is None else device_memory - overhead
     options = []
@@ -397,7 +412,9 @@ def _time_method(flops: float | None, rates: Rates | None) -> str:
                 f"(the model run for real), transfers as two copies at {rates.copy_rate / 1e9:.3g}"
                 f" GB/s, the optimiser step at {rates.step_per_element * 1e9:.2f} ns a "
                 "parameter and a tied weight's gradient and value all-reduced at "
-                f"{rates.all_reduce_rate / 1e9:.3g} GB/s, through the schedule simulator")
+                f"{rates.all_reduce_rate / 1e9:.3g} GB/s (as the replicas' gradients), computing "
+                f"{rates.crowding:.3g}x slower with more workers than cores, through the "
+                "schedule simulator")
     if flops:
         return (f"each stage's forward FLOPs x3 (x4 recomputing) at {flops:.3g} FLOP/s a "
                 "device, through the schedule simulator; the optimiser step and transfers "

@@ -228,13 +228,15 @@ class Rates:
     micro-batch (the model run for real with a worker's threads), seconds of an optimiser
     step per parameter element, bytes a second of a copy (what a transfer through shared
     memory does twice) and of an all-reduce between two workers, and a worker process's
-    memory outside the model."""
+    memory outside the model; `crowding`: how much slower a worker computes when the run's
+    workers outnumber the cores (4 one-thread workers on 2 cores: 2), else 1."""
 
     seconds: list[tuple[float, float]]  # per piece: (forward, backward)
     step_per_element: float
     copy_rate: float
     all_reduce_rate: float
     overhead: int
+    crowding: float = 1.0
 
 
 def _real(tensor: torch.Tensor) -> torch.Tensor:
@@ -359,19 +361,21 @@ def _least(work: Callable[[], object], rounds: int) -> float:
 
 def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dict],
                  make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 stages: int) -> Rates:
+                 workers: int) -> Rates:
     """Time each piece's forward and backward, an optimiser step on the first layer, a copy
     and an all-reduce between two workers for real on this CPU, with the threads a worker gets (a model on meta is made real
     on the CPU first: a CPU run must hold it anyway); and a worker's interpreter's resident
-    memory."""
+    memory. `workers`: the run's worker processes on this CPU (stages x replicas), which
+    share its cores."""
     from pipetorch.parallel.placement import cpu_cores
 
     _, layers = _layer_list(model)
     if layers is None:
         raise ValueError("measure_here times the model's layer list (its largest ModuleList) "
                          "and what runs around it; this model has none: give flops instead")
-    threads, workers = torch.get_num_threads(), max(1, cpu_cores() // stages)
-    torch.set_num_threads(workers)
+    cores = cpu_cores()
+    threads, each = torch.get_num_threads(), max(1, cores // workers)
+    torch.set_num_threads(each)
     try:
         real = _materialised(model)
         modes = {m: m.training for m in real.modules()}
@@ -389,8 +393,9 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
         rate = _copy_rate()
     finally:
         torch.set_num_threads(threads)
-    overhead, all_reduce_rate = _workers(workers)
-    return Rates(seconds, per_element, rate, all_reduce_rate, overhead)
+    overhead, all_reduce_rate = _workers(each)
+    return Rates(seconds, per_element, rate, all_reduce_rate, overhead,
+                 crowding=max(1.0, workers * each / cores))
 
 
 _WORKER = """
