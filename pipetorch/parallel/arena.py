@@ -17,10 +17,11 @@ import os
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
+from pipetorch.partition.export import Tree
 from pipetorch.partition.split import map_leaves
 
 __all__: list[str] = []
@@ -127,7 +128,7 @@ class Arena:
         self.fd, self.size, self._whole = -1, 0, None
 
 
-def pack_tree(arena: Arena, value: Any) -> tuple[Any, Packed]:
+def pack_tree(arena: Arena, value: Tree) -> tuple[Tree, Packed]:
     """`value` (lists, tuples, dicts) with its tensors replaced by their index in the Packed."""
     tensors: list[torch.Tensor] = []
 
@@ -139,7 +140,7 @@ def pack_tree(arena: Arena, value: Any) -> tuple[Any, Packed]:
     return skeleton, arena.pack(tensors)
 
 
-def unpack_tree(arena: Arena, conn: Connection, skeleton: Any, packed: Packed) -> Any:
+def unpack_tree(arena: Arena, conn: Connection, skeleton: Tree, packed: Packed) -> Tree:
     """The value `pack_tree` stripped, its tensors copied out of the arena."""
     views = arena.unpack(conn, packed)
     return map_leaves(skeleton, _Slot, lambda slot: views[slot.index].clone())

@@ -1,12 +1,15 @@
 """Stages run through torch.compile (opt-in): `opts.Jit.compileStages()` or PIPETORCH_COMPILE."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from pipetorch.parallel.recompute import _SharedView
+
+if TYPE_CHECKING:  # annotations only
+    from pipetorch.parallel.stage import DeviceStage
 
 __all__: list[str] = []
 
@@ -38,14 +41,15 @@ class CompiledStage(_SharedView):
     def backend(self) -> str:
         return self.__dict__["_backend"]
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         if self.__dict__["_compiled"] is None:
             # Static shapes: a stage always sees its micro-batch's shapes (PopTorch's rule too).
             self.__dict__["_compiled"] = torch.compile(self.module, backend=self.backend,
                                                        dynamic=False)
         return self.__dict__["_compiled"](*args, **kwargs)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+               ) -> nn.Module:
         self.__dict__["_compiled"] = None  # moved or converted weights: compile again
         return super()._apply(fn, recurse)
 
@@ -53,7 +57,7 @@ class CompiledStage(_SharedView):
         return type(self), (self.module, self.backend)
 
 
-def compile_backend(stages: Sequence[Any]) -> str | None:
+def compile_backend(stages: Sequence[DeviceStage]) -> str | None:
     """The torch.compile backend of `stages` (DeviceStages), None when none is compiled."""
     return next((s.module.backend for s in stages if isinstance(s.module, CompiledStage)), None)
 

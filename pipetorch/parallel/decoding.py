@@ -28,9 +28,10 @@ from pipetorch import environment
 from pipetorch.errors import CompileError
 from pipetorch.parallel import generation, kv_cache
 from pipetorch.parallel import messages as m
-from pipetorch.parallel.generation import Step, rows, skeleton
+from pipetorch.parallel.generation import LaneCall, Step, rows, skeleton
 from pipetorch.parallel.wire import WorkerFailed
 from pipetorch.parallel.workers import WorkerSet
+from pipetorch.partition.export import Tree
 from pipetorch.partition.strategies import StageSpec
 
 if TYPE_CHECKING:
@@ -249,8 +250,8 @@ class _Gate:
         self.results: dict[int, Any] = {}  # outputs for lanes another thread sent
         self.changed = threading.Condition()
 
-    def run(self, lane: int, alike: Hashable | None, call: Any,
-            send: Callable[[dict[int, Any]], dict[int, Any]]) -> Any:
+    def run(self, lane: int, alike: Hashable | None, call: LaneCall,
+            send: Callable[[dict[int, LaneCall]], dict[int, Tree]]) -> Tree:
         """`lane`'s output for `call`: sent by this thread with the lanes joining it, or by
         the thread of a lane it joined. `alike`: None where it runs alone."""
         timeout = environment.get("timeout")
@@ -339,8 +340,8 @@ class _Steps:
         outputs = self._run(dict(enumerate(calls)), path, host_cache)
         return kv_cache.fill(_joined([outputs[lane] for lane in range(len(calls))]), host_cache)
 
-    def _run(self, calls: dict[int, Any], path: str, host_cache: Any, *,
-             batched: bool = False) -> dict[int, Any]:
+    def _run(self, calls: dict[int, LaneCall], path: str, host_cache: object, *,
+             batched: bool = False) -> dict[int, Tree]:
         """Each lane's call on its replica (lane % replicas); their outputs by lane."""
         replicas = self.engine.replicas
         # a lane's workers copy the (empty) host cache once, at its first step with one
@@ -359,7 +360,7 @@ class _Steps:
         return outputs
 
 
-def _signature(call: Any) -> Hashable:
+def _signature(call: Tree) -> Hashable:
     """What lanes' calls must share to run as one batch: all but their rows."""
     leaves, spec = pytree.tree_flatten(call, is_leaf=kv_cache.is_cache_or_slot)
     return str(spec), tuple(
@@ -417,7 +418,7 @@ def _routed(model: nn.Module, steps: _Steps) -> Iterator[None]:
                 module.forward = own[path]  # type: ignore[method-assign]
 
 
-def _forward(original: Callable[..., Any], path: str, steps: _Steps) -> Callable[..., Any]:
+def _forward(original: Callable[..., object], path: str, steps: _Steps) -> Callable[..., Any]:
     # generate() reads forward's signature to decide what it passes (position_ids): keep it
     @functools.wraps(original)
     def in_stages(*args: Any, **kwargs: Any) -> Any:

@@ -118,8 +118,8 @@ class EagerStage:
             self._inside = True
 
     def _skippable(self, name: str, module: nn.Module,
-                   forward: Callable[..., Any]) -> Callable[..., Any]:
-        def run_or_skip(*args: Any, **kwargs: Any) -> Any:
+                   forward: Callable[..., object]) -> Callable[..., object]:
+        def run_or_skip(*args: object, **kwargs: object) -> object:
             if not self._inside and not self.replay:
                 return _skipped(module, args, kwargs)
             incoming = self._entry.records if self._entry is not None else ()

@@ -25,10 +25,12 @@ from torch.utils import _pytree as pytree
 from pipetorch.parallel import kv_cache, signatures
 from pipetorch.parallel.eager_stage import Boundary, EagerStage
 from pipetorch.parallel.hops import Hops
+from pipetorch.partition.export import Tree
 
 __all__: list[str] = []
 
 T = TypeVar("T")
+LaneCall = tuple[tuple, dict]  # a lane's (args, kwargs) of a step, caches replaced by CacheSlot
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class Step:
 
     session: int
     path: str
-    lanes: dict[int, tuple[tuple, dict]]
+    lanes: dict[int, LaneCall]
     shapes: dict[int, kv_cache.Shapes]
     template: Any = None  # an empty cache to copy for each new lane (the step's first)
     batched: bool = False  # the lanes run as one batch (their shapes match)
@@ -74,7 +76,7 @@ class Step:
 class StepResult:
     """The lanes a worker finished, and the cache layers it holds after the step."""
 
-    outputs: dict[int, Any] = field(default_factory=dict)
+    outputs: dict[int, Tree] = field(default_factory=dict)
     shapes: dict[int, kv_cache.Shapes] = field(default_factory=dict)
 
 
@@ -186,14 +188,14 @@ class Generation:
         return self.hops.receive(self.ranks[stage], self.device)
 
 
-def rows(call: Any) -> int:
+def rows(call: Tree) -> int:
     """The rows of a call: the first dimension of its first tensor of two or more (a 1-d
     tensor, such as cache_position, is the same for every row)."""
     leaves = pytree.tree_leaves(call, is_leaf=kv_cache.is_cache_or_slot)
     return next((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim() >= 2), 1)
 
 
-def join(calls: list[Any]) -> Any:
+def join(calls: list[T]) -> T:
     """The calls (alike but for their rows) as one: their row tensors concatenated."""
     if len(calls) == 1:
         return calls[0]
@@ -204,7 +206,7 @@ def join(calls: list[Any]) -> Any:
          else leaf for i, leaf in enumerate(leaves)], spec)
 
 
-def split(tree: Any, counts: list[int]) -> list[Any]:
+def split(tree: T, counts: list[int]) -> list[T]:
     """`tree` cut into parts of `counts` rows (the inverse of `join`)."""
     if len(counts) == 1:
         return [tree]

@@ -9,7 +9,7 @@ one event, recorded after its last copy, before the outputs are handed back:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -44,7 +44,7 @@ class HostCopies:
             return cls(event=torch.cuda.Event, pin=True)
         return cls()
 
-    def take(self, value: Any) -> Any:
+    def take(self, value: object) -> object:
         """`value` for the host, detached: a copy on its way when it is a tensor and copies
         are made, else `value` itself. Read it only after `ready()`."""
         if not isinstance(value, torch.Tensor):

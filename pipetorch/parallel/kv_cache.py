@@ -11,14 +11,16 @@ layers it holds (`held_shapes`); before the next, every other worker mirrors the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
 
-from pipetorch.partition.export import is_cache
+from pipetorch.partition.export import Tree, is_cache
 
 __all__: list[str] = []
+
+T = TypeVar("T")
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]  # layer key -> its keys' shape, dtype
 
@@ -31,34 +33,34 @@ class CacheSlot:
     """Where a key/value cache was in a call's arguments: each worker puts its own there."""
 
 
-def is_cache_or_slot(value: Any) -> bool:
+def is_cache_or_slot(value: object) -> bool:
     """A cache or its CacheSlot: a leaf that pytree must not open."""
     return isinstance(value, CacheSlot) or is_cache(value)
 
 
-def strip(tree: Any) -> Any:
+def strip(tree: T) -> T:
     """`tree` with every cache replaced by a CacheSlot (caches never cross processes)."""
     return pytree.tree_map(lambda v: CacheSlot() if is_cache(v) else v, tree, is_leaf=is_cache)
 
 
-def fill(tree: Any, cache: Any) -> Any:
+def fill(tree: T, cache: object) -> T:
     """`tree` with every CacheSlot replaced by `cache`."""
     return pytree.tree_map(lambda v: cache if isinstance(v, CacheSlot) else v, tree,
                            is_leaf=lambda v: isinstance(v, CacheSlot))
 
 
-def has_slot(tree: Any) -> bool:
+def has_slot(tree: Tree) -> bool:
     """Whether `tree` has a CacheSlot."""
     return any(isinstance(v, CacheSlot) for v in pytree.tree_leaves(
         tree, is_leaf=lambda v: isinstance(v, CacheSlot)))
 
 
-def find(tree: Any) -> Any:
+def find(tree: Tree) -> object:
     """The first cache in `tree`, or None."""
     return next((v for v in pytree.tree_leaves(tree, is_leaf=is_cache) if is_cache(v)), None)
 
 
-def _layers(cache: Any, prefix: str = "") -> dict[str, Any]:
+def _layers(cache: object, prefix: str = "") -> dict[str, Any]:
     """The cache's layers by key ("3", "self_attention_cache.3")."""
     found: dict[str, Any] = {}
     layers = getattr(cache, "layers", None)
@@ -71,20 +73,20 @@ def _layers(cache: Any, prefix: str = "") -> dict[str, Any]:
     return found
 
 
-def _held(layer: Any) -> bool:
+def _held(layer: object) -> bool:
     keys = getattr(layer, "keys", None)
     return (bool(getattr(layer, "is_initialized", False)) and isinstance(keys, torch.Tensor)
             and keys.device.type != "meta" and keys.numel() > 0)
 
 
-def held_shapes(cache: Any, rows: int | None = None) -> Shapes:
+def held_shapes(cache: object, rows: int | None = None) -> Shapes:
     """The shapes of the layers this worker computed (not its mirrors), as if `rows` long
     (a lane's, when the cache holds a batch of lanes)."""
     return {key: ((layer.keys.shape[0] if rows is None else rows, *layer.keys.shape[1:]),
                   layer.keys.dtype) for key, layer in _layers(cache).items() if _held(layer)}
 
 
-def mirror(cache: Any, shapes: Shapes) -> None:
+def mirror(cache: object, shapes: Shapes) -> None:
     """Make the layers of `shapes` that this worker does not hold report those lengths."""
     for key, layer in _layers(cache).items():
         if key not in shapes or _held(layer):
@@ -101,13 +103,13 @@ def mirror(cache: Any, shapes: Shapes) -> None:
         layer.dtype, layer.device, layer.is_initialized = dtype, torch.device("meta"), True
 
 
-def joinable(caches: list[Any]) -> bool:
+def joinable(caches: list[object]) -> bool:
     """Whether lanes' caches can run as one batch (DynamicCaches of DynamicLayers)."""
     return all(type(c).__name__ == "DynamicCache" and all(
         type(layer).__name__ == "DynamicLayer" for layer in _layers(c).values()) for c in caches)
 
 
-def gather(caches: list[Any]) -> Any:
+def gather(caches: list[object]) -> object:
     """The first cache, holding every cache's rows in order; `scatter` gives each its rows
     back."""
     if len(caches) > 1:
@@ -119,7 +121,7 @@ def gather(caches: list[Any]) -> Any:
     return caches[0]
 
 
-def scatter(caches: list[Any], rows: list[int]) -> None:
+def scatter(caches: list[object], rows: list[int]) -> None:
     """Give each cache its rows of the first (which `gather` joined them into)."""
     if len(caches) > 1:
         lanes = [_layers(cache) for cache in caches]

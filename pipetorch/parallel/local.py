@@ -4,7 +4,7 @@ optimiser step, outputs) exist once."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -18,6 +18,7 @@ from pipetorch.partition.strategies import StageSpec
 from pipetorch.parallel import devices
 from pipetorch.partition.casting import Casting, within
 from pipetorch.parallel.outputs import OutputCollector
+from pipetorch.partition.export import Tree
 from pipetorch.schedule import plans
 from pipetorch.schedule.plans import Batching
 
@@ -182,7 +183,7 @@ class LocalEngine:
                 micro_context=self._replica_context())
         return self._executors[training]
 
-    def _replica_context(self) -> Callable[[int], Any] | None:
+    def _replica_context(self) -> Callable[[int], ContextManager[None]] | None:
         """Replica r's buffers swapped in around micro-batch m's forward and backward (m's
         replica is m mod R: the micro-batches are laid out [D][G][R])."""
         buffers, replicas = self._replica_buffers, self.batching.replication_factor
@@ -199,8 +200,8 @@ class FlatStage(nn.Module):
     Forward's non-tensor outputs are the compile-time probe's, as a split model's are.
     """
 
-    def __init__(self, forward: Callable[..., Any], example: tuple[tuple, dict],
-                 output: Any) -> None:
+    def __init__(self, forward: Callable[..., object], example: tuple[tuple, dict],
+                 output: Tree) -> None:
         super().__init__()
         self.inner = forward
         leaves, self._spec = pytree.tree_flatten(example)
@@ -221,7 +222,7 @@ class FlatStage(nn.Module):
         leaves = pytree.tree_leaves((args, kwargs))
         return [leaves[i] for i in self._slots]
 
-    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+    def rebuild(self, tensors: list[torch.Tensor]) -> Tree:
         """Forward's output structure around one micro-batch's output tensors."""
         leaves = list(self._out_constants)
         for slot, tensor in zip(self._out_slots, tensors):
@@ -238,7 +239,7 @@ class FlatStage(nn.Module):
             self._set_output(out_leaves, spec)
         return tuple(out_leaves[i] for i in self._out_slots)
 
-    def _set_output(self, leaves: list[Any], spec: pytree.TreeSpec) -> None:
+    def _set_output(self, leaves: list[object], spec: pytree.TreeSpec) -> None:
         self._out_spec = spec
         self._out_slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self._out_constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -251,7 +252,7 @@ class InProcessLink:
     kind = "local"
     bytes_sent = bytes_received = 0
 
-    def all_reduce(self, tensors: Any, **_: Any) -> None:
+    def all_reduce(self, tensors: Sequence[torch.Tensor], **_: object) -> None:
         """The replicas of this process share their parameters' gradients."""
 
     def flush(self) -> None:

@@ -1,12 +1,11 @@
 """What a host call returns: per-micro-batch outputs combined as the OutputMode says."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.utils import _pytree as pytree
 
 from pipetorch.enums import OutputMode
+from pipetorch.partition.export import Tree
 
 __all__: list[str] = []
 
@@ -35,7 +34,7 @@ class OutputCollector:
     def __init__(self, mode: OutputMode, *, steps: int, replicas: int, period: int = 1) -> None:
         assert mode != OutputMode.Default, "resolve the Default mode first"
         self.mode, self.steps, self.replicas, self.period = mode, steps, replicas, max(period, 1)
-        self._kept: dict[tuple[int, int], Any] = {}
+        self._kept: dict[tuple[int, int], Tree] = {}
 
     def wants(self, step: int) -> bool:
         """Whether outputs of step `step` are part of the result."""
@@ -45,7 +44,7 @@ class OutputCollector:
             return step % self.period == self.period - 1
         return True
 
-    def add(self, step: int, replica: int, output: Any) -> None:
+    def add(self, step: int, replica: int, output: Tree) -> None:
         """Record micro-batch (step, replica)'s output (already detached)."""
         if not self.wants(step):
             return
@@ -56,7 +55,7 @@ class OutputCollector:
         else:
             self._kept[(0 if self.mode == OutputMode.Sum else step, replica)] = output
 
-    def result(self) -> Any:
+    def result(self) -> Tree:
         """The call's outputs, in forward's structure."""
         ordered = [self._kept[key] for key in sorted(self._kept)]
         if not ordered:
@@ -67,7 +66,7 @@ class OutputCollector:
         return pytree.tree_unflatten(leaves, spec)
 
 
-def _combine(values: list[Any]) -> Any:
+def _combine(values: list[object]) -> object:
     first = values[0]
     if not isinstance(first, torch.Tensor):
         return values[-1]

@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Union
 
 from pipetorch import environment
 from pipetorch.errors import DeviceError
@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 _PERIOD = 0.25     # seconds between the zygote's checks that the user's process is there
 _MESSAGE = 1 << 20  # the largest request or reply (a seqpacket datagram)
 UNKNOWN_EXIT = 255  # exit status of a worker whose zygote died before telling it
+
+# What the host asks the zygote: ("fork", (environment, cwd, sys.path)), ("threads", None),
+# ("status", pid)
+Request = tuple[str, Union[tuple[dict[str, str], str, list[str]], int, None]]
 
 
 def enabled() -> bool:
@@ -150,7 +154,7 @@ class Zygote:
         except DeviceError:
             return None
 
-    def _ask(self, request: tuple[str, Any], timeout: float, fds: list[int] = ()) -> Any:
+    def _ask(self, request: Request, timeout: float, fds: list[int] = ()) -> Any:
         with self.lock:
             try:
                 socket.send_fds(self.sock, [pickle.dumps(request)], list(fds))

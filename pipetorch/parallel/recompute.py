@@ -139,7 +139,7 @@ class _CheckpointedStage(_SharedView):
         super().__init__(module)
         self._mutated = _inplace_inputs(module)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         return _checkpoint_call(self.module, self._mutated, args, kwargs,
@@ -161,12 +161,13 @@ class _RecomputedModule(_SharedView):
         """Whether forward calls recomputationCheckpoint (some segment is recomputed)."""
         return any(isinstance(m, _CheckpointedSegment) for m in self._program().children())
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         if not torch.is_grad_enabled():  # nothing is kept for backward: nothing to recompute
             return self.module(*args, **kwargs)
         return self._program()(*args, **kwargs)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+               ) -> nn.Module:
         # Conversions may put new Parameter objects in the modules (torch.__future__'s
         # overwrite_module_params_on_conversion); the traces hold the old ones: trace again.
         self._programs.clear()
@@ -187,7 +188,7 @@ class _CheckpointedSegment(nn.Module):
         self.segment = segment
         self._mutated = _inplace_inputs(segment)
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: object) -> Any:
         if not torch.is_grad_enabled():
             return self.segment(*inputs)
         return _checkpoint_call(self.segment, self._mutated, inputs, {},
@@ -199,8 +200,8 @@ def _inplace_inputs(module: nn.Module) -> tuple[int, ...]:
     return tuple(sorted(inplace_inputs(module)))
 
 
-def _checkpoint_call(module: nn.Module, mutated: tuple[int, ...], args: tuple[Any, ...],
-                     kwargs: dict[str, Any], *, owner: str) -> Any:
+def _checkpoint_call(module: nn.Module, mutated: tuple[int, ...], args: tuple[object, ...],
+                     kwargs: dict[str, object], *, owner: str) -> Any:
     """`module(*args, **kwargs)` under non-reentrant checkpointing, RNG state kept.
 
     Arguments at the positions in `mutated` (which forward changes in place, e.g.
@@ -224,8 +225,8 @@ def _checkpoint_call(module: nn.Module, mutated: tuple[int, ...], args: tuple[An
     return outputs
 
 
-def _run_on_copies(module: nn.Module, positions: tuple[int, ...], *args: Any,
-                   **kwargs: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
+def _run_on_copies(module: nn.Module, positions: tuple[int, ...], *args: object,
+                   **kwargs: object) -> tuple[Any, tuple[torch.Tensor, ...]]:
     args = tuple(a.clone() if i in positions else a for i, a in enumerate(args))
     return module(*args, **kwargs), tuple(args[i] for i in positions)
 

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipetorch.partition.split import Source, StagedModel, map_leaves
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 __all__: list[str] = []
 
@@ -119,7 +122,7 @@ def value_specs(staged: StagedModel, args: tuple, kwargs: dict, *,
 
 
 def _specs(staged: StagedModel, args: tuple, kwargs: dict, *, training: bool,
-           mode: Any) -> dict[Source, "TensorSpec | Constant"]:
+           mode: FakeTensorMode | None) -> dict[Source, "TensorSpec | Constant"]:
     def fake(tensor: torch.Tensor) -> torch.Tensor:
         return tensor if mode is None else mode.from_tensor(tensor)
 

@@ -148,8 +148,9 @@ class ShardedStep:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, rank: int, replicas: int,
-                 group: Any, min_elements: int, timeout: float, wire_device: torch.device,
-                 backend: str, across: Any = None) -> None:
+                 group: dist.ProcessGroup, min_elements: int, timeout: float,
+                 wire_device: torch.device, backend: str,
+                 across: dist.ProcessGroup | None = None) -> None:
         self.optimizer, self.rank, self.replicas, self.group = optimizer, rank, replicas, group
         self.across = across  # the same slice in the other host processes: summed with them
         self.timeout, self.wire_device, self.backend = timeout, wire_device, backend
@@ -233,7 +234,7 @@ class ShardedStep:
                 value = self.whole(name, modules[stage].get_parameter(name), key, value)
             yield stage, kind, name, key, value
 
-    def whole(self, name: str, param: nn.Parameter, key: str, value: Any) -> Any:
+    def whole(self, name: str, param: nn.Parameter, key: str, value: object) -> object:
         """`value` (this replica's state `key` of `param`) as the whole tensor: gathered
         from every replica when it is a slice (a collective: every replica calls it)."""
         found = self.slices.get(id(param))
@@ -347,7 +348,7 @@ class ShardedStep:
                 for bucket in self.layout]
         return [bucket for bucket in kept if bucket]
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: dist.Work, what: str) -> None:
         """Wait for a collective of this device's replicas (see transport.PeerLink._wait)."""
         if self.backend == "nccl":
             work.wait()
@@ -357,7 +358,7 @@ class ShardedStep:
 
 
 def build(optimizer: torch.optim.Optimizer | None, setting: tuple[int, int] | None,
-          meeting: Rendezvous, groups: Sequence[Any], *, device: int, replica: int,
+          meeting: Rendezvous, groups: Sequence[dist.ProcessGroup], *, device: int, replica: int,
           timeout: float, wire_device: torch.device, backend: str) -> ShardedStep | None:
     """A worker's sharded step when the options ask for one (`setting`: the minimum elements
     of a sliced weight, and this host process's replicas, which share the state out as in
@@ -393,6 +394,6 @@ def _weight(found: Slice) -> torch.Tensor:
     return found.param.detach()
 
 
-def _sliced_value(value: Any, param: torch.Tensor) -> bool:
+def _sliced_value(value: object, param: torch.Tensor) -> bool:
     """Whether a state value is per element of its weight (a moment), not a scalar (step)."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == param.numel()

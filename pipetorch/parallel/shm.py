@@ -23,12 +23,15 @@ import struct
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from pipetorch.errors import DeviceError
-from pipetorch.parallel.transport import BundleLayout, ChannelSpec, PeerLink, Tag
+from pipetorch.parallel.transport import BundleLayout, ChannelSpec, LinkOptions, PeerLink, Tag
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11
 
 __all__: list[str] = []
 
@@ -129,7 +132,7 @@ class ShmLink(PeerLink):
 
     kind = "shm"
 
-    def __init__(self, *, prefix: str, rank: int, **kwargs) -> None:
+    def __init__(self, *, prefix: str, rank: int, **kwargs: Unpack[LinkOptions]) -> None:
         super().__init__(**kwargs)
         self.prefix, self.rank = prefix, rank
         self._in: dict[tuple[int, int], _Channel] = {}
@@ -324,7 +327,7 @@ class ShmLink(PeerLink):
         self._out.clear()
 
 
-def new_link(kind: str, *, prefix: str, rank: int, **kwargs: Any) -> PeerLink:
+def new_link(kind: str, *, prefix: str, rank: int, **kwargs: Unpack[LinkOptions]) -> PeerLink:
     """The link of `kind` (from `link_kind`); `kwargs` go to PeerLink."""
     if kind == "shm":
         return ShmLink(prefix=prefix, rank=rank, **kwargs)

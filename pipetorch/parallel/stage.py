@@ -145,7 +145,7 @@ class StageExecutor(Transfers):
                  link: PeerLink, device: torch.device, optimizer: torch.optim.Optimizer | None,
                  owners: Sequence[int] | None = None, replica: int = 0,
                  tied: TiedGrads | None = None, peers: Peers | None = None,
-                 micro_context: Callable[[int], ContextManager[Any]] | None = None,
+                 micro_context: Callable[[int], ContextManager[object]] | None = None,
                  sharding: ShardedStep | None = None) -> None:
         assert stages, "a device holds at least one stage"
         self.specs, self.link, self.replica = specs, link, replica

@@ -13,7 +13,7 @@ sends the stepped weight to the others, so the copies stay equal:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,8 @@ def device_sets(ties: Sequence[Tie]) -> list[DeviceSet]:
     return sorted({t.devices for t in ties})
 
 
-def new_groups(ties: Sequence[Tie], meeting: Rendezvous) -> dict[tuple[int, DeviceSet], Any]:
+def new_groups(ties: Sequence[Tie], meeting: Rendezvous
+               ) -> dict[tuple[int, DeviceSet], dist.ProcessGroup]:
     """A process group per replica and device set sharing a weight. Collective: every worker
     calls it with the same ties (no ties: no group, no wait)."""
     return {(replica, devices): dist.new_group([meeting.rank(replica, d) for d in devices])
@@ -69,9 +70,9 @@ class TiedGrads:
     them, each group with its process group (within the worker's replica)."""
 
     def __init__(self, ties: Sequence[Tie], modules: dict[int, nn.Module], *, device: int,
-                 groups: dict[DeviceSet, Any]) -> None:
+                 groups: dict[DeviceSet, dist.ProcessGroup]) -> None:
         self.device = device
-        self.sets: list[tuple[DeviceSet, Any, list[nn.Parameter]]] = []
+        self.sets: list[tuple[DeviceSet, dist.ProcessGroup, list[nn.Parameter]]] = []
         for devices in device_sets(ties):
             if device in devices:
                 params = [_local(t, modules) for t in ties if t.devices == devices]

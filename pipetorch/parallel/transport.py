@@ -14,7 +14,7 @@ import enum
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -109,10 +109,24 @@ class ChannelSpec:
 class InFlight:
     """An all-reduce of one bucket that was started and not yet waited for."""
 
-    work: Any               # torch.distributed's Work
+    work: dist.Work
     flat: torch.Tensor      # the bucket's elements as they cross (summed in place)
     bucket: list[Piece]
     who: str                # named in a timeout's message
+
+
+class _LinkPlaces(TypedDict):
+    device: torch.device
+    wire_device: torch.device
+    timeout: float
+
+
+class LinkOptions(_LinkPlaces, total=False):
+    """PeerLink's keyword arguments, as `shm.new_link` passes them on."""
+
+    offset: int
+    replica_group: dist.ProcessGroup | None
+    backend: str
 
 
 class PeerLink:
@@ -126,7 +140,8 @@ class PeerLink:
     """
 
     def __init__(self, *, device: torch.device, wire_device: torch.device, timeout: float,
-                 offset: int = 0, replica_group: Any = None, backend: str = "gloo") -> None:
+                 offset: int = 0, replica_group: dist.ProcessGroup | None = None,
+                 backend: str = "gloo") -> None:
         self.backend = backend
         self.device, self.wire_device = device, wire_device
         self.offset = offset                 # rank of this replica's device 0
@@ -169,7 +184,7 @@ class PeerLink:
         flag = torch.empty(1, dtype=torch.uint8, device=self.wire_device)
         self._wait(dist.irecv(flag, self.offset + peer, tag=tag), peer)
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], *, group: Any = None,
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None = None,
                    who: str = "the other replicas") -> None:
         """Sum `tensors` in place over this device's replicas (or over `group`, the workers
         named `who` in a timeout's message), one bucket (`buckets.BUCKET_BYTES`) at a time
@@ -180,7 +195,7 @@ class PeerLink:
             self.finish_all_reduce(self.start_all_reduce(bucket, group=group, who=who,
                                                          scratch=scratch))
 
-    def start_all_reduce(self, bucket: list[Piece], *, group: Any = None,
+    def start_all_reduce(self, bucket: list[Piece], *, group: dist.ProcessGroup | None = None,
                          who: str = "the other replicas",
                          scratch: dict[torch.dtype, torch.Tensor] | None = None) -> InFlight:
         """Start summing one bucket over the replicas (or `group`); `finish_all_reduce` waits

@@ -163,7 +163,7 @@ class _BlockHook:
         self.user_id, self.ipu_id = user_id, ipu_id
         self.given = given  # the user_id the user passed: None for an automatic one
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
         if _state.recorder is not None:
             _state.recorder.begin(self.user_id, self.ipu_id, scoped=False)
 
@@ -175,13 +175,13 @@ class _BeginBlockFunction(nn.Module):
     """What BeginBlock returns for a function (PopTorch returns a module too): calling it
     starts the block, then calls the function. A module, so a model holding one pickles."""
 
-    def __init__(self, func: Callable[..., Any], ids: tuple[str, int | None],
+    def __init__(self, func: Callable[..., object], ids: tuple[str, int | None],
                  given: str | None) -> None:
         super().__init__()
         self.func, self.ids, self.given = func, ids, given
         functools.update_wrapper(self, func, updated=())  # its __name__, __doc__, __wrapped__
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         if _state.recorder is not None:
             _state.recorder.begin(*self.ids, scoped=False)
         return self.func(*args, **kwargs)
@@ -234,7 +234,7 @@ def BlockFunction(user_id: str | None = None, ipu_id: int | None = None) -> Call
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: object, **kwargs: object) -> object:
             with Block(user_id, ipu_id):
                 return func(*args, **kwargs)
 

@@ -30,16 +30,17 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, TypedDict
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 import pipetorch
-from pipetorch.partition.blocks import begin_blocks
+from pipetorch.partition.blocks import BlockInfo, begin_blocks
 from pipetorch.partition.probe import Capture, on_meta
-from pipetorch.partition.stage_module import attribute, build_graph, graph_nodes
+from pipetorch.partition.stage_module import NodeRecord, attribute, build_graph, graph_nodes
 from pipetorch.partition.trace import BLOCK_KEY, Traced, input_layout
 
 __all__: list[str] = []
@@ -56,7 +57,7 @@ _UNKEYED_OPTIONS = ("executable_cache_dir", "profiling_dir", "log_dir",
 
 
 def capture_key(model: nn.Module, args: tuple, kwargs: dict,
-                settings: dict[str, Any] | None = None) -> str:
+                settings: dict[str, object] | None = None) -> str:
     """SHA-256 of everything a capture of `model(*args, **kwargs)` depends on; `settings`
     are the options (Options.toDict())."""
     settings = settings or {}
@@ -128,7 +129,7 @@ def _function_source(function: Callable) -> str:
         return ""
 
 
-def _signature(value: Any) -> Any:
+def _signature(value: object) -> object:
     if isinstance(value, torch.Tensor):
         return ["tensor", list(value.shape), str(value.dtype), value.requires_grad]
     if isinstance(value, dict):
@@ -148,8 +149,21 @@ class Stored:
     memo: dict[Any, Any] = field(default_factory=dict)
 
 
+class _Payload(TypedDict):
+    """What an entry holds after its header (`store` writes it)."""
+
+    nodes: list[NodeRecord]
+    constants: dict[str, object]
+    blocks: list[BlockInfo]
+    node_blocks: dict[str, str | None]
+    output_spec: pytree.TreeSpec | None
+    class_name: str
+    probe: Capture
+    memo: dict[Hashable, object]
+
+
 def lookup(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict, *,
-           settings: dict[str, Any] | None = None) -> Stored | None:
+           settings: dict[str, object] | None = None) -> Stored | None:
     """The entry for `model(*args, **kwargs)` in `folder`, None when there is none usable:
     with it, compiling runs forward zero times."""
     key = capture_key(model, args, kwargs, settings)
@@ -169,7 +183,7 @@ def lookup(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dic
 
 
 def store(folder: str | os.PathLike, model: nn.Module, args: tuple, kwargs: dict,
-          stored: Stored, *, settings: dict[str, Any] | None = None) -> None:
+          stored: Stored, *, settings: dict[str, object] | None = None) -> None:
     """Save `stored` for `model(*args, **kwargs)` in `folder` (a log line when it cannot be)."""
     key = capture_key(model, args, kwargs, settings)
     path, traced = _path(folder, key), stored.traced
@@ -201,7 +215,7 @@ def _path(folder: str | os.PathLike, key: str) -> Path:
     return Path(folder) / f"capture-{key[:32]}.pt2cache"
 
 
-def write_checked(path: Path, magic: bytes, header: dict[str, Any], payload: bytes) -> None:
+def write_checked(path: Path, magic: bytes, header: dict[str, object], payload: bytes) -> None:
     """`magic`, the JSON `header` plus the payload's SHA-256, then `payload`, written whole
     (readers see the old file or the new one, never half of it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,7 +245,7 @@ def unpickle(payload: bytes) -> Any:
         return pickle.loads(payload)
 
 
-def _rebuild(payload: dict[str, Any], model: nn.Module, args: tuple, kwargs: dict) -> Stored:
+def _rebuild(payload: _Payload, model: nn.Module, args: tuple, kwargs: dict) -> Stored:
     graph = build_graph(payload["nodes"])
     attrs: dict[str, Any] = dict(payload["constants"])
     for node in graph.find_nodes(op="get_attr"):

@@ -1,8 +1,6 @@
 """Candidate cut points for balancing: the user's blocks, else the model's layer containers."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -30,7 +28,7 @@ def candidates(model: nn.Module) -> list[str]:
 
 
 def ordered_candidates(model: nn.Module, args: tuple,
-                       kwargs: dict[str, Any]) -> tuple[list[str], bool]:
+                       kwargs: dict[str, object]) -> tuple[list[str], bool]:
     """The candidates in the order one forward on `args` first reaches them, and whether they
     are block ids rather than module names.
 

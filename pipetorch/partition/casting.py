@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 import torch.nn as nn
@@ -22,11 +22,14 @@ from torch.utils import _pytree as pytree
 
 from pipetorch.enums import HalfFloatCastingBehavior
 
+if TYPE_CHECKING:  # the options are a layer above: annotations only
+    from pipetorch.options.groups import _PrecisionOptions
+
 __all__: list[str] = []
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 # What a call of forward is wrapped in: a fresh casting mode each time.
-Casting = Callable[[], ContextManager[Any]]
+Casting = Callable[[], ContextManager[object]]
 # Casts themselves, and reads of a tensor's dtype: never cast their operands.
 _CASTS = frozenset({"to", "type", "type_as", "half", "float", "bfloat16", "double"})
 
@@ -65,8 +68,8 @@ class HalfFloatCasting(TorchFunctionMode):
         self.behaviour = behaviour
         self.downcast = behaviour == HalfFloatCastingBehavior.FloatDowncastToHalf
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: tuple[type, ...],
+                           args: tuple = (), kwargs: dict[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in _CASTS or _in_place(name, kwargs):
@@ -84,7 +87,8 @@ def _has_sixteen_bit(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, torch.Tensor) and t.dtype in SIXTEEN_BIT for t in tensors)
 
 
-def for_forward(model: nn.Module, args: tuple, kwargs: dict, precision: Any) -> Casting | None:
+def for_forward(model: nn.Module, args: tuple, kwargs: dict,
+                precision: _PrecisionOptions) -> Casting | None:
     """The casting forward runs under, or None where it cannot matter: a model without a
     16-bit parameter, buffer or input, whose options' Precision leaves halfFloatCasting unset."""
     if precision._casting_chosen or _has_sixteen_bit(model, args, kwargs):
@@ -92,6 +96,6 @@ def for_forward(model: nn.Module, args: tuple, kwargs: dict, precision: Any) -> 
     return None
 
 
-def within(casting: Casting | None) -> ContextManager[Any]:
+def within(casting: Casting | None) -> ContextManager[object]:
     """`casting`'s mode, to run a call of forward in (nothing for None)."""
     return casting() if casting is not None else contextlib.nullcontext()

@@ -13,7 +13,7 @@ import operator
 import re
 import sys
 import traceback
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, Iterator, TypeAlias
 
 import torch
 import torch.fx as fx
@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from pipetorch import ops, tracebacks
 from pipetorch.errors import CompileError, Error
 from pipetorch.partition import blocks
+from pipetorch.partition.casting import Casting
 from pipetorch.partition.stage_module import attribute
 from pipetorch.partition.trace import (BLOCK_KEY, InputLayout, Traced, input_layout,
                                        quoted_frame, user_line)
@@ -42,7 +43,12 @@ def available() -> bool:
     return hasattr(torch, "export") and "custom" in getattr(fx.proxy, "_COPY_META_FIELDS", ())
 
 
-Watch = Callable[[Callable[[], Any]], Any]  # runs forward (the thunk), returns its output
+# A call's arguments or forward's output, as torch's pytree opens it: tensors and other leaves
+# (None, numbers, a HuggingFace cache) in tuples, lists, dicts and dataclasses such as
+# ModelOutput. Its leaves are the user's values, so it can be any object: the code opens it
+# with pytree (or map_leaves) and narrows the leaves with isinstance.
+Tree: TypeAlias = object
+Watch = Callable[[Callable[[], Tree]], Tree]  # runs forward (the thunk), returns its output
 
 
 class _Bound(nn.Module):
@@ -50,8 +56,7 @@ class _Bound(nn.Module):
     under `casting` when given, through `watch`."""
 
     def __init__(self, model: nn.Module, layout: InputLayout, args: tuple, kwargs: dict,
-                 casting: Callable[[], ContextManager[Any]] | None = None,
-                 watch: Watch | None = None) -> None:
+                 casting: Casting | None = None, watch: Watch | None = None) -> None:
         super().__init__()
         self.model = model
         self._casting = casting or contextlib.nullcontext
@@ -60,27 +65,27 @@ class _Bound(nn.Module):
         self._bound.apply_defaults()
         self._layout = layout
 
-    def forward(self, *tensors: torch.Tensor) -> Any:
+    def forward(self, *tensors: torch.Tensor) -> Tree:
         bound = self._bound
         arguments = dict(bound.arguments)
         arguments.update(self._layout.arguments(tensors))
         call = bound.signature.bind_partial()
         call.arguments.update(arguments)
 
-        def run() -> Any:
+        def run() -> Tree:
             with self._casting():
                 return without_caches(self.model, self.model(*call.args, **call.kwargs))
 
         return self._watch(run)
 
 
-def is_cache(value: Any) -> bool:
+def is_cache(value: object) -> bool:
     """Whether `value` is a HuggingFace key/value cache (transformers' `Cache` classes)."""
     cache_utils = sys.modules.get("transformers.cache_utils")
     return cache_utils is not None and isinstance(value, getattr(cache_utils, "Cache", ()))
 
 
-def without_caches(model: nn.Module, output: Any) -> Any:
+def without_caches(model: nn.Module, output: Tree) -> Tree:
     """`output` without the key/value caches a HuggingFace model returns by default
     (`use_cache=True`: `past_key_values` is a `DynamicCache`).
 
@@ -135,8 +140,7 @@ def checkpoint_marker(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, 
 
 
 def export_blocks(model: nn.Module, args: tuple, kwargs: dict, *,
-                  casting: Callable[[], ContextManager[Any]] | None = None,
-                  watch: Watch | None = None) -> Traced:
+                  casting: Casting | None = None, watch: Watch | None = None) -> Traced:
     """Capture `model(*args, **kwargs)` with torch.export (non-strict) for splitting.
 
     The result's graph takes the call's tensor arguments, in forward's signature order, and

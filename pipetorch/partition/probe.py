@@ -6,10 +6,11 @@ model's first call runs forward once before its first step.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.nn as nn
@@ -22,10 +23,13 @@ from pipetorch.losses import final_loss_index
 from pipetorch.partition import blocks, export
 from pipetorch.partition.blocks import BlockInfo, BlockRecorder
 from pipetorch.partition.casting import Casting, within
+from pipetorch.partition.export import Tree
 from pipetorch.partition.inplace import written_attributes
 from pipetorch.partition.trace import Traced
 
 __all__: list[str] = []
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class Capture:
     ops_before_blocks: bool
     uses_recomputation: bool
     mutated_buffers: list[str]
-    output: Any
+    output: Tree
     loss_index: int | None = None  # training: the final loss's position among output's tensors
 
 
@@ -47,7 +51,8 @@ class _BlockGuard(TorchFunctionMode):
         super().__init__()
         self.recorder = recorder
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: tuple[type, ...],
+                           args: tuple = (), kwargs: dict[str, object] | None = None) -> object:
         out = func(*args, **(kwargs or {}))
         rec = self.recorder
         name = getattr(func, "__name__", repr(func))
@@ -136,8 +141,8 @@ def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
     return _findings(rec, calls, output, mutated, training=training)
 
 
-def _findings(recorder: BlockRecorder, calls: Any, output: Any, mutated: list[str], *,
-              training: bool) -> Capture:
+def _findings(recorder: BlockRecorder, calls: collections.Counter, output: Tree,
+              mutated: list[str], *, training: bool) -> Capture:
     """What one run of forward showed: `recorder` its blocks, `calls` its loss and checkpoint
     operations (ops.record_calls), `mutated` the buffers it changed."""
     return Capture(recorder.ordered(), recorder.ops_before_blocks,
@@ -152,7 +157,7 @@ def probe_by_export(model: nn.Module, args: tuple, kwargs: dict, *, training: bo
     model.train(training)
     seen: dict[str, Any] = {}
 
-    def watch(run: Any) -> Any:
+    def watch(run: Callable[[], Tree]) -> Tree:
         recorder = blocks.active_recorder()
         assert recorder is not None  # export_blocks records the blocks
         with ops.record_calls() as calls, _BlockGuard(recorder):
@@ -171,7 +176,7 @@ def probe_by_export(model: nn.Module, args: tuple, kwargs: dict, *, training: bo
     return dataclasses.replace(found, output=on_meta(found.output)), traced
 
 
-def on_meta(structure: Any) -> Any:
+def on_meta(structure: T) -> T:
     """`structure` with each tensor replaced by an empty one of its shape and dtype."""
     return pytree.tree_map_only(torch.Tensor, lambda t: torch.empty(
         t.shape, dtype=t.dtype, device="meta"), structure)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, TypeVar
 
 import torch
 import torch.fx as fx
@@ -14,11 +14,20 @@ from torch.utils import _pytree as pytree
 
 from pipetorch.errors import CompileError
 from pipetorch.partition import export
+from pipetorch.partition.casting import Casting
+from pipetorch.partition.export import Tree
 from pipetorch.partition.stage_module import StageModule
 from pipetorch.partition.strategies import StageSpec, stage_of_blocks
 from pipetorch.partition.trace import BLOCK_KEY, InputLayout, Traced, trace_blocks
 
+if TYPE_CHECKING:  # annotations only: save() imports the cache when it writes
+    from pipetorch.partition.cache import Stored
+    from pipetorch.partition.probe import Capture
+
 __all__: list[str] = []
+
+L = TypeVar("L")
+T = TypeVar("T")
 
 
 class Source(tuple):
@@ -76,13 +85,13 @@ class StagedModel:
     modules: list[nn.Module]
     specs: tuple[StageSpec, ...]
     io: tuple[StageIO, ...]
-    output: Any
+    output: Tree
     layout: InputLayout
     owners: dict[str, tuple[int, ...]]  # parameter or buffer name in the user's model -> the
     # stages holding it: one per device using it (several for a parameter tied across devices)
     training: bool
 
-    def flatten_inputs(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    def flatten_inputs(self, *args: object, **kwargs: object) -> list[torch.Tensor]:
         """The host inputs `("input", i)` of a call: its tensor arguments in forward's order."""
         return self.layout.flatten(args, kwargs)
 
@@ -96,7 +105,7 @@ class StagedModel:
         wanted = Source.stage(stage, slot)
         return tuple(j for j, io in enumerate(self.io) if wanted in io.inputs)
 
-    def run(self, *args: Any, **kwargs: Any) -> Any:
+    def run(self, *args: object, **kwargs: object) -> Tree:
         """Run every stage in order in this process: the same result as the model's forward."""
         inputs = self.flatten_inputs(*args, **kwargs)
         produced: list[tuple] = []
@@ -128,7 +137,7 @@ def _plain(spec: pytree.TreeSpec) -> bool:
     return spec.is_leaf() or (spec.type in (tuple, list, dict) and all(map(_plain, _children(spec))))
 
 
-def map_leaves(structure: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:
+def map_leaves(structure: Tree, leaf: type[L], fn: Callable[[L], object]) -> Tree:
     """`structure` (nested tuples, lists, dicts, an OutputTree) with every instance of `leaf`
     replaced by fn."""
     if isinstance(structure, leaf):
@@ -147,7 +156,7 @@ def map_leaves(structure: Any, leaf: type, fn: Callable[[Any], Any]) -> Any:
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict, *,
-            casting: Callable[[], ContextManager[Any]] | None = None) -> Traced:
+            casting: Casting | None = None) -> Traced:
     """`model(*args, **kwargs)` as one graph stamped with blocks: torch.export, else torch.fx.
 
     torch.fx symbolic tracing serves only where export cannot run (an old torch); when export
@@ -179,9 +188,9 @@ class CaptureOnce:
     """
 
     def __init__(self, model: nn.Module, first: tuple[tuple, dict], *,
-                 cache_dir: str | None = None, settings: dict[str, Any] | None = None,
-                 casting: Callable[[], ContextManager[Any]] | None = None,
-                 probe: Any = None, stored: Any = None, traced: Traced | None = None) -> None:
+                 cache_dir: str | None = None, settings: dict[str, object] | None = None,
+                 casting: Casting | None = None, probe: Capture | None = None,
+                 stored: Stored | None = None, traced: Traced | None = None) -> None:
         self.model, self.first, self.cache_dir, self.settings = model, first, cache_dir, settings
         self.casting, self.probe, self._stored = casting, probe, stored
         self._traced = stored.traced if stored is not None else traced
@@ -219,7 +228,7 @@ class CaptureOnce:
             self._staged[key] = split_stages(self.model, *self.first, stages, traced=self())
         return self._staged[key]
 
-    def remember(self, key: Any, make: Callable[[], Any]) -> Any:
+    def remember(self, key: Hashable, make: Callable[[], T]) -> T:
         """`make()`, computed once per key (and once per cache entry: saved with it)."""
         if key not in self._memo:
             self._memo[key] = make()
@@ -341,7 +350,7 @@ def _check_one_device(name: str, by_stage: dict[int, fx.Node], ipus: list[int]) 
         )
 
 
-def _tensors_of(value: Any) -> list[torch.Tensor]:
+def _tensors_of(value: object) -> list[torch.Tensor]:
     if isinstance(value, nn.Module):
         return [*value.parameters(), *value.buffers()]
     return [value] if isinstance(value, torch.Tensor) else []

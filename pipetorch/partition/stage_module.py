@@ -39,7 +39,7 @@ class _Op:
         return getattr(getattr(getattr(torch.ops, self.namespace), self.name), self.overload)
 
 
-def _target(target: Any) -> Any:
+def _target(target: fx.node.Target) -> fx.node.Target | _Op:
     if isinstance(target, torch._ops.OpOverload):
         return _Op(target.namespace, target._schema.name.split("::")[-1], target._overloadname)
     return target
@@ -47,7 +47,7 @@ def _target(target: Any) -> Any:
 
 def graph_nodes(graph: fx.Graph) -> list[NodeRecord]:
     """The graph as picklable records: operators by name, node arguments by node name."""
-    def refs(value: Any) -> Any:
+    def refs(value: fx.node.Argument) -> fx.node.Argument:
         return fx.node.map_arg(value, lambda node: _Ref(node.name))
 
     return [(n.op, n.name, _target(n.target), refs(n.args), refs(n.kwargs)) for n in graph.nodes]
@@ -58,7 +58,7 @@ def build_graph(records: list[NodeRecord]) -> fx.Graph:
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
 
-    def resolve(value: Any) -> Any:
+    def resolve(value: object) -> fx.node.Argument:
         if isinstance(value, _Ref):
             return env[value.name]
         if isinstance(value, (tuple, list)):
@@ -92,7 +92,7 @@ class StageModule(fx.GraphModule):
         return _rebuild, (attrs, graph_nodes(self.graph), type(self).__name__, self.training)
 
 
-def _rebuild(attrs: dict[str, Any], records: list[NodeRecord], class_name: str,
+def _rebuild(attrs: dict[str, object], records: list[NodeRecord], class_name: str,
              training: bool) -> StageModule:
     module = StageModule(attrs, build_graph(records), class_name=class_name)
     module.train(training)

@@ -100,14 +100,14 @@ class Traced:
     output_spec: pytree.TreeSpec | None = None
 
 
-def _same_constant(value: Any, traced: Any) -> bool:
+def _same_constant(value: object, traced: object) -> bool:
     try:
         return type(value) is type(traced) and bool(value == traced)
     except Exception:  # a constant whose == does not give a bool is not the same constant
         return False
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return repr(value)
@@ -126,15 +126,15 @@ class _BlockTracer(fx.Tracer):
         self.recorder = recorder
         self.begins = begins  # id(module) -> (user_id, ipu_id) of the block it begins
 
-    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple,
+    def call_module(self, m: nn.Module, forward: Callable[..., object], args: tuple,
                     kwargs: dict) -> Any:
         ids = self.begins.get(id(m))
         if ids is not None:
             self.recorder.begin(*ids, scoped=False)
         return super().call_module(m, forward, args, kwargs)
 
-    def create_node(self, kind: str, target: Any, args: tuple, kwargs: dict,
-                    name: str | None = None, type_expr: Any = None) -> fx.Node:
+    def create_node(self, kind: str, target: fx.node.Target, args: tuple, kwargs: dict,
+                    name: str | None = None, type_expr: object = None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta[BLOCK_KEY] = self._block_of(node)
         return node
