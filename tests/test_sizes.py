@@ -15,8 +15,9 @@ MODULE_LINES, CLASS_LINES = 500, 300
 # classes over CLASS_LINES (issue 37 split ProcessEngine, PoplarExecutor, StageExecutor,
 # AsynchronousDataAccessor and RunSetters; none remains)
 KNOWN_CLASSES: dict[str, int] = {}
-# the share of annotated parameters mentioning Any (the goal is 5%: lower this as it falls)
-ANY_SHARE = 0.164
+# the share of annotated parameters mentioning Any (issue 37 asked at most 5%; 0.4% now, 14
+# of 3,189: forwarded *args/**kwargs and copy.deepcopy's memo): it may only fall
+ANY_SHARE = 0.005
 
 
 def sources() -> dict[str, ast.Module]:
