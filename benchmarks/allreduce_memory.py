@@ -26,7 +26,7 @@ def child(limit: int | None) -> None:
     import torch
     import torch.distributed as dist
 
-    from pipetorch.parallel.transport import PeerLink
+    from pipetorch.parallel.comm.transport import PeerLink
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import pipetorch as poptorch
-from pipetorch.parallel.placement import cpu_cores
+from pipetorch.parallel.layout.placement import cpu_cores
 from pipetorch.partition.blocks import removeBlocks
 from pipetorch.partition.balance import Segment, evaluate, plan
 from pipetorch.partition.candidates import candidates

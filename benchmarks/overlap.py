@@ -4,7 +4,7 @@ Two replicas (gloo, one worker process per replica and stage) train an MLP of 6 
 whose 96 MiB of fp32 gradients fill four 25 MiB buckets, on 1 stage and on 2 stages
 (pipelined). Each row is run with PIPETORCH_OVERLAP=0 (every bucket summed at the step,
 after the whole backward) and =1 (a bucket's all-reduce starts as soon as the step's last
-backward finished its gradients, parallel/overlap.py). Numbers, from the workers' traces of
+backward finished its gradients, parallel/worker/overlap.py). Numbers, from the workers' traces of
 the timed calls, per worker and optimiser step: the step (first action to the end of STEP),
 and the time spent at the "AR" action (starting what is left and waiting for every bucket).
 The host call's median seconds is printed as well. Both settings run on the same workers,

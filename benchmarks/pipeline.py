@@ -52,7 +52,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import pipetorch as poptorch
-from pipetorch.parallel.placement import cpu_cores, live_workers
+from pipetorch.parallel.layout.placement import cpu_cores, live_workers
 
 BLOCKS = ("B1", "B2", "B3", "B4")
 MICRO_BATCH = 40

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multi_device  # noqa: E402  (examples/ is not a package; the workers get sys.path too)
 
 import pipetorch as poptorch  # noqa: E402
-from pipetorch.parallel.placement import cpu_cores, live_workers  # noqa: E402
+from pipetorch.parallel.layout.placement import cpu_cores, live_workers  # noqa: E402
 from bench_timing import time_calls  # noqa: E402
 
 ACCUMULATION = 3       # seed 003's gradientAccumulation(3), the least 2 pipelined stages train with

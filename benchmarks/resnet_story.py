@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 import pipetorch as poptorch
-from pipetorch.parallel.placement import cpu_cores, live_workers
+from pipetorch.parallel.layout.placement import cpu_cores, live_workers
 from pipetorch.profiling.estimate import fmt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))

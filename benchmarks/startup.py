@@ -57,7 +57,7 @@ def one_run() -> None:
         opts.setExecutionStrategy(poptorch.PipelinedExecution(
             poptorch.Stage("B1", "B2"), poptorch.Stage("B3", "B4")))
         if os.environ.get(READY_ENV):  # as a script that loaded its data meanwhile
-            from pipetorch.parallel import pool
+            from pipetorch.parallel.host import pool
 
             pool.zygote().thread_count(timeout=120)  # answers once it has imported torch
         begin = time.perf_counter()

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipetorch.parallel.routes import TensorSpec
-from pipetorch.parallel.shm import new_link, segment_prefix
-from pipetorch.parallel.transport import BundleLayout, ChannelSpec, Tag
+from pipetorch.parallel.layout.routes import TensorSpec
+from pipetorch.parallel.comm.shm import new_link, segment_prefix
+from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, Tag
 
 SIZES = {"4 KB": 1 << 10, "1 MB": 1 << 18, "16 MB": 1 << 22}  # float32 elements
 

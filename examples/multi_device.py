@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import pipetorch as poptorch
-from pipetorch.parallel.placement import live_workers
+from pipetorch.parallel.layout.placement import live_workers
 
 CLASSES = 10
 LAYERS = ("layer1", "layer2", "layer3", "layer4")

@@ -98,6 +98,6 @@ def __dir__() -> list[str]:
 
 
 if _environment.get("worker_pool") == "early":  # the workers' zygote, see parallel/pool
-    from pipetorch.parallel import pool as _pool
+    from pipetorch.parallel.host import pool as _pool
 
     _pool.prestart()

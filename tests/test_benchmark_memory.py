@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetorch.parallel.resident import TreeSampler, descendants, rss
+from pipetorch.parallel.comm.resident import TreeSampler, descendants, rss
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "memory.py"
 

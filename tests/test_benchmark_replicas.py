@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetorch.parallel.stage import Span, Trace
+from pipetorch.parallel.comm.payloads import Span, Trace
 from helpers.scripts import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "replicas.py"

@@ -286,4 +286,4 @@ def test_sharded_strategy_trains_on_the_digits() -> None:
     assert re.fullmatch(r"Epoch 1/1: 512 images at \d+ images/s", lines[-2]), lines[-2]
     match = re.fullmatch(r"Accuracy on test set: (\d+\.\d\d)%", lines[-1])
     assert match and float(match.group(1)) > 30.0, lines[-1]
-    assert "pipetorch.parallel.engine INFO: Started 2 device worker(s)" in proc.stderr  # --debug
+    assert "pipetorch.parallel.host.engine INFO: Started 2 device worker(s)" in proc.stderr  # --debug

@@ -17,7 +17,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("optim",),                             # PopTorch's optimisers
     ("weights",),                           # where each weight lives: files, shared memory, copies
     ("partition",),                         # compile: blocks, probe, capture, split, cache
-    ("parallel",),                          # engine: executor, local and worker engines, links
+    ("parallel", "parallel.layout"),        # compile-time: placement, routes, ties
+    ("parallel.comm",),                     # between processes: messages, wire, links, arenas
+    ("parallel.worker", "parallel.generation"),  # in a device's worker: executor, generation
+    ("parallel.host",),                     # in the user's process: engines, worker set, clients
     ("profiling",),                         # reads spans and plans; measured balancing
     ("options", "data", "poptorch_core"),   # PopTorch's Options, DataLoader, core checks
     ("runtime",),                           # the wrapper: trainingModel, weights, anchors
@@ -71,7 +74,9 @@ def graph() -> dict[str, set[str]]:
 
 
 def layer_of(module: str) -> int:
-    top = module.split(".")[1] if "." in module else ""
+    """parallel's folders are layers of their own: which process runs the code."""
+    parts = module.split(".")[1:3]
+    top = ".".join(parts) if parts[:1] == ["parallel"] else (parts[0] if parts else "")
     for index, names in enumerate(LAYERS):
         if top in names:
             return index
@@ -130,5 +135,7 @@ def test_no_import_cycles():
 
 def test_the_checks_see_a_cycle_and_an_upward_import():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert layer_of("pipetorch.parallel.stage") > layer_of("pipetorch.partition.split")
-    assert layer_of("pipetorch.runtime.executor") > layer_of("pipetorch.parallel.engine")
+    assert layer_of("pipetorch.parallel.worker.stage") > layer_of("pipetorch.partition.split")
+    assert layer_of("pipetorch.runtime.executor") > layer_of("pipetorch.parallel.host.engine")
+    assert layer_of("pipetorch.parallel.host.engine") > layer_of("pipetorch.parallel.worker.stage") \
+        > layer_of("pipetorch.parallel.comm.messages") > layer_of("pipetorch.parallel.layout.routes")

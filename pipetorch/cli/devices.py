@@ -132,7 +132,7 @@ def snapshot() -> Snapshot:
     """Everything `pipetorch devices` shows, as the JSON-ready object `--json` prints."""
     # Imported here, not at the top: `pipetorch --version` builds every subcommand's parser
     # and should not pay for importing torch.
-    from pipetorch.parallel import placement
+    from pipetorch.parallel.layout import placement
 
     workers = [_worker(record) for record in placement.live_workers()]
     workers.sort(key=lambda w: (_int(w["host_pid"]), _int(w["ipu"]), _int(w["pid"])))
@@ -253,7 +253,7 @@ def _int(value: JsonValue) -> int:
 def _default(placement: ModuleType) -> Default:
     """Where stage workers would go now (`placement.physical`, which `place` follows)."""
     from pipetorch.errors import ConfigError
-    from pipetorch.parallel.devices import default_device
+    from pipetorch.parallel.layout.placement import default_device
 
     result: Default = {"device": None, "devices": [], "cores": None,
                               "threads_per_worker": None, "error": None}

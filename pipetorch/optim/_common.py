@@ -11,7 +11,7 @@ from torch.optim.optimizer import StateDict
 
 from pipetorch.optim import (attributes, clipping, ipu_param, ipu_state, peers, per_param,
                              scaling, swap_buckets)
-from pipetorch.optim.checks import check_flag, check_number  # noqa: F401 (optimisers import them here)
+from pipetorch.optim.arguments import check_flag, check_number  # noqa: F401 (optimisers import them here)
 from pipetorch.optim.per_param import ParamGroup
 
 __all__: list[str] = []

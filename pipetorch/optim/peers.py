@@ -18,7 +18,7 @@ from pipetorch.optim.per_param import ParamGroup
 __all__: list[str] = []
 
 #: A param group key: its tensors are this replica's slices of weights whose optimiser state
-#: is sharded over the replicas (parallel.sharded_step), not whole weights.
+#: is sharded over the replicas (parallel.worker.sharded_step), not whole weights.
 SLICED = "pipetorch_sliced"
 
 

@@ -20,7 +20,7 @@ from typing import TypedDict
 import torch
 
 from pipetorch.optim import device_link, peers
-from pipetorch.optim.checks import check_number
+from pipetorch.optim.arguments import check_number
 
 __all__ = ["enable_automatic_loss_scaling", "disable_automatic_loss_scaling",
            "is_automatic", "loss_scale", "scaling_state", "load_scaling_state",

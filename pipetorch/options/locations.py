@@ -20,7 +20,7 @@ class TensorLocationSettings(OptionGroup):
     the state in host memory, streamed in for each update, and
     `useReplicatedTensorSharding(True)` shares it out over the replicas, each keeping 1/R of
     every weight of more than `minElementsForReplicatedTensorSharding` elements
-    (parallel/sharded_step.py). Every other setting is stored only.
+    (parallel/worker/sharded_step.py). Every other setting is stored only.
     """
 
     _LABEL = "TensorLocationSettings"

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.partition.strategies import ExecutionStrategy, PipelinedExecution
 from pipetorch.partition.strategies import Stage as BlockStage
-from pipetorch.schedule.devices import peak_stash
+from pipetorch.schedule.device_plans import peak_stash
 
 __all__: list[str] = []
 
@@ -117,7 +117,7 @@ def _attribute_path(dotted: str) -> str:
 def _in_flight(devices: int, *, schedule: str = "pipelined",
               micro_batches: int | None = None) -> tuple[int, ...]:
     """The micro-batches each device's stage holds for backward: the schedule's peak stash
-    (`schedule.devices.peak_stash`) of plan kind `schedule` with one stage per device, over
+    (`schedule.device_plans.peak_stash`) of plan kind `schedule` with one stage per device, over
     `micro_batches` (default: the smallest G `propose_gradient_accumulation` allows)."""
     count = micro_batches or propose_gradient_accumulation(devices)
     return peak_stash(schedule, devices, count, training=True)

@@ -13,7 +13,7 @@ from pipetorch.partition.blocks import BeginBlock, removeBlocks
 from pipetorch.partition.candidates import ordered_candidates
 from pipetorch.partition.strategies import ExecutionStrategy
 from pipetorch.profiling.costs import cost_table
-from pipetorch.schedule.devices import engine_kind
+from pipetorch.schedule.device_plans import engine_kind
 
 if TYPE_CHECKING:
     from pipetorch.options.options import Options

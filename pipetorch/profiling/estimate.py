@@ -31,13 +31,13 @@ import torch
 import torch.nn as nn
 
 from pipetorch.errors import OutOfMemoryError
-from pipetorch.parallel.sharded_step import DEFAULT_MIN_ELEMENTS
+from pipetorch.parallel.worker.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.memory import (
     ZERO, Footprint, Size, faked, fake_tensors, kept_bytes, measure_forward, module_tensors,
     optimiser_state_bytes, per_replica, replica_plan_length, size_of, staged_footprints,
 )
-from pipetorch.schedule.devices import engine_kind, owners_of, peak_stash
+from pipetorch.schedule.device_plans import engine_kind, owners_of, peak_stash
 
 if TYPE_CHECKING:
     from pipetorch.partition.split import CaptureOnce
@@ -129,7 +129,7 @@ class MemoryEstimate:
     batching: Batching
     micro_batch_size: int | None
     method: str = METHOD
-    kind: str = "pipelined"  # the plan kind the workers run (schedule.devices.engine_kind)
+    kind: str = "pipelined"  # the plan kind the workers run (schedule.device_plans.engine_kind)
 
     def table(self, budgets: dict[int, int] | None = None) -> str:
         """The devices by category as text, with their budgets when given."""
@@ -195,7 +195,7 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
     kind = engine_kind(pipelined, schedule)
     flights = peak_stash(kind, len(modules), replica_plan_length(batching, training=training),
                          owners_of(ipu_of), training=training)
-    # a weight several devices hold is stepped on the first of them (parallel.tied): its
+    # a weight several devices hold is stepped on the first of them (parallel.worker.tied): its
     # optimiser state is there only
     stepper: dict[int, int] = {}
     for ipu, module in zip(ipu_of, modules):

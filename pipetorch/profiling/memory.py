@@ -10,7 +10,7 @@ found by one forward of each stage on fake tensors under saved-tensor hooks (`Fo
 the values the stage received, the tensors autograd saved and the values it produced, each
 storage once.
 At the schedule's peak a stage holds all three for each stashed micro-batch
-(`schedule.checks`' peak stash); with recomputation only what it received and produced,
+(`schedule.simulator`' peak stash); with recomputation only what it received and produced,
 plus one micro-batch's saved tensors while its backward recomputes them (`kept_bytes`).
 On a GPU the peak is also measured with `torch.cuda.max_memory_allocated`, in this process or
 by each stage worker over its calls.
@@ -315,9 +315,9 @@ def staged_footprints(staged: StagedModel, args: tuple, kwargs: dict, *,
     """Each stage's Footprint, running the captured stages in order on fake tensors of one
     micro-batch: nothing is computed and no graph holds real memory. A stage receives the
     host inputs it reads and the bundle from the stage before it, which holds the values it
-    relays (`parallel.routes`) as well as those it reads. Raises what fake tensors raise on a
+    relays (`parallel.layout.routes`) as well as those it reads. Raises what fake tensors raise on a
     graph they cannot run (an op without a fake kernel)."""
-    from pipetorch.parallel.routes import routes_of
+    from pipetorch.parallel.layout.routes import routes_of
 
     with fake_tensors() as mode:
         fake = faked(mode)
@@ -382,7 +382,7 @@ def sharded_above(options: Options) -> int | None:
     """With replicated tensor sharding (TensorLocations.setOptimizerLocation(
     ...useReplicatedTensorSharding(True))), the most elements of a weight whose optimiser state
     stays whole (minElementsForReplicatedTensorSharding, unset: PopART's 8192); else None."""
-    from pipetorch.parallel.sharded_step import DEFAULT_MIN_ELEMENTS
+    from pipetorch.parallel.worker.sharded_step import DEFAULT_MIN_ELEMENTS
 
     location = getattr(getattr(options, "TensorLocations", None), "optimizer_location", None)
     if location is None or not location.use_replicated_tensor_sharding:

@@ -7,7 +7,7 @@ and parameter shapes) are measured once: for that forward the others stand aside
 first one's output.
 The segments are priced with the memory estimate's own functions (`estimate.price`: weights,
 gradients, optimiser state, activations x the schedule's micro-batches in flight from
-`schedule.devices.peak_stash`; `estimate.rank_remedies` for what would make it fit), the cut is
+`schedule.device_plans.peak_stash`; `estimate.rank_remedies` for what would make it fit), the cut is
 chosen by the balancer (`partition.balance.plan`) and the step time comes from the schedule
 simulator (`simulate_devices`) with each stage's seconds: its FLOPs (counted on the same fake
 forward) at a given rate (`flops`), or each segment timed for real on this CPU
@@ -24,14 +24,14 @@ import torch.nn as nn
 
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.schedule.plans import Batching
-from pipetorch.parallel.sharded_step import DEFAULT_MIN_ELEMENTS
+from pipetorch.parallel.worker.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition import balance
 from pipetorch.profiling.estimate import (
     MemoryEstimate, Remedy, Setting, StageMemory, batch_size, fmt, price, rank_remedies,
 )
 from pipetorch.profiling.memory import ZERO, Footprint, Size, size_of, state_layout
 from pipetorch.profiling.segments import Piece, Rates, measure, measure_here as timed
-from pipetorch.schedule.devices import device_plan, peak_stash, simulate_devices
+from pipetorch.schedule.device_plans import device_plan, peak_stash, simulate_devices
 
 __all__ = ["plan", "Plan"]
 

@@ -367,7 +367,7 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
     on the CPU first: a CPU run must hold it anyway); and a worker's interpreter's resident
     memory. `workers`: the run's worker processes on this CPU (stages x replicas), which
     share its cores."""
-    from pipetorch.parallel.placement import cpu_cores
+    from pipetorch.parallel.layout.placement import cpu_cores
 
     _, layers = _layer_list(model)
     if layers is None:
@@ -399,7 +399,7 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
 
 
 _WORKER = """
-import datetime, sys, time, torch, torch.distributed as dist, pipetorch.parallel.worker
+import datetime, sys, time, torch, torch.distributed as dist, pipetorch.parallel.worker.serve
 rank, path, threads = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
 torch.set_num_threads(threads)

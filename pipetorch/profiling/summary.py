@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence, TypedDict
 import torch
 import torch.nn as nn
 
-from pipetorch.parallel.compile_plan import CompilePlan
+from pipetorch.parallel.layout.compile_plan import CompilePlan
 from pipetorch.profiling.timing import CallRecord, Timing, timing_summary
 
 if TYPE_CHECKING:

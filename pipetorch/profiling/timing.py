@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence, TypedDict
 
 if TYPE_CHECKING:
-    from pipetorch.parallel.stage import Trace
+    from pipetorch.parallel.comm.payloads import Trace
     from pipetorch.schedule.plans import Batching
 
 __all__: list[str] = []
@@ -181,16 +181,16 @@ def theoretical_bubble(schedule: str, stages: int, micro_batches: int, *, traini
     stages' devices `owners`. None for the local engine, whose stages run one after another
     in one process.
     """
-    from pipetorch.schedule import devices, plans
-    from pipetorch.schedule.checks import simulate
+    from pipetorch.schedule import device_plans, plans
+    from pipetorch.schedule.simulator import simulate
 
-    if schedule not in plans.KINDS + devices.INTERLEAVED or schedule == "fill_drain" \
+    if schedule not in plans.KINDS + device_plans.INTERLEAVED or schedule == "fill_drain" \
             or stages < 1 or micro_batches < 1:
         return None
     split = "zero_bubble" in schedule and training
     costs = dict(forward=1, backward=1 if split else 2, weight=1)
-    if schedule in devices.INTERLEAVED and owners is not None:
-        fraction = devices.simulate_devices(devices.device_plan(
+    if schedule in device_plans.INTERLEAVED and owners is not None:
+        fraction = device_plans.simulate_devices(device_plans.device_plan(
             schedule, stages, micro_batches, owners, training=training), owners,
             buffered=True, **costs).bubble_fraction
         n = max(owners) + 1

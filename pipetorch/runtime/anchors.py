@@ -29,11 +29,11 @@ from pipetorch.errors import ConfigError
 from pipetorch.optim.device_link import POPTORCH_ROOT
 from pipetorch.optim.scaling import last_step_scale
 from pipetorch.losses import find_loss
-from pipetorch.parallel.outputs import OutputCollector, resolve_mode
+from pipetorch.parallel.host.outputs import OutputCollector, resolve_mode
 from pipetorch.weights.host_copy import held
 
 if TYPE_CHECKING:
-    from pipetorch.parallel.engines import Engine
+    from pipetorch.parallel.host.engines import Engine
 
 __all__: list[str] = []
 

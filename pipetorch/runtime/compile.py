@@ -23,11 +23,11 @@ from pipetorch.partition.blocks import begin_blocks
 from pipetorch.partition.probe import Capture, probe, probe_by_export
 from pipetorch.partition.suspects import suspect
 from pipetorch.enums import AutoStage
-from pipetorch.parallel.build import plan_stages, stage_graphs
-from pipetorch.parallel.compile_plan import CompilePlan
-from pipetorch.parallel.compiled import CompiledStage
-from pipetorch.parallel.engines import Engine
-from pipetorch.parallel.local import FlatStage, LocalEngine, ReplicaBuffers
+from pipetorch.parallel.host.build import plan_stages, stage_graphs
+from pipetorch.parallel.layout.compile_plan import CompilePlan
+from pipetorch.parallel.worker.compiled import CompiledStage
+from pipetorch.parallel.host.engines import Engine
+from pipetorch.parallel.host.local import FlatStage, LocalEngine, ReplicaBuffers
 from pipetorch.weights.host_copy import held
 from pipetorch.runtime.config import RunConfig
 from pipetorch.runtime.optimizer import device_optimizer
@@ -138,7 +138,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
                                         optimizer=device_opt, casting=cast,
                                         replica_buffers=replica_buffers)
         else:
-            from pipetorch.parallel.engine import ProcessEngine
+            from pipetorch.parallel.host.engine import ProcessEngine
 
             engine = ProcessEngine(
                 model, plan, batching=batching, optimizer=device_opt, process=config.process,
@@ -276,7 +276,7 @@ def _local_engine(model: nn.Module, micro: tuple[tuple, dict], found: Capture,
     recompute = training and config.recomputation
     forward: nn.Module = model
     if training and (found.uses_recomputation or recompute):
-        from pipetorch.parallel.recompute import stage_module
+        from pipetorch.parallel.worker.recompute import stage_module
 
         forward = stage_module(model, checkpoint=recompute)
     if config.compile_backend is not None:
@@ -303,7 +303,7 @@ def _auto_balance(model: nn.Module, args: tuple, kwargs: dict,
     """opts.autoBalance: place the model's stages by measured cost before capturing it; the
     strategy to run with (the options' own, or its kind over the balanced Block scopes)."""
     from pipetorch.profiling.balancing import balanced_strategy
-    from pipetorch.schedule.devices import engine_kind
+    from pipetorch.schedule.device_plans import engine_kind
 
     budget = config.memory_budget
     return balanced_strategy(model, args, kwargs, devices=config.balance_devices,

@@ -39,13 +39,13 @@ from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.runtime.inputs import Inputs
 from pipetorch.runtime.weight_copies import WeightCopies
 from pipetorch.runtime.config import run_config
-from pipetorch.parallel.devices import default_device
+from pipetorch.parallel.layout.placement import default_device
 from pipetorch.runtime.optimizer import default_optimizer
 
 if TYPE_CHECKING:
     from pipetorch.options import Options
     from pipetorch.profiling.recorder import Profiler
-from pipetorch.parallel.outputs import OutputCollector, resolve_mode
+from pipetorch.parallel.host.outputs import OutputCollector, resolve_mode
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "load"]
 

@@ -14,7 +14,7 @@ from pipetorch.optim import ipu_param, offload as offloading, scaling
 from pipetorch.optim._common import PopTorchOptimizer
 
 if TYPE_CHECKING:
-    from pipetorch.parallel.engines import Engine
+    from pipetorch.parallel.host.engines import Engine
 
 __all__: list[str] = []
 

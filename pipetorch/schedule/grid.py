@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pipetorch.schedule.actions import Plan
-from pipetorch.schedule.checks import Timeline, simulate
+from pipetorch.schedule.simulator import Timeline, simulate
 
 __all__: list[str] = []
 

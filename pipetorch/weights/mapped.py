@@ -4,7 +4,7 @@ stage.
 A mapped tensor's bytes stay in the file until something reads them, so a model whose
 weights are mapped costs the host nothing until then. Each tensor gets a mapping of its own
 (from the page holding its first byte), registered as a `Region`: sending the tensor to a
-stage worker (parallel.stream) sends the region, and the worker reads those bytes from the
+stage worker (parallel.comm.stream) sends the region, and the worker reads those bytes from the
 file straight into its own memory. The host never reads them.
 
     file:  [8-byte size][JSON header][ tensor a | tensor b | tensor c ... ]

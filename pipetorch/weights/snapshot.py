@@ -184,7 +184,7 @@ def nbytes(state: StageState) -> int:
 
 def path(folder: str, stage: int, commit: int, part: int = 0) -> str:
     """The file of `stage`'s state after `commit`; `part` r > 0: replica r's slices of the
-    optimiser state, when it is sharded over the replicas (parallel.sharded_step)."""
+    optimiser state, when it is sharded over the replicas (parallel.worker.sharded_step)."""
     return os.path.join(folder, f"stage{stage}-{commit % 2}" + (f".r{part}" if part else "")
                         + ".pt")
 

@@ -14,7 +14,7 @@ import torch
 import pipetorch as poptorch
 from pipetorch.cli import devices
 from pipetorch.cli.main import main
-from pipetorch.parallel.placement import cpu_cores
+from pipetorch.parallel.layout.placement import cpu_cores
 from helpers.models import MnistNetwork, WithLoss, mnist_data
 
 TOP_KEYS = {"registry", "environment", "default", "cpu_threads", "devices"}

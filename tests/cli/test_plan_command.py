@@ -116,8 +116,8 @@ def test_the_plan_path_imports_neither_the_engine_nor_transformers(net):
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    main(['plan', 'plan_net:net', '--devices-per-machine', '2', '--flops', '1G'])\n"
             "print(sorted(m for m in sys.modules if m in {'transformers', 'scipy', "
-            "'pipetorch.parallel.local', 'pipetorch.parallel.stage', 'pipetorch.parallel.engine', "
-            "'pipetorch.runtime.executor', 'pipetorch.parallel.worker'}))")
+            "'pipetorch.parallel.host.local', 'pipetorch.parallel.worker.stage', 'pipetorch.parallel.host.engine', "
+            "'pipetorch.runtime.executor', 'pipetorch.parallel.worker.serve'}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr

@@ -10,7 +10,7 @@ import torch
 import pipetorch as poptorch
 from error_cases import TwoStageClassifier, descendants
 from helpers.reference import plain_train_call
-from pipetorch.parallel import wire
+from pipetorch.parallel.comm import wire
 
 pytestmark = pytest.mark.slow
 

@@ -13,13 +13,13 @@ from gpu_cases import CUDA, GPU_TOLERANCE, assert_same_weights, gpus, on_gpu, pl
 from helpers.models import MnistNetwork, TinyMLP, WithLoss, data, mnist_data
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.optim import scaling
-from pipetorch.parallel import placement
-from pipetorch.parallel.routes import TensorSpec
-from pipetorch.parallel.transport import BundleLayout, backend_for
+from pipetorch.parallel.layout import placement
+from pipetorch.parallel.layout.routes import TensorSpec
+from pipetorch.parallel.comm.transport import BundleLayout, backend_for
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.profiling.estimate import device_budget
 from pipetorch.partition.probe import preserved
-from pipetorch.parallel.devices import default_device
+from pipetorch.parallel.layout.placement import default_device
 
 pytestmark = CUDA
 
@@ -184,7 +184,7 @@ def test_the_memory_report_holds_the_allocators_peak_on_the_gpu(monkeypatch, tmp
 
 
 def test_an_over_budget_gpu_configuration_is_refused_before_any_worker_starts(monkeypatch):
-    from pipetorch.parallel import pool
+    from pipetorch.parallel.host import pool
 
     on_gpu(monkeypatch, gpus=1)
     started = []

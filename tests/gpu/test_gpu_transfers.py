@@ -5,7 +5,7 @@ import torch
 
 import pipetorch as poptorch
 from gpu_cases import CUDA
-from pipetorch.parallel.host_copies import HostCopies
+from pipetorch.parallel.worker.host_copies import HostCopies
 
 pytestmark = CUDA
 

@@ -9,7 +9,7 @@ import pipetorch as poptorch
 from gpu_cases import CUDA, GPU_TOLERANCE, assert_same_weights, gpus, on_gpu, plain_steps
 from helpers.models import MnistNetwork, WithLoss, mnist_data
 from helpers.zoo import ResNet, image_data
-from pipetorch.parallel.engine import ProcessEngine
+from pipetorch.parallel.host.engine import ProcessEngine
 
 pytestmark = [pytest.mark.slow, *CUDA]
 

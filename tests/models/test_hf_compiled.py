@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import pipetorch as poptorch
-from pipetorch.parallel.compiled import CompiledStage
+from pipetorch.parallel.worker.compiled import CompiledStage
 from hf_cases import BUILDERS, plain_call, twin
 from parallel.parallel_cases import assert_same_state, cleaned, one_thread_everywhere
 from test_hf_pipelined import B, D, assert_same_output, options, sgd

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 import pipetorch as poptorch
-from pipetorch.parallel import placement
+from pipetorch.parallel.layout import placement
 
 VOCAB = 10
 CLASSES = 3
@@ -178,7 +178,7 @@ def registry(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def records_of(host_pid: int) -> list[dict[str, Any]]:
     """Live registry records of workers started by `host_pid`."""
-    from pipetorch.parallel import placement
+    from pipetorch.parallel.layout import placement
 
     return [r for r in placement.live_workers() if r["host_pid"] == host_pid]
 

@@ -15,8 +15,8 @@ import pipetorch as poptorch
 from helpers.models import MnistNetwork, WithLoss, mnist_data
 from helpers.reference import expected_outputs, plain_train_call
 from helpers.zoo import ResNet, TransformerClassifier, image_data, token_data
-from pipetorch.parallel.engine import ProcessEngine
-from pipetorch.parallel.local import LocalEngine
+from pipetorch.parallel.host.engine import ProcessEngine
+from pipetorch.parallel.host.local import LocalEngine
 
 EXECUTION_ENV = "PIPETORCH_EXECUTION"
 THREADS_ENV = "PIPETORCH_THREADS_PER_DEVICE"

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipetorch.parallel.buckets import buckets
-from pipetorch.parallel.transport import PeerLink
+from pipetorch.parallel.comm.buckets import buckets
+from pipetorch.parallel.comm.transport import PeerLink
 
 CPU = torch.device("cpu")
 

@@ -9,9 +9,11 @@ import torch._inductor.config as inductor
 import torch.distributed as dist
 import torch.nn as nn
 
-from pipetorch.parallel import compiled, rendezvous
-from pipetorch.parallel.compiled import CompiledStage
-from pipetorch.parallel.stage import DeviceStage
+from pipetorch.parallel.worker import compiled
+
+from pipetorch.parallel.comm import rendezvous
+from pipetorch.parallel.worker.compiled import CompiledStage
+from pipetorch.parallel.comm.payloads import DeviceStage
 
 
 @pytest.mark.parametrize("workers, cores, threads", [(8, 16, 2), (3, 16, 5), (32, 16, 1),

@@ -3,10 +3,10 @@ import dataclasses
 
 import pytest
 
-from pipetorch.parallel.compile_plan import CompilePlan
-from pipetorch.parallel.placement import Placement
+from pipetorch.parallel.layout.compile_plan import CompilePlan
+from pipetorch.parallel.layout.placement import Placement
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.schedule.devices import peak_stash
+from pipetorch.schedule.device_plans import peak_stash
 
 # ipus 0, 1, 0: stages 0 and 2 share device 0's worker
 STAGES = (StageSpec(0, 0, ("A",)), StageSpec(1, 1, ("B",)), StageSpec(2, 0, ("C",)))

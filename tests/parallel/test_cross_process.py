@@ -8,8 +8,8 @@ import torchrun_pipeline_job as job
 from helpers.reference import plain_train_call
 from helpers.torchrun import two_nodes
 from pipetorch.errors import ConfigError
-from pipetorch.parallel import cross_process
-from pipetorch.parallel.placement import Physical, Placement, running
+from pipetorch.parallel.host import cross_process
+from pipetorch.parallel.layout.placement import Physical, Placement, running
 
 TIMEOUT = 12  # PIPETORCH_TIMEOUT of the fault jobs, seconds
 

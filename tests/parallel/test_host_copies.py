@@ -1,7 +1,7 @@
 """Outputs for the host: non_blocking copies during the call, one event waited on at its end."""
 import torch
 
-from pipetorch.parallel.host_copies import HostCopies
+from pipetorch.parallel.worker.host_copies import HostCopies
 
 
 class FakeEvent:

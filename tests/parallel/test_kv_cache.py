@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipetorch.parallel import kv_cache
+from pipetorch.parallel.generation import kv_cache
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pipetorch as poptorch
-from pipetorch.parallel import resident
+from pipetorch.parallel.comm import resident
 
 pytestmark = pytest.mark.slow
 

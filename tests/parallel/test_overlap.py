@@ -10,15 +10,16 @@ import torch.nn.functional as F
 
 import pipetorch as poptorch
 from helpers.reference import last_output
-from pipetorch.parallel.overlap import arming
-from pipetorch.parallel.recompute import stage_module
-from pipetorch.parallel.routes import routes_of, value_specs
-from pipetorch.parallel.stage import Call, DeviceStage, StageExecutor
-from pipetorch.parallel.transport import PeerLink
+from pipetorch.parallel.worker.overlap import arming
+from pipetorch.parallel.worker.recompute import stage_module
+from pipetorch.parallel.layout.routes import routes_of, value_specs
+from pipetorch.parallel.comm.payloads import Call, DeviceStage
+from pipetorch.parallel.worker.stage import StageExecutor
+from pipetorch.parallel.comm.transport import PeerLink
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.schedule.actions import Action, Kind
-from pipetorch.schedule.devices import merge
+from pipetorch.schedule.device_plans import merge
 from pipetorch.schedule.plans import plan
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ import pipetorch as poptorch
 from fault_cases import registry  # noqa: F401 - the fixture
 from fault_cases import (Script, TokenNet, alive, new_shm_entries, options, records_of,
                          shm_entries, token_data, wait_gone, wait_no_records)
-from pipetorch.parallel import placement
+from pipetorch.parallel.layout import placement
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from fault_cases import (CLASSES, LONG_D, LONG_DEPTH, VOCAB, HeavyNet, Script, T
                          heavy_data, options, records_of, token_data, wait_busy, wait_gone)
 from helpers.reference import expected_outputs, plain_train_call
 from pipetorch.errors import DeviceError
-from pipetorch.parallel.wire import WorkerFailed
+from pipetorch.parallel.comm.wire import WorkerFailed
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def test_loss_error_in_a_late_micro_batch_names_where_and_a_new_wrapper_trains(r
         "of bounds."), message
     head, traceback = message.split("\n\nWorker traceback:\n", 1)
     assert traceback.startswith("Traceback (most recent call last):")
-    assert "cross_entropy" in traceback and "pipetorch/parallel/stage.py" in traceback
+    assert "cross_entropy" in traceback and "pipetorch/parallel/worker/stage.py" in traceback
     assert traceback.rstrip().endswith(f"IndexError: Target {CLASSES + 4} is out of bounds.")
     failure = info.value.failure
     # the worker counts its own replica's micro-batches: 11 is replica 1's fifth (1 * G + 1)

@@ -1,4 +1,4 @@
-"""Pre-started workers (parallel/pool.py): forked from one warm zygote across wrappers, equal to
+"""Pre-started workers (parallel/host/pool.py): forked from one warm zygote across wrappers, equal to
 fresh processes, and gone with the user's process; a killed zygote is named or replaced."""
 import logging
 import os
@@ -15,7 +15,7 @@ import pipetorch as poptorch
 from fault_cases import registry  # noqa: F401 - the fixture
 from fault_cases import Script, TokenNet, alive, options, token_data, wait_gone
 from pipetorch.errors import ConfigError, DeviceError
-from pipetorch.parallel import pool
+from pipetorch.parallel.host import pool
 
 
 
@@ -98,7 +98,7 @@ def test_a_killed_zygote_leaves_running_wrappers_alone_and_is_replaced(registry,
         assert all(alive(p) for p in pids)  # the workers watch the user's process, not it
         out, _ = wrapper(tokens, labels)
         assert_close(out, want)
-        with caplog.at_level(logging.WARNING, logger="pipetorch.parallel.pool"):
+        with caplog.at_level(logging.WARNING, logger="pipetorch.parallel.host.pool"):
             again = poptorch.inferenceModel(TokenNet(), options(D=2, G=1))
             try:
                 again(tokens, labels)

@@ -88,7 +88,7 @@ def test_replicas_whose_gradients_span_several_buckets_match_plain_pytorch(reque
     gradients = sum(p.numel() * p.element_size() for p in plain.parameters())
     assert reduced == [2 * gradients] * R  # sent and received, every byte once
     assert_same_state(wrapper.model, plain)
-    # each bucket's all-reduce started inside the step's last backward (parallel/overlap.py)
+    # each bucket's all-reduce started inside the step's last backward (parallel/worker/overlap.py)
     for trace in wrapper._compiled.engine.last_trace:
         last_backward = [s for s in trace.spans if s.kind == "B"][-1]
         assert last_backward.micro_batch == D * G - 1

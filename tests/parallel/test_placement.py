@@ -1,6 +1,6 @@
 """Placements: one worker per logical device and replica, holding every stage on that device."""
-from pipetorch.parallel import placement
-from pipetorch.parallel.placement import Physical, Placement
+from pipetorch.parallel.layout import placement
+from pipetorch.parallel.layout.placement import Physical, Placement
 from pipetorch.partition.strategies import StageSpec
 
 

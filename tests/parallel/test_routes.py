@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import pipetorch as poptorch
 from helpers.models import TinyMLP
 from helpers.reference import last_output
-from pipetorch.parallel.routes import Constant, Route, TensorSpec, routes_of, value_specs
+from pipetorch.parallel.layout.routes import Constant, Route, TensorSpec, routes_of, value_specs
 from pipetorch.partition.split import Source, split_stages
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.partition.trace import trace_blocks
@@ -261,7 +261,7 @@ class NormDropNet(nn.Module):
 
 
 def test_value_specs_run_no_forward_and_equal_a_real_run():
-    from pipetorch.parallel import routes
+    from pipetorch.parallel.layout import routes
 
     torch.manual_seed(0)
     model, x = NormDropNet().train(), torch.randn(5, 4)

@@ -1,7 +1,7 @@
 """pipelineSchedule("auto") after the first call: per-stage tick costs from the measured spans."""
-from pipetorch.parallel.schedule_choice import measured_costs
-from pipetorch.parallel.stage import Span, Trace
-from pipetorch.schedule import devices
+from pipetorch.parallel.host.schedule_choice import measured_costs
+from pipetorch.parallel.comm.payloads import Span, Trace
+from pipetorch.schedule import device_plans
 
 MS = 1_000_000
 
@@ -38,6 +38,6 @@ def test_measured_unbalanced_stages_steer_auto_away_from_interleaving():
     # light ones; interleaved rounds assume balanced ones and wait
     split = (8, 14, 4, 3)  # each part of a split backward: 1.2x the whole one between them
     costs = dict(forward=(25, 13, 3, 3), whole=(12, 22, 6, 4), backward=split, weight=split)
-    assert devices.choose(4, 10, (0, 1, 0, 1), **costs)[0] in ("pipelined", "zero_bubble")
+    assert device_plans.choose(4, 10, (0, 1, 0, 1), **costs)[0] in ("pipelined", "zero_bubble")
     balanced = dict(forward=10, whole=20, backward=12, weight=12)
-    assert devices.choose(4, 10, (0, 1, 0, 1), **balanced)[0] == "interleaved"
+    assert device_plans.choose(4, 10, (0, 1, 0, 1), **balanced)[0] == "interleaved"

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 import pipetorch as poptorch
 from parallel_cases import assert_same_result, cleaned, one_thread_everywhere, plain_call
 from pipetorch.weights import snapshot
-from pipetorch.parallel.sharded_step import runs, slice_of
+from pipetorch.parallel.worker.sharded_step import runs, slice_of
 
 R, G, B, CALLS = 2, 4, 2, 3
 MIN_ELEMENTS = 100  # a's weight and bias and b's weight are sliced; b's bias (5) is whole

@@ -17,10 +17,10 @@ from parallel_cases import (assert_in_processes, assert_same_result, assert_same
                             one_thread_everywhere, options, plain_call, skip_case, twin)
 from test_transport_bundles import mixed_tensors, spec_of
 from pipetorch.errors import ConfigError, DeviceError
-from pipetorch.parallel import shm
-from pipetorch.parallel.routes import TensorSpec
-from pipetorch.parallel.shm import ShmLink
-from pipetorch.parallel.transport import BundleLayout, ChannelSpec, Tag, link_kind
+from pipetorch.parallel.comm import shm
+from pipetorch.parallel.layout.routes import TensorSpec
+from pipetorch.parallel.comm.shm import ShmLink
+from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, Tag, link_kind
 
 CPU = torch.device("cpu")
 _names = itertools.count()
@@ -167,9 +167,9 @@ def test_link_kind_follows_the_environment_and_what_shm_can_reach(monkeypatch):
 
 _SENDER = textwrap.dedent("""
     import sys, torch
-    from pipetorch.parallel.shm import ShmLink
-    from pipetorch.parallel.transport import BundleLayout, ChannelSpec, Tag
-    from pipetorch.parallel.routes import TensorSpec
+    from pipetorch.parallel.comm.shm import ShmLink
+    from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, Tag
+    from pipetorch.parallel.layout.routes import TensorSpec
     layout = BundleLayout((TensorSpec((1 << 18,), torch.float32, False),))
     link = ShmLink(prefix=sys.argv[1], rank=0, device=torch.device("cpu"),
                    wire_device=torch.device("cpu"), timeout=30)
@@ -251,7 +251,7 @@ def test_host_values_cross_through_an_arena_bitwise_and_grow_by_descriptor():
     import socket
     from multiprocessing.connection import Connection
 
-    from pipetorch.parallel import arena
+    from pipetorch.parallel.comm import arena
 
     ours, theirs = (Connection(s.detach()) for s in socket.socketpair())
     writer, reader = arena.Arena(), arena.Arena()

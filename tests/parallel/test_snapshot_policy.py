@@ -68,7 +68,7 @@ def test_a_large_state_returns_the_model_to_the_last_call_written(registry, monk
         os.kill(pids[1], signal.SIGKILL)
         assert wait_gone([pids[1]]) == []
     finally:
-        with caplog.at_level(logging.WARNING, logger="pipetorch.parallel.engine"):
+        with caplog.at_level(logging.WARNING, logger="pipetorch.parallel.host.engine"):
             wrapper.destroy()
     assert "2 call(s) before the last completed one" in caplog.text
     for name, param in reference.named_parameters():  # the state after the first call

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from pipetorch.parallel.split_backward import backward_input, backward_weight
+from pipetorch.parallel.worker.split_backward import backward_input, backward_weight
 
 
 class Chain(nn.Module):

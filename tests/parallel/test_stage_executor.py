@@ -23,16 +23,17 @@ from helpers.models import TinyMLP
 from helpers.reference import plain_train_call
 from pipetorch.errors import DeviceError
 from helpers.reference import last_output
-from pipetorch.parallel.routes import routes_of, value_specs
-import pipetorch.parallel.stage as stage_module
-from pipetorch.parallel.split_backward import backward_weight
-from pipetorch.parallel.stage import Call, DeviceStage, StageExecutor
+from pipetorch.parallel.layout.routes import routes_of, value_specs
+import pipetorch.parallel.worker.stage as stage_module
+from pipetorch.parallel.worker.split_backward import backward_weight
+from pipetorch.parallel.comm.payloads import Call, DeviceStage
+from pipetorch.parallel.worker.stage import StageExecutor
 from pipetorch.partition.inplace import inplace_inputs
-from pipetorch.parallel.transport import PeerLink, Tag
+from pipetorch.parallel.comm.transport import PeerLink, Tag
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.partition.trace import trace_blocks
-from pipetorch.schedule.devices import merge, stages_of
+from pipetorch.schedule.device_plans import merge, stages_of
 from pipetorch.schedule.plans import plan
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Messages with tensors over a pipe, storage by storage (parallel/stream.py)."""
+"""Messages with tensors over a pipe, storage by storage (parallel/comm/stream.py)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipetorch.parallel import stream
+from pipetorch.parallel.comm import stream
 from pipetorch.weights import mapped
 
 

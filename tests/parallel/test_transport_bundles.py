@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from pipetorch.errors import DeviceError
-from pipetorch.parallel.routes import TensorSpec
-from pipetorch.parallel.transport import BundleLayout, PeerLink, Tag, backend_for
+from pipetorch.parallel.layout.routes import TensorSpec
+from pipetorch.parallel.comm.transport import BundleLayout, PeerLink, Tag, backend_for
 
 CPU = torch.device("cpu")
 

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from pipetorch.errors import DeviceError
-from pipetorch.parallel.routes import TensorSpec
-from pipetorch.parallel.transport import BundleLayout, PeerLink, Tag
+from pipetorch.parallel.layout.routes import TensorSpec
+from pipetorch.parallel.comm.transport import BundleLayout, PeerLink, Tag
 
 CPU = torch.device("cpu")
 LAYOUT = BundleLayout((TensorSpec((2, 3), torch.float32, False),))

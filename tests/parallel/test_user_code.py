@@ -1,5 +1,5 @@
 """Training a model whose class, optimiser and loss are defined in the user's `python -c`
-script (its `__main__`): the workers get them by value (parallel.stream), and the weights match
+script (its `__main__`): the workers get them by value (parallel.comm.stream), and the weights match
 plain PyTorch's."""
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 import pipetorch as poptorch
 from pipetorch.errors import DeviceError
-from pipetorch.parallel import exits
+from pipetorch.parallel.comm import exits
 from fault_cases import wait_gone
 
 # Issue 37: any start-up exception in a worker (a class it could not unpickle, a weights file

@@ -7,7 +7,7 @@ import pytest
 
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.partition.balance import Segment, plan, propose_gradient_accumulation
-from pipetorch.schedule.devices import peak_stash
+from pipetorch.schedule.device_plans import peak_stash
 
 
 def _brute(segments, devices, caps):

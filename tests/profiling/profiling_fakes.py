@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from pipetorch.parallel.compile_plan import CompilePlan
-from pipetorch.parallel.placement import Placement
-from pipetorch.parallel.stage import Span, Trace
+from pipetorch.parallel.layout.compile_plan import CompilePlan
+from pipetorch.parallel.layout.placement import Placement
+from pipetorch.parallel.comm.payloads import Span, Trace
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.runtime.compile import Compiled
 from pipetorch.schedule.plans import Batching
-from pipetorch.schedule.checks import simulate
+from pipetorch.schedule.simulator import simulate
 from pipetorch.schedule.plans import plan
 
 MS = 1_000_000

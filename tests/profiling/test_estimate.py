@@ -78,7 +78,7 @@ def test_recomputation_prices_what_checkpointed_stages_keep():
 
     from pipetorch.partition.split import split_stages
     from pipetorch.profiling.memory import staged_footprints
-    from pipetorch.parallel.recompute import stage_module
+    from pipetorch.parallel.worker.recompute import stage_module
 
     model, x = ReluStages(), torch.randn(M, 6)
     staged = split_stages(model, (x,), {}, STAGES)
@@ -254,7 +254,7 @@ def test_the_schedules_stash_follows_its_plan():
     """1F1B holds S - s micro-batches on stage s; ZB-H1 keeps each micro-batch until its
     deferred weight gradient, so later stages hold more; interleaved 1F1B's round-robin
     stages hold what their plan does; "auto" prices the most any pick would hold."""
-    from pipetorch.schedule.devices import peak_stash
+    from pipetorch.schedule.device_plans import peak_stash
 
     def stash(kind, owners=(0, 1, 0, 1), **training):
         return peak_stash(kind, 4, 8, owners, **training)
@@ -276,11 +276,11 @@ def test_estimate_report_and_balancer_count_the_schedules_stash(schedule):
     from types import SimpleNamespace
 
     from helpers.models import MnistNetwork
-    from pipetorch.parallel.compile_plan import CompilePlan
-    from pipetorch.parallel.placement import Placement
+    from pipetorch.parallel.layout.compile_plan import CompilePlan
+    from pipetorch.parallel.layout.placement import Placement
     from pipetorch.partition.balance import Segment, evaluate
     from pipetorch.profiling.memory import stash_per_lane
-    from pipetorch.schedule.devices import engine_kind, peak_stash
+    from pipetorch.schedule.device_plans import engine_kind, peak_stash
 
     owners, accumulation = (0, 1, 0, 1), 8
     kind = engine_kind(True, schedule)

@@ -124,8 +124,8 @@ def staged_report(*, offload, recomputation, sharded=None):
     the compile-time estimate of the same configuration."""
     from types import SimpleNamespace
 
-    from pipetorch.parallel.compile_plan import CompilePlan
-    from pipetorch.parallel.placement import Placement
+    from pipetorch.parallel.layout.compile_plan import CompilePlan
+    from pipetorch.parallel.layout.placement import Placement
     from pipetorch.partition.split import split_stages
     from pipetorch.partition.strategies import StageSpec
     from pipetorch.profiling.estimate import estimate_memory

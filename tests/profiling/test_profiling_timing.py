@@ -2,7 +2,7 @@
 import pytest
 from profiling_fakes import MS, ideal_traces
 
-from pipetorch.parallel.stage import Span, Trace
+from pipetorch.parallel.comm.payloads import Span, Trace
 from pipetorch.profiling.timing import (
     CallRecord, concurrency, device_times, measured_bubble, theoretical_bubble, timing_summary,
 )

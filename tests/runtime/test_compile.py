@@ -6,8 +6,8 @@ import torch.nn as nn
 
 import pipetorch as poptorch
 from helpers.models import ReluStages
-from pipetorch.parallel.engine import ProcessEngine
-from pipetorch.parallel.local import LocalEngine
+from pipetorch.parallel.host.engine import ProcessEngine
+from pipetorch.parallel.host.local import LocalEngine
 
 G = 3
 

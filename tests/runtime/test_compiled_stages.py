@@ -13,9 +13,9 @@ from helpers.models import MnistNetwork, WithLoss, mnist_data
 from pipetorch.errors import ConfigError
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.parallel.compiled import CompiledStage
+from pipetorch.parallel.worker.compiled import CompiledStage
 from pipetorch.runtime.config import run_config
-from pipetorch.parallel.recompute import original_module
+from pipetorch.parallel.worker.recompute import original_module
 
 STAGES = [StageSpec(0, 0, ("B1", "B2")), StageSpec(1, 1, ("B3", "B4"))]
 

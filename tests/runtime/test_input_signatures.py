@@ -13,9 +13,9 @@ import pipetorch as poptorch
 from helpers.models import TokenTagger, token_batch
 from helpers.reference import assert_same_weights
 from pipetorch.errors import InputMismatchError
-from pipetorch.parallel.engine import ProcessEngine
-from pipetorch.parallel.local import LocalEngine
-from pipetorch.parallel.signatures import bind, skeleton, tensors_of
+from pipetorch.parallel.host.engine import ProcessEngine
+from pipetorch.parallel.host.local import LocalEngine
+from pipetorch.parallel.worker.signatures import bind, skeleton, tensors_of
 from pipetorch.runtime.artefact import saved_inputs
 
 LENGTHS = (16, 24, 16, 32, 24)

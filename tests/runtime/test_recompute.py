@@ -12,7 +12,7 @@ from torch import nn
 import pipetorch as poptorch
 from pipetorch import ops
 from pipetorch.errors import CompileError
-from pipetorch.parallel.recompute import with_recomputation
+from pipetorch.parallel.worker.recompute import with_recomputation
 
 BATCH, WIDTH = 16, 32
 ACTIVATION_BYTES = BATCH * WIDTH * 4  # one float32 [BATCH, WIDTH] activation

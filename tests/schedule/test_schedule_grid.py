@@ -1,6 +1,6 @@
 """ASCII grids of schedules, as drawn in docs and reports."""
 import pipetorch.schedule.plans as plans
-from pipetorch.schedule.checks import simulate
+from pipetorch.schedule.simulator import simulate
 from pipetorch.schedule.grid import render
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file, save_model
 
 import pipetorch as poptorch
 from pipetorch.errors import ConfigError
-from pipetorch.parallel import resident
+from pipetorch.parallel.comm import resident
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,158 @@
+"""A process engine's host calls: each worker's inputs laid out in its shared-memory arena,
+one Run message each, and the replies' outputs and trace spans collected."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from pipetorch import environment
+from pipetorch.parallel.comm import arena, wire
+from pipetorch.parallel.comm import messages as m
+from pipetorch.parallel.host.local import reduction_multiplier
+from pipetorch.parallel.host.outputs import OutputCollector
+from pipetorch.parallel.comm.payloads import Call, Span, Trace
+from pipetorch.partition.split import Source, map_leaves
+
+if TYPE_CHECKING:
+    from pipetorch.parallel.host.engine import ProcessEngine
+
+__all__: list[str] = []
+
+MicroBatches = list[tuple[tuple, dict]]
+
+
+class Calls:
+    """Runs `engine`'s training and inference calls; per worker, an arena for its inputs and
+    one for its outputs (shared memory, see arena.py)."""
+
+    def __init__(self, engine: ProcessEngine) -> None:
+        self.engine = engine
+        self.arenas: list[tuple[arena.Arena, arena.Arena]] = []
+
+    def restart(self) -> None:
+        """New workers: new arenas."""
+        self.arenas = [(arena.Arena(), arena.Arena()) for _ in self.engine.placements]
+
+    def train(self, micro_batches: MicroBatches, collector: OutputCollector) -> None:
+        """D optimiser steps of G micro-batches on each replica (laid out [D][G][R])."""
+        e = self.engine
+        b = e.batching
+        assert e.optimizer is not None and len(micro_batches) == b.micro_batches
+        # the replicas summing gradients: every process's, or (one pipeline over the
+        # processes) this process's, which hold all of them
+        every = dataclasses.replace(b, replication_factor=e.replicas * (
+            1 if e.spread else e.num_processes))
+        self._run(micro_batches, collector, training=True, iterations=b.device_iterations,
+                  per_iteration=b.gradient_accumulation, scale=reduction_multiplier(every))
+        e.choice.called(e.last_trace, e.workers)
+
+    def infer(self, micro_batches: MicroBatches, collector: OutputCollector) -> None:
+        """Forward of every micro-batch of the call, each replica through one plan."""
+        self._run(micro_batches, collector, training=False, iterations=1,
+                  per_iteration=len(micro_batches) // self.engine.replicas, scale=1.0)
+
+    def _run(self, micro_batches: MicroBatches, collector: OutputCollector, *,
+             training: bool, iterations: int, per_iteration: int, scale: float) -> None:
+        """Send replica r the micro-batches r, r + R, r + 2R, ... and collect what comes back."""
+        if self.engine.workers.link is not None:
+            self.engine.workers.across("the start of a call", check=True)
+        if training:
+            self.engine.sync.return_state()
+        try:
+            replies, arrivals, flat, wanted = self._exchange(
+                micro_batches, collector, training=training, iterations=iterations,
+                per_iteration=per_iteration, scale=scale)
+        except KeyboardInterrupt:
+            self.engine.workers.interrupt()
+            raise
+        self._collect(replies, arrivals, flat, wanted, collector)
+
+    def _exchange(self, micro_batches: MicroBatches, collector: OutputCollector, *,
+                  training: bool, iterations: int, per_iteration: int, scale: float
+                  ) -> tuple[list[m.RunReply], list[wire.Transfer], list, frozenset[int]]:
+        """Send every worker its inputs and wait for all replies."""
+        e, sync = self.engine, self.engine.sync
+        replicas = e.replicas
+        flat = [e.staged.flatten_inputs(*args, **kwargs) for args, kwargs in micro_batches]
+        steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
+        wanted = frozenset(j for j in range(steps) if collector.wants(j))
+        commit = sync.points.workers + 1
+        save = training and sync.snapshots.wanted()
+        overlap = self._overlap()  # read per call: a change between calls counts
+        if training:
+            # a host write not uploaded is superseded by this call: the host copy reads the
+            # workers' weights, all of one call (docs/precision.md), never its written pages
+            sync.refresh()
+        start = time.perf_counter()
+        for n, (peer, placement) in enumerate(zip(e.workers.peers, e.placements)):
+            reads = sorted({i for s in placement.stages for i in e.routes[s].host_inputs})
+            mine = flat[placement.replica::replicas]
+            packed, views = self.arenas[n][0].lay_out(
+                [((len(mine), *mine[0][i].shape), mine[0][i].dtype) for i in reads])
+            with torch.no_grad():
+                for i, view in zip(reads, views):
+                    torch.stack([f[i] for f in mine], out=view)  # straight into shared memory
+            call = Call({}, iterations, per_iteration, wanted, scale, overlap)
+            e.workers.send(peer, m.Run(call, training, commit if save else None, packed))
+            e.workers.send(peer, packed, shared=self.arenas[n][0])
+        arrivals: list[wire.Transfer] = []
+        replies = e.workers.gather("a training call" if training else "an inference call",
+                                   transfers=arrivals)
+        assert all(isinstance(r, m.RunReply) for r in replies)
+        runs = cast(list[m.RunReply], replies)
+        if training:
+            written = [t.snapshot for r in runs for t in r.traces if t.snapshot]
+            sync.points.changed(saved=bool(written))
+            sync.snapshots.called(time.perf_counter() - start, (
+                max(s for s, _ in written), sum(b for _, b in written)) if written else None)
+        return runs, arrivals, flat, wanted
+
+    def _overlap(self) -> bool:
+        """Whether replicas start their gradient buckets during the last backward
+        (PIPETORCH_OVERLAP; `auto`: between GPUs)."""
+        setting = environment.get("overlap")
+        if setting == "auto":
+            return all(torch.device(p.device).type == "cuda" for p in self.engine.placements)
+        return setting == "1"
+
+    def _collect(self, replies: list[m.RunReply], arrivals: list[wire.Transfer], flat: list,
+                 wanted: frozenset[int], collector: OutputCollector) -> None:
+        """Unpack the workers' replies, keep their traces, hand the outputs to `collector`."""
+        e = self.engine
+        replicas = e.replicas
+        outputs: dict[tuple[int, int], dict[int, list[object]]] = {}  # (replica, stage) -> m
+        traces: list[Trace] = []
+        for n, (placement, reply, arrival) in enumerate(zip(e.placements, replies, arrivals)):
+            packed, device_traces = reply.packed, reply.traces
+            by_stage = arena.unpack_tree(self.arenas[n][1], e.workers.peers[n].conn,
+                                         reply.outputs, packed)
+            outputs.update({(placement.replica, s): o for s, o in by_stage.items()})
+            # device to host: the reply and its outputs copied out of shared memory, on the
+            # device's first stage
+            nbytes = arrival.nbytes + sum(arena.nbytes(p) for p in packed.places)
+            device_traces[0].spans.append(Span("D2H", None, arrival.start, time.monotonic_ns(),
+                                               nbytes))
+            traces += device_traces
+            for trace in device_traces:
+                if trace.peak_memory is not None:
+                    e.peak_memory[trace.stage] = max(trace.peak_memory,
+                                                     e.peak_memory.get(trace.stage, 0))
+        e.last_trace = sorted(traces, key=lambda t: (t.replica, t.stage))
+        if e.workers.link is not None:  # the other processes' stages' outputs
+            for theirs in e.workers.across("the outputs of a call", outputs).values():
+                outputs.update(cast(dict, theirs))
+        for j in sorted(wanted):
+            for replica in range(replicas):
+                micro = j * replicas + replica
+
+                def fetch(source: Source, micro: int = micro, replica: int = replica) -> object:
+                    if source.kind == "input":
+                        return flat[micro][source[1]]
+                    stage = source[1]
+                    index = e.routes[stage].host_outputs.index(source)
+                    return outputs[replica, stage][j][index]
+
+                collector.add(j, replica, map_leaves(e.staged.output, Source, fetch))

@@ -1,0 +1,295 @@
+"""The host side of multi-device execution: one worker per logical device and replica.
+
+A worker runs every stage placed on its device (ipus 0, 1, 0: the worker of device 0 runs
+stages 0 and 2). A host call is one round trip: the host sends each worker the inputs its
+stages read (its replica's D x G micro-batches at once), the workers run their schedules (all
+device iterations) talking to each other directly, summing gradients over the replicas before
+each optimiser step, and each sends back the outputs the host asked for.
+
+    user process ---- Run(call, packed) ------------->  device 0 <-> device 1 <-> ... (p2p)
+                 <--- outputs, per-stage trace spans --  every device of every replica
+
+ProcessEngine is a facade over parts split along the messages (parallel.comm.messages): the
+WorkerSet owns the processes and pipes; Calls, WeightSync, Signatures, GenerationSession and
+ScheduleChoice send it messages. The engine keeps a host copy of the model and optimiser
+(`model`, `optimizer`): `pull` fills them from the workers, `push` sends the host copy's
+weights to the workers. A weight tied across devices has a copy on each (`parallel.worker.tied`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Sequence, cast
+
+import torch
+import torch.nn as nn
+
+from pipetorch import environment
+from pipetorch.errors import CompileError, DeviceError
+from pipetorch.parallel.host import cross_process
+from pipetorch.parallel.generation import lanes
+from pipetorch.parallel.comm import shm, wire
+from pipetorch.parallel.comm import messages as m
+from pipetorch.parallel.host.calls import Calls, MicroBatches
+from pipetorch.parallel.layout.compile_plan import CompilePlan
+from pipetorch.parallel.host import decoding
+from pipetorch.schedule.plans import Batching
+from pipetorch.parallel.host.outputs import OutputCollector
+from pipetorch.parallel.comm.rendezvous import next_rendezvous
+from pipetorch.parallel.layout.routes import Route
+from pipetorch.parallel.host.schedule_choice import ScheduleChoice
+from pipetorch.parallel.worker.signatures import Signatures
+from pipetorch.parallel.comm.payloads import DeviceStage, Trace
+from pipetorch.parallel.worker.tied import stepped_elsewhere
+from pipetorch.parallel.layout.ties import ties_of
+from pipetorch.parallel.host.weight_sync import WeightSync, stage_optimizer
+from pipetorch.parallel.host.workers import WorkerSet
+from pipetorch.partition.split import StagedModel
+from pipetorch.partition.strategies import StageSpec
+from pipetorch.weights import mapped
+from pipetorch.weights.points import Points
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+class ProcessEngine:
+    """Runs host calls on one worker process per logical device and replica (`workers`);
+    `owners[s]` is the device of stage s."""
+
+    def __init__(self, model: nn.Module, plan: CompilePlan, *, batching: Batching,
+                 optimizer: torch.optim.Optimizer | None, process: tuple[int, int] = (0, 1),
+                 seed: int | None = None, writer: mapped.Writer | None = None,
+                 sharding: int | None = None, across: bool = False) -> None:
+        assert plan.graphs is not None, "stage workers run the plan's stage graphs"
+        self.plan = plan  # what compiling decided; the fields below change as the engine runs
+        self.model, self.optimizer, self.batching = model, optimizer, batching
+        self.writer = writer  # where copies to the host of a mapped model's weights go
+        self.process_id, self.num_processes = process
+        self.replicas = batching.replication_factor  # this process's replicas
+        # replicated tensor sharding (parallel.worker.sharded_step): the minimum elements of a
+        # sliced weight and the replicas sharing the state out; None when off
+        self.sharding = ((sharding, self.replicas) if sharding is not None and optimizer
+                         is not None and self.replicas > 1 else None)
+        # randomSeed, else torch's (so torch.manual_seed repeats runs; the user's stream of
+        # random numbers is left as it is)
+        self.seed = seed if seed is not None else torch.initial_seed()
+        # the input signature in use (Options.inputSignatures): its stages, routes and specs
+        self.staged, self.routes = plan.graphs.staged, list(plan.graphs.routes)
+        self.specs = plan.graphs.specs
+        self.input_device = torch.device("cpu")
+        self.in_process = False
+        self.last_trace: list[Trace] = []
+        # stage -> its worker's peak: the CUDA allocator's on a GPU, resident memory on a CPU
+        self.peak_memory: dict[int, int] = {}
+        self.timeout = environment.get("timeout")
+        self.placements, self.owners = list(plan.placements), plan.owners
+        # Distributed.stagesAcrossProcesses: this process runs its own devices' workers only,
+        # and exchanges outputs and weights with the others (parallel.host.cross_process)
+        self.spread = (cross_process.spread(self.placements, self.owners, process=self.process_id,
+                                            processes=self.num_processes) if across else None)
+        if self.spread is not None:
+            self.placements = cross_process.local_placements(self.placements, self.spread)
+        self.choice = ScheduleChoice(plan.schedule, stages=len(self.routes), owners=self.owners,
+                                     accumulation=batching.gradient_accumulation)
+        self.ties = ties_of(model, self.staged, self.owners)  # weights held on several devices
+        self.workers = WorkerSet(self.placements, replicas=self.replicas,
+                                 num_processes=self.num_processes, timeout=self.timeout,
+                                 staged=self.staged, batching=batching)
+        self.sync = WeightSync(self)
+        self.workers.on_loss = self.sync.restore_last_call
+        self.calls = Calls(self)
+        self.signatures = Signatures(self, (self.staged, self.routes, self.specs))
+        self.session = decoding.GenerationSession(self.workers)
+        self._launch()
+
+    def _launch(self) -> None:
+        """Start a worker per device and replica with the host copy's weights and optimiser
+        state."""
+        spread = self.spread
+        meeting = next_rendezvous(process_id=self.process_id, num_processes=self.num_processes,
+                                  devices=len(spread.ipus) if spread else self.workers.devices,
+                                  replicas=self.replicas, timeout=self.timeout,
+                                  across=spread is not None)
+        if spread is not None:  # every process is there before any starts workers
+            self.workers.link = cross_process.HostLink(meeting, spread, self.timeout)
+            self.workers.across("start-up")
+        devices = tuple(p.device for p in self.placements)
+        keep = self.optimizer is not None and self.sync.snapshots.setting != "0"
+        shares = self.sync.share(keep)
+        # a training engine sharing its weights keeps a restore point from the start
+        start_snapshot = keep and self.sync.shared is not None
+        self.sync.points.started(saved=start_snapshot)
+        self.session.restart()
+        try:
+            self.workers.start(shm.segment_prefix(os.getpid(), meeting.prefix))
+        except DeviceError:
+            self.close()
+            raise
+        self.calls.restart()
+        staged, routes, specs = self.signatures.all[0]
+        folder = self.workers.folder if keep else None
+        for peer, placement, shared in zip(self.workers.peers, self.placements, shares):
+            stages = tuple(DeviceStage(staged.modules[s], routes[s], staged.io[s].inputs)
+                           for s in placement.stages)
+            setup = m.Setup(stages, self._stage_optimizer(placement.stages, stages), specs,
+                            self.schedule, self.owners, devices, self.ties, self.sharding)
+            launch = m.Launch(placement, meeting,
+                              (0 if spread else self.process_id * self.replicas)
+                              + placement.replica, self.timeout,
+                              os.getpid(), folder if placement.replica == 0 or self.sharding
+                              else None, self.seed, start_snapshot)
+            try:  # the stage's tensors go from their own memory, storage by storage
+                self.workers.send(peer, m.Start(launch, setup), share=shared)
+            except DeviceError:
+                raise
+            except Exception as exc:
+                self.close()
+                raise CompileError(
+                    f"{wire.stage_names(placement.stages).capitalize()} cannot be sent to "
+                    f"{'its' if len(stages) == 1 else 'their'} worker process: pickling "
+                    f"failed with {type(exc).__name__}: {exc}. Objects that cannot be pickled "
+                    "(a lock, an open file, a generator) cannot cross processes: remove them "
+                    "from the model, or run every stage in this process with PIPETORCH_EXECUTION=local"
+                ) from exc
+        self.workers.gather("start-up")
+        self.sync.refresh()  # pages read to send copies
+        self.signatures.relaunched()
+        self.session.send_skeleton()
+        logger.info("Started %d device worker(s): %s", len(self.workers.peers),
+                    ", ".join(p.describe() for p in self.workers.peers))
+
+    def _stage_optimizer(self, stage_numbers: Sequence[int], stages: Sequence[DeviceStage]
+                         ) -> torch.optim.Optimizer | None:
+        """The optimiser over a worker's stages, but the tied weights stepped elsewhere."""
+        if self.optimizer is None:
+            return None
+        elsewhere = [self.model.get_parameter(name) for name in
+                     stepped_elsewhere(self.ties, stage_numbers, self.owners)]
+        return stage_optimizer(self.optimizer, nn.ModuleList(s.module for s in stages),
+                               elsewhere)
+
+    def _ready(self, *, check: bool = True) -> None:
+        """Before any message: after Ctrl-C stopped a call, new workers from the host copy
+        (which holds the state after the last completed call); with `check`, lost workers
+        raise."""
+        if self.workers.revived():
+            self._launch()
+            logger.info("Restarted the stage workers after an interrupted call")
+        if check:
+            self.workers.check_alive()
+
+    # -- what the wrapper reads -------------------------------------------------------------
+    @property
+    def schedule(self) -> str:
+        return self.choice.schedule
+
+    @property
+    def predicted_bubble(self) -> float | None:
+        return self.choice.predicted_bubble
+
+    @property
+    def points(self) -> Points:
+        return self.sync.points
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self.workers.worker_pids
+
+    # -- calls, weights, signatures, generation: each a part's ------------------------------
+    def train(self, micro_batches: MicroBatches, collector: OutputCollector) -> None:
+        """D optimiser steps of G micro-batches on each replica (laid out [D][G][R])."""
+        self._ready(check=False)
+        self.calls.train(micro_batches, collector)
+
+    def infer(self, micro_batches: MicroBatches, collector: OutputCollector) -> None:
+        """Forward of every micro-batch of the call, each replica through one plan."""
+        self._ready(check=False)
+        self.calls.infer(micro_batches, collector)
+
+    def pull(self, *, optimizer_state: bool = False) -> None:
+        """Copy every stage's weights (and with `optimizer_state` its optimiser state) into
+        the host copy."""
+        self.sync.pull(optimizer_state=optimizer_state)
+
+    def push(self, *, optimizer_state: bool = False) -> None:
+        """Send the host copy's weights (and with `optimizer_state` its optimiser state) to
+        every stage of every replica."""
+        self._ready()
+        self.sync.push(optimizer_state=optimizer_state)
+
+    def pull_gradients(self) -> None:
+        """Copy the gradients of the last optimiser step into the host copy's `.grad`."""
+        self._ready(check=False)
+        self.sync.pull_gradients()
+
+    def rng_state(self, states: list[list[torch.Tensor]] | None = None
+                  ) -> list[list[torch.Tensor]]:
+        """Every worker's random generators (one list per worker), set first when given."""
+        self._ready()
+        peers = self.workers.peers
+        if states is not None and len(states) != len(peers):
+            raise ValueError(f"This model runs on {len(peers)} worker(s); rng_state got "
+                             f"{len(states)} states: pass what rng_state returned")
+        for n, peer in enumerate(peers):
+            self.workers.send(peer, m.Rng(None if states is None else states[n]))
+        return cast(list[list[torch.Tensor]], self.workers.gather("rng_state"))
+
+    def set_hyperparameters(self) -> None:
+        """Send the host optimiser's hyper-parameters (after setOptimizer) to every stage."""
+        self._ready()
+        assert self.optimizer is not None
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        self.workers.broadcast(m.Hyper(groups), "setOptimizer")
+
+    def add_signature(self, staged: StagedModel, routes: Sequence[Route],
+                      specs: m.Specs) -> int:
+        """Another input signature's stages on the same workers; its number for `use`."""
+        self._ready()
+        return self.signatures.add(staged, routes, specs)
+
+    def use(self, key: int) -> None:
+        """Run input signature `key`'s stages from the next call on (one round trip)."""
+        if key != self.signatures.current:
+            self._ready()
+            self.signatures.use(key)
+
+    def start_generation(self, make: Callable[[], lanes.Skeleton]) -> None:
+        """Send every worker the model's code without weights, once (parallel.host.decoding)."""
+        self._ready()
+        self.session.start(make)
+
+    def decode(self, steps: Sequence[lanes.Step]) -> list[lanes.StepResult]:
+        """One generation step of every replica (parallel.host.decoding)."""
+        self._ready()
+        return self.session.decode(steps)
+
+    def end_generation(self) -> None:
+        """generate() returned: the workers drop their key/value caches."""
+        self.session.end()
+
+    def generate(self, model: nn.Module, stages: Sequence[StageSpec], *, lanes: int,
+                 args: tuple, kwargs: dict) -> object:
+        """HuggingFace's `model.generate`, each forward it calls run in the stages."""
+        return decoding.generate(model, self, list(stages), lanes=lanes, args=args,
+                                 kwargs=kwargs)
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def release(self) -> None:
+        """detachFromDevice: bring weights and optimiser state home, then stop the workers."""
+        if not self.points.host_current(optimizer_state=self.optimizer is not None):
+            self.pull(optimizer_state=self.optimizer is not None)
+        self.workers.stop(remove=False)
+
+    def acquire(self) -> None:
+        """attachToDevice: start the workers again from the host copy."""
+        self._ready(check=False)
+        if not self.workers.peers:
+            self._launch()
+
+    def close(self) -> None:
+        """Stop the workers (killing any that do not stop) and remove their files."""
+        self.workers.close()
+        self.sync.close()

@@ -1,0 +1,218 @@
+"""The host copy of a process engine's weights and optimiser state against the workers':
+shared with them, pulled, pushed, the moved optimiser state given back, restored after a
+failure from the workers' files, and which point of training each copy holds."""
+from __future__ import annotations
+
+import copy
+import logging
+from collections import defaultdict
+from typing import TYPE_CHECKING, Sequence, cast
+
+import torch
+import torch.nn as nn
+
+from pipetorch import environment
+from pipetorch.errors import DeviceError
+from pipetorch.parallel.comm import messages as m
+from pipetorch.parallel.comm import resident, wire
+from pipetorch.parallel.worker.tied import stepped_elsewhere
+from pipetorch.weights import snapshot
+from pipetorch.weights.points import Points
+from pipetorch.weights.shared import SharedWeights
+
+if TYPE_CHECKING:
+    from pipetorch.parallel.host.engine import ProcessEngine
+
+__all__: list[str] = []
+
+logger = logging.getLogger(__name__)
+
+
+def stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module,
+                    elsewhere: Sequence[nn.Parameter] = ()) -> torch.optim.Optimizer:
+    """`optimizer` restricted to `module`'s parameters but those stepped `elsewhere` (a tied
+    weight's later devices), to send to their worker; groups keep their order. Parameters and
+    state tensors are the optimiser's own objects (sending copies them), so the host holds no
+    second copy of any stage's state."""
+    own = {id(p) for p in module.parameters()} - {id(p) for p in elsewhere}
+    shell = copy.copy(optimizer)  # the other stages' groups and state are never copied
+    shell.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in own]}
+                          for g in optimizer.param_groups]
+    shell.state = defaultdict(dict, {p: s for p, s in optimizer.state.items() if id(p) in own})
+    shared = {id(t): t for g in shell.param_groups for t in g["params"]}
+    shared.update({id(t): t for s in shell.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor)})
+    return copy.deepcopy(shell, shared)
+
+
+class WeightSync:
+    """Copies between `engine`'s host copy (its model and optimiser) and its workers."""
+
+    def __init__(self, engine: ProcessEngine) -> None:
+        self.engine = engine
+        self.points = Points()  # which point of training each copy holds
+        self.shared: SharedWeights | None = None  # this launch's weights in shared memory
+        self.snapshots = snapshot.SnapshotPolicy(environment.get("snapshots"))
+
+    @property
+    def asked(self) -> list[wire.Peer]:
+        """The workers asked for weights or gradients: replica 0's, or every one when the
+        replicas share the optimiser state out (they gather its slices together)."""
+        workers = self.engine.workers
+        return workers.peers if self.engine.sharding is not None else workers.first_replica
+
+    def share(self, keep: bool) -> list[frozenset[int]]:
+        """Each worker's weights mapped from the host's (weights.shared): the
+        parameters of the first replica's CPU workers, a weight tied across devices by its
+        first device only; nothing with PIPETORCH_SHARED_WEIGHTS=0, or when training without
+        snapshots (a worker killed mid-step could leave them torn with no restore point)."""
+        e = self.engine
+        self.close()
+        if (environment.get("shared_weights") == "0"
+                or (e.optimizer is not None and not keep)):
+            return [frozenset() for _ in e.placements]
+        holder: dict[int, int] = {}  # parameter -> the first worker holding it
+        params: list[nn.Parameter] = []
+        for n, placement in enumerate(e.placements):
+            if placement.replica or torch.device(placement.device).type != "cpu":
+                continue
+            for stage in placement.stages:
+                for param in e.staged.modules[stage].parameters():
+                    if id(param) not in holder:
+                        holder[id(param)] = n
+                        params.append(param)
+        self.shared = SharedWeights.write(params)
+        if self.shared is None:
+            return [frozenset() for _ in e.placements]
+        # a pointer of a parameter not moved (a weights file's) is ignored: not a live region
+        return [frozenset(p.untyped_storage().data_ptr() for p in params if holder[id(p)] == n)
+                for n in range(len(e.placements))]
+
+    def refresh(self) -> None:
+        """The host's pages of shared weights read the file again (see weights.shared)."""
+        if self.shared is not None:
+            self.shared.refresh()
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()  # the host's tensors keep their mappings
+            self.shared = None
+
+    def pull(self, *, optimizer_state: bool = False) -> None:
+        """Copy every stage's weights (and with `optimizer_state` its optimiser state) into
+        the host copy, value by value, each into its place."""
+        e, workers = self.engine, self.engine.workers
+        if workers.interrupted:
+            return  # the host copy holds the state after the last completed call
+        if workers.lost:
+            logger.warning("The stage workers are gone (%s): the host copy keeps the weights of "
+                           "the last completed call", workers.lost)
+            return
+        try:
+            counts = workers.broadcast(m.Pull(optimizer_state), "copyWeightsToHost", self.asked)
+            loader = snapshot.Loader(e.staged.modules, e.optimizer, writer=e.writer)
+            for peer, count in zip(workers.first_replica, counts):
+                assert isinstance(count, int)
+                for _ in range(count):
+                    loader.put(workers.receive(peer, "copyWeightsToHost"))  # type: ignore[arg-type]
+            if workers.link is not None:  # the other processes' stages, from their hosts
+                self._pull_across(loader, optimizer_state and e.optimizer is not None)
+            loader.finish()
+            self.points.pulled(optimizer_state=optimizer_state and e.optimizer is not None)
+        except DeviceError as exc:
+            logger.warning("Could not copy the weights from the stage workers (%s): the host "
+                           "copy keeps the weights of the last completed call",
+                           str(exc).splitlines()[0])
+
+    def _pull_across(self, loader: snapshot.Loader, optimizer_state: bool) -> None:
+        """Each stage's weights (and optimiser state) into the host copy from the process
+        holding it: this process's stages out, the others' into `loader`."""
+        e = self.engine
+        optimizer = e.optimizer if optimizer_state else None
+        mine = {s: snapshot.stage_state(e.staged.modules[s], optimizer)
+                for peer in e.workers.first_replica for s in peer.stages}
+        for theirs in e.workers.across("a copy of the weights to the host", mine).values():
+            for stage, state in cast(dict, theirs).items():
+                for item in snapshot.items(stage, state):
+                    loader.put(item)
+
+    def return_state(self) -> None:
+        """The optimiser state a copy to the host moved there, back to replica 0's workers
+        before a training call: a worker at a time, the host's copy of each worker's share
+        dropped once it has arrived (so the state is never in memory twice)."""
+        if not self.points.state_on_host:
+            return
+        e = self.engine
+        assert e.optimizer is not None
+        for peer, placement in zip(e.workers.first_replica, e.placements):
+            modules = [e.staged.modules[s] for s in placement.stages]
+            states = {s: ({}, *snapshot.stage_state(module, e.optimizer)[1:])
+                      for s, module in zip(placement.stages, modules)}
+            e.workers.broadcast(m.GiveState(states), "giving the optimiser state back", [peer])
+            elsewhere = {id(e.model.get_parameter(n)) for n in
+                         stepped_elsewhere(e.ties, placement.stages, e.owners)}
+            for module in modules:
+                for param in module.parameters():
+                    if id(param) not in elsewhere:
+                        e.optimizer.state.pop(param, None)
+            del states
+            resident.give_back_freed()
+        self.points.state_on_host = False
+
+    def pull_gradients(self) -> None:
+        """Copy the gradients of the last optimiser step into the host copy's `.grad`."""
+        e = self.engine
+        replies = e.workers.broadcast(m.Grads(), "getAnchoredTensor", self.asked)
+        found: dict[int, torch.Tensor] = {}  # a tied weight's gradient: its stepping device's
+        for stages in replies[:e.workers.devices]:
+            assert isinstance(stages, dict)
+            for stage, grads in stages.items():
+                for name, param in e.staged.modules[stage].named_parameters():
+                    if name in grads:
+                        found[id(param)] = grads[name]
+        for module in e.staged.modules:
+            for param in module.parameters():
+                param.grad = found.get(id(param))
+
+    def restore_last_call(self) -> None:
+        """After a failure: the host copy takes the state the workers saved after the last
+        completed call (nothing to do if none completed since the launch or the last pull)."""
+        e, points = self.engine, self.points
+        if e.optimizer is None or (points.workers == 0 and self.shared is None):
+            return  # with shared weights a cut call may have changed them: restore anyway
+        folder = e.workers.folder
+        held = {s for p in e.placements for s in p.stages}  # this process's stages
+        routes = [r for r in e.routes if r.index in held]
+        saved = ([snapshot.read(folder, r.index, points.saved) for r in routes]
+                 if points.saved is not None else [])
+        if points.saved == 0 and points.workers == 0 and any(s is None for s in saved):
+            return  # start-up failed before its restore point: no call has run
+        if points.saved is None or any(s is None for s in saved):
+            logger.warning("The state after the last completed call was not saved "
+                           "(PIPETORCH_SNAPSHOTS=0?): the host copy keeps the weights of the "
+                           "last copy to the host")
+            return
+        if points.saved < points.workers:
+            logger.warning(
+                "The model returns to the state the workers wrote %d call(s) before the last "
+                "completed one (PIPETORCH_SNAPSHOTS=auto writes once writing costs at most a "
+                "tenth of the training time; =1 writes after every call)",
+                points.workers - points.saved)
+        for route, stage in zip(routes, saved):
+            snapshot.load_stage_state(e.staged.modules[route.index], e.optimizer, stage)
+
+    def push(self, *, optimizer_state: bool = False) -> None:
+        """Send the host copy's weights (and with `optimizer_state` the host optimiser's
+        state) to every stage of every replica."""
+        e = self.engine
+        if not optimizer_state:
+            self.return_state()  # the snapshot the workers write holds their state
+        commit = self.points.workers + 1
+        optimizer = e.optimizer if optimizer_state else None
+        for peer in e.workers.peers:
+            states = {stage: snapshot.stage_state(e.staged.modules[stage], optimizer)
+                      for stage in peer.stages}
+            e.workers.send(peer, m.Push(states, commit))
+        self.points.changed(saved=any(e.workers.gather("copyWeightsToDevice")), uploaded=True)
+        self.points.state_on_host &= not optimizer_state  # then it went to every worker
+        self.refresh()  # the file now holds what the host's own pages held

@@ -1,0 +1,104 @@
+"""A stage executor's bundle transfers: over its link to another device's worker, or handed
+over in memory between two stages the device holds (parallel.worker.stage)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipetorch.parallel.layout.routes import Constant, TensorSpec
+from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, PeerLink, Tag, channel
+from pipetorch.partition.split import Source
+from pipetorch.schedule.actions import Action, Kind
+
+if TYPE_CHECKING:
+    from pipetorch.parallel.worker.stage import _Held
+
+__all__: list[str] = []
+
+
+class Transfers:
+    """StageExecutor's transfers (its attributes, below)."""
+
+    held: dict[int, _Held]
+    link: PeerLink
+    owners: tuple[int, ...]
+    specs: dict[Source, TensorSpec | Constant]
+    _handovers: dict[tuple[Tag, int, int], list[torch.Tensor]]
+    _training: bool
+
+    def channels(self, actions: list[Action]) -> list[ChannelSpec]:
+        """Every direction of traffic with another worker that `actions` use, with its largest
+        message (empty bundles, which are never sent, and transfers within this worker left
+        out)."""
+        carries = {Kind.SEND_ACT: (Tag.ACTIVATIONS, True, "act_out"),
+                   Kind.RECV_ACT: (Tag.ACTIVATIONS, False, "act_in"),
+                   Kind.SEND_GRAD: (Tag.GRADIENTS, True, "grad_out"),
+                   Kind.RECV_GRAD: (Tag.GRADIENTS, False, "grad_in"),
+                   Kind.SEND_DONE: (Tag.DONE, True, None), Kind.RECV_DONE: (Tag.DONE, False, None)}
+        found: dict[tuple[int, int, bool], int] = {}
+        for action in actions:
+            if action.kind not in carries or action.peer is None or self._local(action.peer):
+                continue
+            tag, outgoing, bundle = carries[action.kind]
+            layout = getattr(self.held[action.stage], bundle)[1] if bundle else None
+            if layout is None or layout.specs:
+                sender = action.stage if outgoing else action.peer
+                key = (self.owners[action.peer], channel(tag, sender), outgoing)
+                found[key] = max(found.get(key, 0), layout.nbytes if layout else 0)
+        return [ChannelSpec(peer, tag, outgoing, nbytes)
+                for (peer, tag, outgoing), nbytes in sorted(found.items())]
+
+    def _local(self, stage: int | None) -> bool:
+        return stage in self.held
+
+    def _transfer_out(self, tag: Tag, action: Action, m: int, layout: BundleLayout,
+                      tensors: list[torch.Tensor]) -> None:
+        peer = action.peer
+        assert peer is not None
+        if self._local(peer):
+            layout.check(tensors)
+            self._handovers[(tag, peer, m)] = [t.detach() for t in tensors]
+        else:
+            self.link.send(layout, tensors, self.owners[peer], channel(tag, action.stage))
+
+    def _transfer_in(self, tag: Tag, action: Action, m: int,
+                     layout: BundleLayout) -> list[torch.Tensor]:
+        peer = action.peer
+        assert peer is not None
+        if self._local(peer):
+            return self._handovers.pop((tag, action.stage, m))
+        return self.link.recv(layout, self.owners[peer], channel(tag, peer))
+
+    def _recv_act(self, m: int, action: Action) -> None:
+        held = self.held[action.stage]
+        sources, layout = held.act_in
+        tensors = self._transfer_in(Tag.ACTIVATIONS, action, m, layout)
+        for source, tensor in zip(sources, tensors):
+            if self._training and self.specs[source].requires_grad:  # type: ignore[union-attr]
+                tensor.requires_grad_(True)
+        held.received[m] = dict(zip(sources, tensors))
+
+    def _send_act(self, m: int, action: Action) -> None:
+        held = self.held[action.stage]
+        forward = held.forwards[m] if self._training else held.forwards.pop(m)
+        sources, layout = held.act_out
+        self._transfer_out(Tag.ACTIVATIONS, action, m, layout,
+                           [forward.values[s] for s in sources])
+
+    def _recv_grad(self, m: int, action: Action) -> None:
+        held = self.held[action.stage]
+        held.grads[m] = self._transfer_in(Tag.GRADIENTS, action, m, held.grad_in[1])
+
+    def _send_grad(self, m: int, action: Action) -> None:
+        held = self.held[action.stage]
+        self._transfer_out(Tag.GRADIENTS, action, m, held.grad_out[1],
+                           held.grads_out.pop(m, []))
+
+    def _send_done(self, m: int, action: Action) -> None:
+        if not self._local(action.peer):  # within the device its list already orders them
+            self.link.signal(self.owners[action.peer], channel(Tag.DONE, action.stage))
+
+    def _recv_done(self, m: int, action: Action) -> None:
+        if not self._local(action.peer):
+            self.link.wait_signal(self.owners[action.peer], channel(Tag.DONE, action.peer))
