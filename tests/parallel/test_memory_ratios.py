@@ -83,9 +83,10 @@ def test_the_host_keeps_one_copy_of_the_weights_and_the_state_only_when_read():
     size = m["size"]
     assert m["trained"] < 0.5 * size, m  # no second copy, no pickled payloads
     # Each weight arrives in a buffer of its own before it is copied into place, and the
-    # allocator may keep one or two such buffers (a layer is a quarter of this model): 0.26
-    # or 0.52 of the size in fresh interpreters. A second copy would be 1.0.
-    assert m["touched"] < 0.75 * size, m
+    # allocator may keep up to three such buffers (a layer is a quarter of this model): 0.26
+    # or 0.52 of the size in fresh interpreters, 0.77 once in a loaded full-suite run. A
+    # second copy would be 1.0 and more.
+    assert m["touched"] < 0.9 * size, m
     # Adam's two moments (2.0) and those receive buffers; a second copy of them would be 4.5
     assert 1.5 * size < m["read"] < 4.25 * size, m
     peaks = dict(m["peaks"])
