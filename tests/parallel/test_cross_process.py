@@ -1,15 +1,19 @@
 """One pipeline over two torchrun "machines" on 127.0.0.1 (Distributed.stagesAcrossProcesses):
 the same numbers as plain PyTorch on every process, and faults raised on every process."""
+import json
+
 import pytest
 import torch
 from torch.testing import assert_close
 
 import torchrun_pipeline_job as job
+import torchrun_saving_job as saving_job
 from helpers.reference import plain_train_call
 from helpers.torchrun import two_nodes
 from pipetorch.errors import ConfigError
 from pipetorch.parallel import cross_process
 from pipetorch.parallel.placement import Physical, Placement, running
+from safetensors.torch import load_file
 
 TIMEOUT = 12  # PIPETORCH_TIMEOUT of the fault jobs, seconds
 
@@ -51,6 +55,52 @@ def test_a_fault_on_one_process_raises_on_every_process(tmp_path, mode):
         assert "rocess" in error and "stage" in error, (p, error)
         assert result["seconds"] < 3 * TIMEOUT, (p, result["seconds"], error)  # not a hang
         assert not [pid for pid in result["pids"] if running(pid)], (p, error)  # no orphan
+
+
+@pytest.mark.slow
+def test_a_pipeline_over_two_processes_saves_each_stage_on_its_process(tmp_path):
+    width = 512  # about 2.1 MB of weights, half on each process
+    results = two_nodes(saving_job.__file__, tmp_path, str(width))
+    torch.manual_seed(0)
+    plain = saving_job.TiedNet(width)
+    optimizer = saving_job.optimizer_of(plain)
+    data = job.dataset(1)
+    call = job.D * job.G * job.B
+    for c in range(job.CALLS):
+        rows = slice(c * call, (c + 1) * call)
+        got = plain_train_call(plain, optimizer, data.tensors[0][rows], data.tensors[1][rows],
+                               D=job.D, G=job.G, R=1)
+        for p, result in enumerate(results):
+            assert_close(result["losses"][c], torch.stack([loss for *_, loss in got]))
+    folder = tmp_path / "trained"
+    files = sorted(f.name for f in folder.glob("*.safetensors"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    # each process wrote its own stage's file and no other
+    assert [r["opened"] for r in results] == [[files[0]], [files[1]]]
+    saved = [load_file(str(folder / f)) for f in files]
+    names = set(load_file(str(tmp_path / "init0.safetensors")))  # the tied weight once
+    assert sorted(n for s in saved for n in s) == sorted(names)  # each tensor in one file
+    assert set(saved[0]) == {n for n in names if n.startswith(("a.", "mid0."))}
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {n: files[n not in saved[0]] for n in names}
+    want = plain.state_dict()
+    for tensors in saved:
+        for name, value in tensors.items():
+            assert_close(value, want[name], msg=name)
+    for p, result in enumerate(results):  # one machine: each host maps both files
+        assert set(result["state"]) == set(want)  # back.weight: a.weight, tied
+        for name, value in want.items():
+            assert_close(result["state"][name], value, msg=f"process {p}, {name}")
+        # the save holds one tensor of its own stage at a time (mid0's or mid1's weight, half
+        # the model), never the other's stage: every process holding every stage (each host
+        # receiving the other's, and writing the whole model) peaked at 4.5x the model
+        assert result["save_peak"] < 0.75 * result["model_bytes"], (p, result["save_peak"])
+    # mapped again from the folder, training resumes from the saved point
+    rows = slice(0, call)
+    got = plain_train_call(plain, optimizer, data.tensors[0][rows], data.tensors[1][rows],
+                           D=job.D, G=job.G, R=1)
+    for result in results:
+        assert_close(result["resumed"], torch.stack([loss for *_, loss in got]))
 
 
 def test_devices_are_shared_out_in_blocks_of_processes(monkeypatch):
