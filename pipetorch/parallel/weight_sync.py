@@ -134,8 +134,8 @@ class WeightSync:
                      written: dict[str, str]) -> dict[str, str]:
         """Each stage's weights (and optimiser state) into the host copy from the process
         holding it: this process's stages out, the others' into `loader`; but the weights
-        going to map_weights's files, which each process writes for its own stages (their
-        names and save ids cross instead: `written`, every process's, is returned)."""
+        going to map_weights's files, which each process writes for its own stages (the
+        files' save ids cross instead: `written`, every process's, is returned)."""
         e = self.engine
         optimizer = e.optimizer if optimizer_state else None
         mine = {}
@@ -143,7 +143,7 @@ class WeightSync:
             for s in peer.stages:
                 module = e.staged.modules[s]
                 filed = frozenset(id(t) for t in [*module.parameters(), *module.buffers()]
-                                  if e.writer is not None and e.writer.takes(t))
+                                  if e.writer is not None and e.writer.stays(t))
                 mine[s] = snapshot.stage_state(module, optimizer, skip=filed)
         every = dict(written)
         for theirs in e.workers.across("a copy of the weights to the host",

@@ -87,7 +87,7 @@ class Checkpoint:
             return self.path
         if not self.path.endswith(".safetensors"):
             raise ConfigError(f"map_weights({self.path!r}): the weights must be a .safetensors "
-                              f"file, an {INDEX} or a folder holding one (safetensors.torch."
+                              f"file, a {INDEX} or a folder holding one (safetensors.torch."
                               "save_file(model.state_dict(), path) writes a file); a torch.save "
                               "file is read whole: load it with model.load_state_dict("
                               "torch.load(path, mmap=True)) instead")

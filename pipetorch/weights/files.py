@@ -63,10 +63,12 @@ def map_weights(model: nn.Module, path: str | os.PathLike[str], *,
     `strict` (as `load_state_dict`): the checkpoint's tensors and the model's state_dict must
     match, name for name (a weight tied under several names needs one). `strict=False` maps
     the tensors both have; the model keeps its own values for the rest. A tensor whose file
-    is on another machine (a checkpoint saved over several) keeps what the model holds.
+    is on another machine (a checkpoint saved over several) keeps what the model holds, which
+    must not be the meta device.
     """
     source = checkpoint.Checkpoint(path)
     _check_names(model, source.path, set(source.files), strict=strict)
+    _check_here(model, source)
     checkpoint.materialize(model, source)
     if output is not None:
         output = os.path.abspath(os.fspath(output))
@@ -103,6 +105,21 @@ def _check_names(model: nn.Module, path: str, found: set[str], *, strict: bool) 
             + "; ".join(problems) + ". Map the file saved from this model's configuration, or "
             "pass strict=False to map the tensors both have (the model keeps its own values "
             "for the others)")
+
+
+def _check_here(model: nn.Module, source: checkpoint.Checkpoint) -> None:
+    """Refuse a checkpoint whose files of tensors the model holds on the meta device are not
+    on this machine (each machine of a pipeline saved over several has its own stages')."""
+    named = [next((n for n in names if n in source.files), None)
+             for t, names in checkpoint.aliases(model) if t.device.type == "meta"]
+    away = sorted({source.files[n] for n in named if n is not None and n not in source.entries})
+    if away:
+        raise ConfigError(
+            f"map_weights: {source.path} names {len(away)} file(s) that are not on this "
+            f"machine ({_listed([os.path.basename(f) for f in away])}), whose tensors the "
+            "model holds on the meta device: a pipeline saved over several machines leaves "
+            "each machine's stages' files on that machine; copy the files into one folder on "
+            "each machine (or save into a folder every machine shares) before mapping it")
 
 
 def _missing(absent: list[tuple[torch.Tensor, str]], *, meta: bool = False) -> list[str]:

@@ -90,6 +90,7 @@ class Writer:
         self.file_of: dict[str, str] = {}  # name -> its file's name in `folder`
         self.stage_of: dict[str, int] = {}  # name -> the first stage holding it
         self.mine: set[str] = set()  # the files this process writes
+        self.lent: set[str] = set()  # see stays
         self._files: dict[str, _Partial] = {}
         self._kept: dict[str, torch.Tensor] = {}  # tied weights written elsewhere
         self._metadata: dict[str, str] = {}
@@ -98,10 +99,12 @@ class Writer:
     def place(self, modules: Sequence[nn.Module], held: Collection[int]) -> None:
         """Share the tensors out over the files: each in the first of `modules` (the stages)
         holding it; those of no stage in the first file. This process holds stages `held`."""
+        holders: dict[str, set[int]] = {}
         for stage, module in enumerate(modules):
             for tensor, _ in checkpoint.aliases(module):
                 if id(tensor) in self.keys:
-                    self.stage_of.setdefault(self.keys[id(tensor)], stage)
+                    holders.setdefault(self.keys[id(tensor)], set()).add(stage)
+        self.stage_of = {name: min(stages) for name, stages in holders.items()}
         stages = sorted(set(self.stage_of.values())) or [0]
         where = {name: self.stage_of.get(name, stages[0]) for name in self.source.files}
         if not self.sharded and not set(stages) <= set(held):
@@ -115,12 +118,21 @@ class Writer:
         self.file_of = {name: checkpoint.shard_name(number[stage], len(stages)) if self.sharded
                         else os.path.basename(self.output) for name, stage in where.items()}
         self.mine = {self.file_of[name] for name, stage in where.items() if stage in held}
+        # tied weights this process writes that another process's stages hold too
+        self.lent = {name for name, stages in holders.items()
+                     if self.file_of[name] in self.mine and not stages <= set(held)}
 
     def takes(self, target: torch.Tensor) -> bool:
         """Whether `target`'s new value goes to a file (a tensor of the checkpoint, as its
         dtype there: one cast when mapped stays in memory)."""
         name = self.keys.get(id(target))
         return name is not None and target.dtype == self._layout(name)[0]
+
+    def stays(self, target: torch.Tensor) -> bool:
+        """Whether `target`'s new value reaches the other processes through the files alone
+        (a tied weight another process's stage holds crosses as well: that process's
+        worker holds a copy it does not send, and the file may not be on its machine)."""
+        return self.takes(target) and self.keys[id(target)] not in self.lent
 
     def begin(self, point: int, *, again: bool = False) -> None:
         """A copy to the host of the weights of `point` (training calls) starts; `again`: the
@@ -136,18 +148,20 @@ class Writer:
         file = self.file_of[name]
         if self.again:
             return
+        if file not in self.mine:  # a tied weight, from the process writing it
+            self._kept[name] = value.detach().to("cpu")
+            return
         if self.stage_of[name] != stage:  # a later copy of a tied weight: written once
-            if file not in self.mine:
-                self._kept[name] = value.detach().to("cpu")
             return
         data = value.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
         self._file(file).write(name, memoryview(data))
 
     def seal(self) -> dict[str, str]:
         """Complete this process's files (a tensor no worker sent, one of no stage or cast in
-        the model, keeps the source's bytes) and put them in place; {file: the id of this
-        save}, for the other processes to tell them from older files."""
-        written: dict[str, str] = {}
+        the model, keeps the source's bytes), put them in place and map the host's tensors
+        to them; {file: the id of this save}, for the other processes to tell them from
+        older files."""
+        written = {}
         for file in sorted(self.mine) if not self.again else ():
             partial = self._file(file)
             for name in sorted(partial.missing):
@@ -160,37 +174,45 @@ class Writer:
             os.replace(partial.partial, partial.path)
             written[file] = self._metadata[checkpoint.SAVE]
         self._files.clear()
+        self._map(self.mine)
         return written
 
     def finish(self, written: Mapping[str, str]) -> None:
         """After every process sealed its files (`written`: each file's save id): the index,
-        and the host's tensors mapped to the files on this machine."""
+        and the host's tensors mapped to the other processes' files on this machine."""
         if self.again:
             return
         if self.sharded:
             self._write_index()
-        found: dict[str, SafetensorsFile | None] = {}
-        away: set[str] = set()
-        with torch.no_grad():
-            for name, tensor in self.tensors.items():
-                if not self.takes(tensor):
-                    continue
-                file = self.file_of[name]
-                if file not in found:
-                    found[file] = self._readable(file, written.get(file))
-                source = found[file]
-                if source is not None:
-                    tensor.data = source.tensor(name)
-                elif name in self._kept:
-                    tensor.data = self._kept.pop(name)
-                else:
-                    away.add(file)
+        away = self._map(set(self.file_of.values()) - self.mine, written)
         self._kept.clear()
         if away:
             logger.warning("%s %s saved on another machine: this process's host copy of "
                            "their weights keeps what it held (it never receives their "
                            "training); read them where they were saved",
                            ", ".join(sorted(away)), "is" if len(away) == 1 else "are")
+
+    @torch.no_grad()
+    def _map(self, files: Collection[str], written: Mapping[str, str] | None = None
+             ) -> set[str]:
+        """Map the host's tensors of `files` (this process's, or those `written` by the
+        others where they are on this machine); the others' files not here."""
+        found: dict[str, SafetensorsFile | None] = {}
+        away: set[str] = set()
+        for name, tensor in self.tensors.items():
+            file = self.file_of[name]
+            if self.again or file not in files or not self.takes(tensor):
+                continue
+            if file not in found:
+                found[file] = self._readable(file, None if written is None else written.get(file))
+            source = found[file]
+            if source is not None:
+                tensor.data = source.tensor(name)
+            elif name in self._kept:
+                tensor.data = self._kept.pop(name)
+            else:
+                away.add(file)
+        return away
 
     def _readable(self, file: str, save: str | None) -> SafetensorsFile | None:
         """`file`, if on this machine and written by this save."""

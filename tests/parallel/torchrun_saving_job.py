@@ -2,13 +2,17 @@
 and save it: each process writes its own stage's file into OUT_DIR/trained.
 
     torchrun --nnodes 2 --node-rank N --nproc-per-node 1 --master-addr 127.0.0.1 \\
-        --master-port PORT tests/parallel/torchrun_saving_job.py OUT_DIR [WIDTH]
+        --master-port PORT tests/parallel/torchrun_saving_job.py OUT_DIR WIDTH WHERE
+
+WHERE: "shared" (both processes save into OUT_DIR/trained, as on one machine) or "apart"
+(process p into OUT_DIR/machine{p}/trained, as on machines of their own).
 
 Trains CALLS calls, copies the weights to the host (the save: peak RSS measured around it),
 then maps the saved folder into a new model and trains one more call. Each process saves
 what it saw in OUT_DIR/process{p}.pt.
 """
 import os
+import shutil
 import sys
 
 import torch
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_model
 
 import pipetorch as poptorch
+from pipetorch.errors import ConfigError
 from pipetorch.parallel import resident
 from pipetorch.weights import saving
 from torchrun_pipeline_job import B, CALLS, D, G, dataset
@@ -58,7 +63,7 @@ def mapped_model(width: int, path: str, **output: str) -> TiedNet:
     return poptorch.map_weights(model, path, **output)
 
 
-def main(out: str, width: int) -> None:
+def main(out: str, width: int, where: str) -> None:
     opts = poptorch.Options().deviceIterations(D).showCompilationProgressBar(False)
     opts.outputMode(poptorch.OutputMode.All).Training.gradientAccumulation(G)
     opts.Distributed.stagesAcrossProcesses(True)
@@ -66,7 +71,7 @@ def main(out: str, width: int) -> None:
     torch.manual_seed(0)
     source = os.path.join(out, f"init{process}.safetensors")
     save_model(TiedNet(width), source)  # the tied weight once
-    folder = os.path.join(out, "trained")
+    folder = os.path.join(out, *([f"machine{process}"] if where == "apart" else []), "trained")
     model = mapped_model(width, source, output=folder)
     opened = []  # the files this process writes
     open_file = saving._Partial.__init__
@@ -84,8 +89,19 @@ def main(out: str, width: int) -> None:
     before = resident.rss(os.getpid())
     wrapper.copyWeightsToHost()  # the save
     save_peak = resident.peak_rss() - before
+    files = sorted(os.listdir(folder))
     state = {k: v.clone() for k, v in model.state_dict().items()}  # the files, mapped
     wrapper.destroy()
+    refused = ""
+    if where == "apart":  # the other machine's file is not here: gathered as rsync would
+        try:
+            mapped_model(width, folder)
+        except ConfigError as exc:
+            refused = str(exc)
+        theirs = os.path.join(out, f"machine{1 - process}", "trained")
+        for name in os.listdir(theirs):
+            if not os.path.exists(os.path.join(folder, name)):
+                shutil.copy(os.path.join(theirs, name), folder)
 
     again = mapped_model(width, folder)  # resume from the saved folder
     resumed = poptorch.trainingModel(again, opts, optimizer=optimizer_of(again))
@@ -94,9 +110,10 @@ def main(out: str, width: int) -> None:
     resumed.destroy()
     model_bytes = sum(t.numel() * t.element_size() for t in state.values())
     torch.save({"losses": losses, "opened": opened, "state": state, "resumed": resumed_loss,
-                "save_peak": save_peak, "model_bytes": model_bytes},
+                "save_peak": save_peak, "model_bytes": model_bytes, "refused": refused,
+                "files": files},
                os.path.join(out, f"process{process}.pt"))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 64)
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
