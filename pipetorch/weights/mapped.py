@@ -29,7 +29,7 @@ import os
 import struct
 import weakref
 from dataclasses import dataclass
-from typing import Any, Collection
+from typing import Collection
 
 import torch
 

@@ -161,7 +161,7 @@ class Writer:
         the model, keeps the source's bytes), put them in place and map the host's tensors
         to them; {file: the id of this save}, for the other processes to tell them from
         older files."""
-        written = {}
+        written: dict[str, str] = {}
         for file in sorted(self.mine) if not self.again else ():
             partial = self._file(file)
             for name in sorted(partial.missing):

@@ -24,7 +24,7 @@ import pipetorch as poptorch
 from pipetorch.errors import ConfigError
 from pipetorch.parallel import resident
 from pipetorch.weights import saving
-from torchrun_pipeline_job import B, CALLS, D, G, dataset
+from torchrun_pipeline_job import B, D, G, dataset
 
 
 class Back(nn.Module):
