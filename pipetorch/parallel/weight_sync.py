@@ -111,8 +111,9 @@ class WeightSync:
         try:
             counts = workers.broadcast(m.Pull(optimizer_state), "copyWeightsToHost", self.asked)
             loader = snapshot.Loader(e.staged.modules, e.optimizer, writer=e.writer)
-            if e.writer is not None:  # the files hold this point already: written once
-                e.writer.begin(self.points.workers, again=self.points.host == self.points.workers)
+            if e.writer is not None:
+                e.writer.begin(self.points.workers,
+                               current=self.points.host == self.points.workers)
             for peer, count in zip(workers.first_replica, counts):
                 assert isinstance(count, int)
                 for _ in range(count):

@@ -94,7 +94,8 @@ class Writer:
         self._files: dict[str, _Partial] = {}
         self._kept: dict[str, torch.Tensor] = {}  # tied weights written elsewhere
         self._metadata: dict[str, str] = {}
-        self.again = False
+        self.again = False  # this copy's point is in the files already
+        self._sealed: int | None = None  # the point this writer last wrote
 
     def place(self, modules: Sequence[nn.Module], held: Collection[int]) -> None:
         """Share the tensors out over the files: each in the first of `modules` (the stages)
@@ -134,12 +135,12 @@ class Writer:
         worker holds a copy it does not send, and the file may not be on its machine)."""
         return self.takes(target) and self.keys[id(target)] not in self.lent
 
-    def begin(self, point: int, *, again: bool = False) -> None:
-        """A copy to the host of the weights of `point` (training calls) starts; `again`: the
-        host's tensors map the files of this point already (a copy of the optimiser's
-        state after one of the weights), so nothing is written."""
+    def begin(self, point: int, *, current: bool = False) -> None:
+        """A copy to the host of the weights of `point` (training calls) starts; `current`:
+        the host holds that point's weights already. If this writer wrote them, nothing is
+        written again (a copy of the optimiser's state after one of the weights)."""
         self._abandon()
-        self.again = again
+        self.again = current and point == self._sealed
         self._metadata = {"format": "pt", checkpoint.POINT: str(point)}
 
     def write(self, stage: int, target: torch.Tensor, value: torch.Tensor) -> None:
@@ -175,6 +176,7 @@ class Writer:
             written[file] = self._metadata[checkpoint.SAVE]
         self._files.clear()
         self._map(self.mine)
+        self._sealed = int(self._metadata[checkpoint.POINT])
         return written
 
     def finish(self, written: Mapping[str, str]) -> None:
