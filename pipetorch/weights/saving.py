@@ -16,6 +16,7 @@ A tensor tied across stages is written once, in the file of the first stage hold
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -257,9 +258,11 @@ class Writer:
         return self._files[file]
 
     def _abandon(self) -> None:
-        """Close the files of a copy that did not complete (a worker failed)."""
+        """Close and remove the files of a copy that did not complete (a worker failed)."""
         for partial in self._files.values():
             partial.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial.partial)
         self._files.clear()
         self._kept.clear()
 
