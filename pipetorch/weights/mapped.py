@@ -11,9 +11,9 @@ file straight into its own memory. The host never reads them.
     host:               mapping of a ^   mapping of b ^ ...   (private: writes stay in memory)
     worker of stage 1:  reads b's region into its own memory
 
-`Writer` writes a copy of the workers' weights to a new file (the source's layout, tensor by
-tensor, as they arrive) and then maps the host's tensors to it, so the host's copy of a model
-larger than its memory is that file.
+weights.saving writes a copy of the workers' weights to new files (tensor by tensor, as they
+arrive) and then maps the host's tensors to them, so the host's copy of a model larger than
+its memory is those files.
 
 A region can also be *live* (weights.shared): a file in shared memory that a CPU
 worker maps shared and trains in place, while the host maps it privately. What a tensor's
@@ -29,7 +29,7 @@ import os
 import struct
 import weakref
 from dataclasses import dataclass
-from typing import Any, Collection
+from typing import Collection
 
 import torch
 
@@ -81,7 +81,7 @@ class SafetensorsFile:
             raise ValueError(f"{path} is not a readable safetensors file ({exc}); write one "
                              "with safetensors.torch.save_file(model.state_dict(), path)") from exc
         self.header_bytes = 8 + size
-        header.pop("__metadata__", None)
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self.entries: dict[str, Entry] = {}
         for key, info in header.items():
             if info["dtype"] not in _DTYPES:
@@ -228,98 +228,3 @@ def read(region: Region) -> torch.UntypedStorage:
     finally:
         os.close(fd)
     return storage
-
-
-class Writer:
-    """The workers' weights written to `output` as they arrive, then mapped by the host's
-    tensors in place of their old mappings (`finish`)."""
-
-    def __init__(self, output: str) -> None:
-        self.output = os.path.abspath(output)
-        self._partial = f"{self.output}.partial"
-        self._file: int | None = None
-        self._source: SafetensorsFile | None = None
-        self._written: dict[str, list[torch.Tensor]] = {}
-
-    def takes(self, target: torch.Tensor) -> bool:
-        """Whether `target` is a mapped tensor (its new value goes to the file)."""
-        region = region_of(target.untyped_storage())
-        return region is not None and not region.live
-
-    def write(self, target: torch.Tensor, value: torch.Tensor) -> None:
-        region = region_of(target.untyped_storage())
-        assert region is not None
-        if self._source is None:
-            self._begin(SafetensorsFile(region.path))
-        assert self._source is not None and self._file is not None
-        entry = self._source.entries[region.key]
-        data = value.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
-        if len(data) != entry.end - entry.start:
-            raise ValueError(f"{region.key}: {len(data)} bytes arrived for a tensor of "
-                             f"{entry.end - entry.start}")
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self._file, memoryview(data)[done:], entry.start + done)
-        self._written.setdefault(region.key, []).append(target)
-
-    def _begin(self, source: SafetensorsFile) -> None:
-        """The new file: the source's header and layout; unwritten tensors keep its bytes."""
-        self._source = source
-        self._file = os.open(self._partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        with open(source.path, "rb") as original:
-            head = original.read(source.header_bytes)
-        os.pwrite(self._file, head, 0)
-        os.ftruncate(self._file, os.path.getsize(source.path))
-
-    def finish(self) -> None:
-        """Complete the file, put it in place, and map every written tensor to it."""
-        if self._source is None or self._file is None:
-            return
-        source, self._source = self._source, None
-        try:
-            with open(source.path, "rb") as original:
-                for key, entry in source.entries.items():
-                    if key not in self._written:  # not a weight of any stage: as it was
-                        original.seek(entry.start)
-                        os.pwrite(self._file, original.read(entry.end - entry.start), entry.start)
-        finally:
-            os.close(self._file)
-            self._file = None
-        os.replace(self._partial, self.output)
-        mapped = SafetensorsFile(self.output)
-        with torch.no_grad():
-            for key, targets in self._written.items():
-                for target in targets:
-                    target.data = mapped.tensor(key)
-        self._written.clear()
-
-
-def materialize(model: torch.nn.Module, path: str) -> list[str]:
-    """Give `model` (built on the meta device, or with any weights) the tensors of the
-    safetensors file `path`, mapped, under their names in the model's state_dict; the
-    Parameter objects stay the same (an optimiser built before keeps them). A tensor tied
-    under several names needs one of them in the file. Returns the names of the tensors the
-    file did not hold (buffers the model computes itself are fine)."""
-    source = SafetensorsFile(path)
-    names: dict[int, tuple[torch.Tensor, list[str]]] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False),
-                         *model.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(tensor), (tensor, []))[1].append(name)
-    missing = []
-    for tensor, aliases in names.values():
-        name = next((n for n in aliases if n in source.entries), None)
-        if name is None:
-            missing.append(aliases[0])
-            continue
-        entry = source.entries[name]
-        if entry.shape != tuple(tensor.shape):
-            raise ValueError(f"{path}: {name!r} has shape {list(entry.shape)} in the file but "
-                             f"{list(tensor.shape)} in the model: build the model with the "
-                             "configuration the file was saved from")
-        mapped = source.tensor(name)
-        if mapped.dtype != tensor.dtype:  # a cast reads the bytes into memory
-            mapped = mapped.to(tensor.dtype)
-        value: Any = (torch.nn.Parameter(mapped, requires_grad=tensor.requires_grad)
-                      if isinstance(tensor, torch.nn.Parameter) else mapped)
-        torch.utils.swap_tensors(tensor, value)
-    return missing

@@ -11,13 +11,13 @@ worker killed mid-write never leaves a torn file behind (the previous file stays
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
 from pipetorch.optim import offload, scaling
-from pipetorch.weights import mapped
+from pipetorch.weights import mapped, saving
 
 __all__: list[str] = []
 
@@ -72,16 +72,17 @@ class Loader:
 
     def __init__(self, modules: Sequence[nn.Module],
                  optimizer: torch.optim.Optimizer | None, *,
-                 writer: mapped.Writer | None = None) -> None:
+                 writer: saving.Writer | None = None) -> None:
         self.modules, self.optimizer, self.writer = modules, optimizer, writer
         self._tensors: dict[int, dict[str, torch.Tensor]] = {}
         self._params: dict[int, dict[str, nn.Parameter]] = {}
         self._stepped: set[int] | None = None  # id() of the optimiser's parameters
 
-    def finish(self) -> None:
-        """After the last item: the weights' file (if any) in place, mapped by the host."""
+    def finish(self, written: Mapping[str, str]) -> None:
+        """After the last item: the host maps the weights' files (if any; `written`: the
+        files every process wrote, by save id, see weights.saving)."""
         if self.writer is not None:
-            self.writer.finish()
+            self.writer.finish(written)
 
     @torch.no_grad()
     def put(self, item: Item) -> None:
@@ -94,7 +95,7 @@ class Loader:
             if mapped.same_bytes(target, value):  # weights shared with the worker
                 mapped.refresh(target)  # the host's next read sees what the worker wrote
             elif self.writer is not None and self.writer.takes(target):
-                self.writer.write(target, value)  # to the weights' file, not into memory
+                self.writer.write(stage, target, value)  # to the weights' file, not into memory
             else:
                 target.copy_(value)
             return

@@ -1,15 +1,19 @@
 """One pipeline over two torchrun "machines" on 127.0.0.1 (Distributed.stagesAcrossProcesses):
 the same numbers as plain PyTorch on every process, and faults raised on every process."""
+import json
+
 import pytest
 import torch
 from torch.testing import assert_close
 
 import torchrun_pipeline_job as job
+import torchrun_saving_job as saving_job
 from helpers.reference import plain_train_call
 from helpers.torchrun import two_nodes
 from pipetorch.errors import ConfigError
 from pipetorch.parallel.host import cross_process
 from pipetorch.parallel.layout.placement import Physical, Placement, running
+from safetensors.torch import load_file
 
 TIMEOUT = 12  # PIPETORCH_TIMEOUT of the fault jobs, seconds
 
@@ -51,6 +55,63 @@ def test_a_fault_on_one_process_raises_on_every_process(tmp_path, mode):
         assert "rocess" in error and "stage" in error, (p, error)
         assert result["seconds"] < 3 * TIMEOUT, (p, result["seconds"], error)  # not a hang
         assert not [pid for pid in result["pids"] if running(pid)], (p, error)  # no orphan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["shared", "apart"])
+def test_a_pipeline_over_two_processes_saves_each_stage_on_its_process(tmp_path, where):
+    """`shared`: one machine (one folder); `apart`: a folder per process, as on machines of
+    their own."""
+    width = 512  # about 2.1 MB of weights, half on each process
+    results = two_nodes(saving_job.__file__, tmp_path, str(width), where)
+    torch.manual_seed(0)
+    plain = saving_job.TiedNet(width)
+    initial = {n: t.detach().clone() for n, t in plain.state_dict().items()}
+    optimizer = saving_job.optimizer_of(plain)
+    data, call = job.dataset(1), job.D * job.G * job.B
+    for c in range(job.CALLS + 1):  # the last: after a reload from the saved files
+        rows = slice(c * call, (c + 1) * call) if c < job.CALLS else slice(0, call)
+        got = plain_train_call(plain, optimizer, data.tensors[0][rows], data.tensors[1][rows],
+                               D=job.D, G=job.G, R=1)
+        for result in results:
+            losses = result["losses"][c] if c < job.CALLS else result["resumed"]
+            assert_close(losses, torch.stack([loss for *_, loss in got]))
+        if c == job.CALLS - 1:
+            trained = {n: t.detach().clone() for n, t in plain.state_dict().items()}
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    folders = [tmp_path / "trained"] * 2 if where == "shared" else [
+        tmp_path / f"machine{p}" / "trained" for p in range(2)]
+    index = "model.safetensors.index.json"
+    # each process wrote its own stage's file and no other, on its own machine
+    assert [r["opened"] for r in results] == [[files[0]], [files[1]]]
+    here = [sorted(files + [index])] * 2 if where == "shared" else [[f, index] for f in files]
+    assert [r["files"] for r in results] == here
+    saved = [load_file(str(folder / f)) for folder, f in zip(folders, files)]
+    names = set(load_file(str(tmp_path / "init0.safetensors")))  # the tied weight once
+    assert sorted(n for s in saved for n in s) == sorted(names)  # each tensor in one file
+    first = {n for n in names if n.startswith(("a.", "mid0."))}
+    assert set(saved[0]) == first
+    for folder in folders:  # the index names every file, wherever it is
+        weight_map = json.loads((folder / index).read_text())["weight_map"]
+        assert weight_map == {n: files[n not in first] for n in names}
+    for tensors in saved:
+        for name, value in tensors.items():
+            assert_close(value, trained[name], msg=name)
+    for p, result in enumerate(results):
+        # one machine: each host maps both files; apart: the other stage keeps what it held,
+        # but the tied weight its own stage holds (back.weight, a.weight), kept in memory
+        assert set(result["state"]) == set(trained)
+        for name, value in trained.items():
+            stage = 0 if name.startswith(("a.", "mid0.")) else 1
+            current = where == "shared" or stage == p or name in ("a.weight", "back.weight")
+            want = value if current else initial[name]
+            assert_close(result["state"][name], want, msg=f"process {p}, {name}")
+        # the save holds one tensor of its own stage at a time (mid0's or mid1's weight, half
+        # the model), never the other's stage: every process holding every stage (each host
+        # receiving the other's, and writing the whole model) peaked at 4.5x the model
+        assert result["save_peak"] < 0.75 * result["model_bytes"], (p, result["save_peak"])
+        if where == "apart":
+            assert f"('{files[1 - p]}')" in result["refused"], result["refused"]
 
 
 def test_devices_are_shared_out_in_blocks_of_processes(monkeypatch):

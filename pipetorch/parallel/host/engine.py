@@ -46,7 +46,7 @@ from pipetorch.parallel.host.weight_sync import WeightSync, stage_optimizer
 from pipetorch.parallel.host.workers import WorkerSet
 from pipetorch.partition.split import StagedModel
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.weights import mapped
+from pipetorch.weights import saving
 from pipetorch.weights.points import Points
 
 __all__: list[str] = []
@@ -60,7 +60,7 @@ class ProcessEngine:
 
     def __init__(self, model: nn.Module, plan: CompilePlan, *, batching: Batching,
                  optimizer: torch.optim.Optimizer | None, process: tuple[int, int] = (0, 1),
-                 seed: int | None = None, writer: mapped.Writer | None = None,
+                 seed: int | None = None, writer: saving.Writer | None = None,
                  sharding: int | None = None, across: bool = False) -> None:
         assert plan.graphs is not None, "stage workers run the plan's stage graphs"
         self.plan = plan  # what compiling decided; the fields below change as the engine runs
@@ -91,6 +91,8 @@ class ProcessEngine:
                                             processes=self.num_processes) if across else None)
         if self.spread is not None:
             self.placements = cross_process.local_placements(self.placements, self.spread)
+        if writer is not None:  # each process writes the files of its own stages
+            writer.place(self.staged.modules, {s for p in self.placements for s in p.stages})
         self.choice = ScheduleChoice(plan.schedule, stages=len(self.routes), owners=self.owners,
                                      accumulation=batching.gradient_accumulation)
         self.ties = ties_of(model, self.staged, self.owners)  # weights held on several devices

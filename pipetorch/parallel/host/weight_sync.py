@@ -111,30 +111,50 @@ class WeightSync:
         try:
             counts = workers.broadcast(m.Pull(optimizer_state), "copyWeightsToHost", self.asked)
             loader = snapshot.Loader(e.staged.modules, e.optimizer, writer=e.writer)
+            if e.writer is not None:
+                e.writer.begin(self.points.workers,
+                               current=self.points.host == self.points.workers)
             for peer, count in zip(workers.first_replica, counts):
                 assert isinstance(count, int)
                 for _ in range(count):
                     loader.put(workers.receive(peer, "copyWeightsToHost"))  # type: ignore[arg-type]
+            written = e.writer.seal() if e.writer is not None else {}
             if workers.link is not None:  # the other processes' stages, from their hosts
-                self._pull_across(loader, optimizer_state and e.optimizer is not None)
-            loader.finish()
+                written = self._pull_across(loader, optimizer_state and e.optimizer is not None,
+                                            written)
+            loader.finish(written)
+            if written and workers.link is not None:  # none replaces its files before all
+                workers.across("mapping the saved weights")  # mapped the others'
             self.points.pulled(optimizer_state=optimizer_state and e.optimizer is not None)
         except DeviceError as exc:
             logger.warning("Could not copy the weights from the stage workers (%s): the host "
                            "copy keeps the weights of the last completed call",
                            str(exc).splitlines()[0])
 
-    def _pull_across(self, loader: snapshot.Loader, optimizer_state: bool) -> None:
+    def _pull_across(self, loader: snapshot.Loader, optimizer_state: bool,
+                     written: dict[str, str]) -> dict[str, str]:
         """Each stage's weights (and optimiser state) into the host copy from the process
-        holding it: this process's stages out, the others' into `loader`."""
+        holding it: this process's stages out, the others' into `loader`; but the weights
+        going to map_weights's files, which each process writes for its own stages (the
+        files' save ids cross instead: `written`, every process's, is returned)."""
         e = self.engine
         optimizer = e.optimizer if optimizer_state else None
-        mine = {s: snapshot.stage_state(e.staged.modules[s], optimizer)
-                for peer in e.workers.first_replica for s in peer.stages}
-        for theirs in e.workers.across("a copy of the weights to the host", mine).values():
-            for stage, state in cast(dict, theirs).items():
+        mine = {}
+        for peer in e.workers.first_replica:
+            for s in peer.stages:
+                module = e.staged.modules[s]
+                filed = frozenset(id(t) for t in [*module.parameters(), *module.buffers()]
+                                  if e.writer is not None and e.writer.stays(t))
+                mine[s] = snapshot.stage_state(module, optimizer, skip=filed)
+        every = dict(written)
+        for theirs in e.workers.across("a copy of the weights to the host",
+                                       (mine, written)).values():
+            states, files = cast(tuple, theirs)
+            every.update(files)
+            for stage, state in states.items():
                 for item in snapshot.items(stage, state):
                     loader.put(item)
+        return every
 
     def return_state(self) -> None:
         """The optimiser state a copy to the host moved there, back to replica 0's workers
