@@ -79,3 +79,17 @@ def assert_same_weights(got, want):
     """Every parameter of `want` equals the one of the same name in `got`."""
     for name, param in want.named_parameters():
         assert_close(got.get_parameter(name), param, msg=name)
+
+
+def train_language_model_call(wrapper, plain, plain_optimizer, call: int, G: int, **check):
+    """One training call of a wrapped causal language model (labels = inputs) on G random
+    sequences of 16 tokens drawn from seed `call`, against plain PyTorch stepping the same
+    micro-batches one by one; the call's loss is checked."""
+    ids = torch.randint(0, 97, (G, 16), generator=torch.Generator().manual_seed(call))
+    got = wrapper(input_ids=ids, labels=ids).loss
+    for m in range(G):
+        want = plain(input_ids=ids[m:m + 1], labels=ids[m:m + 1]).loss
+        (want / G).backward()
+    plain_optimizer.step()
+    plain_optimizer.zero_grad()
+    assert_close(got, want.detach(), **check)

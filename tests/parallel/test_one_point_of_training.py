@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pipetorch as poptorch
+from helpers.reference import train_language_model_call
 from parallel_cases import (assert_same_result, assert_same_state, cleaned, one_thread_everywhere,
                             plain_call, TiedHead, tied_tokens)
 
@@ -137,14 +138,7 @@ def test_a_tied_gpt2_uploads_every_tensor_from_the_latest_call(request, monkeypa
         model, opts, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)))
     plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     for call in range(4):
-        ids = torch.randint(0, 97, (G, 16), generator=torch.Generator().manual_seed(call))
-        got = wrapper(input_ids=ids, labels=ids).loss
-        for m in range(G):
-            want = plain(input_ids=ids[m:m + 1], labels=ids[m:m + 1]).loss
-            (want / G).backward()
-        plain_optimizer.step()
-        plain_optimizer.zero_grad()
-        torch.testing.assert_close(got, want.detach(), msg=f"call {call}")
+        train_language_model_call(wrapper, plain, plain_optimizer, call, G, msg=f"call {call}")
         if call == 1:
             assert_same_state(model, plain, what="read after call 2: ")
         if call == 2:

@@ -12,6 +12,8 @@ import pipetorch as poptorch
 from pipetorch.errors import ConfigError
 from pipetorch.parallel.comm import resident
 
+from helpers.reference import train_language_model_call
+
 pytestmark = pytest.mark.slow
 
 G = 4
@@ -108,14 +110,7 @@ def test_a_tied_hf_model_from_its_config_maps_and_trains(tmp_path):
     wrapper = poptorch.trainingModel(model, options(), torch.optim.SGD(model.parameters(), lr=0.1))
     plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
     for call in range(3):
-        ids = torch.randint(0, 97, (G, 16), generator=torch.Generator().manual_seed(call))
-        got = wrapper(input_ids=ids, labels=ids).loss
-        for m in range(G):
-            want = plain(input_ids=ids[m:m + 1], labels=ids[m:m + 1]).loss
-            (want / G).backward()
-        plain_optimizer.step()
-        plain_optimizer.zero_grad()
-        torch.testing.assert_close(got, want.detach())
+        train_language_model_call(wrapper, plain, plain_optimizer, call, G)
     assert model.lm_head.weight is model.transformer.wte.weight
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value, msg=name)

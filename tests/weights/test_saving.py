@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file, save_model
 from torch.testing import assert_close
 
+from helpers.reference import train_language_model_call
+
 import pipetorch as poptorch
 from pipetorch.errors import ConfigError
 from pipetorch.weights import checkpoint, saving
@@ -31,16 +33,6 @@ def mapped_gpt2(transformers, path, **output):
     return model
 
 
-def train(wrapper, plain, plain_optimizer, call):
-    ids = torch.randint(0, 97, (G, 16), generator=torch.Generator().manual_seed(call))
-    got = wrapper(input_ids=ids, labels=ids).loss
-    for m in range(G):
-        want = plain(input_ids=ids[m:m + 1], labels=ids[m:m + 1]).loss
-        (want / G).backward()
-    plain_optimizer.step()
-    plain_optimizer.zero_grad()
-    assert_close(got, want.detach())
-
 
 @pytest.mark.slow
 @pytest.mark.transformers
@@ -55,7 +47,7 @@ def test_a_folder_output_is_a_file_per_stage_that_transformers_and_map_weights_r
     wrapper = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
     plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
     for call in range(2):
-        train(wrapper, plain, plain_optimizer, call)
+        train_language_model_call(wrapper, plain, plain_optimizer, call, G)
     wrapper.copyWeightsToHost()
     folder = tmp_path / "out"
     index = json.loads((folder / checkpoint.INDEX).read_text())
@@ -88,7 +80,7 @@ def test_a_folder_output_is_a_file_per_stage_that_transformers_and_map_weights_r
     # mapped again from the folder, training goes on where it stopped
     again = mapped_gpt2(transformers, folder)
     resumed = poptorch.trainingModel(again, opts, torch.optim.SGD(again.parameters(), lr=0.1))
-    train(resumed, plain, plain_optimizer, 2)
+    train_language_model_call(resumed, plain, plain_optimizer, 2, G)
     resumed.destroy()
 
 
