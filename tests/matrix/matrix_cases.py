@@ -51,6 +51,21 @@ def _model_output(**fields: torch.Tensor) -> Any:
     return _output_class()(**fields)
 
 
+def _define_output_class(variant: str) -> None:
+    """Defines the ModelOutput class before forward first runs, as a user's module does at
+    import: transformers registers it with torch's pytree only outside compilation."""
+    if variant == "model_output":
+        _output_class()
+
+
+@dataclass
+class PlainOutput:
+    """A user's own dataclass output, unknown to torch's pytree until pipetorch registers it."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor
+
+
 def _partials(out: torch.Tensor, labels: torch.Tensor) -> tuple:
     ce = poptorch.identity_loss(F.cross_entropy(out, labels, reduction="none"), "mean")
     square = poptorch.identity_loss(out.pow(2).mean(-1), reduction="sum")
@@ -79,6 +94,7 @@ VARIANTS: dict[str, Variant] = {
     "dict": Variant(lambda m, o, y: {"logits": o, "loss": _ce(o, y)}, lambda r: r["loss"]),
     "model_output": Variant(lambda m, o, y: _model_output(loss=_ce(o, y), logits=o),
                             lambda r: r.loss),
+    "dataclass": Variant(lambda m, o, y: PlainOutput(o, _ce(o, y)), lambda r: r.loss),
     "partials": Variant(lambda m, o, y: _partials(o, y), lambda r: r[1]),
     "loss_module": Variant(lambda m, o, y: (o, m.criterion(o, y)), lambda r: r[1]),
     "identity_sum": Variant(
@@ -102,6 +118,7 @@ class MatrixNet(nn.Module):
     def __init__(self, variant: str = "last", *, batchnorm: bool = False,
                  tied: bool = False) -> None:
         super().__init__()
+        _define_output_class(variant)
         self.variant = variant
         self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
         self.norm = nn.BatchNorm1d(WIDTH) if batchnorm else nn.Identity()
@@ -123,6 +140,7 @@ class ConvNet(nn.Module):
 
     def __init__(self, variant: str = "last") -> None:
         super().__init__()
+        _define_output_class(variant)
         self.variant = variant
         self.layers = nn.ModuleList([
             nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU()),
