@@ -8,7 +8,6 @@ metadata, which export copies onto every node it creates.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import operator
 import re
@@ -75,26 +74,9 @@ class _Bound(nn.Module):
 
         def run() -> Tree:
             with self._casting():
-                return opened(without_caches(self.model, self.model(*call.args, **call.kwargs)))
+                return without_caches(self.model, self.model(*call.args, **call.kwargs))
 
         return self._watch(run)
-
-
-def opened(output: Tree) -> Tree:
-    """`output`, every dataclass in it registered with torch's pytree, so its tensors are leaves.
-
-    A dataclass of the user's own is unknown to pytree until it is registered, as torch.export
-    asks: done here the first time one is seen, so the split model returns the same class. A
-    dataclass that is also a dict (HuggingFace's ModelOutput) is left to its library, which
-    registers it when the class is defined.
-    """
-    while True:
-        unknown = {type(leaf) for leaf in pytree.tree_leaves(output)
-                   if dataclasses.is_dataclass(leaf) and not isinstance(leaf, (type, dict))}
-        if not unknown:
-            return output
-        for kind in unknown:
-            pytree.register_dataclass(kind)
 
 
 def is_cache(value: object) -> bool:

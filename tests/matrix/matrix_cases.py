@@ -58,14 +58,6 @@ def _define_output_class(variant: str) -> None:
         _output_class()
 
 
-@dataclass
-class PlainOutput:
-    """A user's own dataclass output, unknown to torch's pytree until pipetorch registers it."""
-
-    logits: torch.Tensor
-    loss: torch.Tensor
-
-
 def _partials(out: torch.Tensor, labels: torch.Tensor) -> tuple:
     ce = poptorch.identity_loss(F.cross_entropy(out, labels, reduction="none"), "mean")
     square = poptorch.identity_loss(out.pow(2).mean(-1), reduction="sum")
@@ -94,7 +86,6 @@ VARIANTS: dict[str, Variant] = {
     "dict": Variant(lambda m, o, y: {"logits": o, "loss": _ce(o, y)}, lambda r: r["loss"]),
     "model_output": Variant(lambda m, o, y: _model_output(loss=_ce(o, y), logits=o),
                             lambda r: r.loss),
-    "dataclass": Variant(lambda m, o, y: PlainOutput(o, _ce(o, y)), lambda r: r.loss),
     "partials": Variant(lambda m, o, y: _partials(o, y), lambda r: r[1]),
     "loss_module": Variant(lambda m, o, y: (o, m.criterion(o, y)), lambda r: r[1]),
     "identity_sum": Variant(
