@@ -18,10 +18,3 @@ def pytest_addoption(parser, pluginmanager):
 def pytest_configure(config):
     if not config.pluginmanager.hasplugin("timeout"):
         config.addinivalue_line("markers", "timeout(seconds): enforced only by pytest-timeout")
-
-
-def pytest_collection_modifyitems(items):
-    """The slow (multi-process) tests first, each group in its collection order: xdist hands
-    the long ones out while the short ones can still fill the gaps, instead of a benchmark's
-    minute running alone at the end (the same order in every xdist worker)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
