@@ -15,7 +15,7 @@ from pipetorch.parallel.host import cross_process
 from pipetorch.parallel.layout.placement import Physical, Placement, running
 from safetensors.torch import load_file
 
-TIMEOUT = 12  # PIPETORCH_TIMEOUT of the fault jobs, seconds
+TIMEOUT = 8  # PIPETORCH_TIMEOUT of the fault jobs, seconds
 
 
 def plain_calls(replicas: int):
