@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import pipetorch as poptorch
 from pipetorch.errors import ConfigError
+from pipetorch.parallel.host import decoding
 from parallel.parallel_cases import assert_in_processes, cleaned, one_thread_everywhere
 
 transformers = pytest.importorskip("transformers")
@@ -22,6 +23,8 @@ VOCAB, NEW = 96, 32
 @pytest.fixture(autouse=True)
 def _one_thread(request, monkeypatch):
     one_thread_everywhere(request, monkeypatch)
+    # these tests' lanes are a row or two: they run apart, as lanes of more rows do
+    monkeypatch.setattr(decoding, "FEW_ROWS", 1)
 
 
 def gpt2() -> nn.Module:
@@ -140,6 +143,22 @@ def test_lanes_waiting_together_run_as_one_batch(request, monkeypatch):
     # every lane waits for its partner; a lane whose partner is busy elsewhere goes alone)
     batched = [s for s in sent if len(s.lanes) == 2 and s.batched]
     assert len(batched) >= NEW and all(len(s.lanes) <= 2 for s in sent)
+
+
+def test_lanes_of_few_rows_run_as_one_lane(request, monkeypatch):
+    """4 sequences over 4 lanes would be lanes of one row, each step reading the stages'
+    weights once per lane: they go as one lane of 4 rows, with the same tokens."""
+    monkeypatch.setattr(decoding, "FEW_ROWS", 4)
+    torch.manual_seed(0)
+    model = gpt2().eval()
+    wrapper = cleaned(request, inference(model, lanes=4))
+    wrapper.generate(**prompts(), max_new_tokens=1, pad_token_id=0)
+    session, sent = wrapper._compiled.engine.session, []
+    submit = session.submit
+    monkeypatch.setattr(session, "submit", lambda r, step: sent.append(step) or submit(r, step))
+    settings = dict(prompts(), max_new_tokens=NEW, pad_token_id=0, do_sample=False)
+    assert torch.equal(wrapper.generate(**settings), model.generate(**settings))
+    assert len(sent) == NEW and all(list(s.lanes) == [0] for s in sent)
 
 
 def test_encoder_decoder_generates_in_the_stages_like_plain_hf(request):

@@ -64,7 +64,8 @@ def test_silence_raises_timeout_and_a_sender_gone_mid_message_raises_eof():
     assert time.monotonic() - start < 5
     # a skeleton announcing a storage whose bytes never come, then the sender closes
     import pickle
-    sender.send_bytes(pickle.dumps(([1000], pickle.dumps("x"))))
+    header = pickle.dumps(([1000], pickle.dumps("x")))
+    sender.send_bytes(stream._INLINE.pack(len(header), 0) + header)  # not inline: chunks follow
     sender.close()
     with pytest.raises(EOFError):
         stream.receive(receiver, timeout=5)

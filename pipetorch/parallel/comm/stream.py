@@ -12,6 +12,10 @@ pickled buffer costs each side a second copy of the whole message.
     [storage 0, chunk 0]       ------------> read into storage 0
     [storage 0, chunk 1] ...   ------------> ...
 
+A message whose storages hold at most INLINE bytes (a generation step, a reply) goes as one
+pipe message instead, its storages' bytes after the skeleton: one write and one wake-up of the
+reader where a message of five small tensors took six.
+
 A storage mapped from a file (weights.mapped) goes as its file region instead: the receiver
 reads those bytes from the file (or maps them: weights the host shares with a CPU worker,
 weights.shared), and the sender never touches them.
@@ -35,6 +39,7 @@ import os
 import pickle
 import struct
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Collection
 
@@ -46,6 +51,8 @@ from pipetorch.weights import mapped
 __all__: list[str] = []
 
 CHUNK = 16 << 20  # bytes per pipe message: bounds what a GPU storage stages in host memory
+INLINE = 64 << 10  # a message whose storages hold at most this many bytes is one pipe message
+_INLINE = struct.Struct("!IB")  # the first frame opens with its header's bytes and 1 if inline
 _POLL = 0.2  # seconds between checks that the sender is still there
 
 
@@ -127,21 +134,41 @@ def unpack(header: bytes, storage: Callable[[int], torch.UntypedStorage]
     return _Unpickler(io.BytesIO(skeleton), [storage(size) for size in sizes]), sizes
 
 
-def send(conn: Connection, message: object, *, shared: Collection[int] = ()) -> int:
-    """Send `message` (any picklable object holding tensors on any device); its bytes. The
-    receiver maps the live regions whose storages' data pointers are in `shared`."""
+@dataclass(frozen=True)
+class Encoded:
+    """A message as the frames `send` writes: encoded once, written to several pipes."""
+
+    frames: tuple[Any, ...]  # bytes, or uint8 tensors on the CPU
+    nbytes: int
+
+
+def encode(message: object, *, shared: Collection[int] = ()) -> Encoded:
+    """`message`'s frames: its header, then each storage's bytes in chunks; a message whose
+    storages hold at most INLINE bytes is one frame (one write, one wake-up of the reader:
+    a generation step's small tensors each cost a write and a wake-up otherwise)."""
     header, storages = pack(message, shared=shared)
-    conn.send_bytes(header)
-    sent = len(header)
+    total = sum(storage.nbytes() for storage in storages)
+    if total <= INLINE:
+        parts = [bytes_of(storage).cpu().numpy().tobytes() for storage in storages]
+        return Encoded((b"".join([_INLINE.pack(len(header), 1), header, *parts]),),
+                       len(header) + total)
+    frames: list[Any] = [_INLINE.pack(len(header), 0) + header]
     for storage in storages:
         whole = bytes_of(storage)
-        for start in range(0, storage.nbytes(), CHUNK):
-            chunk = whole[start:start + CHUNK]
-            if chunk.device.type != "cpu":
-                chunk = chunk.cpu()
-            conn.send_bytes(chunk.numpy())
-        sent += storage.nbytes()
-    return sent
+        frames.extend(whole[start:start + CHUNK] for start in range(0, storage.nbytes(), CHUNK))
+    return Encoded(tuple(frames), len(header) + total)
+
+
+def send(conn: Connection, message: object, *, shared: Collection[int] = ()) -> int:
+    """Send `message` (any picklable object holding tensors on any device, or its Encoded
+    frames); its bytes. The receiver maps the live regions whose storages' data pointers are
+    in `shared`."""
+    encoded = message if isinstance(message, Encoded) else encode(message, shared=shared)
+    for frame in encoded.frames:
+        if isinstance(frame, torch.Tensor):
+            frame = (frame if frame.device.type == "cpu" else frame.cpu()).numpy()
+        conn.send_bytes(frame)
+    return encoded.nbytes
 
 
 def receive(conn: Connection, *, timeout: float,
@@ -150,19 +177,26 @@ def receive(conn: Connection, *, timeout: float,
     (TimeoutError) and each later read likewise; `alive()` False ends the wait (EOFError).
     A message that cannot be rebuilt raises Undeliverable once its bytes are read."""
     wait(conn, timeout, alive)
-    header = conn.recv_bytes()
+    first = conn.recv_bytes()
+    length, inline = _INLINE.unpack_from(first)
+    header = first[_INLINE.size:_INLINE.size + length]
     unpickler, sizes = unpack(header, torch.UntypedStorage)
     try:
         message = unpickler.load()
     except Exception as exc:
-        for size in sizes:  # the storages' chunks follow: read them off the pipe
+        for size in sizes if not inline else ():  # their chunks follow: read them off the pipe
             scratch = memoryview(bytearray(min(size, CHUNK)))
             for start in range(0, size, CHUNK):
                 wait(conn, timeout, alive)
                 _read_message_into(conn, scratch[:min(CHUNK, size - start)])
         raise Undeliverable(f"{type(exc).__name__}: {exc}") from exc
+    at = _INLINE.size + length
     for storage in unpickler.storages:
         whole = bytes_of(storage).numpy()
+        if inline:
+            whole[:] = memoryview(first)[at:at + len(whole)]
+            at += len(whole)
+            continue
         for start in range(0, storage.nbytes(), CHUNK):
             wait(conn, timeout, alive)
             _read_message_into(conn, memoryview(whole)[start:start + CHUNK])

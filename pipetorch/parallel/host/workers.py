@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from typing import Callable, Sequence
 
 from pipetorch.errors import DeviceError
-from pipetorch.parallel.comm import arena, exits, shm, wire
+from pipetorch.parallel.comm import arena, exits, shm, stream, wire
 from pipetorch.parallel.host import cross_process, pool
 from pipetorch.parallel.comm import messages as m
 from pipetorch.parallel.layout import placement as places
@@ -97,7 +97,7 @@ class WorkerSet:
                 "call destroy() and build a new trainingModel/inferenceModel. The model keeps "
                 "the weights of the last copy to the host")
 
-    def send(self, peer: wire.Peer, message: m.Message | arena.Packed, *,
+    def send(self, peer: wire.Peer, message: m.Message | arena.Packed | stream.Encoded, *,
              shared: arena.Arena | None = None, share: frozenset[int] = frozenset()) -> None:
         """Send `message` (with `shared`, the new arena of the Packed `message` if it has
         one; `share`: the live weights the worker maps, see wire.send)."""
