@@ -14,6 +14,7 @@ tensors each op reads and writes, which earlier losses each one depends on.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 import torch
@@ -94,6 +95,9 @@ def final_loss_index(output: object, graph: LossGraph) -> int:
     tensor is the loss, a pipetorch extension. No loss operation at all: a lone tensor output
     or a "loss" entry, a floating-point scalar, is the loss; else CompileError.
     """
+    opaque = opaque_dataclass(output)
+    if opaque is not None:
+        raise CompileError(f"Couldn't find a loss in graph! {opaque}")
     leaves = tensor_leaves(output)
     finals = graph.finals()
     if not finals:
@@ -119,6 +123,24 @@ def final_loss_index(output: object, graph: LossGraph) -> int:
     raise CompileError(
         f"Couldn't find a loss in graph! forward computes the loss {names} but {where}; return "
         "the loss itself (alone, in a tuple, or as the 'loss' entry of a dict)")
+
+
+def opaque_dataclass(output: object) -> str | None:
+    """What to do when forward returns a dataclass torch's pytree cannot open (one of the
+    user's own, never registered: its tensors are invisible), else None."""
+    if not dataclasses.is_dataclass(output) or isinstance(output, type):
+        return None
+    if pytree.tree_leaves(output) != [output]:
+        return None
+    return unregistered(type(output).__name__)
+
+
+def unregistered(name: str) -> str:
+    """The fix for a class forward returns that torch's pytree cannot open."""
+    return (f"forward returns a {name}, which torch's pytree cannot open to find its tensors. "
+            f"A dataclass of your own: register it once, after defining it, with "
+            f"torch.export.register_dataclass({name}) (HuggingFace's ModelOutput classes are "
+            "registered already); else return a tensor, or a tuple, list or dict of them")
 
 
 def _checked(index: int, output: object, graph: LossGraph, final: int | None) -> int:

@@ -21,7 +21,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from pipetorch import ops, tracebacks
+from pipetorch import losses, ops, tracebacks
 from pipetorch.errors import CompileError, Error
 from pipetorch.partition import blocks
 from pipetorch.partition.casting import Casting
@@ -295,9 +295,8 @@ def _construct(error: Exception) -> str:
     text = f"{type(error).__name__} {error}"
     unknown = re.search(r"Found (<class '[^']+'>) in output, which is not a known type", text)
     if unknown:
-        return (f"forward returns a {unknown.group(1)}, which cannot be flattened into tensors "
-                "to send between devices; return tensors, tuples, dicts or dataclasses of them "
-                "(HuggingFace models: config.use_cache=False, so no cache object is returned)")
+        return (f"{losses.unregistered(unknown.group(1))} (HuggingFace models: "
+                "config.use_cache=False, so no cache object is returned)")
     if "data-dependent" in text or "GuardOnDataDependent" in text:
         return "Python control flow or a Python number read from a tensor's values"
     if "Unsupported" in text or "not supported" in text:

@@ -4,11 +4,12 @@ each forward it calls runs in the stages, where every worker keeps the key/value
 own layers (parallel.generation.lanes). The model's code goes to the workers once, then each step
 goes out with a ticket and the replies are read back in order.
 
-Each forward's batch is cut into lanes (deviceIterations x replicationFactor of them, at most
-one per sequence; one per replica where lanes would hold fewer than FEW_ROWS sequences): lane i runs on replica i % replicationFactor, and a replica's stages run
-its lanes one after another, so its devices work on different lanes at once. In greedy
-decoding each lane runs its own loop; its steps wait while the replica has a step in flight
-per device, and the lanes waiting with steps alike go as one batch (continuous batching).
+Each forward's batch is cut into lanes (deviceIterations x replicationFactor of them, at
+most one per sequence; one per replica where lanes would hold fewer than FEW_ROWS
+sequences): lane i runs on replica i % replicationFactor, and a replica's stages run its
+lanes one after another, so its devices work on different lanes at once. In greedy decoding
+each lane runs its own loop; its steps wait while the replica has a step in flight per
+device, and the lanes waiting with steps alike go as one batch (continuous batching).
 """
 from __future__ import annotations
 
