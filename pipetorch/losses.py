@@ -130,7 +130,8 @@ def opaque_dataclass(output: object) -> str | None:
     user's own, never registered: its tensors are invisible), else None."""
     if not dataclasses.is_dataclass(output) or isinstance(output, type):
         return None
-    if pytree.tree_leaves(output) != [output]:
+    leaves = pytree.tree_leaves(output)
+    if len(leaves) != 1 or leaves[0] is not output:  # (never ==: its fields may be tensors)
         return None
     return unregistered(type(output).__name__)
 
