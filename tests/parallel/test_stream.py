@@ -84,3 +84,32 @@ def test_a_mapped_tensor_travels_as_its_file_region(tmp_path):
     assert mapped.region_of(got["a"].untyped_storage()) is None  # its own memory now
     got["a"].add_(1)  # and writable
     assert torch.equal(source.tensor("a"), weights["a"])  # the file never changes
+
+
+def _explode() -> None:
+    raise LookupError("no such class here")
+
+
+class _Unbuildable:
+    """Pickles fine; rebuilding it raises, as a class the receiver cannot import does."""
+
+    def __reduce__(self):
+        return (_explode, ())
+
+
+@pytest.mark.parametrize("size", [4, 2 * stream.INLINE // 4], ids=["one write", "chunks"])
+def test_small_messages_are_one_write_and_an_unbuildable_one_leaves_the_pipe_clean(size):
+    small = {"ids": torch.arange(6).view(2, 3), "mask": torch.ones(2, 3), "pos": torch.arange(3)}
+    assert len(stream.encode(small).frames) == 1  # three tensors, one pipe message
+    big = torch.randn(2 * stream.INLINE // 4)  # 2 INLINE bytes: header, then its chunks
+    assert len(stream.encode(big).frames) == 2
+    sender, receiver = pipe()
+    values = torch.randn(size)
+    thread = threading.Thread(target=lambda: [stream.send(sender, m) for m in (
+        [_Unbuildable(), values], small)])
+    thread.start()
+    with pytest.raises(stream.Undeliverable, match="LookupError: no such class here"):
+        stream.receive(receiver, timeout=10)
+    got, _ = stream.receive(receiver, timeout=10)  # the next message arrives whole
+    thread.join()
+    assert got.keys() == small.keys() and all(torch.equal(got[k], small[k]) for k in small)
