@@ -20,9 +20,12 @@ A storage mapped from a file (weights.mapped) goes as its file region instead: t
 reads those bytes from the file (or maps them: weights the host shares with a CPU worker,
 weights.shared), and the sender never touches them.
 
-User code travels by value: the pickler is cloudpickle's, which pickles the classes, functions
-and hooks of the user's `__main__` (a script, `python -c`, a notebook) by value, and everything
-importable by reference. A worker's `__main__` is not the user's, and running the user's script
+User code travels by value: cloudpickle's pickler pickles the classes, functions and hooks of
+the user's `__main__` (a script, `python -c`, a notebook) by value, and everything importable
+by reference. A message that names nothing of `__main__` and that the standard library's C
+pickler can take (a generation step, a reply, the values a stage hands on) is pickled by it
+instead, its tensors reduced by entries of its dispatch table: a fifth of cloudpickle's cost,
+whose Python hook runs for every object. A worker's `__main__` is not the user's, and running the user's script
 again in each worker (multiprocessing spawn's `__mp_main__`) would need a `__main__` guard and
 cannot work for `python -c` or a notebook. A class sent by value comes back from a worker as the
 user's own class (cloudpickle tracks it).
@@ -34,6 +37,8 @@ Undeliverable, with the message's bytes read off the pipe.
 """
 from __future__ import annotations
 
+import copyreg
+import functools
 import io
 import os
 import pickle
@@ -67,25 +72,16 @@ class Undeliverable(Exception):
     """A message arrived but could not be rebuilt here; its cause is chained."""
 
 
-class _Pickler(cloudpickle.Pickler):
-    """Pickles tensors' storages by reference (`storages` collects them in order) and the
-    user's `__main__` code by value."""
+class _Storages:
+    """What both picklers share: each tensor storage taken out once, in order (or named by its
+    file region), for a reference in the pickle."""
 
-    def __init__(self, file: io.BytesIO, shared: Collection[int]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+    def __init__(self, shared: Collection[int]) -> None:
         self.storages: list[torch.UntypedStorage] = []
         self._seen: dict[int, int] = {}
         self._shared = shared
 
-    def persistent_id(self, obj: object) -> tuple | None:
-        if isinstance(obj, torch.storage.TypedStorage):
-            untyped, dtype = obj._untyped_storage, obj.dtype
-        elif isinstance(obj, torch.UntypedStorage):
-            untyped, dtype = obj, None
-        else:
-            return None
-        if untyped.device.type == "meta":
-            return None
+    def reference(self, untyped: torch.UntypedStorage, dtype: torch.dtype | None) -> tuple:
         region = mapped.travels_as(untyped, self._shared)
         if region is not None:  # a file's bytes: the receiver reads or maps them
             return (*region, dtype)
@@ -94,6 +90,60 @@ class _Pickler(cloudpickle.Pickler):
             self._seen[key] = len(self.storages)
             self.storages.append(untyped)
         return ("storage", self._seen[key], dtype)
+
+
+def _typed(obj: object) -> tuple[torch.UntypedStorage, torch.dtype | None] | None:
+    """A storage's untyped bytes and dtype (None: not a storage, or one on the meta device)."""
+    if isinstance(obj, torch.storage.TypedStorage):
+        untyped, dtype = obj._untyped_storage, obj.dtype
+    elif isinstance(obj, torch.UntypedStorage):
+        untyped, dtype = obj, None
+    else:
+        return None
+    return None if untyped.device.type == "meta" else (untyped, dtype)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """Pickles tensors' storages by reference and the user's `__main__` code by value."""
+
+    def __init__(self, file: io.BytesIO, taken: _Storages) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.taken = taken
+
+    def persistent_id(self, obj: object) -> tuple | None:
+        typed = _typed(obj)
+        return None if typed is None else self.taken.reference(*typed)
+
+
+class _FastPickler(pickle.Pickler):
+    """The C pickler, tensors and storages reduced to `_stored` calls by entries of its
+    dispatch table (looked up by exact type: no Python call for any other object)."""
+
+    def __init__(self, file: io.BytesIO, taken: _Storages) -> None:
+        self.taken = taken
+        self.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: self._tensor,
+                               torch.UntypedStorage: self._storage,
+                               torch.storage.TypedStorage: self._storage}
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def _tensor(self, tensor: torch.Tensor) -> tuple:
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_conj() or \
+                tensor.is_neg() or tensor.device.type == "meta" or tensor.__dict__:
+            return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # torch's, storages by _storage
+        place = self.taken.reference(tensor.untyped_storage(), None)
+        return _stored, (place, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
+                         tensor.stride(), tensor.requires_grad)
+
+    def _storage(self, storage: torch.UntypedStorage | torch.storage.TypedStorage) -> tuple:
+        typed = _typed(storage)
+        if typed is None:
+            return storage.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return _stored, (self.taken.reference(*typed),)
+
+
+def _stored(*args: object) -> object:
+    """Stands for the receiving _Unpickler's `_stored` (its find_class swaps them)."""
+    raise pickle.UnpicklingError("a pipetorch message unpickled outside stream.unpack")
 
 
 class _Unpickler(pickle.Unpickler):
@@ -105,27 +155,65 @@ class _Unpickler(pickle.Unpickler):
         self._read: dict[mapped.Region, torch.UntypedStorage] = {}
 
     def persistent_load(self, pid: tuple) -> torch.UntypedStorage | torch.storage.TypedStorage:
-        kind, index, dtype = pid
-        if kind != "storage":
-            if index not in self._read:
-                self._read[index] = mapped.load(kind, index)
-            untyped = self._read[index]
-        else:
-            untyped = self.storages[index]
-        if dtype is None:
-            return untyped
-        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        return _placed(self.storages, self._read, pid)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_stored":
+            # not a bound method: the memo holding it would keep this unpickler, and every
+            # storage it made, alive until the garbage collector finds the cycle
+            return functools.partial(_rebuilt, self.storages, self._read)
+        return super().find_class(module, name)
+
+
+def _placed(storages: list[torch.UntypedStorage], read: dict[mapped.Region, torch.UntypedStorage],
+            pid: tuple) -> torch.UntypedStorage | torch.storage.TypedStorage:
+    """The storage a persistent id names: one the sender took out, or a file's region."""
+    kind, index, dtype = pid
+    if kind != "storage":
+        if index not in read:
+            read[index] = mapped.load(kind, index)
+        untyped = read[index]
+    else:
+        untyped = storages[index]
+    if dtype is None:
+        return untyped
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def _rebuilt(storages: list[torch.UntypedStorage], read: dict[mapped.Region, torch.UntypedStorage],
+             place: tuple, *tensor: Any) -> object:
+    """A `_stored` call of the sender: a storage (`place` alone), or a tensor over one, given
+    its dtype, offset, shape, stride and requires_grad."""
+    untyped = _placed(storages, read, place)
+    if not tensor:
+        return untyped
+    dtype, offset, shape, stride, requires_grad = tensor
+    rebuilt = torch.empty(0, dtype=dtype, device=untyped.device).set_(
+        untyped, offset, shape, stride)
+    return rebuilt.requires_grad_() if requires_grad else rebuilt
+
+
+_MAIN = b"__main__"  # a pickle naming it refers to the user's script: cloudpickle's then
 
 
 def pack(message: object, *, shared: Collection[int] = ()) -> tuple[bytes, list[torch.UntypedStorage]]:
     """`message` pickled with every tensor storage taken out, as a header that names their
     sizes; the storages, whose bytes the receiver reads into those `unpack` is given."""
-    buffer = io.BytesIO()
-    pickler = _Pickler(buffer, shared)
-    pickler.dump(message)
-    sizes = [s.nbytes() for s in pickler.storages]
-    header = pickle.dumps((sizes, buffer.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
-    return header, pickler.storages
+    buffer, taken = io.BytesIO(), _Storages(shared)
+    try:
+        _FastPickler(buffer, taken).dump(message)
+        skeleton: bytes | None = buffer.getvalue()
+        if _MAIN in skeleton or cloudpickle.cloudpickle._PICKLE_BY_VALUE_MODULES:
+            skeleton = None
+    except Exception:  # noqa: BLE001 - cloudpickle's pickler takes it, or says why not
+        skeleton = None
+    if skeleton is None:
+        buffer, taken = io.BytesIO(), _Storages(shared)
+        _Pickler(buffer, taken).dump(message)
+        skeleton = buffer.getvalue()
+    sizes = [s.nbytes() for s in taken.storages]
+    header = pickle.dumps((sizes, skeleton), protocol=pickle.HIGHEST_PROTOCOL)
+    return header, taken.storages
 
 
 def unpack(header: bytes, storage: Callable[[int], torch.UntypedStorage]
