@@ -289,6 +289,11 @@ class ShmLink(PeerLink):
             while channel.pending:
                 self._await(channel, deliver=True)
 
+    def settle(self) -> None:
+        """A send the full ring packed aside is delivered only by this process: deliver
+        every one (waiting for the receiver to free slots)."""
+        self.flush()
+
     def _await(self, channel: _Channel, *, deliver: bool = False) -> None:
         """Until `channel` has a signal (or, with `deliver`, has no send pending), delivering
         other channels' pending sends meanwhile; a closed or dead peer raises at once."""

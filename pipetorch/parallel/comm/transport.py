@@ -262,6 +262,12 @@ class PeerLink:
                 work.wait(self.timeout)
         self._pending.clear()
 
+    def settle(self) -> None:
+        """Leave the sends started to finish on their own (torch.distributed finishes them):
+        forget those that did, freeing their buffers."""
+        self._pending = [(work, buffer) for work, buffer in self._pending
+                         if not work.is_completed()]
+
     def open(self, channels: Sequence[ChannelSpec]) -> None:
         """Set up the traffic of `channels` before the first call (nothing to do for gloo)."""
 

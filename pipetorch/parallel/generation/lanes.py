@@ -1,7 +1,7 @@
 """Generation in the stage workers: each worker runs its stages of a model's forward eagerly
 (parallel.generation.eager_stage) for every sequence lane of a step, keeping each lane's key/value cache
 of its own layers between steps (parallel.generation.kv_cache), and hands the next stage its inputs
-through torch.distributed (parallel.comm.hops).
+through its link (parallel.comm.hops).
 
 One host step (one forward of HuggingFace's generate loop) is split into lanes, groups of
 sequences; a worker runs lane after lane, so while stage 1 runs lane 0, stage 0 runs lane 1:
@@ -27,6 +27,7 @@ from pipetorch.parallel.generation import kv_cache
 from pipetorch.parallel.worker import signatures
 from pipetorch.parallel.generation.eager_stage import Boundary, EagerStage
 from pipetorch.parallel.comm.hops import Hops
+from pipetorch.parallel.comm.transport import PeerLink
 from pipetorch.partition.export import Tree
 
 __all__: list[str] = []
@@ -87,16 +88,17 @@ class _Skip:
 
 
 class Generation:
-    """A worker's stages, run eagerly for generation; `ranks[s]` is stage s's worker."""
+    """A worker's stages, run eagerly for generation; `devices[s]` is stage s's device (this
+    worker's: `mine`), and `link` reaches the others."""
 
     def __init__(self, found: Skeleton, stages: dict[int, dict[str, torch.Tensor]], *,
-                 ranks: tuple[int, ...], rank: int, device: torch.device,
-                 wire_device: torch.device) -> None:
+                 devices: tuple[int, ...], mine: int, device: torch.device,
+                 link: PeerLink) -> None:
         self.stages = {s: EagerStage(bind(copy.deepcopy(found), held, device), s,
                                      found.stage_of_block)
                        for s, held in sorted(stages.items())}
-        self.ranks, self.rank, self.device = ranks, rank, device
-        self.hops = Hops(wire_device)
+        self.devices, self.mine, self.device = devices, mine, device
+        self.hops = Hops(link)
         self.session = -1
         self.caches: dict[tuple[int, int], Any] = {}  # (stage, lane) -> its cache
         # (stage, first lane) -> the lanes (and their rows) whose caches the first lane's cache
@@ -110,11 +112,11 @@ class Generation:
             self.joined.clear()
             self.session = step.session
         result = StepResult()
-        self.hops.reap()  # sends still in flight may finish while the next stage computes
         groups = [sorted(step.lanes)] if step.batched else [[lane] for lane in sorted(step.lanes)]
         for s, stage in self.stages.items():
             for lanes in groups:
                 self._run(s, stage, lanes, step, result)
+        self.hops.settle()  # before the reply: this worker then waits on the host's pipe
         return result
 
     def end(self) -> None:
@@ -126,7 +128,7 @@ class Generation:
 
     def _run(self, s: int, stage: EagerStage, lanes: list[int], step: Step,
              result: StepResult) -> None:
-        last = s == len(self.ranks) - 1
+        last = s == len(self.devices) - 1
         entry = self._receive(s - 1) if s > 0 else None
         if isinstance(entry, _Skip):
             if not last:
@@ -179,15 +181,15 @@ class Generation:
         return self.caches[key]
 
     def _send(self, value: object, stage: int) -> None:
-        if self.ranks[stage] == self.rank:
+        if self.devices[stage] == self.mine:
             self._local.append(value)
         else:
-            self.hops.send(value, self.ranks[stage])
+            self.hops.send(value, self.devices[stage])
 
     def _receive(self, stage: int) -> Any:
-        if self.ranks[stage] == self.rank:
+        if self.devices[stage] == self.mine:
             return self._local.pop(0)
-        return self.hops.receive(self.ranks[stage], self.device)
+        return self.hops.receive(self.devices[stage], self.device)
 
 
 def rows(call: Tree) -> int:

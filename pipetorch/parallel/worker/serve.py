@@ -25,7 +25,7 @@ from pipetorch import environment
 from pipetorch.optim import offload
 from pipetorch.optim.peers import Peers
 from pipetorch.parallel.layout import placement as places
-from pipetorch.parallel.comm import arena, wire
+from pipetorch.parallel.comm import arena, hops, wire
 from pipetorch.parallel.worker import compiled, sharded_step, signatures
 from pipetorch.parallel.generation import lanes
 from pipetorch.parallel.comm import messages as m
@@ -37,7 +37,7 @@ from pipetorch.parallel.worker.stage import StageExecutor
 from pipetorch.parallel.worker.tied import TiedGrads, new_groups
 from pipetorch.parallel.comm.shm import new_link
 from pipetorch.parallel.comm import resident
-from pipetorch.parallel.comm.transport import backend_for, link_kind
+from pipetorch.parallel.comm.transport import PeerLink, backend_for, link_kind
 from pipetorch.schedule import device_plans
 from pipetorch.schedule.actions import Action, Kind
 
@@ -112,16 +112,20 @@ class Worker:
                          one_host=len(setup.devices) == meeting.world_size)
         prefix = shm.segment_prefix(launch.host_pid, meeting.prefix)
         self._plans: dict[tuple[int, bool], list] = {}
-        self._wire_device = wire_device
         self._generation: lanes.Generation | None = None  # generate() in the stages
+        self._hop_link: PeerLink | None = None  # generation's link, made at its first model
+
+        def link_named(suffix: str) -> PeerLink:
+            """A link of its own (and ring names): one per input signature, one for hops."""
+            return new_link(kind, prefix=prefix + suffix, rank=rank, device=self.device,
+                            wire_device=wire_device, timeout=launch.timeout,
+                            offset=meeting.rank(launch.replica, 0),
+                            replica_group=groups[setup.device], backend=backend)
 
         def executor(stages: tuple[DeviceStage, ...], specs: dict, signature: int
                      ) -> StageExecutor:
-            # each input signature has its own bundle sizes: its own link (and ring names)
-            link = new_link(kind, prefix=prefix + (f"s{signature}-" if signature else ""),
-                            rank=rank, device=self.device, wire_device=wire_device,
-                            timeout=launch.timeout, offset=meeting.rank(launch.replica, 0),
-                            replica_group=groups[setup.device], backend=backend)
+            # each input signature has its own bundle sizes: its own link
+            link = link_named(f"s{signature}-" if signature else "")
             made = StageExecutor(stages, specs, link=link, device=self.device,
                                  optimizer=self.optimizer, owners=setup.owners,
                                  replica=launch.placement.replica,
@@ -130,6 +134,7 @@ class Worker:
             return made
 
         self._executor_for = executor
+        self._link_named = link_named
         self.executor = executor(setup.stages, setup.specs, 0)
         # input signature -> its stages (sharing modules[s]'s weights), specs and executor
         self._signatures = {0: (setup.stages, setup.specs, self.executor)}
@@ -315,12 +320,13 @@ class Worker:
     def _generator(self, message: m.Generator) -> None:
         """Hold the model's code with this worker's weights bound in it, to run its stages
         eagerly for generate() (parallel.generation.lanes)."""
-        meeting, launch = self.launch.rendezvous, self.launch
+        devices, mine = tuple(self.setup.owners), self.setup.device
+        if self._hop_link is None:  # every worker gets the model at once: they open together
+            self._hop_link = self._link_named("g-")
+            self._hop_link.open(hops.channels(devices, mine))
         held = {s: signatures.tensors_of(module) for s, module in self.modules.items()}
-        self._generation = lanes.Generation(
-            message.skeleton, held, ranks=tuple(meeting.rank(launch.replica, d) for d in self.setup.owners),
-            rank=meeting.rank(launch.replica, self.setup.device), device=self.device,
-            wire_device=self._wire_device)
+        self._generation = lanes.Generation(message.skeleton, held, devices=devices, mine=mine,
+                                            device=self.device, link=self._hop_link)
 
     def _decode(self, message: m.Decode) -> lanes.StepResult:
         assert self._generation is not None, "a generation step before the model's skeleton"
@@ -334,6 +340,8 @@ class Worker:
         """Release every signature's link."""
         for _, _, executor in self._signatures.values():
             executor.link.close()
+        if self._hop_link is not None:
+            self._hop_link.close()
 
 
 HANDLERS: dict[type, Callable[[Worker, Any], object]] = {
