@@ -2,6 +2,7 @@
 plain HuggingFace, computed in the stage workers, each keeping its own layers' cache."""
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import pytest
@@ -310,3 +311,26 @@ def test_a_split_begun_inside_forward_generates_like_plain_hf(request, kind: str
     same_as_plain(wrapper, model, do_sample=False)
     same_as_plain(wrapper, model, do_sample=True, top_k=20)
     assert_in_processes(wrapper, 2)
+
+
+class _FailOnDecode:
+    """A forward pre-hook that raises at the first decoding step (a step of one token)."""
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if args[0].shape[1] == 1:
+            raise RuntimeError("stage 0 broke at the first decoding step")
+
+
+# The user's process reads the last stage's reply first (an earlier stage's reply would wake
+# it while the last computes); a failure in an earlier stage, whose next stage then waits for
+# a hop that never comes, must still reach the user at once, not after PIPETORCH_TIMEOUT.
+def test_a_failure_in_an_earlier_stage_reaches_the_user_at_once(request, monkeypatch):
+    monkeypatch.setenv("PIPETORCH_TIMEOUT", "120")
+    model = gpt2().eval()
+    model.transformer.h[0].register_forward_pre_hook(_FailOnDecode())
+    wrapper = cleaned(request, inference(model))
+    wrapper.generate(**prompts(), max_new_tokens=1, pad_token_id=0)  # compiled, no decoding
+    start = time.monotonic()
+    with pytest.raises(Exception, match="RuntimeError: stage 0 broke at the first decoding step"):
+        wrapper.generate(**prompts(), max_new_tokens=4, pad_token_id=0)
+    assert time.monotonic() - start < 30

@@ -18,6 +18,8 @@ import contextlib
 import functools
 import itertools
 import threading
+import time
+from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
 import cloudpickle
@@ -100,24 +102,41 @@ class GenerationSession:
             return ticket
 
     def collect(self, ticket: int) -> list[lanes.StepResult]:
-        """The StepResults of a submitted step, reading the workers' replies in order (one
-        thread at a time; replies to other threads' steps are kept for them)."""
+        """The StepResults of a submitted step, each worker's replies read in order (one
+        thread at a time; replies to other threads' steps are kept for them).
+
+        Only the last worker's reply wakes this process: the earlier stages' replies arrive
+        while the last stage computes, and reading them then would take a core from it (two
+        cores, three processes); they are read after it, or when one has been waiting for
+        _GLANCE seconds (a failure is reported that soon)."""
         with self.reading:
-            for n, awaiting in self.awaiting.items():
-                while ticket in awaiting:
-                    head = awaiting[0]
-                    reply = self.workers.gather("a generation step", [self.workers.peers[n]])[0]
-                    assert isinstance(reply, lanes.StepResult)
-                    self.replies.setdefault(head, {})[n] = reply
-                    awaiting.popleft()
+            owing = [n for n, awaiting in self.awaiting.items() if ticket in awaiting]
+            deadline = time.monotonic() + self.workers.timeout
+            while owing and ticket in self.awaiting[owing[-1]] and time.monotonic() < deadline:
+                if wait([self.workers.peers[owing[-1]].conn], timeout=_GLANCE):
+                    self._read(owing[-1])
+                for n in owing[:-1]:
+                    if self.awaiting[n] and self.workers.peers[n].conn.poll():
+                        self._read(n)
+            for n in owing:  # (after the deadline, gather's own timeout reports the silence)
+                while ticket in self.awaiting[n]:
+                    self._read(n)
             replies = self.replies.pop(ticket)
         return [replies[n] for n in sorted(replies)]
+
+    def _read(self, n: int) -> None:
+        """Worker `n`'s next reply, to the step it answers."""
+        reply = self.workers.gather("a generation step", [self.workers.peers[n]])[0]
+        assert isinstance(reply, lanes.StepResult)
+        self.replies.setdefault(self.awaiting[n].popleft(), {})[n] = reply
 
     def end(self) -> None:
         """generate() returned: the workers drop their key/value caches."""
         if self.workers.peers and not self.workers.lost:
             self.workers.broadcast(m.Decoded(), "the end of generate()")
 
+
+_GLANCE = 0.2  # seconds between looks at the earlier stages' pipes while the last computes
 
 _sessions = itertools.count(1)  # one per generate() call: the workers' caches belong to it
 
