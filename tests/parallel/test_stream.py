@@ -50,6 +50,30 @@ def test_tensors_views_parameters_and_modules_arrive_equal_and_share_as_they_did
     assert payload <= nbytes < payload + 10_000
 
 
+# A message of importable objects goes through the C pickler; one with user code (a lambda
+# here, a class of the user's __main__ in a script) through cloudpickle's. Both rebuild alike.
+@pytest.mark.parametrize("user_code", [False, True], ids=["C pickler", "cloudpickle"])
+def test_both_picklers_rebuild_strides_offsets_dtypes_gradients_and_shared_storages(user_code):
+    base = torch.arange(24.).reshape(4, 6)
+    message = {"strided": base[1:, ::2], "transposed": base.t(), "storage": base.untyped_storage(),
+               "grad": torch.ones(3, requires_grad=True), "int": torch.arange(5),
+               "bool": torch.tensor([True, False]), "scalar": torch.tensor(2.5),
+               "complex": torch.randn(3, dtype=torch.complex64)}
+    if user_code:
+        message["code"] = lambda x: x + 1
+    header, storages = stream.pack(message)
+    assert (b"_stored" in header) is not user_code  # the C pickler reduces tensors to it
+    assert len(storages) == 6  # base's once, for the views and the storage itself
+    got, _ = round_trip(message)
+    for key in ("strided", "transposed", "int", "bool", "scalar", "complex"):
+        assert torch.equal(got[key], message[key]), key
+        assert got[key].stride() == message[key].stride(), key
+    shared = {got[key].untyped_storage().data_ptr() for key in ("strided", "transposed")}
+    assert shared == {got["storage"].data_ptr()}
+    assert got["grad"].requires_grad and got["grad"].is_leaf
+    assert not user_code or got["code"](1) == 2
+
+
 def test_a_storage_larger_than_a_chunk_is_read_in_chunks_into_place():
     big = torch.arange(stream.CHUNK // 4 * 2 + 3, dtype=torch.int32)  # 2 chunks and a bit
     got, _ = round_trip([big])
