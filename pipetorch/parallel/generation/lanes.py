@@ -137,14 +137,14 @@ class Generation:
         calls = [step.lanes[lane] for lane in lanes]
         counts = [rows(c) for c in calls]
         cache = self._joined(s, lanes, counts, step) if kv_cache.has_slot(calls) else None
-        args, kwargs = kv_cache.fill(_to(join(calls), self.device), cache)
+        args, kwargs = kv_cache.fill(self._crossed(join(calls), self.device), cache)
         if entry is not None:
             entry = Boundary(*kv_cache.fill((entry.args, entry.kwargs, entry.records), cache))
         out = stage.run(step.path, args, kwargs, entry)
         if isinstance(out, Boundary):
             self._send(Boundary(*kv_cache.strip((out.args, out.kwargs, out.records))), s + 1)
         else:
-            parts = split(_to(kv_cache.strip(out), torch.device("cpu")), counts)
+            parts = split(self._crossed(kv_cache.strip(out), torch.device("cpu")), counts)
             result.outputs.update(zip(lanes, parts))
             if not last:
                 self._send(_Skip(), s + 1)
@@ -179,6 +179,11 @@ class Generation:
                                    "the step brought no empty one to copy")
             self.caches[key] = copy.deepcopy(step.template)
         return self.caches[key]
+
+    def _crossed(self, tree: T, device: torch.device) -> T:
+        """`tree` (from the host, or back to it) with its tensors on `device`; a CPU worker's
+        are there already (a traversal less on each side of every step)."""
+        return tree if self.device.type == "cpu" else _to(tree, device)
 
     def _send(self, value: object, stage: int) -> None:
         if self.devices[stage] == self.mine:

@@ -405,6 +405,8 @@ def _lanes(call: T, lanes: int) -> list[T]:
     row), every tensor of the batch cut there (a 1-d tensor, such as cache_position, is the
     same for every row)."""
     batch = rows(call)
+    if min(batch, lanes) == 1:
+        return [call]
 
     def part_of(part: torch.Tensor) -> T:
         start, stop = int(part[0]), int(part[-1]) + 1
@@ -421,6 +423,8 @@ def _lanes(call: T, lanes: int) -> list[T]:
 
 def _joined(outputs: list[T]) -> T:
     """The lanes' results as one: tensors concatenated along the batch."""
+    if len(outputs) == 1:
+        return outputs[0]
     flat = [pytree.tree_flatten(o, is_leaf=kv_cache.is_cache_or_slot) for o in outputs]
     leaves, spec = flat[0]
     joined = [torch.cat([f[0][i] for f in flat]) if isinstance(leaf, torch.Tensor)
