@@ -61,9 +61,13 @@ def test_both_picklers_rebuild_strides_offsets_dtypes_gradients_and_shared_stora
                "complex": torch.randn(3, dtype=torch.complex64)}
     if user_code:
         message["code"] = lambda x: x + 1
+    else:  # what the C pickler leaves to torch's own reduction: still rebuilt alike
+        message["attribute"] = torch.ones(2)
+        message["attribute"].label = "kept"
+        message["conjugate"] = torch.randn(2, dtype=torch.complex64).conj()
     header, storages = stream.pack(message)
     assert (b"_stored" in header) is not user_code  # the C pickler reduces tensors to it
-    assert len(storages) == 6  # base's once, for the views and the storage itself
+    assert len(storages) == (6 if user_code else 8)  # base's once, for its views and itself
     got, _ = round_trip(message)
     for key in ("strided", "transposed", "int", "bool", "scalar", "complex"):
         assert torch.equal(got[key], message[key]), key
@@ -71,6 +75,9 @@ def test_both_picklers_rebuild_strides_offsets_dtypes_gradients_and_shared_stora
     shared = {got[key].untyped_storage().data_ptr() for key in ("strided", "transposed")}
     assert shared == {got["storage"].data_ptr()}
     assert got["grad"].requires_grad and got["grad"].is_leaf
+    if not user_code:
+        assert got["attribute"].label == "kept"
+        assert got["conjugate"].is_conj() and torch.equal(got["conjugate"], message["conjugate"])
     assert not user_code or got["code"](1) == 2
 
 

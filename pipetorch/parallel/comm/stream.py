@@ -127,8 +127,9 @@ class _FastPickler(pickle.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
 
     def _tensor(self, tensor: torch.Tensor) -> tuple:
-        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_conj() or \
-                tensor.is_neg() or tensor.device.type == "meta" or tensor.__dict__:
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested or \
+                tensor.is_conj() or tensor.is_neg() or tensor.device.type == "meta" or \
+                tensor.__dict__:
             return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # torch's, storages by _storage
         place = self.taken.reference(tensor.untyped_storage(), None)
         return _stored, (place, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
