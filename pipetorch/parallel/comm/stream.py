@@ -25,10 +25,10 @@ the user's `__main__` (a script, `python -c`, a notebook) by value, and everythi
 by reference. A message that names nothing of `__main__` and that the standard library's C
 pickler can take (a generation step, a reply, the values a stage hands on) is pickled by it
 instead, its tensors reduced by entries of its dispatch table: a fifth of cloudpickle's cost,
-whose Python hook runs for every object. A worker's `__main__` is not the user's, and running the user's script
-again in each worker (multiprocessing spawn's `__mp_main__`) would need a `__main__` guard and
-cannot work for `python -c` or a notebook. A class sent by value comes back from a worker as the
-user's own class (cloudpickle tracks it).
+whose Python hook runs for every object. A worker's `__main__` is not the user's, and running
+the user's script again in each worker (multiprocessing spawn's `__mp_main__`) would need a
+`__main__` guard and cannot work for `python -c` or a notebook. A class sent by value comes
+back from a worker as the user's own class (cloudpickle tracks it).
 
 Every read is bounded: `timeout` seconds without a byte arriving raises TimeoutError, and a
 sender that dies mid-message closes the pipe (EOFError). A message that arrives whole but
@@ -204,7 +204,7 @@ def pack(message: object, *, shared: Collection[int] = ()) -> tuple[bytes, list[
     try:
         _FastPickler(buffer, taken).dump(message)
         skeleton: bytes | None = buffer.getvalue()
-        if _MAIN in skeleton or cloudpickle.cloudpickle._PICKLE_BY_VALUE_MODULES:
+        if _MAIN in skeleton or cloudpickle.list_registry_pickle_by_value():
             skeleton = None
     except Exception:  # noqa: BLE001 - cloudpickle's pickler takes it, or says why not
         skeleton = None
