@@ -313,6 +313,22 @@ def test_a_split_begun_inside_forward_generates_like_plain_hf(request, kind: str
     assert_in_processes(wrapper, 2)
 
 
+# Found 2026-11-29: a BeginBlock on a module inside a layer gave other tokens than plain HF
+# without a word (stage 1, entered at the attention, added it to a residual it never had),
+# one on the MLP or on the head raised a confusing error. They run by replay now.
+@pytest.mark.parametrize("at", ["transformer.h.1.attn", "transformer.h.1.mlp",
+                                "transformer.h.2.mlp.c_proj", "lm_head"])
+def test_a_split_inside_a_layer_or_at_the_head_generates_like_plain_hf(request, at: str):
+    torch.manual_seed(0)
+    model = poptorch.removeBlocks(gpt2()).eval()
+    parent, _, name = at.rpartition(".")
+    holder = model.get_submodule(parent)
+    setattr(holder, name, poptorch.BeginBlock(getattr(holder, name), ipu_id=1))
+    wrapper = cleaned(request, inference(model))
+    same_as_plain(wrapper, model, do_sample=False)
+    assert_in_processes(wrapper, 2)
+
+
 class _FailOnDecode:
     """A forward pre-hook that raises at the first decoding step (a step of one token)."""
 

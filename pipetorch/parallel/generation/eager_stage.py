@@ -11,7 +11,9 @@ each worker's key/value cache reports (see kv_cache). This is how HuggingFace's 
 runs in the stages with each worker keeping the cache of its own layers.
 
 A model with a stage begun inside forward (a `with Block(...)` scope, `Block.start`), which
-has no module to enter at, runs by replay instead: a stage leaves when a later stage's block
+has no module to enter at, or at a module that is not an item of a layer list (a layer's
+attention or MLP, whose residual was computed before it; a head, whose input is read from the
+body's output object), runs by replay instead: a stage leaves when a later stage's block
 begins, handing on the results of the outermost modules it and the stages before it ran, in
 order; a later stage runs forward from the start, each of those calls giving its recorded
 result, until its own block begins.
@@ -60,8 +62,11 @@ class EagerStage:
         self._replayed = 0  # replay: the entry's records given so far
         starts = blocks.begin_blocks(model)
         begun = {stage_of_block.get(uid) for uid, _ in starts.values()}
-        # a stage begun inside forward: every stage hands on its modules' results (replay)
-        self.replay = any(s not in begun for s in set(stage_of_block.values()) - {0})
+        # a stage begun inside forward, or at a module that is not an item of a layer list:
+        # every stage hands on its modules' results (replay)
+        self.replay = any(s not in begun for s in set(stage_of_block.values()) - {0}) or any(
+            not _in_a_list(model, name) for name, (uid, _) in starts.items()
+            if stage_of_block.get(uid, 0) > 0)
         mine = [name for name, (uid, _) in starts.items() if stage_of_block.get(uid) == index]
         # modules holding the stage's first module run in every stage: their code leads to it
         leading = {".".join(name.split(".")[:i]) for name in ([] if self.replay else mine)
@@ -134,6 +139,15 @@ class EagerStage:
             return result
 
         return run_or_skip
+
+
+def _in_a_list(model: nn.Module, name: str) -> bool:
+    """Whether the module `name` is an item of a ModuleList or ModuleDict (a decoder's
+    layers): its inputs are all it takes from the modules before it. Elsewhere, the code
+    around it may keep earlier modules' results (a residual around a layer's attention, a
+    head reading the body's output object), which a stage entered there would lack."""
+    parent, _, _ = name.rpartition(".")
+    return bool(name) and isinstance(model.get_submodule(parent), (nn.ModuleList, nn.ModuleDict))
 
 
 def _after_unpickled_hooks(model: nn.Module) -> None:
