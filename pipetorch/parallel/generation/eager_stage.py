@@ -7,11 +7,14 @@ and left at its BeginBlock modules.
 
 Entering replaces the first module's inputs with the ones the previous stage computed; the
 code around the layers (masks, positions, rotary tables) runs in every worker, on the values
-each worker's key/value cache reports (see kv_cache). This is how HuggingFace's `generate()`
-runs in the stages with each worker keeping the cache of its own layers.
+each worker's key/value cache reports (see kv_cache). A module of an earlier stage gives, in
+place of its result, zeros shaped as the earlier stage's result was (each hop brings those
+shapes, in the order the modules ran): a T5 block's tuple, a layer's hidden states. This is how
+HuggingFace's `generate()` runs in the stages with each worker keeping the cache of its own
+layers.
 
 A model with a stage begun inside forward (a `with Block(...)` scope, `Block.start`), which
-has no module to enter at, or at a module that is not an item of a layer list (a layer's
+has no module to enter at, or at a module that is not an item of a stack of layers (a layer's
 attention or MLP, whose residual was computed before it; a head, whose input is read from the
 body's output object), runs by replay instead: a stage leaves when a later stage's block
 begins, handing on the results of the outermost modules it and the stages before it ran, in
@@ -25,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from pipetorch.errors import CompileError
@@ -34,12 +38,23 @@ __all__: list[str] = []
 
 
 @dataclass(frozen=True)
+class Like:
+    """A tensor in a module's result that the next stage replaces with zeros: its shape and
+    dtype, not its values."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class Boundary:
-    """The inputs of the next stage's first module, as this stage computed them."""
+    """The inputs of the next stage's first module, as this stage computed them, and the
+    results of the outermost modules run so far, in order (module name, result): the results
+    themselves for replay, else their tensors as Like."""
 
     args: tuple
     kwargs: dict
-    records: tuple[tuple[str, Any], ...] = ()  # replay: (module name, its forward's result)
+    records: tuple[tuple[str, Any], ...] = ()
 
 
 class _Leave(BaseException):
@@ -58,14 +73,14 @@ class EagerStage:
         self.model, self.index, self.stage_of_block = model, index, stage_of_block
         self._entry: Boundary | None = None
         self._inside = False
-        self._records: list[tuple[str, Any]] = []  # replay: what this call hands on
-        self._replayed = 0  # replay: the entry's records given so far
+        self._records: list[tuple[str, Any]] = []  # what this call hands on
+        self._replayed = 0  # the entry's records given so far
         starts = blocks.begin_blocks(model)
         begun = {stage_of_block.get(uid) for uid, _ in starts.values()}
-        # a stage begun inside forward, or at a module that is not an item of a layer list:
+        # a stage begun inside forward, or at a module that is not an item of a stack of layers:
         # every stage hands on its modules' results (replay)
         self.replay = any(s not in begun for s in set(stage_of_block.values()) - {0}) or any(
-            not _in_a_list(model, name) for name, (uid, _) in starts.items()
+            not _in_a_stack(model, name) for name, (uid, _) in starts.items()
             if stage_of_block.get(uid, 0) > 0)
         mine = [name for name, (uid, _) in starts.items() if stage_of_block.get(uid) == index]
         # modules holding the stage's first module run in every stage: their code leads to it
@@ -106,7 +121,9 @@ class EagerStage:
         current = recorder.current() if recorder is not None else None
         stage = self.stage_of_block.get(current, 0) if current is not None else 0
         if stage > self.index and self._inside:
-            raise _Leave(Boundary(args, kwargs))
+            raise _Leave(Boundary(args, kwargs, tuple(
+                (name, pytree.tree_map_only(torch.Tensor, _like, result))
+                for name, result in self._records)))
         if stage == self.index and not self._inside:
             assert self._entry is not None
             self._inside = True
@@ -125,29 +142,36 @@ class EagerStage:
     def _skippable(self, name: str, module: nn.Module,
                    forward: Callable[..., object]) -> Callable[..., object]:
         def run_or_skip(*args: object, **kwargs: object) -> object:
-            if not self._inside and not self.replay:
-                return _skipped(module, args, kwargs)
             incoming = self._entry.records if self._entry is not None else ()
             at, done = self._replayed, len(self._records)
             if not self._inside and at < len(incoming) and incoming[at][0] == name:
-                self._replayed += 1  # an earlier stage ran it: its result
+                self._replayed += 1  # an earlier stage ran it: its result, or zeros like it
                 self._records.append(incoming[at])
-                return incoming[at][1]
+                return incoming[at][1] if self.replay else _zeros(incoming[at][1], args, kwargs)
+            if not self._inside and not self.replay:
+                raise CompileError(
+                    f"Stage {self.index} reached {name} ({type(module).__name__}) before its "
+                    "first module, and no earlier stage ran it: forward took another path in "
+                    "this stage than in the earlier ones. Begin the stage at a layer of the "
+                    "model's layer list, or split with Block scopes")
             result = forward(*args, **kwargs)
-            if self.replay:  # its inner modules' results are in this one's
-                self._records[done:] = [(name, result)]
+            self._records[done:] = [(name, result)]  # its inner modules' results are in it
             return result
 
         return run_or_skip
 
 
-def _in_a_list(model: nn.Module, name: str) -> bool:
-    """Whether the module `name` is an item of a ModuleList or ModuleDict (a decoder's
-    layers): its inputs are all it takes from the modules before it. Elsewhere, the code
-    around it may keep earlier modules' results (a residual around a layer's attention, a
-    head reading the body's output object), which a stage entered there would lack."""
+def _in_a_stack(model: nn.Module, name: str) -> bool:
+    """Whether the module `name` is an item of a stack: a ModuleList or ModuleDict of modules
+    of one class (a decoder's layers, a T5 stack's blocks), whose code passes each item all it
+    takes from the items before it. Elsewhere, the code around the module may keep earlier
+    modules' results (a residual around a layer's attention, the position bias a T5 block's
+    self-attention hands its cross-attention, a head reading the body's output object), which
+    a stage entered there would lack."""
     parent, _, _ = name.rpartition(".")
-    return bool(name) and isinstance(model.get_submodule(parent), (nn.ModuleList, nn.ModuleDict))
+    holder = model.get_submodule(parent) if name else None
+    return isinstance(holder, (nn.ModuleList, nn.ModuleDict)) and len(holder) > 1 and len(
+        {type(item) for item in holder.children()}) == 1
 
 
 def _after_unpickled_hooks(model: nn.Module) -> None:
@@ -159,11 +183,14 @@ def _after_unpickled_hooks(model: nn.Module) -> None:
     RemovableHandle.next_id = max([RemovableHandle.next_id, *(k + 1 for k in used)])
 
 
-def _skipped(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """What a module of an earlier stage gives in place of its result: values never used,
-    only shaped like them (the next stage's inputs come from the previous stage)."""
+def _like(tensor: torch.Tensor) -> Like:
+    return Like(tuple(tensor.shape), tensor.dtype)
+
+
+def _zeros(result: Any, args: tuple, kwargs: dict) -> Any:
+    """An earlier stage's module result as zeros (its values are never used: the next
+    stage's inputs come from the previous stage), on the device of the call's tensors."""
     first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
-    if isinstance(module, nn.Embedding) and first is not None:
-        return torch.zeros(*first.shape, module.embedding_dim, dtype=module.weight.dtype,
-                           device=first.device)
-    return first  # a layer keeps its input's shape (decoder layers return hidden states)
+    device = first.device if first is not None else None
+    return pytree.tree_map_only(
+        Like, lambda like: torch.zeros(like.shape, dtype=like.dtype, device=device), result)
