@@ -345,6 +345,21 @@ def test_a_split_inside_a_stack_or_a_layer_generates_like_plain_hf(request, buil
     assert_in_processes(wrapper, 2)
 
 
+# T5 split in its encoder: generate() runs the encoder once, then the decoder alone, which
+# never passes the encoder's BeginBlock, so stage 0 ran on into the decoder's blocks ("Tensor
+# on device cpu is not on the expected device meta!"). It says what to do, which then works.
+def test_a_stage_a_decoding_step_never_enters_is_named_with_the_fix(request):
+    torch.manual_seed(0)
+    model = poptorch.removeBlocks(t5()).eval()
+    model.encoder.block[1] = poptorch.BeginBlock(model.encoder.block[1], ipu_id=1)
+    wrapper = cleaned(request, inference(model))
+    with pytest.raises(poptorch.Error, match=r"decoder\.block\.0.*BeginBlock on the decoder"):
+        wrapper.generate(**prompts(), max_new_tokens=2, pad_token_id=0)
+    wrapper.destroy()
+    model.decoder = poptorch.BeginBlock(model.decoder, ipu_id=1)
+    same_as_plain(cleaned(request, inference(model)), model, do_sample=False)
+
+
 class _FailOnDecode:
     """A forward pre-hook that raises at the first decoding step (a step of one token)."""
 

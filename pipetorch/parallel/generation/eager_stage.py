@@ -141,6 +141,9 @@ class EagerStage:
 
     def _skippable(self, name: str, module: nn.Module,
                    forward: Callable[..., object]) -> Callable[..., object]:
+        own = list(module.parameters(recurse=False))
+        foreign = bool(own) and all(p.is_meta for p in own)  # another stage's weights
+
         def run_or_skip(*args: object, **kwargs: object) -> object:
             incoming = self._entry.records if self._entry is not None else ()
             at, done = self._replayed, len(self._records)
@@ -154,6 +157,14 @@ class EagerStage:
                     "first module, and no earlier stage ran it: forward took another path in "
                     "this stage than in the earlier ones. Begin the stage at a layer of the "
                     "model's layer list, or split with Block scopes")
+            if foreign:
+                raise CompileError(
+                    f"Stage {self.index} reached {name} ({type(module).__name__}), whose "
+                    "weights another stage holds, without passing that stage's first module "
+                    "in this call: a call that leaves out the module where a stage begins "
+                    "(generate() runs the encoder once, then only the decoder) never changes "
+                    "stage. Begin that stage where every call passes too: a BeginBlock on the "
+                    "decoder, or on its first layer")
             result = forward(*args, **kwargs)
             self._records[done:] = [(name, result)]  # its inner modules' results are in it
             return result
