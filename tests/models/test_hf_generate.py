@@ -360,6 +360,24 @@ def test_a_stage_a_decoding_step_never_enters_is_named_with_the_fix(request):
     same_as_plain(cleaned(request, inference(model)), model, do_sample=False)
 
 
+# Four stages: each hands on the shapes of every module's result so far (the second stage
+# hands on its first layer's whole, not its inner modules'); a T5 decoding step passes the
+# encoder's second stage by, which hands the first stage's boundary on unchanged.
+@pytest.mark.parametrize("build, points", [
+    (gpt2, ["transformer.h.1", "transformer.h.2", "transformer.h.3"]),
+    (t5, ["encoder.block.1", "decoder", "decoder.block.1"])], ids=["gpt2", "t5"])
+def test_four_stages_generate_like_plain_hf(request, build: Callable, points: list[str]):
+    torch.manual_seed(0)
+    model = poptorch.removeBlocks(build()).eval()
+    for ipu, at in enumerate(points, 1):
+        parent, _, name = at.rpartition(".")
+        holder = model.get_submodule(parent)
+        setattr(holder, name, poptorch.BeginBlock(getattr(holder, name), ipu_id=ipu))
+    wrapper = cleaned(request, inference(model, lanes=4))
+    same_as_plain(wrapper, model, do_sample=False)
+    assert_in_processes(wrapper, 4)
+
+
 class _FailOnDecode:
     """A forward pre-hook that raises at the first decoding step (a step of one token)."""
 

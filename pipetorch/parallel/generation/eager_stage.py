@@ -90,8 +90,9 @@ class EagerStage:
         for name, module in model.named_modules():
             if name in starts and not self.replay:
                 module.register_forward_pre_hook(self._crossing, with_kwargs=True)
-            if name not in leading and any(True for _ in module.parameters()):
-                module.forward = self._skippable(name, module, module.forward)
+            if any(True for _ in module.parameters()):
+                wrap = self._recorded if name in leading else self._skippable
+                module.forward = wrap(name, module, module.forward)
 
     def run(self, path: str, args: tuple, kwargs: dict, entry: Boundary | None) -> Any:
         """Call the module at `path` (the model: "") with `args`; the stage's result, or the
@@ -120,7 +121,10 @@ class EagerStage:
         recorder = blocks.active_recorder()
         current = recorder.current() if recorder is not None else None
         stage = self.stage_of_block.get(current, 0) if current is not None else 0
-        if stage > self.index and self._inside:
+        if stage > self.index and not self._inside:  # this call passes this stage by
+            assert self._entry is not None
+            raise _Leave(self._entry)
+        if stage > self.index:
             raise _Leave(Boundary(args, kwargs, tuple(
                 (name, pytree.tree_map_only(torch.Tensor, _like, result))
                 for name, result in self._records)))
@@ -131,13 +135,26 @@ class EagerStage:
         return None
 
     def _changed(self, recorder: blocks.BlockRecorder) -> None:
-        """Replay: a block began or ended; leave for a later stage, or enter this one."""
+        """Replay: a block began or ended; leave for a later stage (this call may pass this
+        stage by), or enter this one."""
         current = recorder.current()
         stage = self.stage_of_block.get(current, 0) if current is not None else None
-        if stage is not None and stage > self.index and self._inside:
+        if stage is not None and stage > self.index:
             raise _Leave(Boundary((), {}, tuple(self._records)))
         if stage == self.index:
             self._inside = True
+
+    def _recorded(self, name: str, module: nn.Module,
+                  forward: Callable[..., object]) -> Callable[..., object]:
+        """A module whose code runs in this stage whatever (it holds the stage's first
+        module): its result is handed on in place of its inner modules' results."""
+        def run(*args: object, **kwargs: object) -> object:
+            done = len(self._records)
+            result = forward(*args, **kwargs)
+            self._records[done:] = [(name, result)]
+            return result
+
+        return run
 
     def _skippable(self, name: str, module: nn.Module,
                    forward: Callable[..., object]) -> Callable[..., object]:
