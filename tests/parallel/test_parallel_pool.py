@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 import pipetorch as poptorch
 from fault_cases import registry  # noqa: F401 - the fixture
-from fault_cases import Script, TokenNet, alive, options, token_data, wait_gone
+from fault_cases import Script, TokenNet, alive, options, script_env, token_data, wait_gone
 from pipetorch.errors import ConfigError, DeviceError
 from pipetorch.parallel.host import pool
 
@@ -132,3 +132,36 @@ def test_a_bad_pool_setting_names_the_values_it_takes(monkeypatch, value):
     with pytest.raises(ConfigError, match=rf"PIPETORCH_WORKER_POOL='{value}' must be 1 .*early"
                                           r".* or 0"):
         pool.enabled()
+
+
+_FROM_ELSEWHERE = """
+import torch, pipetorch as poptorch
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), poptorch.BeginBlock(torch.nn.Linear(4, 2),
+                                                                      ipu_id=1))
+wrapper = poptorch.inferenceModel(model, poptorch.Options().deviceIterations(2))
+torch.testing.assert_close(wrapper(torch.ones(2, 4)), model(torch.ones(2, 4)))
+wrapper.destroy()
+print("same as plain")
+"""
+
+
+# Workers started with `python -m` took the current folder first on their import path: run
+# from a folder holding another `pipetorch` (a checkout, an old copy), they imported that one,
+# not the user's process's.
+@pytest.mark.slow
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P is Python 3.11's")
+@pytest.mark.parametrize("pooled", ["1", "0"], ids=["pool", "fresh"])
+def test_workers_import_the_pipetorch_the_user_imported_whatever_the_folder(
+        registry, tmp_path, pooled):
+    elsewhere = tmp_path / "folder" / "pipetorch"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "__init__.py").write_text("raise ImportError('the pipetorch in the folder')\n")
+    script = tmp_path / "job.py"
+    script.write_text(_FROM_ELSEWHERE)
+    env = script_env(registry)
+    root = os.path.dirname(os.path.dirname(poptorch.__file__))
+    env["PYTHONPATH"] = os.pathsep.join([root, env["PYTHONPATH"]])
+    env["PIPETORCH_WORKER_POOL"] = pooled
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path / "folder", env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "same as plain" in done.stdout, done.stdout + done.stderr

@@ -7,7 +7,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import weakref
 from multiprocessing.connection import Connection
@@ -65,7 +64,8 @@ class WorkerSet:
                 ours, theirs = socket.socketpair()
                 try:
                     process = subprocess.Popen(
-                        [sys.executable, "-m", "pipetorch.parallel.worker.serve", str(theirs.fileno())],
+                        pool.module_command("pipetorch.parallel.worker.serve",
+                                            str(theirs.fileno())),
                         pass_fds=(theirs.fileno(),), env=pool.worker_env(),
                         stdin=subprocess.DEVNULL)
                 finally:
