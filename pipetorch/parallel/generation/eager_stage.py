@@ -69,8 +69,10 @@ class _Leave(BaseException):
 class EagerStage:
     """Stage `index` of `model` (a copy whose other stages' parameters are on the meta device)."""
 
-    def __init__(self, model: nn.Module, index: int, stage_of_block: dict[str, int]) -> None:
+    def __init__(self, model: nn.Module, index: int, stage_of_block: dict[str, int],
+                 device: torch.device) -> None:
         self.model, self.index, self.stage_of_block = model, index, stage_of_block
+        self.device = device
         self._entry: Boundary | None = None
         self._inside = False
         self._records: list[tuple[str, Any]] = []  # what this call hands on
@@ -167,7 +169,7 @@ class EagerStage:
             if not self._inside and at < len(incoming) and incoming[at][0] == name:
                 self._replayed += 1  # an earlier stage ran it: its result, or zeros like it
                 self._records.append(incoming[at])
-                return incoming[at][1] if self.replay else _zeros(incoming[at][1], args, kwargs)
+                return incoming[at][1] if self.replay else _zeros(incoming[at][1], self.device)
             if not self._inside and not self.replay:
                 raise CompileError(
                     f"Stage {self.index} reached {name} ({type(module).__name__}) before its "
@@ -215,10 +217,8 @@ def _like(tensor: torch.Tensor) -> Like:
     return Like(tuple(tensor.shape), tensor.dtype)
 
 
-def _zeros(result: Any, args: tuple, kwargs: dict) -> Any:
-    """An earlier stage's module result as zeros (its values are never used: the next
-    stage's inputs come from the previous stage), on the device of the call's tensors."""
-    first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
-    device = first.device if first is not None else None
+def _zeros(result: Any, device: torch.device) -> Any:
+    """An earlier stage's module result as zeros: its values are never used (the next
+    stage's inputs come from the previous stage)."""
     return pytree.tree_map_only(
         Like, lambda like: torch.zeros(like.shape, dtype=like.dtype, device=device), result)

@@ -95,7 +95,7 @@ class Generation:
                  devices: tuple[int, ...], mine: int, device: torch.device,
                  link: PeerLink) -> None:
         self.stages = {s: EagerStage(bind(copy.deepcopy(found), held, device), s,
-                                     found.stage_of_block)
+                                     found.stage_of_block, device)
                        for s, held in sorted(stages.items())}
         self.devices, self.mine, self.device = devices, mine, device
         self.hops = Hops(link)
