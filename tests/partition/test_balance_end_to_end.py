@@ -99,7 +99,8 @@ def test_unbalanced_report_proposes_a_move_and_the_balanced_split_trains_evenly(
     placement = poptorch.balance(model, *sample, devices=2)
     before = evaluate(table, (0, 1))
     assert placement.starts != (0, 1)
-    assert placement.bottleneck_seconds < before.bottleneck_seconds
+    # both from one measurement (balance() timed its own: under load the two differ by 20%)
+    assert evaluate(table, placement.starts).bottleneck_seconds < before.bottleneck_seconds
     assert [s.segments[0] for s in placement.stages][0] == "layers.0"
     assert "poptorch.BeginBlock(model.layers[" in placement.begin_block_lines()[1]
 
