@@ -49,6 +49,15 @@ def _positive(kind: type[_Number], what: str) -> Callable[[str, str], _Number]:
     return parse
 
 
+def _niceness(name: str, raw: str) -> int:
+    try:
+        if 0 <= int(raw) <= 19:
+            return int(raw)
+    except ValueError:
+        pass
+    raise ConfigError(f"{name}={raw!r} must be a whole number from 0 (as your process) to 19")
+
+
 def _device(name: str, raw: str) -> torch.device:
     import torch  # here: `import pipetorch` does not import torch
 
@@ -115,6 +124,10 @@ class Environment:
         "1": "fork workers from a warm process started by the first wrapper",
         "early": "start that process at `import pipetorch`",
         "0": "start each worker as a new process"})
+    worker_nice: int = _var(10, "`10`", "niceness each stage worker adds to its own: where "
+                            "the workers and your process want more cores than there are, your "
+                            "process (which feeds the stages and reads their replies) gets one "
+                            "first; `0`: the same as your process", _niceness)
     compile: str | None = _var(None, "`0`", "`1`: compile each stage with torch.compile "
                                "(inductor), as `opts.Jit.compileStages(True)`; a backend's name: "
                                "with that backend; `0`: not", _backend)

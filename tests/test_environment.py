@@ -44,6 +44,8 @@ def test_unset_variables_give_the_fields_defaults(unset):
     ("registry", "/tmp/workers", "/tmp/workers"),
     ("registry", "", None),
     ("max_devices", "128", 128),
+    ("worker_nice", "0", 0),
+    ("worker_nice", "19", 19),
 ])
 def test_a_set_variable_is_parsed_to_its_fields_type(unset, name, raw, value):
     unset.setenv(environment.variable(name), raw)
@@ -64,6 +66,8 @@ def test_a_set_variable_is_parsed_to_its_fields_type(unset, name, raw, value):
     ("worker_pool", "2", r"must be 1 \(.*\), early \(.*\) or 0 \("),
     ("compile", "no-such-backend", r"names no torch.compile backend; use 1 \(inductor\), 0"),
     ("max_devices", "many", "must be a positive whole number"),
+    ("worker_nice", "20", "must be a whole number from 0"),
+    ("worker_nice", "-5", "must be a whole number from 0"),
 ])
 def test_a_bad_value_names_the_variable_the_value_and_what_is_allowed(unset, name, raw,
                                                                       allowed):

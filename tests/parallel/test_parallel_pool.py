@@ -165,3 +165,31 @@ def test_workers_import_the_pipetorch_the_user_imported_whatever_the_folder(
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path / "folder", env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "same as plain" in done.stdout, done.stdout + done.stderr
+
+
+def _niceness(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rpartition(")")[2].split()[16])
+
+
+# Workers lower their priority (PIPETORCH_WORKER_NICE, default 10) so that the user's process,
+# on every step's path, gets a core first on a machine with fewer cores than busy processes.
+@pytest.mark.slow
+@pytest.mark.parametrize("pooled", ["1", "0"], ids=["pool", "fresh"])
+@pytest.mark.parametrize("nice", [None, "0", "3"], ids=["default", "off", "3"])
+def test_workers_run_at_the_niceness_asked(registry, monkeypatch, pooled, nice):
+    monkeypatch.setenv("PIPETORCH_WORKER_POOL", pooled)
+    if nice is not None:
+        monkeypatch.setenv("PIPETORCH_WORKER_NICE", nice)
+    tokens, labels = token_data(8)
+    model = TokenNet()
+    wrapper = poptorch.trainingModel(model, options(G=4),
+                                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        wrapper(tokens, labels)
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        want = min(19, mine + (10 if nice is None else int(nice)))
+        pids = wrapper._compiled.engine.worker_pids
+        assert [_niceness(pid) for pid in pids] == [want] * len(pids)
+    finally:
+        wrapper.destroy()
