@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
@@ -24,6 +23,7 @@ from typing import Callable, TypedDict
 import torch
 import torch.nn as nn
 
+from pipetorch.parallel.host import pool
 from pipetorch.profiling.memory import (
     ZERO, Footprint, Size, fake_tensors, faked, module_tensors, sized, storage_key, tensors_of,
 )
@@ -424,8 +424,9 @@ def _workers(threads: int) -> tuple[int, float]:
     fastest of 4."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "rendezvous")
-        workers = [subprocess.Popen([sys.executable, "-c", _WORKER, str(rank), path,
-                                     str(threads)], stdout=subprocess.PIPE, text=True)
+        workers = [subprocess.Popen(pool.python_command("-c", _WORKER, str(rank), path,
+                                                        str(threads)),
+                                    stdout=subprocess.PIPE, text=True, env=pool.worker_env())
                    for rank in (0, 1)]
         try:
             outs = [w.communicate(timeout=120)[0] for w in workers]

@@ -66,13 +66,14 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def module_command(module: str, *args: str) -> list[str]:
-    """The command running `module` as a new worker or zygote: `python -m`, without the
-    current folder first on its import path (-P, Python 3.11 on), where a folder named like a
-    module (a `pipetorch` checkout, a script's `copy.py`) would take the place of the one the
-    user's process imported; the user's import path comes through PYTHONPATH (worker_env)."""
+def python_command(*args: str) -> list[str]:
+    """This Python run with `args` (`-m module ...`, `-c code ...`) as a new worker, zygote or
+    probe, without the current folder first on its import path (-P, Python 3.11 on), where a
+    folder named like a module (a `pipetorch` checkout, a script's `copy.py`) would take the
+    place of the one the user's process imported; the user's import path comes through
+    PYTHONPATH (worker_env)."""
     safe = ["-P"] if sys.version_info >= (3, 11) else []
-    return [sys.executable, *safe, "-m", module, *args]
+    return [sys.executable, *safe, *args]
 
 
 def _imported_at_start(env: dict[str, str]) -> dict[str, str]:
@@ -130,7 +131,7 @@ class Zygote:
         self.env = worker_env()
         try:  # (not "early" in there: its `import pipetorch` must not start another zygote)
             self.process = subprocess.Popen(
-                module_command("pipetorch.parallel.host.pool", str(theirs.fileno())),
+                python_command("-m", "pipetorch.parallel.host.pool", str(theirs.fileno())),
                 pass_fds=(theirs.fileno(),), env=self.env | {"PIPETORCH_WORKER_POOL": "1"},
                 stdin=subprocess.DEVNULL)
         finally:

@@ -64,7 +64,7 @@ class WorkerSet:
                 ours, theirs = socket.socketpair()
                 try:
                     process = subprocess.Popen(
-                        pool.module_command("pipetorch.parallel.worker.serve",
+                        pool.python_command("-m", "pipetorch.parallel.worker.serve",
                                             str(theirs.fileno())),
                         pass_fds=(theirs.fileno(),), env=pool.worker_env(),
                         stdin=subprocess.DEVNULL)
