@@ -193,3 +193,17 @@ def test_workers_run_at_the_niceness_asked(registry, monkeypatch, pooled, nice):
         assert [_niceness(pid) for pid in pids] == [want] * len(pids)
     finally:
         wrapper.destroy()
+
+
+def test_a_bad_worker_niceness_is_refused_in_the_users_process(registry, monkeypatch):
+    monkeypatch.setenv("PIPETORCH_WORKER_NICE", "25")
+    tokens, labels = token_data(8)
+    model = TokenNet()
+    wrapper = poptorch.trainingModel(model, options(G=4),
+                                     optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        with pytest.raises(ConfigError, match="PIPETORCH_WORKER_NICE='25' must be a whole "
+                                              "number from 0"):
+            wrapper(tokens, labels)
+    finally:
+        wrapper.destroy()

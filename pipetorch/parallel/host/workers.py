@@ -12,6 +12,7 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Callable, Sequence
 
+from pipetorch import environment
 from pipetorch.errors import DeviceError
 from pipetorch.parallel.comm import arena, exits, shm, stream, wire
 from pipetorch.parallel.host import cross_process, pool
@@ -56,6 +57,7 @@ class WorkerSet:
     def start(self, segment: str) -> None:
         """A worker per placement: forked from the pool's warm zygote, or a fresh process
         with the pool off; `segment`: the shared-memory name prefix of this launch."""
+        environment.get("worker_nice")  # read by each worker: a bad value fails here, at once
         self.segments.append(segment)
         for placement in self.placements:
             if pool.enabled():

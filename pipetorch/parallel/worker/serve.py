@@ -414,7 +414,6 @@ def main(conn: Connection, host: int | None = None) -> None:
     process when this worker was forked by the pool's zygote, see parallel/host/pool.py). An
     exception, at start-up too, goes to the host as a Failure; only "stop" then ends it."""
     _die_with_host(os.getppid(), host)
-    _yield_to_host()
     parent = os.getppid() if host is None else None  # a zygote's death does not end a worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle
     launch: m.Launch | None = None
@@ -422,6 +421,7 @@ def main(conn: Connection, host: int | None = None) -> None:
     worker: Worker | None = None
     try:
         try:
+            _yield_to_host()
             start: m.Start = wire.receive(conn, timeout=environment.get("timeout"), parent=parent)
             launch, setup = start.launch, start.setup
             torch.set_num_threads(launch.placement.threads)
