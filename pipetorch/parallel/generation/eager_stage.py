@@ -77,6 +77,8 @@ class EagerStage:
         self._inside = False
         self._records: list[tuple[str, Any]] = []  # what this call hands on
         self._replayed = 0  # the entry's records given so far
+        # the zeros given in place of earlier stages' results in this call, one per shape
+        self._zeros: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
         starts = blocks.begin_blocks(model)
         begun = {stage_of_block.get(uid) for uid, _ in starts.values()}
         # a stage begun inside forward, or at a module that is not an item of a stack of layers:
@@ -110,7 +112,7 @@ class EagerStage:
         except _Leave as leave:
             return leave.boundary
         finally:
-            self._entry = None
+            self._entry, self._zeros = None, {}
         if not self._inside:
             raise CompileError(
                 f"Stage {self.index}'s first module never ran during this call of "
@@ -127,9 +129,7 @@ class EagerStage:
             assert self._entry is not None
             raise _Leave(self._entry)
         if stage > self.index:
-            raise _Leave(Boundary(args, kwargs, tuple(
-                (name, pytree.tree_map_only(torch.Tensor, _like, result))
-                for name, result in self._records)))
+            raise _Leave(Boundary(args, kwargs, tuple(self._records)))
         if stage == self.index and not self._inside:
             assert self._entry is not None
             self._inside = True
@@ -146,6 +146,18 @@ class EagerStage:
         if stage == self.index:
             self._inside = True
 
+    def _zeroed(self, result: Any) -> Any:
+        """An earlier stage's module result as zeros: its values are never used (the next
+        stage's inputs come from the previous stage), so results of one shape share one
+        tensor (a prompt's worth of hidden states each, otherwise)."""
+        def zeros(like: Like) -> torch.Tensor:
+            key = (like.shape, like.dtype)
+            if key not in self._zeros:
+                self._zeros[key] = torch.zeros(like.shape, dtype=like.dtype, device=self.device)
+            return self._zeros[key]
+
+        return pytree.tree_map_only(Like, zeros, result)
+
     def _recorded(self, name: str, module: nn.Module,
                   forward: Callable[..., object]) -> Callable[..., object]:
         """A module whose code runs in this stage whatever (it holds the stage's first
@@ -153,10 +165,19 @@ class EagerStage:
         def run(*args: object, **kwargs: object) -> object:
             done = len(self._records)
             result = forward(*args, **kwargs)
-            self._records[done:] = [(name, result)]
+            self._record(done, name, result)
             return result
 
         return run
+
+    def _record(self, done: int, name: str, result: Any) -> None:
+        """`name`'s result in place of its inner modules' (recorded since `done`): itself for
+        replay, else its tensors' shapes (a layer's output is not kept alive for a hop that
+        sends only its shape)."""
+        if not self.replay:
+            result = _like(result) if isinstance(result, torch.Tensor) else \
+                pytree.tree_map_only(torch.Tensor, _like, result)
+        self._records[done:] = [(name, result)]
 
     def _skippable(self, name: str, module: nn.Module,
                    forward: Callable[..., object]) -> Callable[..., object]:
@@ -169,7 +190,7 @@ class EagerStage:
             if not self._inside and at < len(incoming) and incoming[at][0] == name:
                 self._replayed += 1  # an earlier stage ran it: its result, or zeros like it
                 self._records.append(incoming[at])
-                return incoming[at][1] if self.replay else _zeros(incoming[at][1], self.device)
+                return incoming[at][1] if self.replay else self._zeroed(incoming[at][1])
             if not self._inside and not self.replay:
                 raise CompileError(
                     f"Stage {self.index} reached {name} ({type(module).__name__}) before its "
@@ -185,7 +206,7 @@ class EagerStage:
                     "stage. Begin that stage where every call passes too: a BeginBlock on the "
                     "decoder, or on its first layer")
             result = forward(*args, **kwargs)
-            self._records[done:] = [(name, result)]  # its inner modules' results are in it
+            self._record(done, name, result)
             return result
 
         return run_or_skip
@@ -215,10 +236,3 @@ def _after_unpickled_hooks(model: nn.Module) -> None:
 
 def _like(tensor: torch.Tensor) -> Like:
     return Like(tuple(tensor.shape), tensor.dtype)
-
-
-def _zeros(result: Any, device: torch.device) -> Any:
-    """An earlier stage's module result as zeros: its values are never used (the next
-    stage's inputs come from the previous stage)."""
-    return pytree.tree_map_only(
-        Like, lambda like: torch.zeros(like.shape, dtype=like.dtype, device=device), result)
