@@ -146,7 +146,7 @@ class EagerStage:
         if stage == self.index:
             self._inside = True
 
-    def _zeroed(self, result: Any) -> Any:
+    def _zeroed(self, result: object) -> object:
         """An earlier stage's module result as zeros: its values are never used (the next
         stage's inputs come from the previous stage), so results of one shape share one
         tensor (a prompt's worth of hidden states each, otherwise)."""
@@ -170,7 +170,7 @@ class EagerStage:
 
         return run
 
-    def _record(self, done: int, name: str, result: Any) -> None:
+    def _record(self, done: int, name: str, result: object) -> None:
         """`name`'s result in place of its inner modules' (recorded since `done`): itself for
         replay, else its tensors' shapes (a layer's output is not kept alive for a hop that
         sends only its shape)."""
