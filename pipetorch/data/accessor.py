@@ -51,6 +51,7 @@ from pipetorch.data.sampling import rebatched_length
 from pipetorch.data.structure import unflatten
 from pipetorch.enums import SharingStrategy
 from pipetorch.errors import LoaderError
+from pipetorch.parallel.comm import memfd
 
 __all__ = ["AsynchronousDataAccessor"]
 
@@ -269,7 +270,8 @@ class AsynchronousDataAccessor(LoaderPipe):
         message = self._receive()
         if message[0] == Msg.ERROR:
             self._fail(message[1:])
-        _, layout, tree, buffer, items = message
+        _, layout, tree, address, items = message
+        buffer = memfd.attach(address)
         self._layout, self._tree, self._buffer = layout, tree, buffer
         self._items_per_slot = items
         self._pinned = pin(buffer)

@@ -23,7 +23,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from pipetorch.data.fetch import DirectFetch
-from pipetorch.data.ring_buffer import Command, Msg, SlotLayout, SlotSizes, SlotWriter, allocate
+from pipetorch.data.ring_buffer import Command, Msg, SlotLayout, SlotSizes, SlotWriter
+from pipetorch.parallel.comm import memfd
 from pipetorch.data.structure import batch_rows, flatten
 
 __all__: list[str] = []
@@ -112,12 +113,13 @@ class _Producer:
         leaves, tree = flatten(first, where="the first batch")
         rows = self.settings.rows_per_slot
         layout = SlotLayout.of(leaves, rows=rows)
-        buffer = allocate(layout, self.settings.buffer_size)
+        address, buffer = memfd.make(layout.slot_bytes * self.settings.buffer_size)
         batched = rows is not None or getattr(self.source, "batched", False)
         items = rows or (batch_rows(leaves) if batched else None)
-        self._send(Msg.SETUP, layout, tree, buffer, items)
+        self._send(Msg.SETUP, layout, tree, address, items)
         while (message := self._receive())[0] != Msg.ACK:
             self._handle(message)  # only SHUTDOWN can come before the ACK
+        os.close(address.fd)  # the user's process has the buffer mapped
         self.writer = SlotWriter(layout, buffer, self.settings.buffer_size,
                                  rows_per_slot=rows, wait_for_free=self._wait_for_free,
                                  publish=self._publish)

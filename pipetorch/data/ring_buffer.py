@@ -12,9 +12,10 @@ next batch. Only slot numbers cross the pipe, never tensor data:
     (waits for a FREE) <-- FREE(0) ---
     write slot 0 ...
 
-The buffer is torch shared memory with the file-descriptor strategy: its /dev/shm name is
-unlinked as soon as it is created, so nothing can be left behind in /dev/shm; the memory goes
-back to the system when both processes have dropped their mappings.
+The buffer is a shared memory file (parallel/comm/memfd.py, as the activations use): the
+loader makes it and keeps its descriptor until the user's process has attached (ACK). It has no
+name, so nothing can be left behind; the memory goes back to the system when both processes
+have dropped their mappings.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ _ALIGN = 64  # bytes: every tensor of a slot starts on a cache line
 class Msg(enum.IntEnum):
     """Messages on the loader pipe: loader -> user (SETUP..ERROR), user -> loader (ACK..)."""
 
-    SETUP = 0       # (layout, tree, buffer, items_per_slot)
+    SETUP = 0       # (layout, tree, the buffer's memfd.Address, items_per_slot)
     READY = 1       # (slot, sizes): sizes None for a full slot, else each tensor's rows
     EPOCH_END = 2
     RESET_ACK = 3
@@ -121,11 +122,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def allocate(layout: SlotLayout, slots: int) -> torch.Tensor:
-    """One shared byte buffer for `slots` slots (file-descriptor shared memory)."""
-    return torch.empty(layout.slot_bytes * slots, dtype=torch.uint8).share_memory_()
 
 
 def pin(buffer: torch.Tensor) -> bool:

@@ -46,9 +46,9 @@ def process_exists(pid):
 
 
 def shm_state():
-    """(entries in /dev/shm, mappings of torch shared memory in this process)."""
+    """(entries in /dev/shm, mappings of shared memory files in this process)."""
     with open("/proc/self/maps") as f:
-        mappings = sum(1 for line in f if "/torch_" in line)
+        mappings = sum(1 for line in f if "/memfd:pipetorch" in line)
     return len(os.listdir("/dev/shm")), mappings
 
 
@@ -121,8 +121,19 @@ def test_yielded_tensors_are_views_of_reused_shared_slots():
     assert pointers[0] == pointers[2]
     assert pointers[1] == pointers[3] != pointers[0]
     batch = next(iter(loader))
-    assert batch.is_shared()
+    assert in_a_memory_file(batch.data_ptr())
     loader.terminate()
+
+
+def in_a_memory_file(pointer: int) -> bool:
+    """Whether `pointer` lies in a shared memory file mapped by this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/memfd:pipetorch" in line:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                if start <= pointer < end:
+                    return True
+    return False
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

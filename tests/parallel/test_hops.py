@@ -31,7 +31,7 @@ def _run(rank: int, store: str, kind: str, failures: multiprocessing.Queue) -> N
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=2)
         cpu = torch.device("cpu")
-        link = new_link(kind, prefix=f"pipetorch-test-hops-{Path(store).parent.name}-",
+        link = new_link(kind, store=dist.FileStore(f"{store}-links", 2), name="hops-",
                         rank=rank, device=cpu, wire_device=cpu, timeout=_TIMEOUT)
         link.open(hop_module.channels((0, 1), rank))
         hops = Hops(link)

@@ -1,6 +1,6 @@
-"""Bundles through shared memory arrive bitwise equal, a dead peer is named in seconds, and no
-/dev/shm file outlives the link set-up; pipelined training over shm equals plain PyTorch."""
-import itertools
+"""Bundles through shared memory arrive bitwise equal, a dead peer is named in seconds, and the
+rings leave nothing behind (no file, no key in the store); pipelined training over shm equals
+plain PyTorch."""
 import os
 import signal
 import subprocess
@@ -11,36 +11,35 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import pipetorch as poptorch
 from parallel_cases import (assert_in_processes, assert_same_result, assert_same_state, cleaned,
                             one_thread_everywhere, options, plain_call, skip_case, twin)
 from test_transport_bundles import mixed_tensors, spec_of
 from pipetorch.errors import ConfigError, DeviceError
+from fault_cases import new_shm_entries, shm_entries
 from pipetorch.parallel.comm import shm
 from pipetorch.parallel.layout.routes import TensorSpec
 from pipetorch.parallel.comm.shm import ShmLink
 from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, Tag, link_kind
 
 CPU = torch.device("cpu")
-_names = itertools.count()
-
-
-def our_files(prefix):
-    """This test's files in /dev/shm (shared with other users: count only our own names)."""
-    return sorted(p.name for p in shm.FOLDER.glob(f"{prefix}*"))
 
 
 @pytest.fixture
-def prefix():
-    name = f"pipetorch-shm-test-{os.getpid()}-{next(_names)}-"
-    yield name
-    assert our_files(name) == [], "a shared-memory file outlived its test"
+def store():
+    before = shm_entries()
+    store = dist.HashStore()
+    yield store
+    assert store.num_keys() == 0, "a ring's address outlived its link's set-up"
+    assert new_shm_entries(before) == set(), "shared memory left a file in /dev/shm"
 
 
-def open_links(prefix, channels, *, timeout=10.0):
+def open_links(store, channels, *, timeout=10.0):
     """One ShmLink per rank of `channels` ({rank: [ChannelSpec]}), opened together."""
-    links = {rank: ShmLink(prefix=prefix, rank=rank, device=CPU, wire_device=CPU, timeout=timeout)
+    links = {rank: ShmLink(store=store, name="test-", rank=rank, device=CPU, wire_device=CPU,
+                           timeout=timeout)
              for rank in channels}
     errors = []
 
@@ -59,8 +58,8 @@ def open_links(prefix, channels, *, timeout=10.0):
     return links
 
 
-def pair(prefix, layout, tag=Tag.ACTIVATIONS, **kw):
-    return open_links(prefix, {0: [ChannelSpec(1, tag, True, layout.nbytes)],
+def pair(store, layout, tag=Tag.ACTIVATIONS, **kw):
+    return open_links(store, {0: [ChannelSpec(1, tag, True, layout.nbytes)],
                                1: [ChannelSpec(0, tag, False, layout.nbytes)]}, **kw)
 
 
@@ -71,11 +70,10 @@ def assert_bitwise(got, sent):
         assert torch.equal(g.reshape(-1).view(torch.uint8), s.contiguous().reshape(-1).view(torch.uint8))
 
 
-def test_every_dtype_and_view_arrives_bitwise_over_more_sends_than_slots(prefix):
+def test_every_dtype_and_view_arrives_bitwise_over_more_sends_than_slots(store):
     tensors = mixed_tensors()
     layout = BundleLayout(tuple(spec_of(t) for t in tensors))
-    links = pair(prefix, layout)
-    assert our_files(prefix) == []  # unlinked as soon as both ends were open
+    links = pair(store, layout)
     rounds = [[t + n if t.dtype != torch.bool else t ^ bool(n % 2) for t in tensors]
               for n in range(2 * shm.SLOTS + 1)]
     for n, sent in enumerate(rounds):  # the ring fills: later sends wait packed aside
@@ -94,10 +92,10 @@ def test_every_dtype_and_view_arrives_bitwise_over_more_sends_than_slots(prefix)
         link.close()
 
 
-def test_a_sender_changing_its_tensor_after_send_does_not_change_what_arrives(prefix):
+def test_a_sender_changing_its_tensor_after_send_does_not_change_what_arrives(store):
     x = torch.ones(5)
     layout = BundleLayout((spec_of(x),))
-    links = pair(prefix, layout, tag=Tag.GRADIENTS)
+    links = pair(store, layout, tag=Tag.GRADIENTS)
     links[0].send(layout, [x], 1, Tag.GRADIENTS)
     x.add_(1)
     got, = links[1].recv(layout, 0, Tag.GRADIENTS)
@@ -105,14 +103,14 @@ def test_a_sender_changing_its_tensor_after_send_does_not_change_what_arrives(pr
     assert torch.equal(got.detach(), torch.ones(5)) and got.is_leaf
 
 
-def test_a_relayed_value_and_its_gradient_cross_two_links_bitwise(prefix):
+def test_a_relayed_value_and_its_gradient_cross_two_links_bitwise(store):
     # stage 0 --[a, skip]--> stage 1 --[b, skip]--> stage 2, gradients the same way back, and
     # the done signal from the last stage to stage 0 (sharded inference), over non-neighbours.
     a, skip = torch.randn(4, 3, dtype=torch.float64), torch.randn(2, 5).to(torch.bfloat16)
     b = torch.randint(-9, 9, (3,), dtype=torch.int32)
     first, second = BundleLayout((spec_of(a), spec_of(skip))), BundleLayout((spec_of(b), spec_of(skip)))
     A, G, D = Tag.ACTIVATIONS, Tag.GRADIENTS, Tag.DONE
-    links = open_links(prefix, {
+    links = open_links(store, {
         0: [ChannelSpec(1, A, True, first.nbytes), ChannelSpec(1, G, False, first.nbytes),
             ChannelSpec(2, D, False, 0)],
         1: [ChannelSpec(0, A, False, first.nbytes), ChannelSpec(0, G, True, first.nbytes),
@@ -135,17 +133,17 @@ def test_a_relayed_value_and_its_gradient_cross_two_links_bitwise(prefix):
         link.close()
 
 
-def test_shape_mismatch_is_the_same_device_error_as_over_gloo(prefix):
+def test_shape_mismatch_is_the_same_device_error_as_over_gloo(store):
     layout = BundleLayout((spec_of(torch.zeros(3, 4)),))
-    links = pair(prefix, layout)
+    links = pair(store, layout)
     with pytest.raises(DeviceError, match="shape \\[3, 5\\] and dtype torch.float32, but the "
                                           "stages were compiled for \\[3, 4\\]"):
         links[0].send(layout, [torch.zeros(3, 5)], 1, Tag.ACTIVATIONS)
 
 
-def test_a_receive_with_nothing_coming_times_out_naming_the_stage(prefix):
+def test_a_receive_with_nothing_coming_times_out_naming_the_stage(store):
     layout = BundleLayout((spec_of(torch.zeros(2)),))
-    links = pair(prefix, layout, timeout=1.0)
+    links = pair(store, layout, timeout=1.0)
     start = time.monotonic()
     with pytest.raises(DeviceError, match="No data from stage 0 within 1s"):
         links[1].recv(layout, 0, Tag.ACTIVATIONS)
@@ -167,11 +165,13 @@ def test_link_kind_follows_the_environment_and_what_shm_can_reach(monkeypatch):
 
 _SENDER = textwrap.dedent("""
     import sys, torch
+    import torch.distributed as dist
     from pipetorch.parallel.comm.shm import ShmLink
     from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, Tag
     from pipetorch.parallel.layout.routes import TensorSpec
     layout = BundleLayout((TensorSpec((1 << 18,), torch.float32, False),))
-    link = ShmLink(prefix=sys.argv[1], rank=0, device=torch.device("cpu"),
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
+    link = ShmLink(store=store, name="test-", rank=0, device=torch.device("cpu"),
                    wire_device=torch.device("cpu"), timeout=30)
     link.open([ChannelSpec(1, Tag.ACTIVATIONS, True, layout.nbytes)])
     for n in range(100):  # far more than the ring holds: the sender waits in flush
@@ -182,15 +182,17 @@ _SENDER = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_a_peer_killed_mid_send_is_named_within_seconds_and_leaves_no_file(prefix):
+def test_a_peer_killed_mid_send_is_named_within_seconds_and_leaves_nothing():
     layout = BundleLayout((TensorSpec((1 << 18,), torch.float32, False),))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    sender = subprocess.Popen([sys.executable, "-c", _SENDER, prefix], env=env,
+    before = shm_entries()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(store.port)], env=env,
                               stdout=subprocess.PIPE, text=True)
     try:
-        link = ShmLink(prefix=prefix, rank=1, device=CPU, wire_device=CPU, timeout=60)
+        link = ShmLink(store=store, name="test-", rank=1, device=CPU, wire_device=CPU, timeout=60)
         link.open([ChannelSpec(0, Tag.ACTIVATIONS, False, layout.nbytes)])
-        assert our_files(prefix) == []
+        assert store.num_keys() == 0  # the address was taken back once the sender attached
         first, = link.recv(layout, 0, Tag.ACTIVATIONS)
         assert torch.equal(first, torch.zeros(1 << 18))
         assert sender.stdout.readline().strip() == "sent"  # now waiting in flush, mid-send
@@ -203,6 +205,7 @@ def test_a_peer_killed_mid_send_is_named_within_seconds_and_leaves_no_file(prefi
         assert time.monotonic() - start < 5
         assert f"Stage 0 (pid {sender.pid}) stopped answering" in str(info.value)
         link.close()
+        assert new_shm_entries(before) == set()
     finally:
         sender.kill()
         sender.wait(timeout=30)
@@ -219,6 +222,7 @@ def test_pipelined_training_over_shm_equals_plain_pytorch_and_gloo(request, monk
     D, G, B = 2, 5, 2
     batches = [case.data(D * G * B, seed=seed) for seed in range(2)]
     results, models = {}, {}
+    before = shm_entries()
     for transport in ("shm", "gloo"):
         monkeypatch.setenv("PIPETORCH_TRANSPORT", transport)
         model = twin(case.model)
@@ -229,11 +233,10 @@ def test_pipelined_training_over_shm_equals_plain_pytorch_and_gloo(request, monk
         assert_in_processes(wrapper, 3)
         engine = wrapper._compiled.engine
         assert {t.transport for t in engine.last_trace} == {transport}
-        prefixes = list(engine.workers.segments)
-        assert prefixes and all(our_files(p) == [] for p in prefixes)  # nothing left while running
+        assert not [n for n in shm_entries() - before if n.startswith("pipetorch")]  # no file
         wrapper.destroy()
         models[transport] = wrapper.model
-        assert all(our_files(p) == [] for p in prefixes)
+        assert new_shm_entries(before) == set()
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
     for call, batch in enumerate(batches):
         expected = plain_call(plain, optimizer, batch, D=D, G=G)
@@ -244,27 +247,26 @@ def test_pipelined_training_over_shm_equals_plain_pytorch_and_gloo(request, monk
     assert_same_state(models["shm"], models["gloo"], what="shm vs gloo: ")
 
 
-def test_host_values_cross_through_an_arena_bitwise_and_grow_by_descriptor():
+def test_host_values_cross_through_an_arena_bitwise_and_grow_by_address():
     # What a worker returns to the host (and the host's inputs): tensors of every dtype inside
-    # lists and dicts, with non-tensor leaves; only their places are pickled.
+    # lists and dicts, with non-tensor leaves; only their places (and a grown file's
+    # address) are pickled.
+    import gc
     import pickle
-    import socket
-    from multiprocessing.connection import Connection
 
     from pipetorch.parallel.comm import arena
 
-    ours, theirs = (Connection(s.detach()) for s in socket.socketpair())
     writer, reader = arena.Arena(), arena.Arena()
     try:
         small = {0: [torch.arange(5), "label", None], 3: [torch.randn(2, 2)]}
         big = {n: [t, n] for n, t in enumerate(mixed_tensors())} | {
             99: [torch.randn(1 << 19)]}  # 2 MB: more than the first arena holds
+        grown, made = [], set()
         for value in (small, big, small):
             skeleton, packed = arena.pack_tree(writer, value)
             message = pickle.dumps((skeleton, packed))
             assert len(message) < 2000  # places, not bytes
-            writer.send_growth(ours, packed)
-            got = arena.unpack_tree(reader, theirs, *pickle.loads(message))
+            got = arena.unpack_tree(reader, *pickle.loads(message))
             assert got.keys() == value.keys()
             for key in value:
                 for g, v in zip(got[key], value[key]):
@@ -272,10 +274,28 @@ def test_host_values_cross_through_an_arena_bitwise_and_grow_by_descriptor():
                         assert_bitwise([g], [v])
                     else:
                         assert g == v
-        assert packed.grown is None and writer.size >= (1 << 21)  # grown once, then reused
-        assert writer.fd == reader.fd == -1  # once shared, an arena holds no descriptor
+            grown.append(packed.grown)
+            if packed.grown is not None:  # the file as the kernel names it
+                made.add(os.fstat(packed.grown.fd).st_ino)
+        first, second, third = grown
+        assert first is not None and first.pid == os.getpid() and first.size == 1 << 20
+        assert second is not None and second.size >= 1 << 21 and third is None  # then reused
     finally:
         writer.close()
         reader.close()
-        ours.close()
-        theirs.close()
+    gc.collect()
+    assert len(made) == 2 and not made & memfds_held()  # no descriptor or mapping is left
+
+
+def memfds_held() -> set[int]:
+    """The inodes of the shared memory files this process holds open or mapped."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:pipetorch"):
+                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    with open("/proc/self/maps") as maps:
+        held |= {int(line.split()[4]) for line in maps if "/memfd:pipetorch" in line}
+    return held

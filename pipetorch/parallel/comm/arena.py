@@ -1,32 +1,29 @@
-"""Host inputs and outputs through shared memory: an arena per worker and direction, passed once
-by file descriptor, so a host call pickles only a few descriptors instead of its tensors.
+"""Host inputs and outputs through shared memory: an arena per worker and direction (a memory
+file, see memfd.py), so a host call pickles only a few places instead of its tensors.
 
     host --("run", call, Packed)--> worker      the inputs' bytes lie in the host's arena
     host <--("ok", outputs, Packed)-- worker    the outputs' bytes lie in the worker's arena
 
 The writer lays the tensors out in its arena (stacking straight into it) and sends their places;
-when they need more room than the arena has, it makes a larger one (an anonymous memfd, never a
-file) and the descriptor follows the message over the same socket. The host writes the next
-call's inputs only after every worker answered, and a worker writes its next outputs only after
-the host sent the next call, so nobody writes what the other is still reading.
+when they need more room than the arena has, it makes a larger file, whose address the
+message carries. The host writes the next call's inputs only after every worker answered, and a
+worker writes its next outputs only after the host sent the next call, so nobody writes what the
+other is still reading, and a writer replaces its file only after the reader attached to it.
 """
 from __future__ import annotations
 
-import mmap
 import os
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle, send_handle
 from typing import Sequence
 
 import torch
 
+from pipetorch.parallel.comm import memfd
 from pipetorch.partition.export import Tree
 from pipetorch.partition.split import map_leaves
 
 __all__: list[str] = []
 
-_ALIGN = 64
 _MINIMUM = 1 << 20
 
 
@@ -41,11 +38,11 @@ class Place:
 
 @dataclass(frozen=True)
 class Packed:
-    """Where a message's tensors lie; `grown`: the size of a new arena whose descriptor follows
-    the message (None: the receiver's current one)."""
+    """Where a message's tensors lie; `grown`: the writer's new file (None: the reader's
+    current one)."""
 
     places: tuple[Place, ...]
-    grown: int | None = None
+    grown: memfd.Address | None = None
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -64,20 +61,8 @@ class Arena:
     """One direction's shared bytes, seen by the writer and by the reader."""
 
     def __init__(self) -> None:
-        self.fd = -1
-        self.size = 0
+        self._made: memfd.Address | None = None  # the writer's file, kept open
         self._whole: torch.Tensor | None = None
-
-    def _map(self, fd: int, size: int, *, keep: bool) -> None:
-        """Map `fd`; keep it open only while it still has to be sent (the mapping holds its
-        own reference, so an arena costs no descriptor once shared)."""
-        self.close()
-        self.size = size
-        self._whole = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
-        if keep:
-            self.fd = fd
-        else:
-            os.close(fd)
 
     def view(self, place: Place) -> torch.Tensor:
         assert self._whole is not None
@@ -91,13 +76,13 @@ class Arena:
         places, at = [], 0
         for shape, dtype in shapes:
             places.append(Place(at, tuple(shape), dtype))
-            at += (_nbytes(shape, dtype) + _ALIGN - 1) // _ALIGN * _ALIGN
+            at += memfd.aligned(_nbytes(shape, dtype))
         grown = None
-        if at > self.size:
-            grown = max(at, 2 * self.size, _MINIMUM)
-            fd = os.memfd_create("pipetorch-arena", os.MFD_CLOEXEC)
-            os.ftruncate(fd, grown)
-            self._map(fd, grown, keep=True)
+        size = 0 if self._whole is None else self._whole.numel()
+        if at > size:
+            self.close()
+            grown, self._whole = memfd.make(max(at, 2 * size, _MINIMUM))
+            self._made = grown
         packed = Packed(tuple(places), grown)
         return packed, [self.view(p) for p in packed.places]
 
@@ -107,25 +92,18 @@ class Arena:
             view.copy_(tensor)
         return packed
 
-    def send_growth(self, conn: Connection, packed: Packed) -> None:
-        """After sending the message that carries `packed`: its new arena, if it has one."""
-        if packed.grown is not None:
-            send_handle(conn, self.fd, 0)
-            os.close(self.fd)
-            self.fd = -1
-
     # -- the reader ---------------------------------------------------------------------------
-    def unpack(self, conn: Connection, packed: Packed) -> list[torch.Tensor]:
+    def unpack(self, packed: Packed) -> list[torch.Tensor]:
         """Views of the message's tensors (valid until the writer writes the next message)."""
         if packed.grown is not None:
-            self._map(recv_handle(conn), packed.grown, keep=False)
+            self._whole = memfd.attach(packed.grown)
         return [self.view(p) for p in packed.places]
 
     def close(self) -> None:
-        """Forget the mapping; tensors still viewing it keep it alive."""
-        if self.fd >= 0:
-            os.close(self.fd)
-        self.fd, self.size, self._whole = -1, 0, None
+        """Forget the file; tensors still viewing it keep its memory."""
+        if self._made is not None:
+            os.close(self._made.fd)
+        self._made, self._whole = None, None
 
 
 def pack_tree(arena: Arena, value: Tree) -> tuple[Tree, Packed]:
@@ -140,9 +118,9 @@ def pack_tree(arena: Arena, value: Tree) -> tuple[Tree, Packed]:
     return skeleton, arena.pack(tensors)
 
 
-def unpack_tree(arena: Arena, conn: Connection, skeleton: Tree, packed: Packed) -> Tree:
+def unpack_tree(arena: Arena, skeleton: Tree, packed: Packed) -> Tree:
     """The value `pack_tree` stripped, its tensors copied out of the arena."""
-    views = arena.unpack(conn, packed)
+    views = arena.unpack(packed)
     return map_leaves(skeleton, _Slot, lambda slot: views[slot.index].clone())
 
 

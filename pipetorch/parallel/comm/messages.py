@@ -77,7 +77,7 @@ class Start:
 
 @dataclass(frozen=True)
 class Run:
-    """A host call; the inputs' arena follows. Reply: RunReply."""
+    """A host call (its inputs in the host's arena for this worker). Reply: RunReply."""
 
     call: Call                 # without inputs: they lie in the arena `packed` describes
     training: bool

@@ -80,11 +80,14 @@ def next_rendezvous(*, process_id: int, num_processes: int, devices: int, replic
 
 
 def join(rendezvous: Rendezvous, *, rank: int, backend: str, timeout: float,
-         group_timeout: float | None = None) -> None:
+         group_timeout: float | None = None) -> dist.Store:
     """Join the launch's process group (in a worker): the store waits `timeout` seconds, the
-    group's operations (NCCL's watchdog) `group_timeout`, by default the same."""
+    group's operations (NCCL's watchdog) `group_timeout`, by default the same. Returns the
+    launch's store (its keys are this launch's alone)."""
     wait = datetime.timedelta(seconds=timeout)
     client = dist.TCPStore(rendezvous.address, rendezvous.port, is_master=False, timeout=wait)
     operations = wait if group_timeout is None else datetime.timedelta(seconds=group_timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(rendezvous.prefix, client),
-                            rank=rank, world_size=rendezvous.world_size, timeout=operations)
+    store = dist.PrefixStore(rendezvous.prefix, client)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=rendezvous.world_size,
+                            timeout=operations)
+    return store

@@ -1,33 +1,33 @@
 """Bundles between two workers of one machine through shared memory: a ring of slots per peer,
-tag and direction, signalled with one byte through a pipe (a FIFO) instead of a gloo message.
+tag and direction, signalled with one byte through a pipe instead of a gloo message.
 
     sender                                          receiver
-    pack into slot n % N   --- 1 byte, data FIFO --->   copy slot n % N out
-    (waits for a free slot) <-- 1 byte, credit FIFO --   the slot is free again
+    pack into slot n % N   --- 1 byte, data pipe --->   copy slot n % N out
+    (waits for a free slot) <-- 1 byte, credit pipe --   the slot is free again
 
-The receiver makes each of its incoming channels (a segment and two FIFOs in /dev/shm), the
-sender attaches, and the receiver unlinks all three as soon as both ends are open: from then on
-the kernel frees them with the last process, however it ends. A peer that dies closes its FIFO
-ends, which wakes the waiting side at once (end of file, or EPIPE); every wait is also bounded
-by the timeout and checks that the peer still runs. A send that finds the ring full is packed
-aside and delivered by later waits or by `flush`, as gloo's isend would, so a small ring never
-deadlocks a schedule that gloo runs.
+The receiver makes each of its incoming rings (a memory file, see memfd.py) and its two pipes and
+puts their address in the launch's store; the sender opens them through /proc and says so in
+the ring's header, and the receiver then closes the ends that are the sender's. Nothing has a
+name, so the kernel frees everything with the last process, however it ends. A peer that dies
+closes its pipe ends, which wakes the waiting side at once (end of file, or EPIPE); every wait
+is also bounded by the timeout and checks that the peer still runs. A send that finds the ring
+full is packed aside and delivered by later waits or by `flush`, as gloo's isend would, so a
+small ring never deadlocks a schedule that gloo runs.
 """
 from __future__ import annotations
 
-import errno
-import mmap
 import os
 import select
-import struct
 import time
 from collections import deque
-from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from pipetorch.errors import DeviceError
+from pipetorch.parallel.comm import memfd
 from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, LinkOptions, PeerLink, Tag
 
 if TYPE_CHECKING:
@@ -35,25 +35,9 @@ if TYPE_CHECKING:
 
 __all__: list[str] = []
 
-FOLDER = Path("/dev/shm")
 SLOTS = 3        # messages a sender may run ahead of its receiver without waiting
-_HEADER = 64     # bytes before the slots: the pids of both ends
-_ALIGN = 64      # every slot starts on a cache line
+_HEADER = 64     # bytes before the slots: the pids of both ends (int64 0: receiver, 1: sender)
 _CHECK = 0.5     # seconds between checks that the peer is still running while waiting
-
-
-def segment_prefix(host_pid: int, launch: str) -> str:
-    """The names of one launch's shared-memory files (`launch`: its rendezvous prefix)."""
-    return f"pipetorch-shm-{os.getuid()}-{host_pid}-{launch.strip('/').rpartition('/')[2]}-"
-
-
-def remove_leftovers(prefix: str) -> int:
-    """Remove files named `prefix`* that a worker killed during start-up left; how many."""
-    removed = 0
-    for path in FOLDER.glob(f"{prefix}*"):
-        path.unlink(missing_ok=True)
-        removed += 1
-    return removed
 
 
 def _running(pid: int) -> bool:
@@ -62,14 +46,29 @@ def _running(pid: int) -> bool:
     return pid > 0 and running(pid)
 
 
+@dataclass(frozen=True)
+class _Made:
+    """An incoming ring as its receiver made it, before the sender attached."""
+
+    spec: ChannelSpec
+    address: memfd.Address
+    whole: torch.Tensor
+    data: tuple[int, int]     # the data pipe: (read, write)
+    credit: tuple[int, int]   # the credit pipe: (read, write)
+
+    def published(self) -> str:
+        """What the store holds for the sender: where to open each of its ends."""
+        return f"{self.address.pid} {self.address.fd} {self.address.size} " \
+               f"{self.data[1]} {self.credit[0]}"
+
+
 class _Channel:
     """One ring: `wait_fd` brings signals in (data or credits), `post_fd` sends them."""
 
-    def __init__(self, spec: ChannelSpec, memory: mmap.mmap, slot_bytes: int,
+    def __init__(self, spec: ChannelSpec, whole: torch.Tensor, slot_bytes: int,
                  wait_fd: int, post_fd: int, peer_pid: int) -> None:
-        self.spec, self.memory, self.peer_pid = spec, memory, peer_pid
+        self.spec, self.peer_pid = spec, peer_pid
         self.wait_fd, self.post_fd = wait_fd, post_fd
-        whole = torch.frombuffer(memory, dtype=torch.uint8)
         self.slots = [whole[_HEADER + n * slot_bytes:_HEADER + (n + 1) * slot_bytes]
                       for n in range(SLOTS)]
         self.count = 0                                # messages through this channel so far
@@ -132,19 +131,21 @@ class ShmLink(PeerLink):
 
     kind = "shm"
 
-    def __init__(self, *, prefix: str, rank: int, **kwargs: Unpack[LinkOptions]) -> None:
+    def __init__(self, *, store: dist.Store, name: str, rank: int,
+                 **kwargs: Unpack[LinkOptions]) -> None:
         super().__init__(**kwargs)
-        self.prefix, self.rank = prefix, rank
+        self.store, self.name, self.rank = store, name, rank
         self._in: dict[tuple[int, int], _Channel] = {}
         self._out: dict[tuple[int, int], _Channel] = {}
         self._seconds = self.timeout.total_seconds()
 
     # -- setting up ---------------------------------------------------------------------------
-    def _path(self, source: int, target: int, tag: int, suffix: str) -> Path:
-        return FOLDER / f"{self.prefix}{source}-{target}-{int(tag)}.{suffix}"
+    def _key(self, source: int, target: int, tag: int) -> str:
+        return f"shm/{self.name}{source}-{target}-{int(tag)}"
 
     def open(self, channels: Sequence[ChannelSpec]) -> None:
-        """Make the incoming rings, attach to the outgoing ones, then unlink every file.
+        """Make the incoming rings, attach to the outgoing ones, then close the ends that the
+        senders opened.
 
         No step waits on a later one in any worker, so the workers cannot deadlock here.
         """
@@ -154,87 +155,61 @@ class ShmLink(PeerLink):
             largest[key] = max(largest.get(key, 0), c.nbytes)
         specs = [ChannelSpec(peer, tag, outgoing, nbytes)
                  for (peer, tag, outgoing), nbytes in largest.items()]
-        incoming = [c for c in specs if not c.outgoing]
+        made: list[_Made] = []
         try:
-            made = [self._make(c) for c in incoming]
+            for spec in specs:
+                if not spec.outgoing:
+                    made.append(self._make(spec))
             for spec in specs:
                 if spec.outgoing:
                     self._attach(spec)
-            for spec, data_fd in zip(incoming, made):
-                self._finish(spec, data_fd)
-        except BaseException:
-            for spec in incoming:  # what this side made and has not unlinked yet
-                for suffix in ("tmp", "seg", "data", "credit"):
-                    self._path(self.offset + spec.peer, self.rank, spec.tag, suffix).unlink(
-                        missing_ok=True)
-            raise
+            while made:
+                self._finish(made[-1])
+                made.pop()
+        finally:
+            for ring in made:  # a failure before the sender attached
+                for fd in (ring.address.fd, *ring.data, *ring.credit):
+                    os.close(fd)
 
     def _sizes(self, spec: ChannelSpec) -> tuple[int, int]:
-        slot = (spec.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        return slot, _HEADER + SLOTS * max(slot, _ALIGN)
+        slot = max(memfd.aligned(spec.nbytes), memfd.ALIGN)
+        return slot, _HEADER + SLOTS * slot
 
-    def _make(self, spec: ChannelSpec) -> int:
-        peer = self.offset + spec.peer
-        path = lambda suffix: self._path(peer, self.rank, spec.tag, suffix)  # noqa: E731
-        os.mkfifo(path("data"), 0o600)
-        os.mkfifo(path("credit"), 0o600)
-        data_fd = os.open(path("data"), os.O_RDONLY | os.O_NONBLOCK)
-        _, size = self._sizes(spec)
-        staging = path("tmp")
-        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            os.pwrite(fd, struct.pack("q", os.getpid()), 0)
-        finally:
-            os.close(fd)
-        os.rename(staging, path("seg"))  # the sender waits for this name: everything is ready
-        return data_fd
+    def _make(self, spec: ChannelSpec) -> _Made:
+        address, whole = memfd.make(self._sizes(spec)[1])
+        whole[:_HEADER].view(torch.int64)[0] = os.getpid()
+        ring = _Made(spec, address, whole, os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC),
+                     os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC))
+        self.store.set(self._key(self.offset + spec.peer, self.rank, spec.tag), ring.published())
+        return ring
 
     def _attach(self, spec: ChannelSpec) -> None:
-        peer = self.offset + spec.peer
-        path = lambda suffix: self._path(self.rank, peer, spec.tag, suffix)  # noqa: E731
-        self._until(lambda: path("seg").exists(), f"stage {spec.peer}'s shared memory")
-        fd = os.open(path("seg"), os.O_RDWR)
-        try:
-            _, size = self._sizes(spec)
-            memory = mmap.mmap(fd, size)
-        finally:
+        key = self._key(self.rank, self.offset + spec.peer, spec.tag)
+        self._until(lambda: self.store.check([key]), f"stage {spec.peer}'s shared memory")
+        pid, fd, size, data, credit = map(int, self.store.get(key).split())
+        slot, expected = self._sizes(spec)
+        if size != expected:
+            raise DeviceError(f"Stage {spec.peer} made a ring of {size} bytes for messages that "
+                              f"need {expected} here: the two workers disagree on the shapes "
+                              "they exchange")
+        whole = memfd.attach(memfd.Address(pid, fd, size))
+        data_fd = memfd.reopen(pid, data, os.O_WRONLY | os.O_NONBLOCK)
+        credit_fd = memfd.reopen(pid, credit, os.O_RDONLY | os.O_NONBLOCK)
+        self._out[(self.offset + spec.peer, spec.tag)] = _Channel(spec, whole, slot, credit_fd,
+                                                                 data_fd, pid)
+        whole[:_HEADER].view(torch.int64)[1] = os.getpid()  # attached: the receiver may close
+
+    def _finish(self, ring: _Made) -> None:
+        """Once the sender holds its ends: close ours of them (so its death ends our pipes)."""
+        spec, pids = ring.spec, ring.whole[:_HEADER].view(torch.int64)
+        self._until(lambda: int(pids[1]) != 0, f"stage {spec.peer} to attach to the shared memory")
+        for fd in (ring.address.fd, ring.data[1], ring.credit[0]):
             os.close(fd)
-        memory[8:16] = struct.pack("q", os.getpid())
-        # data before credit: the receiver unlinks every file once credit has a reader
-        data_fd = os.open(path("data"), os.O_WRONLY | os.O_NONBLOCK)
-        credit_fd = os.open(path("credit"), os.O_RDONLY | os.O_NONBLOCK)
-        peer_pid = struct.unpack("q", memory[0:8])[0]
-        self._out[(peer, spec.tag)] = _Channel(spec, memory, self._sizes(spec)[0], credit_fd,
-                                               data_fd, peer_pid)
+        self.store.delete_key(self._key(self.offset + spec.peer, self.rank, spec.tag))
+        self._in[(self.offset + spec.peer, spec.tag)] = _Channel(
+            spec, ring.whole, self._sizes(spec)[0], ring.data[0], ring.credit[1], int(pids[1]))
 
-    def _finish(self, spec: ChannelSpec, data_fd: int) -> None:
-        peer = self.offset + spec.peer
-        path = lambda suffix: self._path(peer, self.rank, spec.tag, suffix)  # noqa: E731
-        credit_fd = -1
-
-        def opened() -> bool:  # the sender has opened its reading end of the credit FIFO
-            nonlocal credit_fd
-            try:
-                credit_fd = os.open(path("credit"), os.O_WRONLY | os.O_NONBLOCK)
-            except OSError as exc:
-                if exc.errno != errno.ENXIO:
-                    raise
-            return credit_fd >= 0
-
-        self._until(opened, f"stage {spec.peer} to attach to the shared memory")
-        fd = os.open(path("seg"), os.O_RDWR)
-        try:
-            memory = mmap.mmap(fd, self._sizes(spec)[1])
-        finally:
-            os.close(fd)
-        for suffix in ("seg", "data", "credit"):
-            path(suffix).unlink(missing_ok=True)
-        peer_pid = struct.unpack("q", memory[8:16])[0]
-        self._in[(peer, spec.tag)] = _Channel(spec, memory, self._sizes(spec)[0], data_fd,
-                                              credit_fd, peer_pid)
-
-    def _until(self, done, what: str) -> None:
+    def _until(self, done: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self._seconds
         pause = 1e-4
         while not done():
@@ -332,8 +307,10 @@ class ShmLink(PeerLink):
         self._out.clear()
 
 
-def new_link(kind: str, *, prefix: str, rank: int, **kwargs: Unpack[LinkOptions]) -> PeerLink:
-    """The link of `kind` (from `link_kind`); `kwargs` go to PeerLink."""
+def new_link(kind: str, *, store: dist.Store, name: str, rank: int,
+             **kwargs: Unpack[LinkOptions]) -> PeerLink:
+    """The link of `kind` (from `link_kind`), its rings named `name` in `store` (unique in the
+    launch); `kwargs` go to PeerLink."""
     if kind == "shm":
-        return ShmLink(prefix=prefix, rank=rank, **kwargs)
+        return ShmLink(store=store, name=name, rank=rank, **kwargs)
     return PeerLink(**kwargs)

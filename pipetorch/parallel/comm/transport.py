@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import enum
 import functools
-import os
 from dataclasses import dataclass
 from typing import Sequence, TypedDict
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from pipetorch import environment
 from pipetorch.errors import DeviceError
+from pipetorch.parallel.comm import memfd
 from pipetorch.parallel.comm.buckets import BUCKET_BYTES, Piece, buckets
 from pipetorch.parallel.layout.routes import TensorSpec
 
@@ -282,7 +282,7 @@ def link_kind(devices: Sequence[torch.device], *, one_host: bool) -> str:
     process, and torch.distributed carries whatever it cannot reach.
     """
     wanted = environment.get("transport")
-    reachable = one_host and all(d.type == "cpu" for d in devices) and os.path.isdir("/dev/shm")
+    reachable = one_host and all(d.type == "cpu" for d in devices) and memfd.reachable()
     return "shm" if wanted == "shm" and reachable else "gloo"
 
 

@@ -34,7 +34,15 @@ class Calls:
 
     def restart(self) -> None:
         """New workers: new arenas."""
+        self.close()
         self.arenas = [(arena.Arena(), arena.Arena()) for _ in self.engine.placements]
+
+    def close(self) -> None:
+        """Release the inputs' memory files (the workers' mappings keep theirs)."""
+        for inputs, outputs in self.arenas:
+            inputs.close()
+            outputs.close()
+        self.arenas = []
 
     def train(self, micro_batches: MicroBatches, collector: OutputCollector) -> None:
         """D optimiser steps of G micro-batches on each replica (laid out [D][G][R])."""
@@ -97,7 +105,6 @@ class Calls:
                     torch.stack([f[i] for f in mine], out=view)  # straight into shared memory
             call = Call({}, iterations, per_iteration, wanted, scale, overlap)
             e.workers.send(peer, m.Run(call, training, commit if save else None, packed))
-            e.workers.send(peer, packed, shared=self.arenas[n][0])
         arrivals: list[wire.Transfer] = []
         replies = e.workers.gather("a training call" if training else "an inference call",
                                    transfers=arrivals)
@@ -127,8 +134,7 @@ class Calls:
         traces: list[Trace] = []
         for n, (placement, reply, arrival) in enumerate(zip(e.placements, replies, arrivals)):
             packed, device_traces = reply.packed, reply.traces
-            by_stage = arena.unpack_tree(self.arenas[n][1], e.workers.peers[n].conn,
-                                         reply.outputs, packed)
+            by_stage = arena.unpack_tree(self.arenas[n][1], reply.outputs, packed)
             outputs.update({(placement.replica, s): o for s, o in by_stage.items()})
             # device to host: the reply and its outputs copied out of shared memory, on the
             # device's first stage

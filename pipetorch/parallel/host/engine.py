@@ -28,7 +28,7 @@ from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel.host import cross_process
 from pipetorch.parallel.generation import lanes
-from pipetorch.parallel.comm import shm, wire
+from pipetorch.parallel.comm import wire
 from pipetorch.parallel.comm import messages as m
 from pipetorch.parallel.host.calls import Calls, MicroBatches
 from pipetorch.parallel.layout.compile_plan import CompilePlan
@@ -125,7 +125,7 @@ class ProcessEngine:
         self.sync.points.started(saved=start_snapshot)
         self.session.restart()
         try:
-            self.workers.start(shm.segment_prefix(os.getpid(), meeting.prefix))
+            self.workers.start()
         except DeviceError:
             self.close()
             raise
@@ -294,4 +294,5 @@ class ProcessEngine:
     def close(self) -> None:
         """Stop the workers (killing any that do not stop) and remove their files."""
         self.workers.close()
+        self.calls.close()
         self.sync.close()

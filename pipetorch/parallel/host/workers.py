@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from pipetorch import environment
 from pipetorch.errors import DeviceError
-from pipetorch.parallel.comm import arena, exits, shm, stream, wire
+from pipetorch.parallel.comm import exits, stream, wire
 from pipetorch.parallel.host import cross_process, pool
 from pipetorch.parallel.comm import messages as m
 from pipetorch.parallel.layout import placement as places
@@ -50,15 +50,12 @@ class WorkerSet:
         self.link: cross_process.HostLink | None = None
         self.folder = tempfile.mkdtemp(prefix="pipetorch-")
         self.peers: list[wire.Peer] = []
-        self.segments: list[str] = []  # each launch's shared-memory name prefix
-        self._finalizer = weakref.finalize(self, _shutdown, self.peers, self.folder,
-                                           segments=self.segments)
+        self._finalizer = weakref.finalize(self, _shutdown, self.peers, self.folder)
 
-    def start(self, segment: str) -> None:
+    def start(self) -> None:
         """A worker per placement: forked from the pool's warm zygote, or a fresh process
-        with the pool off; `segment`: the shared-memory name prefix of this launch."""
+        with the pool off."""
         environment.get("worker_nice")  # read by each worker: a bad value fails here, at once
-        self.segments.append(segment)
         for placement in self.placements:
             if pool.enabled():
                 conn, process = pool.start_worker(self.timeout)
@@ -99,16 +96,11 @@ class WorkerSet:
                 "call destroy() and build a new trainingModel/inferenceModel. The model keeps "
                 "the weights of the last copy to the host")
 
-    def send(self, peer: wire.Peer, message: m.Message | arena.Packed | stream.Encoded, *,
-             shared: arena.Arena | None = None, share: frozenset[int] = frozenset()) -> None:
-        """Send `message` (with `shared`, the new arena of the Packed `message` if it has
-        one; `share`: the live weights the worker maps, see wire.send)."""
+    def send(self, peer: wire.Peer, message: m.Message | stream.Encoded, *,
+             share: frozenset[int] = frozenset()) -> None:
+        """Send `message` (`share`: the live weights the worker maps, see wire.send)."""
         try:
-            if shared is not None:
-                assert isinstance(message, arena.Packed)
-                shared.send_growth(peer.conn, message)
-            else:
-                wire.send(peer.conn, message, shared=share)
+            wire.send(peer.conn, message, shared=share)
         except OSError as exc:
             self.fail(wire.unreachable(peer, exc))
             self.check_alive()
@@ -191,7 +183,7 @@ class WorkerSet:
 
     def stop(self, *, grace: float = _STOP_GRACE, remove: bool = True) -> None:
         """Stop the workers (`remove`: and their files); new ones may start later."""
-        _shutdown(self.peers, self.folder, grace=grace, remove=remove, segments=self.segments)
+        _shutdown(self.peers, self.folder, grace=grace, remove=remove)
 
     def close(self) -> None:
         """Stop the workers (killing any that do not stop) and remove their files; once."""
@@ -248,9 +240,8 @@ def _model_source(failure: wire.Failure, staged: StagedModel) -> str | None:
 
 
 def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE,
-              remove: bool = True, segments: Sequence[str] = ()) -> None:
-    """Ask every live worker to stop, then kill whatever is left, and remove the shared-memory
-    files a worker killed during start-up may have left; idempotent."""
+              remove: bool = True) -> None:
+    """Ask every live worker to stop, then kill whatever is left; idempotent."""
     live = [p for p in peers if p.process.poll() is None]
     if grace > 0 and live:
         try:
@@ -269,7 +260,5 @@ def _shutdown(peers: list[wire.Peer], folder: str, *, grace: float = _STOP_GRACE
         places.unregister(peer.process.pid)
         peer.conn.close()
     peers.clear()
-    for prefix in segments:
-        shm.remove_leftovers(prefix)
     if remove:
         shutil.rmtree(folder, ignore_errors=True)

@@ -71,7 +71,6 @@ class Worker:
     def __init__(self, launch: m.Launch, setup: m.Setup, conn: Connection) -> None:
         self.launch, self.setup, self.conn = launch, setup, conn
         self._inputs, self._outputs = arena.Arena(), arena.Arena()  # shared with the host
-        self._growth: arena.Packed | None = None  # outputs' new arena, sent after the reply
         self._stream: Iterator[snapshot.Item] = iter(())  # values sent after the reply
         # the host inputs the device's stages read, in the order the host lays them out
         self.reads = sorted({i for s in setup.stages for i in s.route.host_inputs})
@@ -88,9 +87,9 @@ class Worker:
         compiler = compiled.compile_backend(setup.stages)
         if compiler == "inductor":
             compiled.limit_compile_threads(workers=len(setup.devices), cores=places.cpu_cores())
-        join(meeting, rank=rank, backend=backend, timeout=launch.timeout,
-             group_timeout=compiled.watchdog_timeout(launch.timeout, backend=backend,
-                                                     compiling=compiler is not None))
+        store = join(meeting, rank=rank, backend=backend, timeout=launch.timeout,
+                     group_timeout=compiled.watchdog_timeout(launch.timeout, backend=backend,
+                                                             compiling=compiler is not None))
         # Every worker creates every device's group, in the same order (a collective call).
         groups = [dist.new_group(meeting.device_ranks(d)) if meeting.replicas > 1 else None
                   for d in range(meeting.devices)]
@@ -110,14 +109,13 @@ class Worker:
                       **(self.sharding.peers() if self.sharding else {}))
         kind = link_kind([torch.device(d) for d in setup.devices],
                          one_host=len(setup.devices) == meeting.world_size)
-        prefix = shm.segment_prefix(launch.host_pid, meeting.prefix)
         self._plans: dict[tuple[int, bool], list] = {}
         self._generation: lanes.Generation | None = None  # generate() in the stages
         self._hop_link: PeerLink | None = None  # generation's link, made at its first model
 
         def link_named(suffix: str) -> PeerLink:
-            """A link of its own (and ring names): one per input signature, one for hops."""
-            return new_link(kind, prefix=prefix + suffix, rank=rank, device=self.device,
+            """A link of its own (its rings' names): one per input signature, one for hops."""
+            return new_link(kind, store=store, name=suffix, rank=rank, device=self.device,
                             wire_device=wire_device, timeout=launch.timeout,
                             offset=meeting.rank(launch.replica, 0),
                             replica_group=groups[setup.device], backend=backend)
@@ -156,7 +154,7 @@ class Worker:
         key = (call.micro_batches, training)
         if key not in self._plans:
             self._plans[key] = self._plan(call.micro_batches, training)
-        inputs = zip(self.reads, self._inputs.unpack(self.conn, packed))
+        inputs = zip(self.reads, self._inputs.unpack(packed))
         call = Call({i: x.to(self.device, non_blocking=True) for i, x in inputs},
                     call.iterations, call.micro_batches, call.wanted, call.scale, call.overlap)
         if self.device.type == "cuda":
@@ -178,14 +176,11 @@ class Worker:
             trace.peak_memory = peak
         if training and commit is not None:
             traces[0].snapshot = self._snapshot(commit)
-        outputs, self._growth = arena.pack_tree(self._outputs, self.executor.outputs)
-        return m.RunReply(outputs, traces, self._growth)
+        outputs, packed = arena.pack_tree(self._outputs, self.executor.outputs)
+        return m.RunReply(outputs, traces, packed)
 
     def replied(self) -> None:
-        """After the reply to a call went out: the outputs' new arena, if they needed one."""
-        if self._growth is not None:
-            self._outputs.send_growth(self.conn, self._growth)
-            self._growth = None
+        """After the reply to a call went out: the values streamed to the host, if any."""
         sends = self.sharding is None or self.sharding.rank == 0  # the others only gather
         for item in self._stream:  # one value at a time: the host copies each into place
             if sends:

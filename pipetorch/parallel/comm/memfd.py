@@ -1,0 +1,74 @@
+"""Shared memory between the processes of one machine, for activations and a call's inputs and
+outputs: one scheme for both (the weights have theirs, weights/shared.py, reached the same way).
+
+Each is an anonymous memory file (memfd) that its maker keeps open; another process of the
+same user opens it through /proc/<maker pid>/fd/<fd>, and a pipe's end likewise. Nothing has a
+name in /dev/shm, so nothing is left behind however a process ends, and /dev/shm's size limit
+does not apply.
+
+    maker:   make(size) -> Address(pid, fd, size), bytes     (the Address crosses in a message)
+    other:   attach(address) -> the same bytes                 (valid while the maker keeps fd)
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__: list[str] = []
+
+ALIGN = 64  # bytes: every tensor laid out in a file starts on a cache line
+
+
+@dataclass(frozen=True)
+class Address:
+    """A memory file as another process reaches it."""
+
+    pid: int
+    fd: int
+    size: int
+
+
+def reachable() -> bool:
+    """Whether this machine lets processes share memory files (Linux's memfd and /proc)."""
+    return hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+
+
+def aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def make(size: int) -> tuple[Address, torch.Tensor]:
+    """A new memory file of `size` bytes (zeros) and its bytes; the caller closes `Address.fd`
+    once no other process needs to attach any more."""
+    if not reachable():
+        raise OSError("pipetorch's shared memory needs Linux (memfd_create and /proc): run "
+                      "the workers and the asynchronous DataLoader on Linux")
+    fd = os.memfd_create("pipetorch", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        return Address(os.getpid(), fd, size), _map(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def attach(address: Address) -> torch.Tensor:
+    """The bytes of another process's memory file (they stay mapped while a tensor views them)."""
+    fd = reopen(address.pid, address.fd, os.O_RDWR)
+    try:
+        return _map(fd, address.size)
+    finally:
+        os.close(fd)
+
+
+def reopen(pid: int, fd: int, flags: int) -> int:
+    """A descriptor of our own for what process `pid` holds open as `fd` (a memory file, a pipe's
+    end: a pipe opened for writing gets the writing end)."""
+    return os.open(f"/proc/{pid}/fd/{fd}", flags | os.O_CLOEXEC)
+
+
+def _map(fd: int, size: int) -> torch.Tensor:
+    return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
