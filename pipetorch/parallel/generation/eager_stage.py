@@ -77,8 +77,6 @@ class EagerStage:
         self._inside = False
         self._records: list[tuple[str, Any]] = []  # what this call hands on
         self._replayed = 0  # the entry's records given so far
-        # the zeros given in place of earlier stages' results in this call, one per shape
-        self._zeros: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
         starts = blocks.begin_blocks(model)
         begun = {stage_of_block.get(uid) for uid, _ in starts.values()}
         # a stage begun inside forward, or at a module that is not an item of a stack of layers:
@@ -112,7 +110,7 @@ class EagerStage:
         except _Leave as leave:
             return leave.boundary
         finally:
-            self._entry, self._zeros = None, {}
+            self._entry = None
         if not self._inside:
             raise CompileError(
                 f"Stage {self.index}'s first module never ran during this call of "
@@ -148,15 +146,11 @@ class EagerStage:
 
     def _zeroed(self, result: object) -> object:
         """An earlier stage's module result as zeros: its values are never used (the next
-        stage's inputs come from the previous stage), so results of one shape share one
-        tensor (a prompt's worth of hidden states each, otherwise)."""
-        def zeros(like: Like) -> torch.Tensor:
-            key = (like.shape, like.dtype)
-            if key not in self._zeros:
-                self._zeros[key] = torch.zeros(like.shape, dtype=like.dtype, device=self.device)
-            return self._zeros[key]
-
-        return pytree.tree_map_only(Like, zeros, result)
+        stage's inputs come from the previous stage), so each is one zero seen in its shape,
+        which costs no memory (a prompt's worth of hidden states each, otherwise) and which
+        the model's code cannot write into unnoticed."""
+        return pytree.tree_map_only(Like, lambda like: torch.zeros(
+            (), dtype=like.dtype, device=self.device).expand(like.shape), result)
 
     def _recorded(self, name: str, module: nn.Module,
                   forward: Callable[..., object]) -> Callable[..., object]:
