@@ -126,6 +126,22 @@ def wait_busy(pid: int, *, ticks: int = 20, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def memory_files() -> set[int]:
+    """The inodes of the shared memory files (parallel/comm/memfd.py, not the weights' file,
+    which the host's parameters may keep mapped) this process holds open or mapped."""
+    name = "/memfd:pipetorch (deleted)"
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == name:
+                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    with open("/proc/self/maps") as maps:
+        held |= {int(line.split()[4]) for line in maps if line.rstrip().endswith(name)}
+    return held
+
+
 def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 

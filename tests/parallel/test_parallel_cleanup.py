@@ -1,8 +1,10 @@
 """destroy(), the interpreter's exit and the user's process dying leave no worker behind.
 
-Counts the worker processes (by pid), their registry records and the /dev/shm entries before
-and after; the exit and death cases run a user's program in its own interpreter.
+Counts the worker processes (by pid), their registry records, the /dev/shm entries and the
+shared memory files this process holds before and after; the exit and death cases run a
+user's program in its own interpreter.
 """
+import gc
 import os
 import signal
 import threading
@@ -14,7 +16,8 @@ from torch.testing import assert_close
 
 import pipetorch as poptorch
 from fault_cases import registry  # noqa: F401 - the fixture
-from fault_cases import (Script, TokenNet, alive, new_shm_entries, options, records_of,
+from fault_cases import (Script, TokenNet, alive, memory_files, new_shm_entries, options,
+                         records_of,
                          shm_entries, token_data, wait_gone, wait_no_records)
 from pipetorch.parallel.layout import placement
 
@@ -28,7 +31,7 @@ def _registry_files(folder: str) -> list[str]:
 
 
 def test_destroy_stops_the_workers_and_removes_their_files(registry):
-    shm_before = shm_entries()
+    shm_before, files_before = shm_entries(), memory_files()
     torch.manual_seed(0)
     model = TokenNet()
     wrapper = poptorch.trainingModel(model, options(G=4),
@@ -47,6 +50,7 @@ def test_destroy_stops_the_workers_and_removes_their_files(registry):
              "host_pid": os.getpid()} for s in range(2)]
         assert _registry_files(registry) == sorted(f"worker-{p}.json" for p in pids)
         assert os.path.isdir(folder)
+        assert memory_files() - files_before  # the calls' inputs and outputs
     finally:
         wrapper.destroy()
     # destroy() waits for the workers: nothing is left the moment it returns.
@@ -55,6 +59,8 @@ def test_destroy_stops_the_workers_and_removes_their_files(registry):
     assert records_of(os.getpid()) == [] and _registry_files(registry) == []
     assert not os.path.exists(folder)
     assert new_shm_entries(shm_before) == set()
+    gc.collect()
+    assert memory_files() - files_before == set()
     wrapper.destroy()  # a second destroy() is harmless
 
 

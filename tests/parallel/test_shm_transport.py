@@ -18,7 +18,7 @@ from parallel_cases import (assert_in_processes, assert_same_result, assert_same
                             one_thread_everywhere, options, plain_call, skip_case, twin)
 from test_transport_bundles import mixed_tensors, spec_of
 from pipetorch.errors import ConfigError, DeviceError
-from fault_cases import new_shm_entries, shm_entries
+from fault_cases import memory_files, new_shm_entries, shm_entries
 from pipetorch.parallel.comm import shm
 from pipetorch.parallel.layout.routes import TensorSpec
 from pipetorch.parallel.comm.shm import ShmLink
@@ -284,18 +284,4 @@ def test_host_values_cross_through_an_arena_bitwise_and_grow_by_address():
         writer.close()
         reader.close()
     gc.collect()
-    assert len(made) == 2 and not made & memfds_held()  # no descriptor or mapping is left
-
-
-def memfds_held() -> set[int]:
-    """The inodes of the shared memory files this process holds open or mapped."""
-    held = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:pipetorch"):
-                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
-        except OSError:  # the listing's own descriptor, closed by now
-            pass
-    with open("/proc/self/maps") as maps:
-        held |= {int(line.split()[4]) for line in maps if "/memfd:pipetorch" in line}
-    return held
+    assert len(made) == 2 and not made & memory_files()  # no descriptor or mapping is left
