@@ -169,8 +169,7 @@ class EagerStage:
         replay, else its tensors' shapes (a layer's output is not kept alive for a hop that
         sends only its shape)."""
         if not self.replay:
-            result = _like(result) if isinstance(result, torch.Tensor) else \
-                pytree.tree_map_only(torch.Tensor, _like, result)
+            result = pytree.tree_map_only(torch.Tensor, _like, result)
         self._records[done:] = [(name, result)]
 
     def _skippable(self, name: str, module: nn.Module,
