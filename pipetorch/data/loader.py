@@ -13,6 +13,9 @@ could not fill a batch with are not lost.
 A user's `batch_sampler` is combined by batches, as PopTorch does: each host call takes
 deviceIterations x gradientAccumulation x replicas of its batches, each collated on its own
 by `collate_fn` (which may pad it), joined along dim 0 (see CombinedBatchSampler).
+
+`shuffle=True` in the processes of one pipeline (stagesAcrossProcesses) orders the data from
+one seed they share (see shared_seed.py); in one process, from the global RNG, as PopTorch.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data._utils.collate import default_convert
 
 from pipetorch.data.accessor import AsyncOptions, AsynchronousDataAccessor, CompletionEvent
-from pipetorch.data import samples
+from pipetorch.data import samples, shared_seed
 from pipetorch.data.fetch import BatchCollate, CollateFn, CollatedGroups, LoaderStats, TensorBatches
 from pipetorch.data.samples import UserDataset
 from pipetorch.data.sampling import (
@@ -293,7 +296,10 @@ class DataLoader(torch.utils.data.DataLoader):
                                  "decides the order. Drop one of them.")
             return user_sampler
         if shuffle:
-            return RandomSampler(dataset, generator=kwargs.get("generator"))
+            generator = kwargs.get("generator")
+            if generator is None:
+                generator = shared_seed.shuffle_generator(self._options)
+            return RandomSampler(dataset, generator=generator)
         return SequentialSampler(dataset)
 
     def _distributed_sampler(self, num_items: int, shuffle: bool, drop_last: bool,

@@ -1,5 +1,11 @@
 """The user's end of an asynchronous loader's pipe: messages sent and received, every wait
-bounded by the loader process's liveness, and its failures raised as LoaderError."""
+bounded by the loader process's liveness, and its failures raised as LoaderError.
+
+A loader that fails sends its error and exits. A send to it may then fail (broken pipe)
+while its last batches and its error still wait, unread, in the pipe: only `_receive`
+declares the process dead, and only once it has read everything the process sent, so the
+error reaches the user whatever the user's pace.
+"""
 from __future__ import annotations
 
 import logging
@@ -34,7 +40,8 @@ class LoaderPipe:
         try:
             self._conn.send((kind, *payload))
         except OSError:
-            self._died()
+            # The loader has exited: the next _receive reads what it sent, then its death.
+            logger.debug("loader process %s has exited; %s not sent", self._pid(), kind.name)
 
     def _receive(self) -> tuple[Any, ...]:
         if self._pending:
@@ -65,12 +72,14 @@ class LoaderPipe:
         how = f"exit code {code}"
         if code is not None and code < 0:
             how = f"killed by signal {signal.Signals(-code).name}"
-        pid = process.pid if process is not None else "?"
         self._fail_with(LoaderError(
-            f"An error occurred in the data fetcher: the data loader process (pid {pid}) died "
-            f"unexpectedly ({how}). Its dataset may "
-            "have crashed the interpreter or been killed for memory; run with "
-            "mode=DataLoaderMode.Sync to see the failure in this process."))
+            f"An error occurred in the data fetcher: the data loader process (pid "
+            f"{self._pid()}) died unexpectedly ({how}). Its dataset may have crashed the "
+            "interpreter or been killed for memory; run with mode=DataLoaderMode.Sync to see "
+            "the failure in this process."))
+
+    def _pid(self) -> int | str:
+        return self._process.pid if self._process is not None else "?"
 
     def _fail(self, payload: tuple[str, str, str, bytes | None]) -> None:
         name, message, text, pickled = payload

@@ -84,6 +84,23 @@ class BrokenDataset(torch.utils.data.Dataset):
         return torch.full((2,), index, dtype=torch.float32)
 
 
+class FailingLabels(BrokenDataset):
+    """(data, int64 label) items; from item `fail_at` the label's lookup fails (`KeyError`)
+    or the label turns float32 (`dtype`, which the ring buffer's int64 slots refuse)."""
+
+    def __init__(self, length, fail_at, how):
+        super().__init__(length, fail_at)
+        self.how = how
+
+    def __getitem__(self, index):
+        data = torch.full((2,), index, dtype=torch.float32)
+        if index < self.fail_at:
+            return data, torch.tensor(index)
+        if self.how == "KeyError":
+            raise KeyError(f"label of item {index}")
+        return data, torch.tensor(index, dtype=torch.float32)
+
+
 class DyingDataset(BrokenDataset):
     """Kills its own process (as the OOM killer would) at item `fail_at`."""
 

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 from loader_datasets import (
-    BrokenDataset, DyingDataset, IncrementDataset, IncrementIterableDataset, SlowDataset, values,
+    BrokenDataset, DyingDataset, FailingLabels, IncrementDataset, IncrementIterableDataset,
+    SlowDataset, values,
 )
 
 import pipetorch as poptorch
@@ -155,6 +156,26 @@ def test_dataset_exception_reaches_the_user_with_its_traceback(num_workers):
         next(iter(loader))  # the failure stays
     if num_workers == 0:
         assert isinstance(info.value.__cause__, AssertionError)
+
+
+@pytest.mark.parametrize("how,match,cause", [
+    ("KeyError", "raised KeyError: 'label of item 6'", KeyError),
+    ("dtype", r"raised ValueError: batch 4 of the epoch: tensor 1 is \[2\] torch.float32 but "
+              r"the ring buffer slots hold \[2\] torch.int64", ValueError),
+])
+def test_error_of_a_loader_that_exited_before_the_user_came_back(how, match, cause):
+    # Issue 51: behind a slow training step the failed loader had exited, so the user's next
+    # FREE hit a broken pipe, reported as "died unexpectedly (exit code 0)" with the error unread.
+    loader = async_loader(FailingLabels(100, fail_at=6, how=how), batch_size=2, buffer_size=2)
+    iterator = iter(loader)
+    seen = [values(next(iterator)[0]) for _ in range(2)]
+    pid = loader._accessor.pid  # it refills the slot [0, 1] left with [4, 5], fails on 6, exits
+    assert wait_for(lambda: not process_exists(pid), timeout=60)
+    with pytest.raises(LoaderError, match=match) as info:
+        while True:  # not `for`: iter() on the accessor would restart the epoch
+            seen.append(values(next(iterator)[0]))
+    assert seen == [[0, 1], [2, 3], [4, 5]]
+    assert isinstance(info.value.__cause__, cause)
 
 
 def test_exception_in_the_first_batch_is_raised_when_the_loader_starts():

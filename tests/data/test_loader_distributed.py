@@ -1,10 +1,15 @@
 """Splitting a dataset between processes: contiguous equal shares, shared shuffles, leftovers."""
 import pytest
 import torch
+import torch.distributed as dist
 from loader_datasets import IncrementDataset, IncrementIterableDataset, values
 
 import pipetorch as poptorch
+import torchrun_loader_seed_job as seed_job
+from helpers.torchrun import two_nodes
 from pipetorch.data.sampling import DistributedShareSampler, carry_leftovers
+from pipetorch.errors import LoaderError
+from pipetorch.parallel.comm import rendezvous
 
 Sync, Async = poptorch.DataLoaderMode.Sync, poptorch.DataLoaderMode.Async
 
@@ -102,3 +107,59 @@ def test_iterable_dataset_needs_manual_partitioning():
 def test_manual_partitioning_reads_everything():
     loader = loader_for(1, 2, auto_distributed_partitioning=False)
     assert items_of(loader) == list(range(100))
+
+
+@pytest.mark.slow
+def test_one_pipelines_processes_shuffle_alike_from_per_rank_seeds(tmp_path):
+    # Issue 51: seeded 100 + rank, the processes of one pipeline shuffled their own way,
+    # feeding it different batches in every call, with no error.
+    results = two_nodes(seed_job.__file__, tmp_path)
+    for mode in seed_job.MODES:
+        first, second = (result[mode.name] for result in results)
+        assert first == second, mode
+        assert first[0] != first[1], mode  # reshuffled each epoch
+        assert sorted(first[0]) == list(range(40)), mode
+    assert results[0]["next_random"] != results[1]["next_random"]  # still seeded per rank
+
+
+def across(process_id, *, seed=None):
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Distributed.configureProcessId(process_id, 2).stagesAcrossProcesses(True)
+    if seed is not None:
+        opts.randomSeed(seed)
+    return opts
+
+
+def test_one_pipelines_processes_shuffle_from_random_seed_without_exchange():
+    orders = []
+    for process_id in range(2):
+        opts = across(process_id, seed=7)
+        torch.manual_seed(100 + process_id)
+        loader = poptorch.DataLoader(opts, IncrementDataset(40), batch_size=2, shuffle=True)
+        orders.append([items_of(loader) for _ in range(2)])
+    assert orders[0] == orders[1] and orders[0][0] != orders[0][1]
+
+
+def test_a_process_waiting_for_process_0s_seed_fails_naming_it(monkeypatch):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setitem(rendezvous._stores, ("127.0.0.1", store.port), store)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("PIPETORCH_TIMEOUT", "0.5")
+    with pytest.raises(LoaderError, match=r"Process 1 of 2 waited 0.5 s for process 0 to share "
+                                          r"the shuffle seed of its DataLoader number \d+"):
+        poptorch.DataLoader(across(1), IncrementDataset(40), batch_size=2, shuffle=True)
+
+
+
+@pytest.mark.parametrize("mode", [Sync, Async])
+def test_one_process_shuffles_from_the_global_rng_as_torch(mode):
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Distributed.stagesAcrossProcesses(True)  # of one process: nothing to agree on
+    torch.manual_seed(5)
+    ours = poptorch.DataLoader(opts, IncrementDataset(40), batch_size=2, shuffle=True, mode=mode)
+    got = [items_of(ours) for _ in range(2)]
+    ours.terminate()
+    torch.manual_seed(5)
+    torch_loader = torch.utils.data.DataLoader(IncrementDataset(40), batch_size=4, shuffle=True)
+    assert got == [items_of(torch_loader) for _ in range(2)]

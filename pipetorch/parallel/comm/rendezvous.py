@@ -67,6 +67,11 @@ def _host_store(process_id: int, num_processes: int, timeout: float) -> tuple[st
     return key
 
 
+def host_store(process_id: int, num_processes: int, timeout: float) -> dist.TCPStore:
+    """This launch's store (MASTER_ADDR:MASTER_PORT's under torchrun), kept for the process."""
+    return _stores[_host_store(process_id, num_processes, timeout)]
+
+
 def next_rendezvous(*, process_id: int, num_processes: int, devices: int, replicas: int,
                     timeout: float, across: bool = False) -> Rendezvous:
     """The meeting point of this launch's workers (replicas: this process's replicationFactor;
