@@ -90,7 +90,8 @@ class Environment:
                                        "`cpu`, `cuda` or `cuda:N`: where stages run", _device)
     num_devices: int | None = _var(None, "all", "at most this many GPUs, or CPU cores to share "
                                    "out", _positive(int, "whole number"))
-    threads_per_device: int | None = _var(None, "cores / workers, at least 1",
+    threads_per_device: int | None = _var(None, "a host's cores / its CPU workers (of every "
+                                          "process), at least 1",
                                           "intra-op threads per CPU worker",
                                           _positive(int, "whole number"))
     execution: str = _choice("auto", {

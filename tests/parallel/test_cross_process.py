@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+import torchrun_habits_job as habits
 import torchrun_pipeline_job as job
 import torchrun_saving_job as saving_job
 from helpers.reference import plain_train_call
@@ -131,3 +132,76 @@ def test_devices_are_shared_out_in_blocks_of_processes(monkeypatch):
         "cuda:2", "cuda:3"]
     with pytest.raises(ConfigError, match="3 ipu"):
         cross_process.spread(placements[:3], (0, 1, 2), process=0, processes=2)
+
+
+def plain_from(result: dict):
+    """Plain PyTorch's losses and weights after each call, from a process's initial weights
+    and the batches it fed."""
+    plain = job.Net()
+    plain.load_state_dict(result["initial"])
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    for x, labels in result["batches"]:
+        got = plain_train_call(plain, optimizer, x, labels, D=job.D, G=job.G, R=1)
+        yield torch.stack([loss for *_, loss in got]), plain.state_dict()
+
+
+@pytest.mark.slow
+def test_per_rank_seeds_give_one_model_and_the_same_batches(tmp_path):
+    # Data-parallel scripts seed each rank (100 + rank): each process shuffled its own order
+    # and built its own initial weights, and stage 0 trained on one process's inputs while
+    # the loss stage scored the other's labels, silently.
+    results = two_nodes(habits.__file__, tmp_path, "seeded")
+    assert "error" not in results[0] and "error" not in results[1], results
+    assert len(results[0]["batches"]) == job.CALLS
+    for (x0, y0), (x1, y1) in zip(results[0]["batches"], results[1]["batches"], strict=True):
+        assert_close(x0, x1)
+        assert_close(y0, y1)
+    for c, (losses, state) in enumerate(plain_from(results[0])):
+        for p, result in enumerate(results):
+            assert_close(result["losses"][c], losses, msg=f"process {p}, call {c}")
+            for name, value in state.items():  # process 0's initial weights won
+                assert_close(result["states"][c][name], value, msg=f"process {p}, {name}")
+
+
+@pytest.mark.slow
+def test_inputs_that_differ_between_processes_are_refused_on_every_process(tmp_path):
+    results = two_nodes(habits.__file__, tmp_path, "mismatch")
+    for p, result in enumerate(results):
+        assert result["error"].startswith("InputMismatchError"), (p, result["error"])
+        assert "['x']" in result["error"], result["error"]  # the input that differs
+        assert result["calls"] == 1, p  # the second call trained nothing
+        assert result["seconds"] < 10, (p, result["seconds"])
+
+
+@pytest.mark.slow
+def test_a_read_on_process_0_alone_is_served_by_the_other(tmp_path):
+    results = two_nodes(habits.__file__, tmp_path, "rank0-read")
+    assert "error" not in results[0] and "error" not in results[1], results
+    assert len(results[1]["losses"]) == job.CALLS and not results[1]["states"]
+    for c, (losses, state) in enumerate(plain_from(results[0])):
+        assert_close(results[1]["losses"][c], losses)
+        for name, value in state.items():  # both stages' trained weights, on process 0
+            assert_close(results[0]["states"][c][name], value, msg=f"call {c}, {name}")
+
+
+@pytest.mark.slow
+def test_rounds_out_of_step_raise_on_every_process_naming_each(tmp_path):
+    results = two_nodes(habits.__file__, tmp_path, "out-of-step")
+    for p, result in enumerate(results):
+        error = result["error"]
+        assert "process 0" in error and "setOptimizer" in error, (p, error)
+        assert "process 1" in error and "call 2" in error, (p, error)
+        assert result["seconds"] < 10, (p, result["seconds"], error)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dead", [0, 1])
+def test_a_process_killed_is_named_by_the_survivor(tmp_path, dead):
+    results = two_nodes(habits.__file__, tmp_path, f"kill{dead}", dies=dead)
+    survivor = results[1 - dead]
+    error = survivor["error"]
+    assert f"rocess {dead} of 2" in error and f"stage(s) [{dead}]" in error, error
+    assert "killed" in error and "Connection reset" not in error.split(". Here:")[0], error
+    assert survivor["seconds"] < 10, (survivor["seconds"], error)
+    for result in results:  # no worker left on either side
+        assert not [pid for pid in result["pids"] if running(pid)], error

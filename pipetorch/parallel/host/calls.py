@@ -11,10 +11,11 @@ import torch
 from pipetorch import environment
 from pipetorch.parallel.comm import arena, wire
 from pipetorch.parallel.comm import messages as m
+from pipetorch.parallel.host.host_link import Kind
 from pipetorch.parallel.host.local import reduction_multiplier
 from pipetorch.parallel.host.outputs import OutputCollector
 from pipetorch.parallel.comm.payloads import Call, Span, Trace
-from pipetorch.partition.split import Source, map_leaves
+from pipetorch.partition.split import Source, StagedModel, map_leaves
 
 if TYPE_CHECKING:
     from pipetorch.parallel.host.engine import ProcessEngine
@@ -65,8 +66,6 @@ class Calls:
     def _run(self, micro_batches: MicroBatches, collector: OutputCollector, *,
              training: bool, iterations: int, per_iteration: int, scale: float) -> None:
         """Send replica r the micro-batches r, r + R, r + 2R, ... and collect what comes back."""
-        if self.engine.workers.link is not None:
-            self.engine.workers.across("the start of a call", check=True)
         if training:
             self.engine.sync.return_state()
         try:
@@ -85,6 +84,9 @@ class Calls:
         e, sync = self.engine, self.engine.sync
         replicas = e.replicas
         flat = [e.staged.flatten_inputs(*args, **kwargs) for args, kwargs in micro_batches]
+        if e.workers.link is not None:  # the same inputs on every process, or none trains
+            named = list(zip(input_names(e.staged), zip(*flat), strict=True))
+            e.workers.across(lambda link: link.call(named))
         steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
         wanted = frozenset(j for j in range(steps) if collector.wants(j))
         commit = sync.points.workers + 1
@@ -148,7 +150,8 @@ class Calls:
                                                      e.peak_memory.get(trace.stage, 0))
         e.last_trace = sorted(traces, key=lambda t: (t.replica, t.stage))
         if e.workers.link is not None:  # the other processes' stages' outputs
-            for theirs in e.workers.across("the outputs of a call", outputs).values():
+            for theirs in e.workers.across(
+                    lambda link: link.exchange(Kind.OUTPUTS, outputs)).values():
                 outputs.update(cast(dict, theirs))
         for j in sorted(wanted):
             for replica in range(replicas):
@@ -162,3 +165,11 @@ class Calls:
                     return outputs[replica, stage][j][index]
 
                 collector.add(j, replica, map_leaves(e.staged.output, Source, fetch))
+
+
+def input_names(staged: StagedModel) -> list[str]:
+    """The names of a call's flat inputs: forward's argument names, with the leaf's place for
+    an argument holding several tensors (`batch[1]`)."""
+    layout = staged.layout
+    return [name if name not in layout.nested else f"{name}[{n}]" for name in layout.tensors
+            for n in range(layout.nested[name].num_leaves if name in layout.nested else 1)]

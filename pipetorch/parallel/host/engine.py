@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
-from pipetorch.parallel.host import cross_process
+from pipetorch.parallel.host import cross_process, host_link, peers
 from pipetorch.parallel.generation import lanes
 from pipetorch.parallel.comm import wire
 from pipetorch.parallel.comm import messages as m
@@ -35,7 +35,7 @@ from pipetorch.parallel.layout.compile_plan import CompilePlan
 from pipetorch.parallel.host import decoding
 from pipetorch.schedule.plans import Batching
 from pipetorch.parallel.host.outputs import OutputCollector
-from pipetorch.parallel.comm.rendezvous import next_rendezvous
+from pipetorch.parallel.comm.rendezvous import Rendezvous, next_rendezvous
 from pipetorch.parallel.layout.routes import Route
 from pipetorch.parallel.host.schedule_choice import ScheduleChoice
 from pipetorch.parallel.worker.signatures import Signatures
@@ -115,8 +115,11 @@ class ProcessEngine:
                                   replicas=self.replicas, timeout=self.timeout,
                                   across=spread is not None)
         if spread is not None:  # every process is there before any starts workers
-            self.workers.link = cross_process.HostLink(meeting, spread, self.timeout)
-            self.workers.across("start-up")
+            self._meet(meeting, spread)
+        if self.num_processes > 1:  # the CPU workers of every process of a machine
+            self.placements = cross_process.share_cores(
+                self.placements, meeting, process=self.process_id,
+                processes=self.num_processes, machine=peers.machine_id(), timeout=self.timeout)
         devices = tuple(p.device for p in self.placements)
         keep = self.optimizer is not None and self.sync.snapshots.setting != "0"
         shares = self.sync.share(keep)
@@ -161,6 +164,18 @@ class ProcessEngine:
         self.session.send_skeleton()
         logger.info("Started %d device worker(s): %s", len(self.workers.peers),
                     ", ".join(p.describe() for p in self.workers.peers))
+
+    def _meet(self, meeting: Rendezvous, spread: cross_process.Spread) -> None:
+        """Meet the pipeline's other processes; the first time, every process takes process
+        0's weights, as DistributedDataParallel takes rank 0's (per-rank seeds would give each
+        process other initial weights; a mapped model's are its files', the same on each)."""
+        first = self.workers.link is None
+        link = host_link.HostLink(meeting, spread, self.timeout)
+        link.serve = self.sync.serve
+        self.workers.link = link
+        self.workers.across(lambda link: link.start())
+        if first and self.writer is None:
+            self.workers.across(lambda link: link.broadcast(_tensors(self.model)))
 
     def _stage_optimizer(self, stage_numbers: Sequence[int], stages: Sequence[DeviceStage]
                          ) -> torch.optim.Optimizer | None:
@@ -242,6 +257,8 @@ class ProcessEngine:
         """Send the host optimiser's hyper-parameters (after setOptimizer) to every stage."""
         self._ready()
         assert self.optimizer is not None
+        if self.workers.link is not None:  # every process changes it, or all raise
+            self.workers.across(lambda link: link.mark(host_link.Kind.OPTIMIZER))
         groups = [{k: v for k, v in g.items() if k != "params"}
                   for g in self.optimizer.param_groups]
         self.workers.broadcast(m.Hyper(groups), "setOptimizer")
@@ -293,6 +310,15 @@ class ProcessEngine:
 
     def close(self) -> None:
         """Stop the workers (killing any that do not stop) and remove their files."""
+        if self.workers.link is not None:
+            self.workers.link.close()
         self.workers.close()
         self.calls.close()
         self.sync.close()
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    """`model`'s parameters and buffers that hold values, each once (tied ones too)."""
+    found = {id(t): t.detach() for t in [*model.parameters(), *model.buffers()]
+             if t.device.type != "meta"}
+    return list(found.values())

@@ -15,6 +15,7 @@ from pipetorch import environment
 from pipetorch.errors import DeviceError
 from pipetorch.parallel.comm import messages as m
 from pipetorch.parallel.comm import resident, wire
+from pipetorch.parallel.host.host_link import Kind
 from pipetorch.parallel.worker.tied import stepped_elsewhere
 from pipetorch.weights import snapshot
 from pipetorch.weights.points import Points
@@ -109,34 +110,47 @@ class WeightSync:
                            "the last completed call", workers.lost)
             return
         try:
-            counts = workers.broadcast(m.Pull(optimizer_state), "copyWeightsToHost", self.asked)
             loader = snapshot.Loader(e.staged.modules, e.optimizer, writer=e.writer)
             if e.writer is not None:
                 e.writer.begin(self.points.workers,
                                current=self.points.host == self.points.workers)
-            for peer, count in zip(workers.first_replica, counts):
-                assert isinstance(count, int)
-                for _ in range(count):
-                    loader.put(workers.receive(peer, "copyWeightsToHost"))  # type: ignore[arg-type]
+            self._receive(loader, optimizer_state)
             written = e.writer.seal() if e.writer is not None else {}
             if workers.link is not None:  # the other processes' stages, from their hosts
                 written = self._pull_across(loader, optimizer_state and e.optimizer is not None,
                                             written)
             loader.finish(written)
             if written and workers.link is not None:  # none replaces its files before all
-                workers.across("mapping the saved weights")  # mapped the others'
+                workers.across(lambda link: link.mark(Kind.MAPPING))  # mapped the others'
             self.points.pulled(optimizer_state=optimizer_state and e.optimizer is not None)
         except DeviceError as exc:
+            if workers.link is not None:  # the other processes' stages are missing
+                raise
             logger.warning("Could not copy the weights from the stage workers (%s): the host "
                            "copy keeps the weights of the last completed call",
                            str(exc).splitlines()[0])
 
-    def _pull_across(self, loader: snapshot.Loader, optimizer_state: bool,
-                     written: dict[str, str]) -> dict[str, str]:
-        """Each stage's weights (and optimiser state) into the host copy from the process
-        holding it: this process's stages out, the others' into `loader`; but the weights
-        going to map_weights's files, which each process writes for its own stages (the
-        files' save ids cross instead: `written`, every process's, is returned)."""
+    def _receive(self, loader: snapshot.Loader, optimizer_state: bool) -> None:
+        """This process's workers' weights (and optimiser state) into `loader`."""
+        workers = self.engine.workers
+        counts = workers.broadcast(m.Pull(optimizer_state), "copyWeightsToHost", self.asked)
+        for peer, count in zip(workers.first_replica, counts, strict=False):
+            assert isinstance(count, int)
+            for _ in range(count):
+                loader.put(workers.receive(peer, "copyWeightsToHost"))  # type: ignore[arg-type]
+
+    def serve(self) -> object:
+        """This process's stages' weights, for another process's read while this process's
+        script is elsewhere (host_link): pulled from its workers into the host copy, whose
+        other stages and point of training stay as they were."""
+        loader = snapshot.Loader(self.engine.staged.modules, self.engine.optimizer)
+        self._receive(loader, False)
+        loader.finish({})
+        return self._mine(False), {}
+
+    def _mine(self, optimizer_state: bool) -> dict[int, object]:
+        """The host copy's state of this process's stages (but what map_weights's files
+        hold, which each process writes itself)."""
         e = self.engine
         optimizer = e.optimizer if optimizer_state else None
         mine = {}
@@ -146,9 +160,22 @@ class WeightSync:
                 filed = frozenset(id(t) for t in [*module.parameters(), *module.buffers()]
                                   if e.writer is not None and e.writer.stays(t))
                 mine[s] = snapshot.stage_state(module, optimizer, skip=filed)
+        return mine
+
+    def _pull_across(self, loader: snapshot.Loader, optimizer_state: bool,
+                     written: dict[str, str]) -> dict[str, str]:
+        """Each stage's weights (and optimiser state) into the host copy from the process
+        holding it: this process's stages out, the others' into `loader`; but the weights
+        going to map_weights's files, which each process writes for its own stages (the
+        files' save ids cross instead: `written`, every process's, is returned)."""
+        e = self.engine
+        # served by the others at their next call when this process alone reads: weights
+        # only, with no files of their own to write
+        servable = not optimizer_state and e.writer is None
+        value = (self._mine(optimizer_state), written)
         every = dict(written)
-        for theirs in e.workers.across("a copy of the weights to the host",
-                                       (mine, written)).values():
+        for theirs in e.workers.across(
+                lambda link: link.exchange(Kind.READ, value, servable=servable)).values():
             states, files = cast(tuple, theirs)
             every.update(files)
             for stage, state in states.items():
@@ -225,6 +252,8 @@ class WeightSync:
         """Send the host copy's weights (and with `optimizer_state` the host optimiser's
         state) to every stage of every replica."""
         e = self.engine
+        if e.workers.link is not None:  # every process uploads, or all raise
+            e.workers.across(lambda link: link.mark(Kind.UPLOAD))
         if not optimizer_state:
             self.return_state()  # the snapshot the workers write holds their state
         commit = self.points.workers + 1

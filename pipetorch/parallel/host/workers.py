@@ -10,12 +10,12 @@ import subprocess
 import tempfile
 import weakref
 from multiprocessing.connection import Connection
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from pipetorch import environment
 from pipetorch.errors import DeviceError
 from pipetorch.parallel.comm import exits, stream, wire
-from pipetorch.parallel.host import cross_process, pool
+from pipetorch.parallel.host import host_link, pool
 from pipetorch.parallel.comm import messages as m
 from pipetorch.parallel.layout import placement as places
 from pipetorch.schedule.plans import Batching
@@ -27,6 +27,7 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 _STOP_GRACE = 5.0  # seconds a worker gets to stop before it is killed
+_T = TypeVar("_T")
 
 
 class WorkerSet:
@@ -47,7 +48,7 @@ class WorkerSet:
         self.interrupted = False  # Ctrl-C stopped the workers; the next use starts new ones
         self.on_loss: Callable[[], None] = lambda: None
         # the pipeline's other host processes (Distributed.stagesAcrossProcesses), else None
-        self.link: cross_process.HostLink | None = None
+        self.link: host_link.HostLink | None = None
         self.folder = tempfile.mkdtemp(prefix="pipetorch-")
         self.peers: list[wire.Peer] = []
         self._finalizer = weakref.finalize(self, _shutdown, self.peers, self.folder)
@@ -121,10 +122,11 @@ class WorkerSet:
                                what=what, transfers=transfers)
         except wire.WorkerFailed as exc:
             message = self.describe(exc.failure) if exc.failure else str(exc)
-            if self.link is not None:
+            if self.link is not None:  # a peer process that ended is the cause, if one did
                 first, newline, rest = message.partition("\n")
-                message = (f"On {self.link.name}: {first} (this pipeline runs "
-                           f"{self.link.layout.layout()}){newline}{rest}")
+                gone = self.link.departed()
+                message = (f"On {self.link.name}: {gone + '. Here: ' if gone else ''}{first} "
+                           f"(this pipeline runs {self.link.layout.layout()}){newline}{rest}")
             self.fail(message.splitlines()[0])
             raise wire.WorkerFailed(message, exc.failure) from None
         except KeyboardInterrupt:
@@ -167,16 +169,13 @@ class WorkerSet:
         self.lost = reason
         self.stop(grace=0.0)
 
-    def across(self, what: str, value: object = None, *, check: bool = False
-               ) -> dict[int, object]:
-        """One round of values with the pipeline's other host processes (with `check`, only
-        whether one failed); their failure or silence fails these workers too."""
+    def across(self, round_: Callable[[host_link.HostLink], _T]) -> _T:
+        """A round with the pipeline's other host processes; their failure, death or silence,
+        or rounds out of step, fail these workers too (different inputs do not: no call
+        started)."""
         assert self.link is not None
         try:
-            if check:
-                self.link.check()
-                return {}
-            return self.link.exchange(what, value)
+            return round_(self.link)
         except DeviceError as exc:
             self.fail(str(exc).splitlines()[0])
             raise DeviceError(f"On {self.link.name}: {exc}") from None

@@ -1,0 +1,64 @@
+"""A torchrun job of one pipeline over two processes, run with data-parallel habits.
+
+    torchrun --nnodes 2 --node-rank N --nproc-per-node 1 --master-addr 127.0.0.1 \\
+        --master-port PORT tests/parallel/torchrun_habits_job.py OUT_DIR MODE
+
+MODE:
+- "seeded": each process seeds torch with 100 + its rank before it builds the model and a
+  shuffling DataLoader (no randomSeed); it records the batches it fed and its initial weights.
+- "mismatch": process 1 feeds inputs of its own in the second call.
+- "rank0-read": process 0 alone reads the weights (state_dict, torch.save) after each call.
+- "out-of-step": process 0 alone calls setOptimizer before the second call.
+- "kill0" / "kill1": that process kills itself (SIGKILL) before the second call.
+Each surviving process saves what it saw in OUT_DIR.
+"""
+import io
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import pipetorch as poptorch
+from torchrun_pipeline_job import D, G, B, Net, dataset
+
+
+def main(out: str, mode: str) -> None:
+    process = int(os.environ["RANK"])
+    torch.manual_seed(100 + process if mode == "seeded" else 0)
+    opts = poptorch.Options().deviceIterations(D).outputMode(poptorch.OutputMode.All)
+    opts.showCompilationProgressBar(False).Training.gradientAccumulation(G)
+    opts.Distributed.stagesAcrossProcesses(True)
+    loader = poptorch.DataLoader(opts, dataset(1), batch_size=B, shuffle=mode == "seeded")
+    model = Net()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    wrapper = poptorch.trainingModel(model, opts, optimizer=optimizer)
+    result = {"initial": initial, "batches": [], "losses": [], "states": [], "pids": []}
+    start = time.monotonic()
+    try:
+        for n, (x, labels) in enumerate(loader):
+            if n == 1 and mode == "kill" + str(process):
+                torch.save(result, f"{out}/process{process}.pt")
+                os.kill(os.getpid(), signal.SIGKILL)
+            if n == 1 and mode == "out-of-step" and process == 0:
+                wrapper.setOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+            if n == 1 and mode == "mismatch" and process == 1:
+                x = x + 1
+            start = time.monotonic()
+            result["batches"].append((x, labels))
+            result["losses"].append(wrapper(x, labels)[1].as_subclass(torch.Tensor))
+            result["pids"] = wrapper._compiled.engine.worker_pids
+            if mode != "rank0-read" or process == 0:
+                torch.save(wrapper.state_dict(), io.BytesIO())  # the rank-0 habit
+                result["states"].append({k: v.clone() for k, v in model.state_dict().items()})
+        wrapper.destroy()
+    except Exception as exc:
+        result |= {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start,
+                   "calls": len(result["losses"])}
+    torch.save(result, f"{out}/process{process}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
