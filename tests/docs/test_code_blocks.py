@@ -4,7 +4,9 @@ The blocks of one page run in page order in one namespace (one test per page), s
 can define a model once and use it in later blocks; a failure's traceback names the page and
 the line of the block's opening fence (`docs/batching.md:42`). A block preceded by the line
 `<!-- skip: reason -->` is not run and is reported as skipped with that reason (it needs a
-GPU, several machines or a download). ```bash blocks are not run; the README's first two are
+GPU or a download). A block preceded by `<!-- file: path -->` shows a script of the repository
+(one torchrun starts on several machines): it must equal that file, which a test of its own
+runs (tests/test_example_torchrun.py). ```bash blocks are not run; the README's first two are
 the setup commands CI runs, checked below.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 SKIP = re.compile(r"^<!--\s*skip:\s*(.+?)\s*-->\s*$")
+FILE = re.compile(r"^<!--\s*file:\s*(\S+)\s*-->\s*$")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class CodeBlock:
     language: str
     code: str
     skip: str | None   # the reason from a `<!-- skip: ... -->` line just before the fence
+    file: str | None = None  # the path from a `<!-- file: ... -->` line just before the fence
 
 
 def code_blocks(page: Path) -> list[CodeBlock]:
@@ -42,8 +46,9 @@ def code_blocks(page: Path) -> list[CodeBlock]:
             continue
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
         skip = SKIP.match(lines[i - 1]) if i else None
+        file = FILE.match(lines[i - 1]) if i else None
         blocks.append(CodeBlock(page, i + 1, opening.group(1), "\n".join(lines[i + 1:end]),
-                                skip.group(1) if skip else None))
+                                skip.group(1) if skip else None, file.group(1) if file else None))
         i = end + 1
     return blocks
 
@@ -68,8 +73,9 @@ def _destroy_wrappers(namespace: dict) -> None:
             value.destroy()
 
 
-RUN_PAGES = sorted({b.page for b in PYTHON_BLOCKS if not b.skip})
+RUN_PAGES = sorted({b.page for b in PYTHON_BLOCKS if not b.skip and not b.file})
 SKIPPED = [b for b in PYTHON_BLOCKS if b.skip]
+FILES = [b for b in PYTHON_BLOCKS if b.file]
 
 
 # One test per page, not per block: a page's blocks share a namespace, and pytest-xdist would
@@ -80,7 +86,7 @@ def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     namespace: dict = {"__name__": "__docs__"}
     try:
         for block in PYTHON_BLOCKS:
-            if block.page == page and not block.skip:
+            if block.page == page and not block.skip and not block.file:
                 _run(block, namespace)
     finally:
         _destroy_wrappers(namespace)
@@ -90,6 +96,17 @@ def test_page_code_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
                          ids=[f"{b.page.relative_to(ROOT)}:{b.line}" for b in SKIPPED])
 def test_marked_block_is_skipped(block: CodeBlock) -> None:
     pytest.skip(f"{block.page.relative_to(ROOT)}:{block.line}: {block.skip}")
+
+
+@pytest.mark.parametrize("block", FILES,
+                         ids=[f"{b.page.relative_to(ROOT)}:{b.line}" for b in FILES])
+def test_a_file_block_shows_its_file(block: CodeBlock) -> None:
+    """The page shows the script as it is in the repository (where its own test runs it)."""
+    assert block.code + "\n" == (ROOT / block.file).read_text(), (
+        f"{block.page.relative_to(ROOT)}:{block.line} differs from {block.file}")
+    runners = [t for t in (ROOT / "tests").rglob("test_*.py")
+               if t.name != Path(__file__).name and block.file in t.read_text()]
+    assert runners, f"no test names {block.file}, so none runs it"
 
 
 def test_readme_starts_with_the_setup_commands() -> None:
@@ -106,6 +123,12 @@ def test_skipped_blocks_say_why() -> None:
     marked = [b for page in PAGES for b in code_blocks(page) if b.skip is not None]
     assert all(b.skip.strip() for b in marked)
     assert all(b.language == "python" for b in marked), "only python blocks run; skip marks belong there"
+
+
+def test_machines_page_skips_only_what_needs_a_gpu() -> None:
+    """Its torchrun scripts are files a test runs (`<!-- file: -->`), not skipped blocks."""
+    marked = [b for b in code_blocks(ROOT / "docs" / "machines.md") if b.skip is not None]
+    assert all("GPU" in b.skip for b in marked), [(b.line, b.skip) for b in marked]
 
 
 def test_collector_finds_the_blocks() -> None:
