@@ -65,6 +65,8 @@ class Launch:
     seed: int                  # random numbers: seed + rank, so runs repeat exactly
     start_snapshot: bool = False  # write the state at start-up (call 0): weights shared with
     # the host can be torn by a call cut short, and need a restore point from the start
+    one_machine: bool = False  # every worker of the launch runs on this machine (several
+    # processes of one machine): shared memory reaches them all
 
 
 @dataclass(frozen=True)

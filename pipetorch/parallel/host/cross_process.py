@@ -89,13 +89,12 @@ def local_placements(placements: Sequence[Placement], layout: Spread) -> list[Pl
 
 
 def share_cores(placements: Sequence[Placement], meeting: Rendezvous, *, process: int,
-                processes: int, machine: str, timeout: float) -> list[Placement]:
+                processes: int, machine: str, timeout: float) -> tuple[list[Placement], bool]:
     """`placements` with their CPU workers' threads shared out over every CPU worker that the
-    processes on this `machine` start for this launch (PIPETORCH_THREADS_PER_DEVICE wins)."""
+    processes on this `machine` start for this launch (PIPETORCH_THREADS_PER_DEVICE wins),
+    and whether every process runs on this machine."""
     found = places.physical()
     cpu = sum(1 for p in placements if p.device == "cpu")
-    if processes == 1 or found.threads:
-        return list(placements)
     store = dist.PrefixStore(meeting.prefix + "cores/", dist.TCPStore(
         meeting.address, meeting.port, is_master=False,
         timeout=datetime.timedelta(seconds=timeout)))
@@ -110,8 +109,8 @@ def share_cores(placements: Sequence[Placement], meeting: Rendezvous, *, process
         time.sleep(0.01)
     said = [store.get(k).decode().split(" ", 1) for k in keys]
     here = sum(int(count) for count, where in said if where == machine)
-    threads = max(1, found.cores // max(here, 1))
+    threads = found.threads or max(1, found.cores // max(here, 1))
     logger.info("%d CPU worker(s) of %d process(es) on this machine: %d thread(s) each", here,
                 sum(where == machine for _, where in said), threads)
-    return [dataclasses.replace(p, threads=threads) if p.device == "cpu" else p
-            for p in placements]
+    return ([dataclasses.replace(p, threads=threads) if p.device == "cpu" else p
+             for p in placements], all(where == machine for _, where in said))

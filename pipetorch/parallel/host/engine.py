@@ -116,8 +116,9 @@ class ProcessEngine:
                                   across=spread is not None)
         if spread is not None:  # every process is there before any starts workers
             self._meet(meeting, spread)
+        one_machine = False  # every worker on this machine, whatever its process
         if self.num_processes > 1:  # the CPU workers of every process of a machine
-            self.placements = cross_process.share_cores(
+            self.placements, one_machine = cross_process.share_cores(
                 self.placements, meeting, process=self.process_id,
                 processes=self.num_processes, machine=peers.machine_id(), timeout=self.timeout)
         devices = tuple(p.device for p in self.placements)
@@ -144,7 +145,7 @@ class ProcessEngine:
                               (0 if spread else self.process_id * self.replicas)
                               + placement.replica, self.timeout,
                               os.getpid(), folder if placement.replica == 0 or self.sharding
-                              else None, self.seed, start_snapshot)
+                              else None, self.seed, start_snapshot, one_machine)
             try:  # the stage's tensors go from their own memory, storage by storage
                 self.workers.send(peer, m.Start(launch, setup), share=shared)
             except DeviceError:

@@ -40,6 +40,7 @@ __all__: list[str] = []
 
 _SLOW = 1.0   # seconds in a round before a process says in the store what it waits for
 _LOOK = 0.2   # seconds between looks at the store and the connections after that
+_NAP = 0.001  # the longest pause between looks at a round's all-gather before that
 
 
 class Kind(enum.IntEnum):
@@ -227,8 +228,8 @@ class HostLink:
                     said = True
                     self._say(self._doing, str(self.layout.process), f"{self._id}|{what}")
                 self._look(what, waited)
-            time.sleep(pause)  # from the usual lag up to _LOOK
-            pause = min(2 * pause, _LOOK)
+            time.sleep(pause)  # a round's lag is the slower process's work: wake within a
+            pause = min(2 * pause, _NAP if waited < _SLOW else _LOOK)  # millisecond of its end
         try:
             work.wait()
         except RuntimeError as exc:  # a process ended: its notice, else its connection

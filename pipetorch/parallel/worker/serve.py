@@ -108,7 +108,8 @@ class Worker:
         peers = Peers(lambda t: _all_reduce_sum(t.to(wire_device)).to(t.device) / meeting.replicas,
                       **(self.sharding.peers() if self.sharding else {}))
         kind = link_kind([torch.device(d) for d in setup.devices],
-                         one_host=len(setup.devices) == meeting.world_size)
+                         one_host=launch.one_machine
+                         or len(setup.devices) == meeting.world_size)
         self._plans: dict[tuple[int, bool], list] = {}
         self._generation: lanes.Generation | None = None  # generate() in the stages
         self._hop_link: PeerLink | None = None  # generation's link, made at its first model
