@@ -1,4 +1,4 @@
-"""Make `import poptorch` (and every `poptorch.*`) resolve to the same pipetorch module objects."""
+"""Make `import poptorch` / `import popdist` (and their submodules) resolve to pipetorch's."""
 from __future__ import annotations
 
 import importlib
@@ -8,16 +8,21 @@ import os
 import sys
 from types import ModuleType
 
-__all__ = ["ALIAS", "TARGET", "install_poptorch_alias", "poptorch_alias_path"]
+__all__ = ["ALIAS", "ALIASES", "TARGET", "install_poptorch_alias", "poptorch_alias_path"]
 
 ALIAS = "poptorch"
 TARGET = "pipetorch"
+# Graphcore's top-level packages and the pipetorch modules standing in for them. Only
+# `pipetorch run` installs them: nothing named `popdist` is installed, so a real one is not
+# shadowed elsewhere.
+ALIASES = {ALIAS: TARGET, "popdist": "pipetorch.popdist"}
 
 
 def _target_name(fullname: str) -> str | None:
-    """`poptorch.optim` -> `pipetorch.optim`; None for names outside the alias."""
-    if fullname == ALIAS or fullname.startswith(ALIAS + "."):
-        return TARGET + fullname[len(ALIAS):]
+    """`poptorch.optim` -> `pipetorch.optim`; None for names outside the aliases."""
+    for alias, target in ALIASES.items():
+        if fullname == alias or fullname.startswith(alias + "."):
+            return target + fullname[len(alias):]
     return None
 
 
@@ -38,7 +43,8 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class PoptorchAliasFinder(importlib.abc.MetaPathFinder):
-    """A meta-path finder answering `poptorch[.x]` with the module `pipetorch[.x]`."""
+    """A meta-path finder answering `poptorch[.x]` with the module `pipetorch[.x]` (and
+    `popdist[.x]` with `pipetorch.popdist[.x]`)."""
 
     def find_spec(self, fullname: str, path: object = None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
@@ -53,7 +59,8 @@ class PoptorchAliasFinder(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: pipetorch has no {real_name!r} to stand in "
                 f"for it (PopTorch scripts run on pipetorch through `import poptorch` -> "
-                f"`import pipetorch`); remove the import or use a pipetorch equivalent",
+                f"`import pipetorch` and `import popdist` -> `import pipetorch.popdist`); "
+                f"remove the import or use a pipetorch equivalent",
                 name=fullname) from None
         return importlib.machinery.ModuleSpec(
             fullname, _AliasLoader(module), is_package=hasattr(module, "__path__"))
@@ -66,7 +73,8 @@ def install_poptorch_alias() -> None:
 
 
 def poptorch_alias_path() -> str:
-    """The folder holding the `poptorch` shim that installs this alias in a fresh interpreter.
+    """The folder holding the `poptorch` and `popdist` shims that install the aliases in a
+    fresh interpreter.
 
     Child interpreters (spawned workers re-importing a script, `subprocess` calls to python)
     do not inherit `sys.meta_path`; with this folder on PYTHONPATH their `import poptorch`

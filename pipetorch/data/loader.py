@@ -313,10 +313,15 @@ class DataLoader(torch.utils.data.DataLoader):
                 f"sampler cannot be combined with auto_distributed_partitioning over "
                 f"{distributed.num_processes} processes: pass "
                 "auto_distributed_partitioning=False and split the data in your sampler.")
+        seed = self._options.random_seed
+        if shuffle and seed is None and distributed._agrees_on_shuffle_seed:
+            # popdist.poptorch.Options: the instances draw one seed together, so that a
+            # PopDist script shuffles without randomSeed.
+            seed = shared_seed.agreed_seed(distributed.process_id, distributed.num_processes)
         self._share = DistributedShareSampler(
             num_items, process_id=distributed.process_id,
             num_processes=distributed.num_processes, step=self._combined, shuffle=shuffle,
-            seed=self._options.random_seed, drop_last=drop_last)
+            seed=seed, drop_last=drop_last)
         return self._share
 
     @staticmethod

@@ -1,7 +1,7 @@
 """Options.Distributed: this process's id and the process count, set or read from env."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pipetorch.options import _validate as check
 from pipetorch.options import environment
@@ -20,7 +20,29 @@ class _DistributedOptions(OptionGroup):
     """
 
     _LABEL = "Options.Distributed"
-    _DEFAULTS: dict[str, Any] = {"configured": None, "env_var_names": None, "across": False}
+    _DEFAULTS: ClassVar[dict[str, Any]] = {"configured": None, "env_var_names": None,
+                                           "across": False, "owner": None}
+
+    def _refuse_if_owned(self, call: str) -> None:
+        owner = self._values["owner"]
+        if owner is not None:
+            raise RuntimeError(
+                f"Cannot call `Distributed.{call}` with {owner}: the launcher set this "
+                f"process's id ({self.process_id}) and the process count "
+                f"({self.num_processes}). Drop the call, or use poptorch.Options() to set them "
+                "yourself")
+
+    def _own(self, owner: str, process_id: int, num_processes: int) -> None:
+        """Fix the id and count for `owner` (popdist.poptorch.Options), whose instances also
+        agree on one shuffle seed; the public setters are refused from now on."""
+        self.configureProcessId(process_id, num_processes)
+        self._set(owner=owner)
+
+    @property
+    def _agrees_on_shuffle_seed(self) -> bool:
+        """Whether a DataLoader shuffling over the processes without `randomSeed` draws one
+        seed that all of them agree on (popdist.poptorch.Options), rather than refusing."""
+        return self._values["owner"] is not None
 
     def _resolved(self) -> tuple[int, int]:
         if self._values["configured"] is not None:
@@ -60,6 +82,7 @@ class _DistributedOptions(OptionGroup):
     def configureProcessId(self, process_id: int,
                            num_processes: int) -> _DistributedOptions:
         """Set this process's id and the process count; takes precedence over the environment."""
+        self._refuse_if_owned("configureProcessId")
         num_processes = check.integer(
             "configureProcessId", "num_processes", num_processes, minimum=1)
         process_id = check.integer("configureProcessId", "process_id", process_id, minimum=0)
@@ -75,6 +98,7 @@ class _DistributedOptions(OptionGroup):
 
         Unset variables mean 1 process / id 0. The values are checked now.
         """
+        self._refuse_if_owned("setEnvVarNames")
         names = (check.text("setEnvVarNames", "var_num_processes", var_num_processes),
                  check.text("setEnvVarNames", "var_process_id", var_process_id))
         environment.process_from_env(names)
@@ -102,6 +126,7 @@ class _DistributedOptions(OptionGroup):
 
     def disable(self) -> _DistributedOptions:
         """Ignore the environment: run as the only process (0 of 1)."""
+        self._refuse_if_owned("disable")
         self._set(configured=(0, 1))
         return self
 

@@ -1,1 +1,1 @@
-"""Holds the `poptorch.py` shim; this folder goes on PYTHONPATH for `pipetorch run`'s children."""
+"""The `poptorch` and `popdist` shims: on PYTHONPATH for `pipetorch run`'s child interpreters."""
