@@ -7,7 +7,7 @@ import inspect
 import json
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -22,17 +22,24 @@ weights, gradients, optimiser state and activations x micro-batches in flight ar
 with the memory estimate pipetorch checks a real run against (poptorch.plan).
 
 MODEL is a HuggingFace config.json (transformers is imported for this path only, lazily; the
-model is AutoModelForCausalLM.from_config on the meta device, nothing downloaded) or
-module:function returning a model, or (model, inputs) with inputs one micro-batch as a dict of
-keyword tensors or (args, kwargs); the function may take micro_batch and sequence. A model
-alone gets input_ids and labels of shape (micro-batch, sequence).
+model is built from the config on the meta device, nothing downloaded: the class its
+architectures names, else a sequence-to-sequence head for an encoder-decoder (T5, BART), a
+masked language model for an encoder (BERT), a causal one (GPT-2, Llama), an image classifier
+(ViT), or the bare model) or module:function returning a model, or (model, inputs) with inputs
+one micro-batch as a dict of keyword tensors or (args, kwargs); the function may take
+micro_batch and sequence. A model alone gets input_ids of shape (micro-batch, sequence), and
+decoder_input_ids and labels where its forward takes them (pixel_values of the config's
+image_size for an image model).
 
---json prints one object: schedule, stages, replicas, accumulation, cut (BeginBlock names
-where stages 1.. begin), budget, fits, devices (per stage: parameters, buffers, gradients,
-optimiser_state, activations, received, host_optimiser_state, in_flight, process, peak, fits,
-segments; bytes), host, step_seconds, bubble, time_method, method, remedies (name, code,
-saving, fits). Exit code 0 when the plan fits (or no --device-memory), 1 when it does not."""
+--json prints one object: model (its class), schedule, stages, replicas, accumulation, cut
+(BeginBlock names where stages 1.. begin), budget, fits, devices (per stage: parameters,
+buffers, gradients, optimiser_state, activations, received, host_optimiser_state, in_flight,
+process, peak, fits, segments; bytes), host, step_seconds, bubble, time_method, method,
+remedies (name, code, saving, fits). Exit code 0 when the plan fits (or no --device-memory), 1
+when it does not, 2 for a run that cannot happen (e.g. --accumulation below 2 x stages - 1 for
+a pipeline, a --sequence longer than the config's positions), in one line naming the flag."""
 
+_SEQUENCE = 1024  # tokens per sample unless --sequence, or the config, says fewer
 _PREFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 
 
@@ -51,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "the transfers on this CPU for the step time, and add a worker "
                         "process's memory outside the model to each peak (CPU runs)")
     p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--sequence", type=int, default=1024)
+    p.add_argument("--sequence", type=int,
+                   help="tokens per sample (default: 1024, or the config's positions if fewer)")
     p.add_argument("--accumulation", type=int,
                    help="micro-batches per step (default: what keeps the bubble under 10%%)")
     p.add_argument("--replicas", type=int, default=1)
@@ -82,15 +90,55 @@ def _flops(text: str | None) -> float | None:
                          "or P, e.g. 400T") from None
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Refuse, in the flags' words, what no run can have: sizes below 1, replicas that do
+    not divide the devices, fewer micro-batches than the pipeline needs."""
+    from pipetorch.partition.stage_rules import min_gradient_accumulation
+
+    for flag in ("machines", "devices_per_machine", "replicas", "micro_batch", "sequence"):
+        value, name = getattr(args, flag), "--" + flag.replace("_", "-")
+        if value is not None and value < 1:
+            raise ValueError(f"{name} {value}: give {name} 1 or more")
+    devices = args.machines * args.devices_per_machine
+    if devices % args.replicas:
+        raise ValueError(f"--replicas {args.replicas} does not divide the {devices} devices "
+                         "(--machines x --devices-per-machine): each replica is a pipeline of "
+                         "devices / replicas stages; give a --replicas that divides them")
+    stages = devices // args.replicas
+    least = min_gradient_accumulation(stages) if stages > 1 else 1
+    if args.accumulation is not None and args.accumulation < least:
+        if stages == 1:
+            raise ValueError(f"--accumulation {args.accumulation}: give --accumulation 1 or "
+                             "more (micro-batches per step)")
+        raise ValueError(
+            f"--accumulation {args.accumulation} is below {least}, the fewest micro-batches "
+            f"pipelined training over {stages} stages runs (2 x stages - 1: each stage runs a "
+            f"forward and later a backward); give --accumulation {least} or more, or fewer "
+            "stages")
+
+
+def _memory(text: str | None) -> int | None:
+    """--device-memory in bytes."""
+    from pipetorch.options.ipu_setters import _budget_bytes
+
+    if text is None:
+        return None
+    try:
+        return _budget_bytes("--device-memory", int(text) if text.isdigit() else text)
+    except ValueError:
+        raise ValueError(f"--device-memory {text!r}: give the bytes of one device, more than "
+                         "0: a number or a size such as 80GB or 24GiB (B, KB, MB, GB, TB in "
+                         "powers of 1000; KiB, MiB, GiB, TiB in powers of 1024)") from None
+
+
 def _command(args: argparse.Namespace) -> int:
     import torch
 
-    from pipetorch.options.ipu_setters import _budget_bytes
-    from pipetorch.profiling.plan import plan
+    from pipetorch.profiling.plan import TooManyStagesError, plan
 
     try:
-        memory = None if args.device_memory is None else _budget_bytes(
-            "--device-memory", args.device_memory)
+        _check(args)
+        memory = _memory(args.device_memory)
         model, inputs = load_model(args.model, dtype=getattr(torch, args.dtype),
                                    micro_batch=args.micro_batch, sequence=args.sequence)
         found = plan(model, inputs, devices=args.machines * args.devices_per_machine,
@@ -100,6 +148,12 @@ def _command(args: argparse.Namespace) -> int:
                      recompute=args.recompute, offload=args.offload, sharded=args.sharded,
                      schedule=args.schedule, split=args.split, measure_here=args.measure_here,
                      flash_attention=args.flash_attention)
+    except TooManyStagesError as error:
+        args.parser.error(
+            f"{error.stages} stages (--machines x --devices-per-machine / --replicas) but "
+            f"{args.model} has {len(error.segments)} segments a stage may hold "
+            f"({', '.join(error.segments)}); plan at most {len(error.segments)} stages: fewer "
+            "--devices-per-machine or --machines, or more --replicas")
     except (ValueError, TypeError, ImportError, OSError) as error:
         args.parser.error(str(error))
     print(json.dumps(found.to_json(), indent=2) if args.json else found.table(), flush=True)
@@ -107,32 +161,96 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def load_model(spec: str, *, dtype: torch.dtype, micro_batch: int,
-               sequence: int) -> tuple[torch.nn.Module, tuple[tuple, dict]]:
-    """(model, (args, kwargs) of one micro-batch) from a config.json or module:function."""
+               sequence: int | None) -> tuple[torch.nn.Module, tuple[tuple, dict]]:
+    """(model, (args, kwargs) of one micro-batch) from a config.json or module:function;
+    `sequence` None is 1024, or the config's positions if fewer."""
     import torch
 
     if spec.endswith(".json") or os.path.isdir(spec):
-        model = _from_config(spec, dtype)
-        inputs = None
+        model, inputs = _from_config(spec, dtype), None
     else:
-        module, _, name = spec.partition(":")
-        if not name:
-            raise ValueError(f"MODEL {spec!r} is neither a config.json nor module:function")
-        sys.path.insert(0, os.getcwd())
-        function = getattr(importlib.import_module(module), name)
-        wanted = inspect.signature(function).parameters
-        made = function(**{k: v for k, v in (("micro_batch", micro_batch),
-                                             ("sequence", sequence)) if k in wanted})
-        model, inputs = made if isinstance(made, tuple) else (made, None)
+        model, inputs = _from_function(spec, micro_batch=micro_batch,
+                                       sequence=sequence or _SEQUENCE)
         if dtype != torch.float32:
             model = model.to(dtype)
     if inputs is None:
-        device = next(model.parameters()).device
-        ids = torch.zeros(micro_batch, sequence, dtype=torch.long, device=device)
-        inputs = ((), {"input_ids": ids, "labels": ids})
+        inputs = ((), _inputs(model, micro_batch, sequence))
     elif isinstance(inputs, dict):
         inputs = ((), inputs)
     return model, inputs
+
+
+def _from_function(spec: str, **sizes: int) -> tuple[torch.nn.Module, Any]:
+    """(model, inputs or None) from module:function, called with the sizes it takes."""
+    import torch
+
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"MODEL {spec!r} is neither a config.json nor module:function")
+    sys.path.insert(0, os.getcwd())
+    try:
+        function = getattr(importlib.import_module(module), name, None)
+    except ModuleNotFoundError as error:
+        if error.name is None or not module.startswith(error.name):
+            raise  # the module imports something missing: its own message says what
+        raise ValueError(f"MODEL {spec!r}: no module {module!r} in {os.getcwd()} or on "
+                         "sys.path; give module:function of a .py file there or of an "
+                         "installed module") from None
+    if not callable(function):
+        raise ValueError(f"MODEL {spec!r}: module {module} has no function {name!r}; give "
+                         "module:function naming a function that returns a model")
+    wanted = inspect.signature(function).parameters
+    made = function(**{k: v for k, v in sizes.items() if k in wanted})
+    model, inputs = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"MODEL {spec!r}: {name}() returned {type(made).__name__}, not a "
+                         "torch.nn.Module; return the model, or (model, inputs)")
+    return model, inputs
+
+
+def _inputs(model: torch.nn.Module, micro_batch: int, sequence: int | None) -> dict:
+    """One micro-batch for a model that came alone: pixel_values of the config's image_size
+    for an image model, else input_ids of `sequence` tokens (refused beyond the config's
+    positions); decoder_input_ids and labels where forward takes them."""
+    import torch
+
+    config: Any = getattr(model, "config", None)
+    weight = next(iter(model.parameters()), torch.zeros(()))
+    wanted = inspect.signature(model.forward).parameters
+    kind = getattr(model, "main_input_name", "input_ids")
+    whole = "Classification" in type(model).__name__ and "Token" not in type(model).__name__
+    if kind == "pixel_values":
+        side = config.image_size
+        height, width = (side, side) if isinstance(side, int) else side
+        inputs = {kind: torch.zeros(micro_batch, config.num_channels, height, width,
+                                    dtype=weight.dtype, device=weight.device)}
+        labels = torch.zeros(micro_batch, dtype=torch.long, device=weight.device)
+    elif kind == "input_ids":
+        field, limit = _positions(config)
+        if sequence is not None and limit is not None and sequence > limit:
+            raise ValueError(f"--sequence {sequence} is longer than {type(model).__name__}'s "
+                             f"position table ({field} {limit} in its config); give "
+                             f"--sequence {limit} or less")
+        sequence = sequence or min(_SEQUENCE, limit or _SEQUENCE)
+        ids = torch.zeros(micro_batch, sequence, dtype=torch.long, device=weight.device)
+        inputs = {kind: ids}
+        if "decoder_input_ids" in wanted and getattr(config, "is_encoder_decoder", False):
+            inputs["decoder_input_ids"] = ids
+        labels = ids[:, 0] if whole else ids
+    else:
+        raise ValueError(f"{type(model).__name__} takes {kind}, which plan does not make; "
+                         "give module:function returning (model, inputs)")
+    if "labels" in wanted or config is None:  # a model of one's own: as before, labels too
+        inputs["labels"] = labels
+    return inputs
+
+
+def _positions(config: object) -> tuple[str, int | None]:
+    """The config's position table: (its field, its length), None for relative positions."""
+    for field in ("n_positions", "max_position_embeddings"):
+        if isinstance(getattr(config, field, None), int):
+            return field, getattr(config, field)
+    return "", None
 
 
 def _from_config(path: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -148,7 +266,29 @@ def _from_config(path: str, dtype: torch.dtype) -> torch.nn.Module:
     config = transformers.AutoConfig.for_model(**fields)
     config.use_cache = False
     with torch.device("meta"):
-        try:
-            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        except ValueError:  # not a causal language model
-            return transformers.AutoModel.from_config(config, dtype=dtype)
+        return _model_class(transformers, config, path)._from_config(config, dtype=dtype)
+
+
+def _model_class(transformers: Any, config: Any, path: str) -> Any:
+    """The class the config's architectures names, else its task's head: sequence to
+    sequence for an encoder-decoder, causal LM for a decoder, else masked LM (BERT),
+    causal LM (GPT-2), image classification (ViT), or the bare model."""
+    named = config.architectures or []
+    for name in named:
+        if hasattr(transformers, name):
+            return getattr(transformers, name)
+    if named:
+        raise ValueError(f"{path}: architectures {named} names no class of transformers "
+                         f"{transformers.__version__}; remove architectures to plan the "
+                         "config's usual head, or name one of its classes")
+    order = ["MASKED_LM", "CAUSAL_LM", "IMAGE_CLASSIFICATION"]
+    if getattr(config, "is_encoder_decoder", False):  # transformers 5: not on every config
+        order.insert(0, "SEQ_TO_SEQ_CAUSAL_LM")
+    elif getattr(config, "is_decoder", False):
+        order.insert(0, "CAUSAL_LM")
+    mappings = [getattr(transformers, f"MODEL_FOR_{task}_MAPPING") for task in order]
+    for mapping in [*mappings, transformers.MODEL_MAPPING]:
+        if type(config) in mapping:
+            return mapping[type(config)]
+    raise ValueError(f"{path}: transformers {transformers.__version__} has no model for "
+                     f"{config.model_type}; give module:function returning the model")

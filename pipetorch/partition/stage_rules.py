@@ -12,16 +12,23 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 
+def min_gradient_accumulation(stages: int) -> int:
+    """The fewest micro-batches a step of pipelined training over `stages` stages runs:
+    each stage runs a forward and, later, a backward, so 2*stages-1 are in flight before
+    the first one finishes."""
+    return 2 * stages - 1
+
+
 def check_batching(stages: list[StageSpec], *, pipelined: bool, training: bool,
                    gradient_accumulation: int, device_iterations: int) -> None:
     """Pipelines need enough micro-batches in flight to fill every stage."""
     n = len(stages)
     if not pipelined or n < 2:
         return
-    if training and gradient_accumulation < 2 * n - 1:
+    if training and gradient_accumulation < min_gradient_accumulation(n):
         raise ConfigError(  # PopTorch's two sentences first, then the values and the fix
             "poptorch.Options().Training.gradientAccumulation must be greater than or equal to "
-            f"the number of pipeline stages ({2 * n - 1}) when using poptorch.PipelinedExecution. "
+            f"the number of pipeline stages ({min_gradient_accumulation(n)}) when using poptorch.PipelinedExecution. "
             f"Please note that a model with {n} pipeline stages in PopTorch will have an "
             f"additional {n - 1} stages when training. gradientAccumulation "
             f"({gradient_accumulation}) must be >= 2*stages-1 ({2 * n - 1}) for pipelined "

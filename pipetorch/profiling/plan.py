@@ -22,10 +22,11 @@ from typing import Any, Callable, Iterable, TypeVar
 import torch
 import torch.nn as nn
 
-from pipetorch.errors import OutOfMemoryError
+from pipetorch.errors import ConfigError, OutOfMemoryError
 from pipetorch.schedule.plans import Batching
 from pipetorch.parallel.worker.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition import balance
+from pipetorch.partition.stage_rules import min_gradient_accumulation
 from pipetorch.profiling.estimate import (
     MemoryEstimate, Remedy, Setting, StageMemory, batch_size, fmt, price, rank_remedies,
 )
@@ -42,6 +43,16 @@ METHOD = ("activations: one forward on fake tensors under saved-tensor hooks (id
           "optimiser state from tensor sizes and the state one optimiser step creates")
 
 _Tensor = TypeVar("_Tensor", bound=torch.Tensor)
+
+
+class TooManyStagesError(ConfigError):
+    """More stages than the model has segments to give them: each stage needs one."""
+
+    def __init__(self, stages: int, segments: list[str]) -> None:
+        self.stages, self.segments = stages, segments
+        super().__init__(f"{stages} stages (devices / replicas) but the model has "
+                         f"{len(segments)} segments a stage may hold ({', '.join(segments)}); "
+                         f"plan at most {len(segments)} stages")
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,7 @@ class Plan:
     bubble: float
     time_method: str
     host_weights: int
+    model: str                       # the model's class, e.g. "BertForMaskedLM"
 
     @property
     def peaks(self) -> dict[int, int]:
@@ -80,7 +92,8 @@ class Plan:
                     "step_temporaries": self.temporaries.get(ipu, 0), "peak": self.peaks[ipu],
                     "fits": None if self.budget is None else self.peaks[ipu] <= self.budget}
                    for ipu, d in self.estimate.devices.items()]
-        return {"schedule": self.schedule, "stages": len(devices), "replicas": self.replicas,
+        return {"model": self.model, "schedule": self.schedule, "stages": len(devices),
+                "replicas": self.replicas,
                 "accumulation": self.accumulation, "cut": list(self.cut),
                 "budget": self.budget, "fits": self.fits, "devices": devices,
                 "host": {"weights": self.host_weights, "optimiser_state": sum(
@@ -105,8 +118,9 @@ class Plan:
                          fmt(d.activations + d.received), str(d.in_flight),
                          fmt(self.peaks[ipu]), fits, self.names[ipu]])
         widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
-        lines = ["  ".join(c.rjust(w) if 0 < i < len(heads) - 1 else c.ljust(w)
-                           for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+        lines = [f"model {self.model}"]
+        lines += ["  ".join(c.rjust(w) if 0 < i < len(heads) - 1 else c.ljust(w)
+                            for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
         lines.append(f"schedule {self.schedule}, {len(rows) - 1} stages x {self.replicas} "
                      f"replicas, gradient accumulation {self.accumulation}; cut: "
                      + (", ".join(self.cut) or "none"))
@@ -348,7 +362,14 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
         raise ValueError(f"devices ({devices}) must be a positive multiple of replicas "
                          f"({replicas}): each replica is a pipeline of devices / replicas stages")
     stages = devices // replicas
+    least = min_gradient_accumulation(stages) if stages > 1 else 1
+    if accumulation is not None and accumulation < least:
+        raise ValueError(f"accumulation ({accumulation}) must be >= {least}"
+                         + (f" (2*stages-1) for pipelined training with {stages} stages; "
+                            "raise it or plan fewer stages" if stages > 1 else ""))
     pieces = measure(model, inputs, flash=flash_attention)
+    if stages > len(pieces):
+        raise TooManyStagesError(stages, [p.name for p in pieces])
     micro_batch = batch_size(*inputs)
     setting = Setting(True, recompute, offload, shards=replicas if sharded else 1)
     make = _optimizer(optimizer, loss_scaling)
@@ -384,7 +405,7 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
                 run.accumulation, device_memory, overhead,
                 _temporaries(pieces, starts) if rates else {}, remedies,
                 span if flops or rates else None, bubble, _time_method(flops, rates),
-                size_of(_unique(model.parameters())).bytes)
+                size_of(_unique(model.parameters())).bytes, type(model).__name__)
 
 
 def _temporaries(pieces: list[Piece], starts: tuple[int, ...]) -> dict[int, int]:

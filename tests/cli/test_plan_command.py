@@ -24,6 +24,9 @@ MODEL = textwrap.dedent("""
 
     def net(micro_batch):
         return Net(), ((torch.zeros(micro_batch, 64),), {})
+
+    def nothing():
+        return None
 """)
 
 
@@ -65,6 +68,51 @@ def test_a_split_that_names_no_segment_is_refused(net, capsys):
     assert "the places a stage may begin are ['layers.1'" in capsys.readouterr().err
 
 
+# issue 53: each of these was planned with exit code 0 (a run the runtime refuses), or ended
+# in a traceback (a reshape RuntimeError for a size of 0, an AttributeError for a missing
+# function), or talked of setMemoryBudget, dicts and None
+@pytest.mark.parametrize("flags, message", [
+    (["--devices-per-machine", "2", "--accumulation", "1"],
+     "--accumulation 1 is below 3, the fewest micro-batches pipelined training over 2 stages "
+     "runs (2 x stages - 1"),
+    (["--devices-per-machine", "4", "--accumulation", "0"],
+     "give --accumulation 7 or more, or fewer stages"),
+    (["--accumulation", "0"], "--accumulation 0: give --accumulation 1 or more"),
+    (["--micro-batch", "0"], "--micro-batch 0: give --micro-batch 1 or more"),
+    (["--sequence", "0"], "--sequence 0: give --sequence 1 or more"),
+    (["--devices-per-machine", "3", "--replicas", "2"],
+     "--replicas 2 does not divide the 3 devices"),
+    (["--devices-per-machine", "8"],
+     "8 stages (--machines x --devices-per-machine / --replicas) but plan_net:net has 5 "
+     "segments a stage may hold (layers.0, layers.1, layers.2, layers.3, head); plan at most 5 "
+     "stages"),
+    (["--device-memory", "lots"], "--device-memory 'lots': give the bytes of one device"),
+])
+def test_a_run_that_cannot_happen_is_refused_in_one_line(net, capsys, flags, message):
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", net, *flags])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2 and last.startswith("pipetorch plan: error: ")
+    assert message in last
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("plan_net:missing", "MODEL 'plan_net:missing': module plan_net has no function 'missing'"),
+    ("plan_net:nothing", "nothing() returned NoneType, not a torch.nn.Module; return the model"),
+    ("no_such_module:net", "MODEL 'no_such_module:net': no module 'no_such_module'"),
+])
+def test_a_module_function_that_gives_no_model_is_refused(net, capsys, spec, message):
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", spec])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2 and message in last
+
+
+def test_the_device_memory_takes_a_number_of_bytes(net, capsys):
+    assert main(["plan", net, "--device-memory", "1000000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"] == 1000000
+
+
 @pytest.mark.transformers
 def test_a_config_json_is_built_on_the_meta_device(tmp_path, capsys):
     config = {"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4,
@@ -74,6 +122,7 @@ def test_a_config_json_is_built_on_the_meta_device(tmp_path, capsys):
                  "--sequence", "32", "--split", "transformer.h.2", "--json"])
     found = json.loads(capsys.readouterr().out)
     assert code == 0 and found["cut"] == ["transformer.h.2"]
+    assert found["model"] == "GPT2LMHeadModel"
     # the tied embedding and output layer are held on both stages, stepped on the first
     first, last = found["devices"]
     embedding = 1000 * 64 * 4
