@@ -146,11 +146,12 @@ def plain_from(result: dict):
 
 
 @pytest.mark.slow
-def test_per_rank_seeds_give_one_model_and_the_same_batches(tmp_path):
+@pytest.mark.parametrize("mode", ["seeded", "seeded-async"])
+def test_per_rank_seeds_give_one_model_and_the_same_batches(tmp_path, mode):
     # Data-parallel scripts seed each rank (100 + rank): each process shuffled its own order
     # and built its own initial weights, and stage 0 trained on one process's inputs while
     # the loss stage scored the other's labels, silently.
-    results = two_nodes(habits.__file__, tmp_path, "seeded")
+    results = two_nodes(habits.__file__, tmp_path, mode)
     assert "error" not in results[0] and "error" not in results[1], results
     assert len(results[0]["batches"]) == job.CALLS
     for (x0, y0), (x1, y1) in zip(results[0]["batches"], results[1]["batches"], strict=True):

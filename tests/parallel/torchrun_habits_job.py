@@ -4,8 +4,9 @@
         --master-port PORT tests/parallel/torchrun_habits_job.py OUT_DIR MODE
 
 MODE:
-- "seeded": each process seeds torch with 100 + its rank before it builds the model and a
-  shuffling DataLoader (no randomSeed); it records the batches it fed and its initial weights.
+- "seeded" / "seeded-async": each process seeds torch with 100 + its rank before it builds
+  the model and a shuffling DataLoader (no randomSeed; Sync or Async mode); it records the
+  batches it fed and its initial weights.
 - "mismatch": process 1 feeds inputs of its own in the second call.
 - "rank0-read": process 0 alone reads the weights (state_dict, torch.save) after each call.
 - "out-of-step": process 0 alone calls setOptimizer before the second call.
@@ -26,11 +27,14 @@ from torchrun_pipeline_job import D, G, B, Net, dataset
 
 def main(out: str, mode: str) -> None:
     process = int(os.environ["RANK"])
-    torch.manual_seed(100 + process if mode == "seeded" else 0)
+    seeded = mode.startswith("seeded")
+    torch.manual_seed(100 + process if seeded else 0)
     opts = poptorch.Options().deviceIterations(D).outputMode(poptorch.OutputMode.All)
     opts.showCompilationProgressBar(False).Training.gradientAccumulation(G)
     opts.Distributed.stagesAcrossProcesses(True)
-    loader = poptorch.DataLoader(opts, dataset(1), batch_size=B, shuffle=mode == "seeded")
+    kind = poptorch.DataLoaderMode.Async if mode == "seeded-async" else None
+    loader = poptorch.DataLoader(opts, dataset(1), batch_size=B, shuffle=seeded,
+                                 **({"mode": kind} if kind else {}))
     model = Net()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -267,10 +267,13 @@ class HostLink:
     def _out_of_step(self, heads: list[list[int]]) -> DeviceError:
         doing = "; ".join(f"process {q} ({self._where(q)}) is at "
                           f"{self._describe(Kind(h[0]), h[3])}" for q, h in enumerate(heads))
+        unserved = any(h[0] == Kind.READ and not h[4] & _SERVABLE for h in heads)
         return DeviceError(
             f"The processes of this pipeline are out of step: {doing}. Every process runs the "
             "same calls, uploads and setOptimizer of a model in one order (a copy of the "
-            "weights to the host on one process only is served at the others' next call)")
+            "weights to the host on one process only is served at the others' next call"
+            + ("; but not one of the optimiser state or of a mapped model's files, which "
+               "every process must read together)" if unserved else ")"))
 
     def _mismatch(self, sums: list[tuple[str, int]], theirs: dict[int, list[tuple[str, int]]]
                   ) -> InputMismatchError:
