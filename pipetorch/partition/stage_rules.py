@@ -31,7 +31,7 @@ def check_batching(stages: list[StageSpec], *, pipelined: bool, training: bool,
             f"the number of pipeline stages ({min_gradient_accumulation(n)}) when using poptorch.PipelinedExecution. "
             f"Please note that a model with {n} pipeline stages in PopTorch will have an "
             f"additional {n - 1} stages when training. gradientAccumulation "
-            f"({gradient_accumulation}) must be >= 2*stages-1 ({2 * n - 1}) for pipelined "
+            f"({gradient_accumulation}) must be >= 2*stages-1 ({min_gradient_accumulation(n)}) for pipelined "
             f"training with {n} stages: each stage runs a forward and, later, a backward, so the "
             "pipeline holds 2*stages-1 micro-batches before the first one finishes; raise "
             "opts.Training.gradientAccumulation or use ShardedExecution"
