@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("profiling",),                         # reads spans and plans; measured balancing
     ("options", "data", "poptorch_core"),   # PopTorch's Options, DataLoader, core checks
     ("runtime",),                           # the wrapper: trainingModel, weights, anchors
+    ("popdist",),                           # PopDist's API over torchrun's processes
     ("cli", "__main__", ""),                # the command line and the top-level names
 )
 

@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -269,11 +270,11 @@ def _from_config(path: str, dtype: torch.dtype) -> torch.nn.Module:
         return _model_class(transformers, config, path)._from_config(config, dtype=dtype)
 
 
-def _model_class(transformers: Any, config: Any, path: str) -> Any:
+def _model_class(transformers: types.ModuleType, config: object, path: str) -> Any:
     """The class the config's architectures names, else its task's head: sequence to
     sequence for an encoder-decoder, causal LM for a decoder, else masked LM (BERT),
     causal LM (GPT-2), image classification (ViT), or the bare model."""
-    named = config.architectures or []
+    named = getattr(config, "architectures", None) or []
     for name in named:
         if hasattr(transformers, name):
             return getattr(transformers, name)
@@ -291,4 +292,5 @@ def _model_class(transformers: Any, config: Any, path: str) -> Any:
         if type(config) in mapping:
             return mapping[type(config)]
     raise ValueError(f"{path}: transformers {transformers.__version__} has no model for "
-                     f"{config.model_type}; give module:function returning the model")
+                     f"{getattr(config, 'model_type', type(config).__name__)}; give "
+                     "module:function returning the model")

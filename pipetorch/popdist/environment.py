@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Collection
-from typing import Any, TypeVar
+from typing import ParamSpec, TypeVar
 
 from pipetorch.errors import ConfigError
 from pipetorch.options import environment
@@ -22,6 +22,7 @@ IPUS_PER_REPLICA_VAR = "POPDIST_NUM_IPUS_PER_REPLICA"
 PROCESS_VARS = tuple(name for pair in environment.DEFAULT_PROCESS_VARS for name in pair)
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def _positive_env(var: str) -> int | None:
@@ -104,8 +105,8 @@ def init() -> None:
     getNumIpusPerReplica()
 
 
-def execute_on_instances(instances: Collection[int], func: Callable[..., T], *args: Any,
-                         **kwargs: Any) -> T | None:
+def execute_on_instances(instances: Collection[int], func: Callable[P, T], *args: P.args,
+                         **kwargs: P.kwargs) -> T | None:
     """`func(*args, **kwargs)` on the instances whose index is in `instances`; None elsewhere.
 
     Unlike PopDist, collective calls inside `func` are not narrowed to those instances:
