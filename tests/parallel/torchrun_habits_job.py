@@ -51,7 +51,7 @@ def main(out: str, mode: str) -> None:
             if n == 1 and mode == "mismatch" and process == 1:
                 x = x + 1
             start = time.monotonic()
-            result["batches"].append((x, labels))
+            result["batches"].append((x.clone(), labels.clone()))  # the loader reuses its memory
             result["losses"].append(wrapper(x, labels)[1].as_subclass(torch.Tensor))
             result["pids"] = wrapper._compiled.engine.worker_pids
             if mode != "rank0-read" or process == 0:
