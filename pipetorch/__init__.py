@@ -97,6 +97,11 @@ def __dir__() -> list[str]:
     return __all__
 
 
+if __import__("os").environ.get("POPTORCH_LOG_LEVEL"):  # PopTorch reads it on import
+    importlib.import_module("pipetorch.log_level")
+if "torch" in __import__("sys").modules:  # the script imported torch first: cheap now
+    importlib.import_module("pipetorch.torch_compat").restore()
+
 if _environment.get("worker_pool") == "early":  # the workers' zygote, see parallel/pool
     from pipetorch.parallel.host import pool as _pool
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
            "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",
            "UnrecoverableError", "InputMismatchError", "InputArgumentError", "AlreadyWrappedError", "ConfigFileError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
-           "OfflineDeviceError",
+           "OfflineDeviceError", "BackwardError", "ZeroSizedInputError",
            "createPoptorchError"]
 
 
@@ -77,6 +77,14 @@ class InputArgumentError(Error, TypeError):
     b missing"), Python a TypeError, so it is both."""
 
     type = "poptorch_py_error"
+
+
+class BackwardError(Error, RuntimeError):
+    """backward() called on a trainingModel's output (PopTorch 3.x raises a poptorch.Error)."""
+
+
+class ZeroSizedInputError(Error, ValueError):
+    """A tensor input of no elements (PopTorch: "Zero-sized tensors are unsupported")."""
 
 
 class ModelChangedError(Error, RuntimeError):

@@ -104,6 +104,34 @@ def registerCustomArgParser(arg_type: type, parser: ICustomArgParser) -> None:
     pytree.register_pytree_node(arg_type, flatten, unflatten, serialized_type_name=name)
 
 
+def register_dict_outputs(value: object) -> None:
+    """Let torch's pytree see into the dict subclasses forward returns (`class
+    Outputs(OrderedDict)`) that it does not know, rebuilding the same class in the same key
+    order: PopTorch returns such a container holding each call's tensors (without this it
+    is one opaque leaf, the first call's object)."""
+    if isinstance(value, dict):
+        if pytree._get_node_type(value) not in pytree.SUPPORTED_NODES:
+            _register_dict_type(type(value))
+        children: Iterable[object] = value.values()
+    elif isinstance(value, (list, tuple)):
+        children = value
+    else:
+        return
+    for child in children:
+        register_dict_outputs(child)
+
+
+def _register_dict_type(cls: type[dict]) -> None:
+    def flatten(d: dict) -> tuple[list[object], list[object]]:
+        return list(d.values()), list(d.keys())
+
+    def unflatten(values: Iterable[object], keys: list[object]) -> dict:
+        return cls(zip(keys, values, strict=True))
+
+    pytree.register_pytree_node(cls, flatten, unflatten,
+                                serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+
+
 def parser_for(value_type: type) -> ICustomArgParser | None:
     """The parser registered for `value_type` (or a base class of it), if any."""
     return next((p for t, p in _parsers.items() if issubclass(value_type, t)), None)

@@ -42,9 +42,17 @@ def setLogLevel(level: str | int) -> None:
         # Like PopTorch's console logger: without one, Python prints only warnings and up.
         # A handler that only collects records (pytest's, say) does not print them.
         console = _Console()
-        console.setFormatter(logging.Formatter("[%(asctime)s] [%(name)s] [%(levelname)s] "
-                                               "%(message)s", "%H:%M:%S"))
+        console.setFormatter(_Format("[%(asctime)s] [%(name)s] [%(levelname)s] %(message)s",
+                                     "%H:%M:%S"))
         logger.addHandler(console)
+
+
+class _Format(logging.Formatter):
+    """PopTorch's console lines name the level in lower case: "[debug]", "[warning]"."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return self._style.format(logging.makeLogRecord(
+            {**record.__dict__, "levelname": record.levelname.lower()}))
 
 
 class _Console(logging.StreamHandler):

@@ -2,5 +2,8 @@
 from pipetorch.data.accessor import AsynchronousDataAccessor
 from pipetorch.data.fetch import LoaderStats
 from pipetorch.data.loader import DataLoader
+from pipetorch import torch_compat
+
+torch_compat.restore()  # PopTorch-era samplers call Sampler.__init__(data_source)
 
 __all__ = ["AsynchronousDataAccessor", "DataLoader", "LoaderStats"]

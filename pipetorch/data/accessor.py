@@ -202,7 +202,9 @@ class AsynchronousDataAccessor(LoaderPipe):
         finally:
             child_conn.close()
         self._process = process
-        logger.debug("loader process %d started (%s)", process.pid, strategy.name)
+        # PopTorch's words: scripts (and its tests) read the worker's pid from this line
+        logger.debug("AsynchronousDataAccessor worker process: %d (loader process started, %s)",
+                     process.pid, strategy.name)
 
     def _pickle_to_file(self) -> str:
         handle, path = tempfile.mkstemp(prefix="pipetorch-dataset-", suffix=".pkl")

@@ -143,6 +143,13 @@ def concat_batches(batches: list[object], *, where: str = "batch") -> Any:
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(concat_batches(list(parts), where=f"{where}.{name}")
                              for name, parts in zip(first._fields, zip(*batches))))
+    parser = extensions.parser_for(type(first))
+    if parser is not None:  # a registerCustomArgParser type (PopTorch's CustomBatch): its
+        # tensors joined position by position, then rebuilt around batch 0's object
+        parts = [list(parser.yieldTensors(batch)) for batch in batches]
+        joined = [concat_batches(list(column), where=f"{where}.<tensor {i}>")
+                  for i, column in enumerate(zip(*parts))]
+        return parser.reconstruct(first, iter(joined))
     if _is_sequence(first) and any(_holds_tensors(b) for b in batches):
         lengths = [len(b) for b in batches]
         if len(set(lengths)) != 1:

@@ -232,10 +232,13 @@ class PopTorchOptimizer(scaling.LossScaled):
                     _, formats = self._formats(group, param)
                     dtypes_only = {key: (dtype, 1.0) for key, (dtype, _) in formats.items()}
                     self.state[param] = _store_state(self.state[param], dtypes_only)
+        ipu_state.forget_loaded(self)  # type: ignore[arg-type]
         if ipu is not None:
             ipu_state.write(self, ipu)  # type: ignore[arg-type]
+            ipu_state.remember_loaded(self, "ipu_state", ipu)  # type: ignore[arg-type]
         if params is not None:
             ipu_param.write(self, params)  # type: ignore[arg-type]
+            ipu_state.remember_loaded(self, "ipu_param", params)  # type: ignore[arg-type]
 
     def _formats(self, group: ParamGroup,
                  param: torch.Tensor) -> tuple[torch.dtype, StateFormats]:
@@ -393,10 +396,15 @@ class PopTorchOptimizer(scaling.LossScaled):
         grad_dtype, work_dtype = dtypes
         return param.grad.to(grad_dtype).to(work_dtype, copy=True)
 
+    def _complete_state(self, group: ParamGroup, state: dict[str, Any]) -> None:
+        """Add the state a hyper-parameter switched on after a first step needs (RMSprop)."""
+
     def _swap_in(self, group: ParamGroup, param: torch.Tensor, fresh_grad: bool) -> _Swap:
         grad = param.grad
         if grad is None:
             return _Swap(param, param, None)
+        if self.state.get(param):
+            self._complete_state(group, self.state[param])
         dtypes = self._work_dtypes(group, param)
         if dtypes is None:
             if fresh_grad:

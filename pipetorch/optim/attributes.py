@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 _CONSTANT_WHEN = {
     "lr": None, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
     "velocity_scaling": 1.0, "eps": 1e-8, "max_weight_norm": 65500.0, "alpha": "always",
-    "betas": (0.9, 0.999), "loss_scaling": 1.0,
+    "betas": (0.9, 0.999), "loss_scaling": 1.0, "amsgrad": False,
 }
 # What a group without the key means: a plain torch optimiser scales neither loss nor velocity.
 _WHEN_ABSENT = {"loss_scaling": 1.0, "velocity_scaling": 1.0}

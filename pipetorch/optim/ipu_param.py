@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from pipetorch.optim import ipu_state, per_param
+from pipetorch.optim import attributes, ipu_state, per_param
 from pipetorch.optim.per_param import ParamGroup
 
 __all__: list[str] = []
@@ -85,6 +85,14 @@ def describe(optimizer: torch.optim.Optimizer) -> list[str]:
     if not family:
         return []
     loss_scaling = float(optimizer.defaults.get("loss_scaling", 1.0))
+    attrs = attributes.attributes_of(optimizer)
+
+    def const(key: str) -> str:
+        """PopTorch marks a value compiled in as a constant (`variable_attrs`) "(const)"."""
+        if key not in attrs._allowed_attributes:  # PopTorch's own name for the set
+            # a torch optimiser scales neither loss nor velocity: a constant 1
+            return " (const)" if key in ("loss_scaling", "velocity_scaling") else ""
+        return " (const)" if attrs.isConstant(key) else ""
 
     def values(group: ParamGroup, prefix: str) -> str:
         shown = []
@@ -93,12 +101,13 @@ def describe(optimizer: torch.optim.Optimizer) -> list[str]:
                 value = float(group["betas"][0 if name == "beta1" else 1])
             elif name == "velocityScaling" and not group.get("use_combined_accum", False):
                 value = loss_scaling  # PopTorch's separate SGD variant: the loss scaling
+                key = "loss_scaling"
             elif key in group:
                 value = float(group[key])
             else:
                 continue
             label = f"{prefix}{name[0].upper()}{name[1:]}" if prefix else name
-            shown.append(f"{label}={value:g},")
+            shown.append(f"{label}={value:g}{const(key)},")
         return " ".join(shown)
 
     def dtype(key: str) -> str:
@@ -108,7 +117,8 @@ def describe(optimizer: torch.optim.Optimizer) -> list[str]:
     lines = [f"Updating graph optimizer with {family}: accumType={dtype('accum_type')}, "
              f"firstOrderMomentumAccumType={dtype(first)}, secondOrderMomentumAccumType="
              f"{dtype('second_order_momentum_accum_type')}, "
-             f"{values(optimizer.defaults, 'default')} lossScaling={loss_scaling:g}"]
+             f"{values(optimizer.defaults, 'default')} "
+             f"lossScaling={loss_scaling:g}{const('loss_scaling')}"]
     lines += [f"Updating group {index} optimizer with {family}: {values(group, '')}"
               for index, group in enumerate(optimizer.param_groups)]
     return lines
@@ -122,6 +132,9 @@ def read(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
         pending = optimizer.__dict__.get(_PENDING)
         return None if pending is None else dict(pending)
     ipu_state.sync(optimizer)
+    as_loaded = ipu_state.loaded(optimizer, "ipu_param")
+    if as_loaded is not None:  # read back as loaded until the model runs, as in PopTorch
+        return as_loaded
     loss_scaling = float(optimizer.defaults.get("loss_scaling", 1.0))
     params: dict[str, torch.Tensor] = {LOSS_SCALING: torch.tensor(loss_scaling)}
     for group in optimizer.param_groups:

@@ -9,7 +9,9 @@ loss scale is `loss_scaling * lossScaleUpdateFactor`). After a trainingModel has
 model, else when the model compiles. A state naming only some tensors (an incomplete state)
 sets those; the others keep their values, and a fresh parameter's missing moments start at 0.
 Once compiled, every parameter's state is there, as on the IPU: before the first step it
-reads as the zeros (and step 0) the first update starts from.
+reads as the zeros (and step 0) the first update starts from. As in PopTorch, what
+`load_state_dict` loaded into a compiled model's optimiser reads back as it was loaded (an
+incomplete state stays incomplete) until the model runs; then the device's merged state.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 LOSS_SCALE_FACTOR = "lossScaleUpdateFactor"
 _PENDING = "_pipetorch_pending_ipu_state"
+_LOADED = "_pipetorch_loaded_ipu_dicts"  # {"ipu_state": ..., "ipu_param": ...} until a run
 # torch state key -> PopART prefix, per optimiser family (found through the class's MRO).
 _PREFIXES = {
     "SGD": {"momentum_buffer": "Accl"},
@@ -65,7 +68,28 @@ def link(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
     return pending is not None
 
 
+def remember_loaded(optimizer: torch.optim.Optimizer, key: str,
+                    values: dict[str, torch.Tensor]) -> None:
+    """`values` loaded as "ipu_state" or "ipu_param" into a compiled model's optimiser: read
+    back as loaded until the model runs (`forget_loaded`), as PopTorch's are."""
+    names = linked_names(optimizer)
+    if names is not None:  # spelled as read: parameters under PopTorch's `model.`
+        known = dict.fromkeys(names.values())
+        optimizer.__dict__.setdefault(_LOADED, {})[key] = poptorch_keys(dict(values), known)
+
+
+def loaded(optimizer: torch.optim.Optimizer, key: str) -> dict[str, torch.Tensor] | None:
+    found = optimizer.__dict__.get(_LOADED, {}).get(key)
+    return None if found is None else dict(found)
+
+
+def forget_loaded(optimizer: torch.optim.Optimizer) -> None:
+    """The model ran (or the optimiser was re-linked): its state is the device's again."""
+    optimizer.__dict__.pop(_LOADED, None)
+
+
 def unlink(optimizer: torch.optim.Optimizer) -> None:
+    forget_loaded(optimizer)
     found: Link | None = optimizer.__dict__.pop(_LINK, None)
     if found is not None and found.hook is not None:
         found.hook.remove()
@@ -84,6 +108,9 @@ def read(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
         pending = optimizer.__dict__.get(_PENDING)
         return None if pending is None else dict(pending)
     found.sync()
+    as_loaded = loaded(optimizer, "ipu_state")
+    if as_loaded is not None:
+        return as_loaded
     prefixes = _prefixes(optimizer)
     state: dict[str, torch.Tensor] = {}
     for group in optimizer.param_groups:

@@ -63,6 +63,15 @@ class RMSprop(PopTorchOptimizer, torch.optim.RMSprop):
             second_order_momentum_accum_type=second_order_momentum_accum_type,
             use_tf_variant=use_tf_variant)
 
+    def _complete_state(self, group: ParamGroup, state: dict) -> None:
+        # momentum (or centered) set by setOptimizer after steps without it: as PopTorch's
+        # variable momentum, the buffer starts at zero (torch's step would miss the key)
+        like = state["square_avg"]
+        if group["momentum"] > 0:
+            state.setdefault("momentum_buffer", torch.zeros_like(like))
+        if group["centered"]:
+            state.setdefault("grad_avg", torch.zeros_like(like))
+
     def _uses_own_update(self, group: ParamGroup) -> bool:
         return group["use_tf_variant"]
 

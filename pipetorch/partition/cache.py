@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 import pipetorch
+from pipetorch import extensions
 from pipetorch.partition.blocks import BlockInfo, begin_blocks
 from pipetorch.partition.probe import Capture, on_meta
 from pipetorch.partition.stage_module import NodeRecord, attribute, build_graph, graph_nodes
@@ -254,6 +255,7 @@ def _rebuild(payload: _Payload, model: nn.Module, args: tuple, kwargs: dict) -> 
     module = fx.GraphModule(attrs, graph, class_name=payload["class_name"])
     for node, record in zip(module.graph.nodes, payload["nodes"]):
         node.meta[BLOCK_KEY] = payload["node_blocks"][record[1]]
+    extensions.register_dict_outputs(payload["probe"].output)  # forward did not run here
     return Stored(payload["probe"], Traced(module, payload["blocks"],
                                            input_layout(model, args, kwargs),
                                            output_spec=payload["output_spec"]),

@@ -47,20 +47,44 @@ _RUNNING_STATISTICS = {
 def written_attributes(graph: fx.Graph) -> set[str]:
     """The get_attr targets (buffers) an aten op of a captured graph changes in place: what the
     schema marks written (num_batches_tracked.add_), and batch_norm's running statistics in
-    training."""
-    written: set[str | None] = set()
+    training; also inside the subgraphs higher-order ops call (a `with torch.no_grad():`
+    block's `buf += x` is one in torch.export's graph)."""
+    return {str(node.target) for node in _written_roots(graph) if node.op == "get_attr"}
+
+
+def _written_roots(graph: fx.Graph) -> set[fx.Node]:
+    """The get_attr and placeholder nodes whose tensors `graph` changes in place."""
+    written: set[fx.Node | None] = set()
     for node in graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function":
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            written.update(_written_by_subgraph(graph, node))
             continue
         schema = node.target._schema.arguments
         given = arguments(node)
-        written.update(_attribute_of(given.get(a.name)) for a in schema
+        written.update(_root(given.get(a.name)) for a in schema
                        if a.alias_info is not None and a.alias_info.is_write)
         switch, statistics = _RUNNING_STATISTICS.get(node.target, (None, ()))
-        if given.get(switch) is True:
-            written.update(_attribute_of(given.get(name)) for name in statistics)
+        if switch is not None and given.get(switch) is True:
+            written.update(_root(given.get(name)) for name in statistics)
     written.discard(None)
     return written  # type: ignore[return-value]
+
+
+def _written_by_subgraph(graph: fx.Graph, node: fx.Node) -> set[fx.Node | None]:
+    """What a higher-order op (wrap_with_set_grad_enabled(False, body, *args), ...) changes:
+    the arguments passed after its body that the body writes to."""
+    owner = graph.owning_module
+    for index, arg in enumerate(node.args):
+        if isinstance(arg, fx.Node) and arg.op == "get_attr" and owner is not None:
+            body = getattr(owner, str(arg.target), None)
+            if isinstance(body, fx.GraphModule):
+                passed = node.args[index + 1:]
+                inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+                return {_root(passed[inputs.index(n)]) for n in _written_roots(body.graph)
+                        if n in inputs and inputs.index(n) < len(passed)}
+    return set()
 
 
 def arguments(node: fx.Node) -> dict[str, object]:
@@ -69,11 +93,11 @@ def arguments(node: fx.Node) -> dict[str, object]:
     return {**dict(zip(names, node.args)), **node.kwargs}
 
 
-def _attribute_of(value: object) -> str | None:
-    """The get_attr target `value` reads, directly or through views of it; else None."""
+def _root(value: object) -> fx.Node | None:
+    """The get_attr or placeholder node `value` is, directly or through views of it."""
     while isinstance(value, fx.Node):
-        if value.op == "get_attr":
-            return str(value.target)
+        if value.op in ("get_attr", "placeholder"):
+            return value
         target = value.target
         if not (value.op == "call_function" and isinstance(target, torch._ops.OpOverload)
                 and value.args and target._schema.arguments

@@ -7,6 +7,7 @@ model's first call runs forward once before its first step.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,10 +18,10 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from pipetorch import ops
+from pipetorch import extensions, ops
 from pipetorch.errors import CompileError
 from pipetorch.losses import final_loss_index
-from pipetorch.partition import blocks, export
+from pipetorch.partition import blocks, export, op_log
 from pipetorch.partition.blocks import BlockInfo, BlockRecorder
 from pipetorch.partition.casting import Casting, within
 from pipetorch.partition.export import Tree
@@ -42,14 +43,16 @@ class Capture:
     mutated_buffers: list[str]
     output: Tree
     loss_index: int | None = None  # training: the final loss's position among output's tensors
+    ops: tuple[tuple[str, str | None], ...] = ()  # (name, block) of each op, at DEBUG (op_log)
 
 
 class _BlockGuard(TorchFunctionMode):
     """Fails an op that runs outside every block once blocks are in use (PopTorch's rule)."""
 
-    def __init__(self, recorder: BlockRecorder) -> None:
+    def __init__(self, recorder: BlockRecorder, ops: op_log.OpRecorder | None = None) -> None:
         super().__init__()
         self.recorder = recorder
+        self.ops = ops
 
     def __torch_function__(self, func: Callable[..., object], types: tuple[type, ...],
                            args: tuple = (), kwargs: dict[str, object] | None = None) -> object:
@@ -58,6 +61,8 @@ class _BlockGuard(TorchFunctionMode):
         name = getattr(func, "__name__", repr(func))
         if not isinstance(out, torch.Tensor) or name == "__get__":  # .data, .grad: not ops
             return out
+        if self.ops is not None:
+            self.ops.record(name, rec.current())
         if not rec.used:
             rec.ops_before_blocks = True
         elif rec.current() is None:
@@ -134,11 +139,19 @@ def probe(model: nn.Module, args: tuple, kwargs: dict, *, training: bool,
     # On copies of the inputs: forward may change its inputs in place (PopTorch hands such
     # changes back to the caller), and the real call must be the only one that does.
     args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+    named = op_log.OpRecorder(model) if op_log.wanted() else None
     with preserved(model) as mutated:
         with torch.no_grad(), blocks.recording() as rec, ops.record_calls() as calls, \
-                _BlockGuard(rec), ops.running_on_device(), within(casting):
+                _op_scopes(named), _BlockGuard(rec, named), ops.running_on_device(), \
+                within(casting):
             output = model(*args, **kwargs)
-    return _findings(rec, calls, output, mutated, training=training)
+    extensions.register_dict_outputs(output)
+    found = _findings(rec, calls, output, mutated, training=training)
+    return dataclasses.replace(found, ops=tuple(named.ops)) if named else found
+
+
+def _op_scopes(named: op_log.OpRecorder | None) -> contextlib.AbstractContextManager:
+    return named.scopes() if named is not None else contextlib.nullcontext()
 
 
 def _findings(recorder: BlockRecorder, calls: collections.Counter, output: Tree,
@@ -156,12 +169,14 @@ def probe_by_export(model: nn.Module, args: tuple, kwargs: dict, *, training: bo
     once, on fake tensors): the output as meta tensors, the changed buffers from the graph."""
     model.train(training)
     seen: dict[str, Any] = {}
+    named = op_log.OpRecorder(model) if op_log.wanted() else None
 
     def watch(run: Callable[[], Tree]) -> Tree:
         recorder = blocks.active_recorder()
         assert recorder is not None  # export_blocks records the blocks
-        with ops.record_calls() as calls, _BlockGuard(recorder):
+        with ops.record_calls() as calls, _op_scopes(named), _BlockGuard(recorder, named):
             output = run()
+        extensions.register_dict_outputs(output)  # before torch.export flattens it
         seen.update(recorder=recorder, calls=calls, output=output)
         return output
 
@@ -173,7 +188,8 @@ def probe_by_export(model: nn.Module, args: tuple, kwargs: dict, *, training: bo
     changed = [name for name, _ in model.named_buffers() if name in written]
     found = _findings(seen["recorder"], seen["calls"], seen["output"], changed,
                       training=training)
-    return dataclasses.replace(found, output=on_meta(found.output)), traced
+    return dataclasses.replace(found, output=on_meta(found.output),
+                               ops=tuple(named.ops) if named else ()), traced
 
 
 def on_meta(structure: T) -> T:

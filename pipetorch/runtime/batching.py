@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from pipetorch.errors import ZeroSizedInputError
+
 __all__: list[str] = []
 
 T = TypeVar("T")
@@ -146,6 +148,12 @@ class Signature:
             if a != b:
                 nesting = (f"argument {label} changed its nesting from {_layout(a)} on the first "
                            f"call to {_layout(b)}")
+                if a.type is dict and b.type is dict and set(a.context) != set(b.context):
+                    keys = [f"{what} arguments: {', '.join(sorted(map(str, names)))}"
+                            for names, what in ((set(b.context) - set(a.context), "Unexpected"),
+                                                (set(a.context) - set(b.context), "Missing"))
+                            if names]  # PopTorch's words for a dict argument's keys
+                    return f"Keys mismatch for {label}: {'. '.join(keys)}. ({nesting})"
                 if a.type is b.type and a.type in (tuple, list) and \
                         a.num_children != b.num_children:
                     return (f"Length mismatch for {label}: expected {a.num_children} elements "
@@ -194,6 +202,20 @@ def _kind(leaf: LeafSpec) -> str:
     if leaf.shape is not None:
         return "Tensor"
     return "None" if leaf.constant is None else type(leaf.constant).__name__
+
+
+def ordered_like(spec: pytree.TreeSpec, value: Any) -> Any:
+    """`value` with each plain dict holding the keys of `spec`'s dict at that place in
+    `spec`'s key order: PopTorch matches dict inputs (and keywords) by key, not by order."""
+    if spec.is_leaf():
+        return value
+    children = _children(spec)
+    if spec.type is dict and type(value) is dict and set(value) == set(spec.context):
+        return {key: ordered_like(child, value[key])
+                for key, child in zip(spec.context, children, strict=True)}
+    if spec.type in (tuple, list) and type(value) is spec.type and len(value) == len(children):
+        return type(value)(ordered_like(c, v) for c, v in zip(children, value, strict=True))
+    return value
 
 
 def _top_specs(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
@@ -279,9 +301,10 @@ def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_a
                 f"{name.label} is a 0-dim tensor ({x.item()!r}), but every tensor input needs "
                 f"dim 0 = {count}*B samples ({_factors(device_iterations, gradient_accumulation, replication_factor)}). "
                 f"Give it a batch dimension, e.g. {name.expr}.expand({count})")
-        if x.shape[0] == 0:
-            raise ValueError(
-                f"{name.label} is empty (shape {list(x.shape)}): each host call takes {count} "
+        if x.shape[0] == 0:  # PopTorch's words first (a zero-sized other dimension runs)
+            raise ZeroSizedInputError(
+                f"Zero-sized tensors are unsupported (Got shape {list(x.shape)}): "
+                f"{name.label} is empty: each host call takes {count} "
                 f"micro-batches of B >= 1 samples ({_factors(device_iterations, gradient_accumulation, replication_factor)}), "
                 f"so dim 0 must be {count}*B. An empty batch usually comes from slicing past the "
                 "end of the data or from an empty dataset")

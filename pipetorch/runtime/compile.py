@@ -15,7 +15,7 @@ from pipetorch.errors import CompileError, ConfigError, Error
 from pipetorch.profiling import estimate
 from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import ExecutionStrategy, StageSpec
-from pipetorch.partition import casting, stage_rules
+from pipetorch.partition import casting, op_log, stage_rules
 from pipetorch.partition.casting import Casting
 from pipetorch.weights import files as weight_files, host_copy
 from pipetorch.runtime.batching import split_micro_batches, to_device
@@ -110,6 +110,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
         bar.update()
         # Partition: the strategy's stages of the blocks forward entered.
         stages, devices = _partition(graph.probe, strategy, config, training=training)
+        _log_placement(graph.probe, stages, strategy)
         bar.update()
         # Plan: where the stages run, checked against the memory budget, then the engine.
         in_processes = _in_processes(len({s.ipu_id for s in stages}), config)
@@ -213,6 +214,16 @@ def capture_forward(model: nn.Module, first: tuple[tuple, dict], config: RunConf
         found = probe(model, *first, training=training, casting=casting)
     return CaptureOnce(model, first, cache_dir=config.cache_dir, settings=config.settings,
                        casting=casting, probe=found, stored=stored, traced=traced)
+
+
+def _log_placement(found: Capture, stages: list[StageSpec],
+                   strategy: ExecutionStrategy) -> None:
+    """PopTorch's DEBUG lines: whether the stages pipeline, and each op's device and stage."""
+    if op_log.wanted():
+        pipelined = int(strategy.pipelined and len(stages) > 1)
+        op_log.logger.debug("Popart option enablePipelining set to value %d", pipelined)
+        for line in op_log.placement_lines(getattr(found, "ops", ()), stages, strategy):
+            op_log.logger.debug(line)
 
 
 def _partition(found: Capture, strategy: ExecutionStrategy, config: RunConfig, *,
@@ -382,7 +393,10 @@ def _replica_buffers(model: nn.Module, capture: Capture,
     if batching.replication_factor == 1 or not capture.mutated_buffers:
         return None
     if config.broadcast_buffers:
-        raise ConfigError(
+        raise ConfigError(  # PopTorch's words first
+            "PopTorch does not support broadcasting buffers. If your model is able to tolerate "
+            "buffers becoming out of sync between replicas, you can disable buffer "
+            "broadcasting using poptorch.Options.broadcastBuffers(False). "
             f"The model changes buffers {capture.mutated_buffers[:4]} in forward (e.g. BatchNorm "
             f"running statistics) and replicationFactor is {batching.replication_factor}: "
             "replicas cannot share buffers they each update; call "

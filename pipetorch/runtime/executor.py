@@ -17,17 +17,17 @@ from torch.utils import _pytree as pytree
 
 from pipetorch import extensions, log_level
 from pipetorch.errors import (
-    AlreadyWrappedError, ConfigError, DeviceError, OfflineDeviceError,
+    AlreadyWrappedError, BackwardError, ConfigError, DeviceError, OfflineDeviceError,
 )
 from pipetorch.enums import ConnectionType
 from pipetorch.optim import Optimizer, attributes, ipu_state, scaling
-from pipetorch.options import popart_names
+from pipetorch.options import popart_names, session_log
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, wrapping
 from pipetorch.weights import host_copy
 from pipetorch.runtime.anchors import AnchorReads, Anchors, Collector
 from pipetorch.runtime.batching import (
-    Signature, forward_parameters, input_names, split_micro_batches, to_device,
+    Signature, forward_parameters, input_names, ordered_like, split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
     NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs,
@@ -62,12 +62,15 @@ class _TrainingOutput(torch.Tensor):
         return repr(self.as_subclass(torch.Tensor))
 
     def backward(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
-        # PopTorch returns plain tensors: torch's own message is what scripts match.
-        raise RuntimeError(
-            "element 0 of tensors does not require grad and does not have a grad_fn: "
-            "backward() was called on an output of a pipetorch trainingModel, whose forward "
-            "pass, backward pass and optimiser step already ran inside the call. Use the "
-            "returned loss for logging only; to train a plain PyTorch model, call the model itself")
+        # PopTorch 3.x raises a poptorch.Error in these words; PopTorch 2.x returned plain
+        # tensors, so torch's message follows for scripts matching that one.
+        raise BackwardError(
+            "backward() cannot be called explicitly on outputs of a PopTorch model. If you're "
+            "using a trainingModel, the backwards pass is performed automatically when invoking "
+            "the model. If you're using an inferenceModel, you should use a trainingModel "
+            "instead. (torch: element 0 of tensors does not require grad and does not have a "
+            "grad_fn: forward, backward and the optimiser step already ran inside the call; "
+            "use the returned loss for logging only)")
 
 
 def _mark_training_output(x: object) -> object:
@@ -129,6 +132,8 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         if not self._attached:
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
         args, kwargs = self._cast_inputs(*self._bound(args, kwargs))
+        if self._signature:  # dicts in the first call's key order (PopTorch matches by key)
+            args, kwargs = ordered_like(self._signature.spec, (args, kwargs))
         signature = Signature.of(args, kwargs, self._params)
         problem = self._signature.mismatch(signature) if self._signature else None
         if problem and self._from_prompts:  # the user never chose generate()'s signature
@@ -210,6 +215,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
             assert self._sync is not None
             self._sync.mark_stale(self._fetch)
             self._state_stale = True
+            ipu_state.forget_loaded(self._user_optimizer)  # type: ignore[arg-type]
         else:
             compiled.engine.infer(micro, collector)
 
@@ -220,6 +226,8 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         dtypes = {p.dtype for p in held(self._user_model, "_parameters").values()
                   if p.is_floating_point()}
         extensions.run_pre_compile_hooks()
+        if session_log.logger.isEnabledFor(logging.DEBUG):  # PopTorch's words for the options
+            session_log.log(self._options.toDict())
         if self._training:
             self._link_optimizer(self._user_optimizer)
         with device_mismatch_explained(self._device), forward_errors_explained(

@@ -69,10 +69,15 @@ def _trained(cls, args, name, *, complete, devices=1, data):
     read = optimizer.state_dict()["ipu_param"]
     for param, lr in OWN_LR.items():
         assert_close(read[f"{name}___specific___model.{param}"], torch.tensor(lr))
-    assert_close(read[f"{name}___specific___model.second.weight"], torch.tensor(args["lr"]))
+    left_out = f"{name}___specific___model.second.weight"
+    if complete:
+        assert_close(read[left_out], torch.tensor(args["lr"]))
+    else:  # as PopTorch (test_write_ipu_state): read back as loaded until the model runs
+        assert left_out not in read
     assert [g["lr"] for g in optimizer.param_groups] == [args["lr"]]  # the user's group stays
     for x, y in data:
         wrapper(x, y)
+    assert_close(optimizer.state_dict()["ipu_param"][left_out], torch.tensor(args["lr"]))
     plain_steps(plain, plain_opt, data)  # accumulated micro-batch means: the batch's mean
     return wrapper, plain
 
@@ -125,6 +130,6 @@ def test_the_optimiser_sent_to_the_device_is_logged_in_poptorchs_words(caplog):
     assert lines[0].startswith("Updating graph optimizer with Adam: accumType=float16, "
                                "firstOrderMomentumAccumType=float32, "
                                "secondOrderMomentumAccumType=float16, defaultLearningRate=0.01,")
-    assert lines[0].endswith("lossScaling=1")
+    assert lines[0].endswith("lossScaling=1 (const)")  # constant: compiled in (PopTorch's mark)
     assert lines[1].startswith("Updating group 0 optimizer with Adam: learningRate=0.01,")
     assert "learningRate=0.5," in lines[3] and len(lines) == 4

@@ -98,7 +98,8 @@ def test_an_empty_batch_is_called_empty():
     with no_worker_started(), pytest.raises(ValueError) as info:
         wrapper(torch.ones(0, 4), torch.zeros(0, dtype=torch.int64))
     assert str(info.value) == (
-        "argument 0 (x) is empty (shape [0, 4]): each host call takes 2 micro-batches of B >= 1 "
+        "Zero-sized tensors are unsupported (Got shape [0, 4]): argument 0 (x) is empty: "
+        "each host call takes 2 micro-batches of B >= 1 "
         "samples (deviceIterations (2) x gradientAccumulation (1) x replicationFactor (1) = "
         "2), so dim 0 must be 2*B. An empty batch usually comes from slicing past the end of "
         "the data or from an empty dataset")
