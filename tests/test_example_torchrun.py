@@ -75,7 +75,9 @@ def run_recipe(script: str) -> list[str]:
 
 
 def last_line(log: str) -> list[str]:
-    return log.strip().splitlines()[-1].split()
+    """The script's last line (it starts with the process id): torchrun's own log lines, such
+    as c10d's "E1207 ..." at exit, may come after it."""
+    return [line.split() for line in log.splitlines() if re.match(r"\d+ ", line)][-1]
 
 
 def test_every_torchrun_recipe_is_run_by_a_test() -> None:

@@ -57,7 +57,8 @@ def in_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     for var in VARS:
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # recorded, so that what `run` sets is undone after
+        monkeypatch.delenv(var)
     yield main
     for name, module in list(sys.modules.items()):
         aliased = name.split(".")[0] in ("poptorch", "popdist")

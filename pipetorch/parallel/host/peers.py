@@ -101,6 +101,9 @@ def ending(who: Identity) -> str:
     """How process `who`, whose connection closed, ended: its exit status when it ran on this
     machine and its parent has not collected it yet, else that it exited or was killed."""
     if who.machine == machine_id():
+        deadline = time.monotonic() + 2.0  # its kernel closes its sockets as it ends
+        while running(who.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
         if running(who.pid):
             return "closed its connections while still running (it may be ending)"
         code = _zombie_status(who.pid)
