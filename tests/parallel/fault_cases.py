@@ -146,6 +146,22 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def _links(pid: str) -> list[str]:
+    """What the open descriptors of `pid` point at; one closed while it is read is skipped (a
+    busy process, such as another test worker, opens and closes them all the time)."""
+    links = []
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return links
+    for fd in descriptors:
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return links
+
+
 def _held_by_live_processes(names: set[str]) -> set[str]:
     """Those of `names` that a running process has open or mapped."""
     held = set()
@@ -153,24 +169,26 @@ def _held_by_live_processes(names: set[str]) -> set[str]:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 maps = f.read()
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
-            continue
+        except OSError:  # ended, or not ours to read
+            maps = ""
+        links = _links(pid)
         held |= {n for n in names if f"/dev/shm/{n}" in maps
                  or any(link.startswith(f"/dev/shm/{n}") for link in links)}
     return held
 
 
-def new_shm_entries(before: set[str]) -> set[str]:
-    """Entries in /dev/shm that were not in `before`, stay for 0.5 s and no running process
-    holds: called once this test's processes have ended, so they are what it leaked (other
-    people's programs on a shared machine make and hold entries of their own)."""
-    first = shm_entries() - before
-    if not first:
-        return first
-    time.sleep(0.5)
-    lasting = first & shm_entries()
-    return lasting - _held_by_live_processes(lasting)
+def new_shm_entries(before: set[str], patience: float = 3.0) -> set[str]:
+    """Entries in /dev/shm that were not in `before`, stay for `patience` seconds and no running
+    process holds: called once this test's processes have ended, so they are what it leaked
+    (other programs, and the other test workers, make and hold entries of their own; a
+    semaphore of a process that was killed lasts until its resource tracker removes it)."""
+    deadline = time.monotonic() + patience
+    while True:
+        lasting = shm_entries() - before
+        lasting -= _held_by_live_processes(lasting)
+        if not lasting or time.monotonic() > deadline:
+            return lasting
+        time.sleep(0.1)
 
 
 def script_env(registry: str) -> dict[str, str]:
