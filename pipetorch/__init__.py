@@ -75,11 +75,12 @@ _LAZY.update({
 _SUBMODULES = ("optim", "data", "ops", "enums", "errors", "profiling", "options",
                "poptorch_core")
 
-__all__ = sorted([
+__all__ = [
     *_LAZY, *_SUBMODULES, "Error", "AutoStage", "CommGroupType", "ConnectionType",
     "DataLoaderMode", "HalfFloatCastingBehavior", "Liveness", "MeanReductionStrategy",
     "OutputMode", "OverlapMode", "ReductionType", "SharingStrategy", "SyncPattern",
-])
+]
+__all__.sort()
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,12 @@
 """Named errors that pipetorch raises for user mistakes and failures on a device."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipetorch.partition.balance import Placement
+    from pipetorch.profiling.estimate import MemoryEstimate, Remedy
+
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
            "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",
            "UnrecoverableError", "InputMismatchError", "InputArgumentError", "AlreadyWrappedError", "ConfigFileError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
@@ -106,13 +112,18 @@ class LoaderError(Error, RuntimeError):
 class OutOfMemoryError(ConfigError):
     """A configuration whose estimated memory exceeds a device's budget (raised at compile)."""
 
+    placement: Placement  # balance.plan's: the smallest peak it found
+    estimate: MemoryEstimate  # check_budget's: the estimate, budgets and ranked remedies
+    budgets: dict[int, int]
+    remedies: list[Remedy]
+
 
 def createPoptorchError(msg: str) -> Error:
     """The `poptorch.Error` PopTorch raises for a failure on the Python side."""
     error = Error(f"'poptorch_py_error': {msg}")
-    error.type = "poptorch_py_error"  # type: ignore[attr-defined]
-    error.message = msg  # type: ignore[attr-defined]
-    error.location = ""  # type: ignore[attr-defined]
+    error.type = "poptorch_py_error"
+    error.message = msg
+    error.location = ""
     return error
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 import json
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeAlias, Union
+from typing import Any, Callable, Generic, Iterable, Iterator, Sequence, TypeAlias, TypeVar, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -14,6 +14,7 @@ __all__ = ["ICustomArgParser", "registerCustomArgParser", "registerPreCompileHoo
 
 _pre_compile_hooks: collections.OrderedDict[int, Callable[[], object]] = collections.OrderedDict()
 _post_compile_hooks: collections.OrderedDict[int, Callable[[], object]] = collections.OrderedDict()
+_Custom = TypeVar("_Custom")
 
 
 def _register(hooks: collections.OrderedDict, hook: Callable[[], object],
@@ -45,20 +46,19 @@ def run_post_compile_hooks() -> None:
         hook()
 
 
-class ICustomArgParser:
+class ICustomArgParser(Generic[_Custom]):
     """How to find the tensors in an input of a custom type, and how to rebuild it.
 
     Subclass it and register an instance with `registerCustomArgParser(MyType, parser)`;
     objects of `MyType` may then be passed to a wrapped model and returned by a DataLoader.
     """
 
-    # `struct` / `original_structure` stay Any: a subclass names its own type there, which a
-    # wider type (object) here would make an incompatible override.
-    def yieldTensors(self, struct: Any) -> Iterator[torch.Tensor]:
+    def yieldTensors(self, struct: _Custom) -> Iterator[torch.Tensor]:
         """Yield every tensor held by `struct`, in a fixed order."""
         raise NotImplementedError
 
-    def reconstruct(self, original_structure: Any, tensor_iterator: Iterator[torch.Tensor]) -> Any:
+    def reconstruct(self, original_structure: _Custom,
+                    tensor_iterator: Iterator[torch.Tensor]) -> _Custom:
         """A copy of `original_structure` holding the next tensors of `tensor_iterator`."""
         raise NotImplementedError
 

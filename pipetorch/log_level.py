@@ -58,7 +58,7 @@ class _Format(logging.Formatter):
 class _Console(logging.StreamHandler):
     """Writes to whatever sys.stderr is when a message comes (it may be replaced later)."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> TextIO:
         return sys.stderr
 

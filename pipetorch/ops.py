@@ -39,7 +39,7 @@ _LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in _LOSS_FUNCTION_NAMES)
 
 _ON_DEVICE: contextvars.ContextVar[bool] = contextvars.ContextVar("pipetorch_on_device",
                                                                   default=False)
-_RECORDER: contextvars.ContextVar[collections.Counter | None] = contextvars.ContextVar(
+_RECORDER: contextvars.ContextVar[CallCounts | None] = contextvars.ContextVar(
     "pipetorch_recorder", default=None)
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar("pipetorch_recomputing",
                                                                     default=False)
@@ -85,11 +85,19 @@ def recomputing() -> ContextManager[None]:
     return _setting(_RECOMPUTING)
 
 
+class CallCounts(collections.Counter[str]):
+    """record_calls' counts of op calls, with the `losses` those calls made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses = LossGraph()
+
+
 class _LossCallCounter(TorchFunctionMode):
     """Counts calls of torch.nn.functional losses under the key "loss" and follows, in the
     counter's `losses` graph, which tensors each loss depends on."""
 
-    def __init__(self, counts: collections.Counter) -> None:
+    def __init__(self, counts: CallCounts) -> None:
         super().__init__()
         self._counts = counts
 
@@ -106,7 +114,7 @@ class _LossCallCounter(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def record_calls() -> Iterator[collections.Counter]:
+def record_calls() -> Iterator[CallCounts]:
     """Count, while active, calls of identity_loss, recomputationCheckpoint and torch losses.
 
     Yields a Counter keyed "identity_loss", "recomputationCheckpoint" and "loss" (any
@@ -115,8 +123,7 @@ def record_calls() -> Iterator[collections.Counter]:
     losses read (to find PopTorch's final loss). Counting is per thread/context: run the
     forward to inspect in the thread that entered this manager.
     """
-    counts: collections.Counter = collections.Counter()
-    counts.losses = LossGraph()  # type: ignore[attr-defined]
+    counts = CallCounts()
     token = _RECORDER.set(counts)
     try:
         with _LossCallCounter(counts):
@@ -141,16 +148,15 @@ def _fx_leaf(fn: _Fn) -> _Fn:
     every spelling. The node's target is the public function, so the traced graph runs it.
     """
     @functools.wraps(fn)
-    def wrapper(*args: object, **kwargs: object) -> Any:
+    def wrapper(*args: torch.fx.node.Argument, **kwargs: torch.fx.node.Argument) -> Any:
         proxy = _first_proxy((args, kwargs))
         if proxy is not None:
             return proxy.tracer.create_proxy("call_function", wrapper, args, kwargs)
         return fn(*args, **kwargs)
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # wraps() keeps fn's signature
 
 
-def _first_proxy(structure: tuple[tuple[object, ...], dict[str, object]]
-                 ) -> torch.fx.Proxy | None:
+def _first_proxy(structure: torch.fx.node.Argument) -> torch.fx.Proxy | None:
     found: list[torch.fx.Proxy] = []
     torch.fx.node.map_aggregate(
         structure, lambda x: found.append(x) if isinstance(x, torch.fx.Proxy) else None)
@@ -374,6 +380,6 @@ def cond(condition: torch.Tensor | bool,
                 f"then gives {[(tuple(t.shape), t.dtype) for t in taken]}, else gives "
                 f"{[(tuple(t.shape), t.dtype) for t in other]}.")
         pick = condition.reshape(()).bool()
-        return [torch.where(pick, t, e) for t, e in zip(taken, other)]
+        return [torch.where(pick, t, e) for t, e in zip(taken, other, strict=True)]
     body, inps = (then_body, then_values) if bool(condition) else (else_body, else_values)
     return _as_tensor_list("cond", "the branch's outputs", body(*inps))

@@ -100,7 +100,7 @@ def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializa
         return torch.cat([torch.matmul(lhs, part) for part in rhs.chunk(factor, -1)], -1)
     sum_dtype = torch.float32 if keep_precision and lhs.dtype == torch.float16 else lhs.dtype
     parts = [torch.matmul(a, b).to(sum_dtype)
-             for a, b in zip(lhs.chunk(factor, -1), rhs.chunk(factor, -2))]
+             for a, b in zip(lhs.chunk(factor, -1), rhs.chunk(factor, -2), strict=True)]
     return torch.stack(parts).sum(0).to(torch.result_type(lhs, rhs))
 
 

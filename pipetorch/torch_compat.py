@@ -20,4 +20,4 @@ def restore() -> None:
     """Give `torch.utils.data.Sampler` back its `__init__(data_source=None)` where torch
     dropped it (a no-op on a torch that has one)."""
     if "__init__" not in vars(torch_data.Sampler):
-        torch_data.Sampler.__init__ = _ignoring_data_source  # type: ignore[assignment,method-assign]
+        torch_data.Sampler.__init__ = _ignoring_data_source  # type: ignore[method-assign]  # meant

@@ -25,7 +25,7 @@ _KINDS = (
                          r"channels, but got|The size of tensor|Expected input batch_size|"
                          r"but got input of size|normalized_shape|Target size")),
 )
-_LIBRARY = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib))
+_LIBRARY = tuple(os.path.dirname(f) + os.sep for f in (torch.__file__, contextlib.__file__))
 _PIPETORCH = os.path.dirname(__file__) + os.sep
 _SITE = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
 _FRAME = re.compile(r'^[ \t]*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$'

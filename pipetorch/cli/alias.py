@@ -6,6 +6,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+from collections.abc import Sequence
 from types import ModuleType
 
 __all__ = ["ALIAS", "ALIASES", "TARGET", "install_poptorch_alias", "poptorch_alias_path"]
@@ -46,7 +47,7 @@ class PoptorchAliasFinder(importlib.abc.MetaPathFinder):
     """A meta-path finder answering `poptorch[.x]` with the module `pipetorch[.x]` (and
     `popdist[.x]` with `pipetorch.popdist[.x]`)."""
 
-    def find_spec(self, fullname: str, path: object = None,
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         real_name = _target_name(fullname)
         if real_name is None:

@@ -154,12 +154,13 @@ def snapshot() -> Snapshot:
     }
 
 
-def _device(device: str, kind: str, index: int | None,
-            **fields: str | int | bool | None) -> Device:
-    entry = {"device": device, "type": kind, "index": index, "name": None, "cores": None,
-             "cores_total": None, "memory_total": None, "memory_available": None,
-             "visible": True}
-    return entry | fields | {"workers": []}
+def _device(device: str, kind: str, index: int | None, *, name: str | None = None,
+            cores: int | None = None, cores_total: int | None = None,
+            memory_total: int | None = None, memory_available: int | None = None,
+            visible: bool = True) -> Device:
+    return {"device": device, "type": kind, "index": index, "name": name, "cores": cores,
+            "cores_total": cores_total, "memory_total": memory_total,
+            "memory_available": memory_available, "visible": visible, "workers": []}
 
 
 def _cpu(cores: int) -> Device:
@@ -235,11 +236,14 @@ def _kib_fields(text: str) -> dict[str, int]:
 
 def _worker(record: Mapping[str, JsonValue]) -> Worker:
     pid = record.get("pid")
-    keys = ("pid", "host_pid", "stages", "ipu", "device", "threads")
-    return {key: record.get(key) for key in keys} | {"rss": _rss(pid)}
+    return {"pid": pid, "host_pid": record.get("host_pid"), "stages": record.get("stages"),
+            "ipu": record.get("ipu"), "device": record.get("device"),
+            "threads": record.get("threads"), "rss": _rss(pid)}
 
 
 def _rss(pid: JsonValue) -> int | None:
+    if not isinstance(pid, (int, float, str)):
+        return None
     try:
         return _kib_fields((_PROC / str(int(pid)) / "status").read_text()).get("VmRSS")
     except (OSError, TypeError, ValueError):
@@ -280,7 +284,7 @@ def render_text(state: Snapshot) -> str:
     rows = [_device_row(d) for d in state["devices"]]
     widths = _widths([header, *rows])
     lines.append(_line(header, widths))
-    for device, row in zip(state["devices"], rows):
+    for device, row in zip(state["devices"], rows, strict=True):
         lines.append(_line(row, widths))
         lines.extend("  " + line for line in _attached(device, state["cpu_threads"]))
     return "\n".join(lines)
@@ -289,7 +293,7 @@ def render_text(state: Snapshot) -> str:
 def _describe_default(default: Default) -> str:
     if default["error"]:
         return f"unusable: {default['error']}"
-    if default["device"].startswith("cuda"):
+    if (default["device"] or "").startswith("cuda"):
         return f"{default['device']} (stage workers go to {', '.join(default['devices'])})"
     threads = default["threads_per_worker"]
     share = f"{threads} thread(s) each" if threads else "cores // workers thread(s) each"
@@ -328,7 +332,7 @@ def _widths(rows: Sequence[Sequence[str]]) -> list[int]:
 
 
 def _line(row: Sequence[str], widths: Sequence[int]) -> str:
-    return "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+    return "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
 
 
 def _text(value: JsonValue) -> str:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PretrainedConfig
 
 __all__ = ["register", "load_model"]
 
@@ -246,7 +247,7 @@ def _inputs(model: torch.nn.Module, micro_batch: int, sequence: int | None) -> d
     return inputs
 
 
-def _positions(config: object) -> tuple[str, int | None]:
+def _positions(config: PretrainedConfig | None) -> tuple[str, int | None]:
     """The config's position table: (its field, its length), None for relative positions."""
     for field in ("n_positions", "max_position_embeddings"):
         if isinstance(getattr(config, field, None), int):
@@ -270,7 +271,7 @@ def _from_config(path: str, dtype: torch.dtype) -> torch.nn.Module:
         return _model_class(transformers, config, path)._from_config(config, dtype=dtype)
 
 
-def _model_class(transformers: types.ModuleType, config: object, path: str) -> Any:
+def _model_class(transformers: types.ModuleType, config: PretrainedConfig, path: str) -> Any:
     """The class the config's architectures names, else its task's head: sequence to
     sequence for an encoder-decoder, causal LM for a decoder, else masked LM (BERT),
     causal LM (GPT-2), image classification (ViT), or the bare model."""

@@ -37,7 +37,6 @@ import tempfile
 import weakref
 from collections import deque
 from collections.abc import Iterable
-from multiprocessing.connection import wait
 from typing import Any, Protocol, TypedDict
 
 import torch
@@ -45,9 +44,9 @@ import torch.multiprocessing  # noqa: F401 - registers tensor pickling through s
 
 from pipetorch.data.fetch import LoaderStats
 from pipetorch.data.loader_pipe import LoaderPipe
-from pipetorch.data.producer import POLL_S, LoaderSettings, run_loader
+from pipetorch.data.producer import LoaderSettings, run_loader
 from pipetorch.data.ring_buffer import Msg, SlotSizes, pin, unpin
-from pipetorch.data.sampling import rebatched_length
+from pipetorch.data.sampling import length_of, rebatched_length
 from pipetorch.data.structure import unflatten
 from pipetorch.enums import SharingStrategy
 from pipetorch.errors import LoaderError
@@ -152,6 +151,7 @@ class AsynchronousDataAccessor(LoaderPipe):
         self._owner_pid = os.getpid()
         self._pending: deque[tuple[Any, ...]] = deque()
         self._views: list[list[torch.Tensor]] | None = None
+        self._buffer: torch.Tensor | None = None
         self._held: int | None = None
         self._held_event: CompletionEvent | None = None  # release_after's, for the held slot
         self._releases: deque[tuple[int, CompletionEvent]] = deque()  # slots awaiting events
@@ -188,8 +188,9 @@ class AsynchronousDataAccessor(LoaderPipe):
         if strategy == SharingStrategy.FileSystem:
             payload = self._temp_file = self._pickle_to_file()
         self._conn, child_conn = context.Pipe(duplex=True)
-        process = context.Process(target=run_loader, args=(payload, child_conn, settings),
-                                  name="pipetorch-loader", daemon=False)
+        process = context.Process(  # type: ignore[attr-defined]  # typeshed's BaseContext lacks it
+            target=run_loader, args=(payload, child_conn, settings), name="pipetorch-loader",
+            daemon=False)
         try:
             process.start()
         except (pickle.PicklingError, TypeError, AttributeError) as error:
@@ -241,7 +242,7 @@ class AsynchronousDataAccessor(LoaderPipe):
 
     def _release_buffer(self) -> None:
         self._wait_releases()  # a copy may still read the buffer
-        if getattr(self, "_pinned", False):
+        if getattr(self, "_pinned", False) and self._buffer is not None:
             unpin(self._buffer)
             self._pinned = False
         self._views = None
@@ -374,7 +375,7 @@ class AsynchronousDataAccessor(LoaderPipe):
         views = self._views[slot]
         items = self._items_per_slot
         if sizes is not None:
-            views = [v if n is None else v[:n] for v, n in zip(views, sizes)]
+            views = [v if n is None else v[:n] for v, n in zip(views, sizes, strict=True)]
             items = next((n for n in sizes if n is not None), None) if items else None
         self.stats.record(views, items=items or 1)
         return unflatten(views, self._tree)
@@ -398,7 +399,7 @@ class AsynchronousDataAccessor(LoaderPipe):
         return self._process.pid if self._process is not None else None
 
     def __len__(self) -> int:
-        length = len(self._dataset)
+        length = length_of(self._dataset)
         if self.rebatched_size is None:
             return length
         per_batch = (getattr(self._dataset, "combinedBatchSize", None)

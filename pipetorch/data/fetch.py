@@ -67,7 +67,7 @@ def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     for size in shape:
         numel *= size
     storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
 def _index(indices: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -92,10 +92,10 @@ class TensorBatches(TensorDataset):
         self.fetch_into(index, out)
         return Prebatched(out)
 
-    def fetch_into(self, indices: Sequence[int], out: list[torch.Tensor]) -> None:
+    def fetch_into(self, indices: Sequence[int] | torch.Tensor, out: list[torch.Tensor]) -> None:
         """Write the rows `indices` of every tensor into `out` (pre-allocated, same dtypes)."""
         index = _index(indices)
-        for tensor, target in zip(self.tensors, out):
+        for tensor, target in zip(self.tensors, out, strict=True):
             torch.index_select(tensor, 0, index, out=target)
 
     @classmethod
@@ -110,8 +110,9 @@ class TensorBatches(TensorDataset):
         return dataset
 
 
-def fetch(dataset: MapDataset, indices: Sequence[int], collate: CollateFn) -> Any:
-    """One combined batch of `dataset` (the same result torch's fetcher would give)."""
+def fetch(dataset: MapDataset, indices: Sequence[Any], collate: CollateFn) -> Any:
+    """One combined batch of `dataset` (the same result torch's fetcher would give); `indices`
+    are what the dataset reads: ints, or index lists for CollatedGroups."""
     getitems = getattr(dataset, "__getitems__", None)
     data = getitems(indices) if getitems else [dataset[i] for i in indices]
     return collate(data)

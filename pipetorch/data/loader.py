@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
@@ -32,10 +32,10 @@ from pipetorch.data import samples, shared_seed
 from pipetorch.data.fetch import BatchCollate, CollateFn, CollatedGroups, LoaderStats, TensorBatches
 from pipetorch.data.samples import UserDataset
 from pipetorch.data.sampling import (
-    CombinedBatchSampler, DistributedShareSampler, IndexBatches, combined_batch_size,
-    rebatched_length,
+    CombinedBatchSampler, DistributedShareSampler, IndexBatches, combined_batch_size, length_of,
+    micro_batches_per_call, rebatched_length,
 )
-from pipetorch.data.source import BatchSource, TorchLoaderKwargs, TorchLoaderOptions
+from pipetorch.data.source import BatchSource, TorchLoaderKwargs, TorchLoaderOptions, _PassedOn
 from pipetorch.enums import DataLoaderMode
 
 if TYPE_CHECKING:
@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 ASYNC_OPTIONS = ("buffer_size", "miss_sleep_time_in_ms", "load_indefinitely", "early_preload",
                  "sharing_strategy")
-_WORKER_ONLY = ("prefetch_factor", "multiprocessing_context", "persistent_workers", "timeout")
+_WorkerOnly = Literal["prefetch_factor", "multiprocessing_context", "persistent_workers", "timeout"]
+_WORKER_ONLY: tuple[_WorkerOnly, ...] = get_args(_WorkerOnly)
 
 
 def _mode(mode: DataLoaderMode | int) -> DataLoaderMode:
@@ -75,7 +76,7 @@ def _check_async_options(async_options: AsyncOptions | None,
         raise ValueError(f"Unknown async_options key(s) {unknown}; valid keys are "
                          f"{list(ASYNC_OPTIONS)} (rebatched_size is set by "
                          "mode=DataLoaderMode.AsyncRebatched).")
-    return dict(async_options)
+    return async_options.copy()
 
 
 def _check_batch_sampler(batch_sampler: IndexBatches | None, batch_size: int | None,
@@ -101,7 +102,7 @@ def _check_batch_sampler(batch_sampler: IndexBatches | None, batch_size: int | N
 def _check_sampler_batches(batch_sampler: IndexBatches, per_call: int, drop_last: bool) -> None:
     """A batch_sampler's batches, counted: one host call takes `per_call` of them."""
     try:
-        batches = len(batch_sampler)
+        batches = length_of(batch_sampler)
     except TypeError:
         return  # a sampler without a length: counted as it runs
     if batches == 0:
@@ -124,7 +125,7 @@ def _factors(options: Options, micro: int) -> str:
     """How a host call's batch is made: "batch_size 4 x deviceIterations 8"."""
     parts = [("batch_size", micro), ("deviceIterations", options.device_iterations),
              ("gradientAccumulation", options.Training.gradient_accumulation),
-             ("replicas", combined_batch_size(options, 1) // (
+             ("replicas", micro_batches_per_call(options) // (
                  options.device_iterations * options.Training.gradient_accumulation))]
     return " x ".join(f"{name} {value}" for name, value in parts if value != 1 or name ==
                       "batch_size")
@@ -148,7 +149,7 @@ def _check_rebatching(mode: DataLoaderMode, rebatch: bool, worker_size: int | No
             "mode=DataLoaderMode.AsyncRebatched (or Async with drop_last=False).")
     if isinstance(worker_size, bool) or not isinstance(worker_size, int) or worker_size < 1:
         raise ValueError(f"rebatched_worker_size must be an int >= 1, got {worker_size!r}.")
-    if worker_size > combined:
+    if combined is not None and worker_size > combined:
         raise ValueError(f"The rebatched_worker_size ({worker_size}) must be <= to the "
                          f"combined batch size ({combined}).")
 
@@ -184,6 +185,7 @@ class DataLoader(torch.utils.data.DataLoader):
         user_sampler = kwargs.pop("sampler", None)
         user_collate = kwargs.pop("collate_fn", None)
         pin_memory = kwargs.pop("pin_memory", torch.cuda.is_available())
+        passed_on: _PassedOn = kwargs  # the rest, handed to torch as they are
         iterable = isinstance(dataset, IterableDataset)
         samples.check_dataset(dataset)
         _check_batch_sampler(user_batch_sampler, batch_size, shuffle, user_sampler, iterable,
@@ -210,29 +212,31 @@ class DataLoader(torch.utils.data.DataLoader):
         self._stats = LoaderStats()
 
         if user_batch_sampler is None:
-            base_sampler = self._base_sampler(dataset, iterable, shuffle, drop_last,
-                                              user_sampler, auto_distributed_partitioning,
-                                              num_workers, kwargs)
+            base_sampler = self._base_sampler(dataset, shuffle, drop_last, user_sampler,
+                                              auto_distributed_partitioning, num_workers, kwargs)
         else:
             base_sampler = None
-            _check_sampler_batches(user_batch_sampler, combined_batch_size(options, 1),
-                                   drop_last)
-        if not iterable and drop_last and combined is not None and user_batch_sampler is None:
+            _check_sampler_batches(user_batch_sampler, micro_batches_per_call(options), drop_last)
+        if not isinstance(dataset, IterableDataset) and drop_last and combined is not None \
+                and user_batch_sampler is None:
+            assert micro is not None  # combined is
             samples.check_enough(len(dataset) if self._share is None else len(self._share),
                                  combined, _factors(options, micro))
         worker_batch = (rebatched_worker_size or combined) if rebatch else combined
         fetch_dataset = TensorBatches.wrap(dataset, collate_fn=user_collate)
         if user_batch_sampler is not None:
+            assert not isinstance(fetch_dataset, IterableDataset)  # _check_batch_sampler refuses it
             fetch_dataset = CollatedGroups(fetch_dataset, user_collate)
         collate: CollateFn = BatchCollate(user_collate)
         if combined is None and user_batch_sampler is None:  # no batching: torch's rule
             collate = user_collate or default_convert
         torch_kwargs: TorchLoaderKwargs = dict(
             dataset=fetch_dataset, num_workers=num_workers, collate_fn=collate,
-            persistent_workers=persistent_workers, **kwargs,
+            persistent_workers=persistent_workers, **passed_on,
             **self._batching_kwargs(iterable, base_sampler, user_batch_sampler, worker_batch,
                                     drop_last))
-        super().__init__(**torch_kwargs, pin_memory=pin_memory and mode == DataLoaderMode.Sync)
+        super().__init__(**torch_kwargs,  # type: ignore[arg-type]  # torch reads lists too
+                         pin_memory=pin_memory and mode == DataLoaderMode.Sync)
 
         self._async_options = async_options
         self._source_kwargs = self._loader_process_kwargs(torch_kwargs, fetch_dataset)
@@ -251,20 +255,21 @@ class DataLoader(torch.utils.data.DataLoader):
         if iterable:
             return {"batch_size": worker_batch, "drop_last": torch_drop_last}
         if user_batch_sampler is not None:
-            count = combined_batch_size(self._options, 1)
+            count = micro_batches_per_call(self._options)
             return {"batch_sampler": CombinedBatchSampler(user_batch_sampler, count=count,
                                                           drop_last=drop_last)}
         if worker_batch is None:
             return {"sampler": base_sampler, "batch_size": None}
+        assert base_sampler is not None  # only an IterableDataset has none
         return {"batch_sampler": samples.IndexBatchSampler(base_sampler, worker_batch,
                                                           torch_drop_last)}
 
-    def _base_sampler(self, dataset: UserDataset, iterable: bool, shuffle: bool,
+    def _base_sampler(self, dataset: UserDataset, shuffle: bool,
                       drop_last: bool, user_sampler: Iterable[int] | None,
                       auto_partition: bool, num_workers: int,
                       kwargs: TorchLoaderOptions) -> Iterable[int] | None:
         processes = self._options.Distributed.data_share[1]
-        if iterable:
+        if isinstance(dataset, IterableDataset):
             if auto_partition and processes > 1:
                 raise ValueError(
                     f"auto_distributed_partitioning is not supported for an IterableDataset "
@@ -327,7 +332,7 @@ class DataLoader(torch.utils.data.DataLoader):
     @staticmethod
     def _loader_process_kwargs(torch_kwargs: TorchLoaderKwargs,
                                dataset: UserDataset) -> TorchLoaderKwargs:
-        kwargs = dict(torch_kwargs)
+        kwargs = torch_kwargs.copy()
         # Workers only add copies for tensor indexing: the loader process fetches directly.
         if isinstance(dataset, TensorBatches) and kwargs.get("worker_init_fn") is None \
                 and "batch_sampler" in kwargs:
@@ -349,12 +354,13 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __len__(self) -> int:
         if self._rebatch:
-            num_items = len(self._share) if self._share is not None else len(self.dataset)
+            num_items = len(self._share) if self._share is not None else length_of(self.dataset)
+            assert self._combined is not None  # rebatching needs a combined batch size
             return rebatched_length(num_items, self._combined,
                                     drop_last=self.rebatched_drop_last)
         return super().__len__()
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # not a _BaseDataLoaderIter
         if self._mode == DataLoaderMode.Sync:
             return _Counted(super().__iter__(), self._stats, self._batched)
         if self._accessor is None:

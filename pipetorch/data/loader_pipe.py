@@ -46,6 +46,8 @@ class LoaderPipe:
     def _receive(self) -> tuple[Any, ...]:
         if self._pending:
             return self._pending.popleft()
+        process = self._process
+        assert process is not None  # a terminated loader is not read (_check_usable)
         waited = 0.0
         while True:
             if self._conn.poll(0):
@@ -53,15 +55,15 @@ class LoaderPipe:
                     return self._conn.recv()
                 except (EOFError, OSError):
                     self._died()
-            if not self._process.is_alive():
+            if not process.is_alive():
                 if self._conn.poll(0):
                     continue  # read what it sent before exiting
                 self._died()
-            wait([self._conn, self._process.sentinel], timeout=POLL_S)
+            wait([self._conn, process.sentinel], timeout=POLL_S)
             waited += POLL_S
             if waited >= _WARN_AFTER_S:
                 logger.warning("still waiting for a batch from loader process %d after %.0f s",
-                               self._process.pid, waited)
+                               process.pid, waited)
                 waited = 0.0
 
     def _died(self) -> None:
@@ -79,7 +81,8 @@ class LoaderPipe:
             "the failure in this process."))
 
     def _pid(self) -> int | str:
-        return self._process.pid if self._process is not None else "?"
+        pid = self._process.pid if self._process is not None else None
+        return pid if pid is not None else "?"
 
     def _fail(self, payload: tuple[str, str, str, bytes | None]) -> None:
         name, message, text, pickled = payload

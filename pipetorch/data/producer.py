@@ -63,13 +63,13 @@ def run_loader(source: Iterable[object] | str, conn: Connection, settings: Loade
             with open(source, "rb") as f:
                 source = pickle.load(f)
     except BaseException as error:  # noqa: BLE001 - reported to the user's process
-        _Producer(None, conn, settings).report(error)
+        _Producer((), conn, settings).report(error)
         return
     _Producer(source, conn, settings).run()
 
 
 class _Producer:
-    def __init__(self, source: Iterable[object] | None, conn: Connection,
+    def __init__(self, source: Iterable[object], conn: Connection,
                  settings: LoaderSettings) -> None:
         self.source = source
         self.conn = conn
@@ -163,7 +163,7 @@ class _Producer:
 
     def _handle(self, message: Command) -> None:
         kind = message[0]
-        if kind == Msg.FREE:
+        if kind == Msg.FREE and len(message) == 2:
             assert self.writer is not None
             self.writer.free.append(message[1])
         elif kind == Msg.START:

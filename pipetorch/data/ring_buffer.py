@@ -87,7 +87,7 @@ class SlotLayout:
         """The tensors of `slot`, as views of the shared byte buffer."""
         base = slot * self.slot_bytes
         out = []
-        for shape, dtype, offset in zip(self.shapes, self.dtypes, self.offsets):
+        for shape, dtype, offset in zip(self.shapes, self.dtypes, self.offsets, strict=True):
             size = _numel(shape) * dtype.itemsize
             raw = buffer[base + offset: base + offset + size]
             out.append(raw.view(dtype).view(shape))
@@ -100,7 +100,8 @@ class SlotLayout:
             raise ValueError(
                 f"{where} has {len(leaves)} tensors but the first batch had {len(self.shapes)}:"
                 " every batch must have the same structure.")
-        for i, (leaf, shape, dtype) in enumerate(zip(leaves, self.shapes, self.dtypes)):
+        for i, (leaf, shape, dtype) in enumerate(zip(leaves, self.shapes, self.dtypes,
+                                                     strict=True)):
             fits = tuple(leaf.shape) == shape or (
                 leaf.dim() == len(shape) and leaf.dim() > 0
                 and tuple(leaf.shape[1:]) == shape[1:]
@@ -203,15 +204,17 @@ class SlotWriter:
         self.layout.check(leaves, where=where)
         slot = self._acquire()
         sizes = []
-        for leaf, view in zip(leaves, self.views[slot]):
+        for leaf, view in zip(leaves, self.views[slot], strict=True):
             rows = leaf.shape[0] if leaf.dim() else None
             (view[:rows] if rows is not None else view).copy_(leaf)
             sizes.append(rows)
-        full = all(s is None or s == v.shape[0] for s, v in zip(sizes, self.views[slot]))
+        full = all(s is None or s == v.shape[0]
+                   for s, v in zip(sizes, self.views[slot], strict=True))
         self._publish(slot, None if full else tuple(sizes))
 
     def _write_rows(self, leaves: list[torch.Tensor], where: str) -> None:
         self.layout.check(leaves, where=where, any_rows=True)
+        assert self.rows_per_slot is not None  # write() rebatches only with it
         rows = leaves[0].shape[0]
         if any(leaf.shape[0] != rows for leaf in leaves):
             raise ValueError(
@@ -222,7 +225,7 @@ class SlotWriter:
             if self._current is None:
                 self._current, self._filled = self._acquire(), 0
             take = min(rows - done, self.rows_per_slot - self._filled)
-            for leaf, view in zip(leaves, self.views[self._current]):
+            for leaf, view in zip(leaves, self.views[self._current], strict=True):
                 view[self._filled:self._filled + take].copy_(leaf[done:done + take])
             self._filled += take
             done += take

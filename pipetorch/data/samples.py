@@ -43,7 +43,7 @@ class IndexBatch(list):
 class IndexBatchSampler(BatchSampler):
     """torch's BatchSampler, yielding IndexBatch lists."""
 
-    def __iter__(self) -> Iterator[list[int]]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[list[int]]:
         for batch in super().__iter__():
             yield IndexBatch(batch)
 
@@ -143,7 +143,7 @@ def explain(samples: list[object], indices: list[int] | None) -> Exception | Non
     usual_shapes = max(shapes, key=shapes.count)
     ref = shapes.index(usual_shapes)
     for k, leaves in enumerate(flat):
-        for (path, a), (_, b) in zip(flat[ref], leaves):
+        for (path, a), (_, b) in zip(flat[ref], leaves, strict=False):
             if _shape(a) != _shape(b):
                 at = f" at {pytree.keystr(path)}" if path else ""
                 return ValueError(

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
@@ -30,12 +30,24 @@ def input_replicas(options: Options) -> int:
     return int(grouping[0])
 
 
+def micro_batches_per_call(options: Options) -> int:
+    """Micro-batches one host call consumes: deviceIterations x gradientAccumulation x replicas."""
+    return (options.device_iterations * options.Training.gradient_accumulation
+            * input_replicas(options))
+
+
 def combined_batch_size(options: Options, micro_batch: int | None) -> int | None:
     """Samples one host call consumes: B x deviceIterations x gradientAccumulation x replicas."""
     if micro_batch is None:
         return None
-    return (micro_batch * options.device_iterations
-            * options.Training.gradient_accumulation * input_replicas(options))
+    return micro_batch * micro_batches_per_call(options)
+
+
+def length_of(values: object) -> int:
+    """len(values), with len()'s TypeError for an iterable that has no length."""
+    if not isinstance(values, Sized):
+        raise TypeError(f"object of type '{type(values).__name__}' has no len()")
+    return len(values)
 
 
 def _share_lengths(num_items: int, step: int, processes: int, drop_last: bool) -> list[int]:
@@ -72,7 +84,7 @@ class DistributedShareSampler(Sampler[int]):
         self.length = lengths[process_id]
         self.used = sum(lengths)
         self.shuffle = shuffle
-        self._generator_state = _seeded_state(seed) if shuffle else None
+        self._generator_state = _seeded_state(seed) if shuffle and seed is not None else None
         self._leftovers = torch.empty(0, dtype=torch.long)
 
     def __len__(self) -> int:
@@ -84,7 +96,7 @@ class DistributedShareSampler(Sampler[int]):
 
     def next_epoch_order(self) -> torch.Tensor:
         """The global order of the next epoch (the same in every process)."""
-        if not self.shuffle:
+        if not self.shuffle or self._generator_state is None:
             return torch.arange(self.num_items)
         generator = torch.Generator()
         generator.set_state(self._generator_state)
@@ -134,7 +146,7 @@ class CombinedBatchSampler(Sampler[list[list[int]]]):
             yield group
 
     def __len__(self) -> int:
-        batches = len(self.batch_sampler)
+        batches = length_of(self.batch_sampler)
         if self.drop_last:
             return batches // self.count
         return math.ceil(batches / self.count)

@@ -5,9 +5,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
+from torch.utils.data import IterableDataset
 
 from pipetorch.data.fetch import CollateFn, DirectFetch, TensorBatches, fetch
-from pipetorch.data.samples import UserDataset
+from pipetorch.data.samples import IndexBatchSampler, UserDataset
 from pipetorch.data.sampling import CombinedBatchSampler, IndexBatches
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class TorchLoaderKwargs(_PassedOn, total=False):
     dataset: UserDataset
     batch_size: int | None
     sampler: Iterable[int] | None
-    batch_sampler: IndexBatches | CombinedBatchSampler | None
+    batch_sampler: IndexBatchSampler | CombinedBatchSampler | None
     num_workers: int
     collate_fn: CollateFn
     drop_last: bool
@@ -72,23 +73,22 @@ class BatchSource:
         return self.torch_kwargs["dataset"]
 
     @property
-    def index_batches(self) -> IndexBatches | CombinedBatchSampler | None:
+    def index_batches(self) -> IndexBatchSampler | CombinedBatchSampler | None:
         return self.torch_kwargs.get("batch_sampler")
-
-    def _in_process(self) -> bool:
-        return self.torch_kwargs.get("num_workers", 0) == 0 and self.index_batches is not None
 
     def epoch(self, *, direct: bool = False) -> Iterator[Any]:
         """One epoch of batches (DirectFetch items where `direct` and the dataset allow)."""
-        if not self._in_process():
+        dataset, batches = self.dataset, self.index_batches
+        if self.torch_kwargs.get("num_workers", 0) != 0 or batches is None \
+                or isinstance(dataset, IterableDataset):  # (never with a batch_sampler)
             return iter(self._torch_loader())
-        dataset, collate = self.dataset, self.torch_kwargs["collate_fn"]
+        collate = self.torch_kwargs["collate_fn"]
         # torch's iterator draws its workers' base seed before sampling; drawing it too keeps
         # the shuffled order identical to Sync mode's for the same generator or global seed.
         torch.empty((), dtype=torch.int64).random_(generator=self.torch_kwargs.get("generator"))
-        if direct and isinstance(dataset, TensorBatches):
-            return (DirectFetch(dataset, indices, collate) for indices in self.index_batches)
-        return (fetch(dataset, indices, collate) for indices in self.index_batches)
+        if direct and isinstance(dataset, TensorBatches) and isinstance(batches, IndexBatchSampler):
+            return (DirectFetch(dataset, indices, collate) for indices in batches)
+        return (fetch(dataset, indices, collate) for indices in batches)
 
     def __iter__(self) -> Iterator[Any]:
         return self.epoch()
@@ -99,7 +99,8 @@ class BatchSource:
     def _torch_loader(self) -> torch.utils.data.DataLoader:
         # Built once and kept, so persistent workers survive from one epoch to the next.
         if self._loader is None:
-            self._loader = torch.utils.data.DataLoader(**self.torch_kwargs)
+            self._loader = torch.utils.data.DataLoader(
+                **self.torch_kwargs)  # type: ignore[arg-type]  # torch reads lists too
         return self._loader
 
     def close(self) -> None:

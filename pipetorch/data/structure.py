@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -43,7 +43,7 @@ def _flatten_into(value: object, leaves: list[torch.Tensor], where: str) -> Tree
         return Tree("dict", children, keys)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         children = tuple(_flatten_into(v, leaves, f"{where}.{f}")
-                         for f, v in zip(value._fields, value))
+                         for f, v in zip(value._fields, value, strict=True))
         return Tree("namedtuple", children, cls=type(value))
     if isinstance(value, (list, tuple)):
         children = tuple(_flatten_into(v, leaves, f"{where}[{i}]") for i, v in enumerate(value))
@@ -72,16 +72,17 @@ def _build(position: Iterator[torch.Tensor], tree: Tree) -> Any:
         return next(position)
     values = [_build(position, child) for child in tree.children]
     if tree.kind == "dict":
-        return dict(zip(tree.keys, values))
+        return dict(zip(tree.keys, values, strict=True))
+    if tree.kind in ("list", "tuple"):
+        return values if tree.kind == "list" else tuple(values)
+    assert tree.cls is not None, tree  # namedtuple and custom trees name their class
     if tree.kind == "namedtuple":
         return tree.cls(*values)
-    if tree.kind == "custom":
-        parser = extensions.parser_for(tree.cls)
-        if parser is None:
-            raise TypeError(f"No poptorch.ICustomArgParser is registered for {tree.cls.__name__} "
-                            "in this process: call registerCustomArgParser before iterating")
-        return parser.reconstruct(tree.keys[0], iter(values))
-    return values if tree.kind == "list" else tuple(values)
+    parser = extensions.parser_for(tree.cls)
+    if parser is None:
+        raise TypeError(f"No poptorch.ICustomArgParser is registered for {tree.cls.__name__} "
+                        "in this process: call registerCustomArgParser before iterating")
+    return parser.reconstruct(tree.keys[0], iter(values))
 
 
 def tensors_in(value: object) -> list[torch.Tensor]:
@@ -106,12 +107,8 @@ def batch_rows(leaves: list[torch.Tensor]) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def _is_sequence(value: object) -> bool:
+def _is_sequence(value: object) -> TypeGuard[list[object] | tuple[object, ...]]:
     return isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
-
-
-def _holds_tensors(value: object) -> bool:
-    return bool(tensors_in(value))
 
 
 def concat_batches(batches: list[object], *, where: str = "batch") -> Any:
@@ -134,49 +131,53 @@ def concat_batches(batches: list[object], *, where: str = "batch") -> Any:
                         "collate_fn must return one structure for every batch.")
     if isinstance(first, dict):
         keys = list(first)
-        for k, batch in enumerate(batches):
+        dicts = [b for b in batches if isinstance(b, dict)]  # all of them: one type
+        for k, batch in enumerate(dicts):
             if list(batch) != keys:
                 raise ValueError(f"{where}: collated batch {k} has keys {list(batch)} but "
                                  f"batch 0 has {keys}; collate_fn must return the same keys.")
-        return type(first)((key, concat_batches([b[key] for b in batches],
+        return type(first)((key, concat_batches([b[key] for b in dicts],
                                                 where=f"{where}[{key!r}]")) for key in keys)
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(concat_batches(list(parts), where=f"{where}.{name}")
-                             for name, parts in zip(first._fields, zip(*batches))))
+                             for name, parts in zip(first._fields, zip(*batches, strict=True),
+                                                    strict=True)))
     parser = extensions.parser_for(type(first))
     if parser is not None:  # a registerCustomArgParser type (PopTorch's CustomBatch): its
         # tensors joined position by position, then rebuilt around batch 0's object
         parts = [list(parser.yieldTensors(batch)) for batch in batches]
         joined = [concat_batches(list(column), where=f"{where}.<tensor {i}>")
-                  for i, column in enumerate(zip(*parts))]
+                  for i, column in enumerate(zip(*parts, strict=True))]
         return parser.reconstruct(first, iter(joined))
-    if _is_sequence(first) and any(_holds_tensors(b) for b in batches):
-        lengths = [len(b) for b in batches]
+    sequences = [b for b in batches if _is_sequence(b)]  # all or none: one type
+    if _is_sequence(first) and any(tensors_in(b) for b in sequences):
+        lengths = [len(b) for b in sequences]
         if len(set(lengths)) != 1:
             raise ValueError(f"{where}: the collated batches hold {lengths} items; collate_fn "
                              "must return the same number of items for every batch.")
         joined = [concat_batches(list(parts), where=f"{where}[{i}]")
-                  for i, parts in enumerate(zip(*batches))]
+                  for i, parts in enumerate(zip(*sequences, strict=True))]
         return joined if isinstance(first, list) else tuple(joined)
     if _is_sequence(first):  # strings, numbers: one entry per sample, put end to end
-        return type(first)(item for batch in batches for item in batch)
+        return type(first)(item for batch in sequences for item in batch)
     raise TypeError(f"{where} is a {type(first).__name__}: collated batches can only be "
                     "joined when they hold tensors (alone or in dicts, tuples and lists) or "
                     "lists of per-sample values.")
 
 
 def _concat_tensors(batches: list[object], where: str) -> torch.Tensor:
-    first = batches[0]
+    tensors: list[torch.Tensor] = []
     for k, batch in enumerate(batches):
         if not isinstance(batch, torch.Tensor):
             raise TypeError(f"{where}: collated batch {k} is a {type(batch).__name__} where "
                             "batch 0 is a tensor; collate_fn must return one structure.")
-        if batch.dim() == 0 or batch.shape[1:] != first.shape[1:]:
+        tensors.append(batch)
+        if batch.dim() == 0 or batch.shape[1:] != tensors[0].shape[1:]:
             raise ValueError(
                 f"{where}: collated batch {k} is {list(batch.shape)} but batch 0 is "
-                f"{list(first.shape)}. The batches of one host call are joined along dim 0, "
+                f"{list(tensors[0].shape)}. The batches of one host call are joined along dim 0, "
                 "so they need a batch dimension and the same other dimensions: pad them to "
                 "one shape in collate_fn.")
     # Dtypes may differ (a collate_fn padding with float zeros): torch.cat promotes them to
     # one dtype, as PopTorch's joined batches are.
-    return torch.cat(batches)
+    return torch.cat(tensors)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeAlias, TypeVar
 
 import torch
 from torch.optim.optimizer import StateDict
@@ -19,6 +19,11 @@ __all__: list[str] = []
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+if TYPE_CHECKING:  # at runtime the torch optimiser class comes later in the bases
+    _OptimizerBase = torch.optim.Optimizer
+else:
+    _OptimizerBase = object
 
 #: Dtypes an optimiser state (or gradient accumulator) may be stored in.
 ACCUM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -60,7 +65,7 @@ def check_betas(betas: _T) -> _T:
     return betas
 
 
-def _check_dtype(name: str, value: object) -> torch.dtype:
+def _check_dtype(name: str, value: OptionValue) -> torch.dtype:
     if value in ACCUM_DTYPES:
         return value
     choices = "torch.float32, torch.float16 or torch.bfloat16 (or None for torch.float32)"
@@ -79,7 +84,7 @@ def storage_dtype(option: torch.dtype, param_dtype: torch.dtype) -> torch.dtype:
     return option
 
 
-def normalize_option(name: str, value: object) -> OptionValue:
+def normalize_option(name: str, value: OptionValue | None) -> OptionValue:
     """Validate a PopTorch extra argument; None stands for PopTorch's default."""
     default, kind = _OPTION_RULES[name]
     if value is None:
@@ -89,6 +94,7 @@ def normalize_option(name: str, value: object) -> OptionValue:
     if kind == "dtype":
         return _check_dtype(name, value)
     check_number(name, value, strict=True, allow_inf=kind == "limit")
+    assert not isinstance(value, torch.dtype)  # check_number refused it
     return float(value)
 
 
@@ -100,7 +106,7 @@ class Option:
     the groups because `step()` uses the groups' values.
     """
 
-    def __set_name__(self, owner: type, name: str) -> None:
+    def __set_name__(self, owner: type[PopTorchOptimizer], name: str) -> None:
         self.name = name
         owner._option_names = (*getattr(owner, "_option_names", ()), name)
 
@@ -129,7 +135,7 @@ class _Swap:
 StateFormats = dict[str, tuple[torch.dtype, float]]
 
 
-class PopTorchOptimizer(scaling.LossScaled):
+class PopTorchOptimizer(scaling.LossScaled, _OptimizerBase):
     """`poptorch.optim.Optimizer`: the base of PopTorch's optimisers, placed before a torch
     optimiser class in the bases (`class AdamW(Optimizer, torch.optim.AdamW)`).
 
@@ -157,20 +163,16 @@ class PopTorchOptimizer(scaling.LossScaled):
     max_grad_norm = Option()
     accum_type = Option()
 
-    param_groups: list[ParamGroup]
-    defaults: dict[str, Any]
-    state: dict[Any, dict[str, Any]]
-
     def __init__(self, *args: object, **kwargs: object) -> None:
         # PopTorch's subclasses call `Optimizer.__init__(self)` before the torch class's.
         if args or kwargs:
-            super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # the torch class's arguments
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, "_pipetorch_records", False):
-            cls.__init__ = attributes.recording_explicit_args(init)  # type: ignore[misc]
+            cls.__init__ = attributes.recording_explicit_args(init)  # type: ignore[method-assign]  # wraps the constructor
 
     def _install_options(self, **options: OptionValue | None) -> None:
         """Put the extra arguments in `defaults` and fill them into groups that lack them."""
@@ -181,30 +183,28 @@ class PopTorchOptimizer(scaling.LossScaled):
             for group in self.param_groups:
                 group.setdefault(name, value)
         explicit = self.__dict__.pop(attributes.EXPLICIT_ARGS, set())
-        self.variable_attrs = attributes.default_attributes(  # type: ignore[arg-type]
-            self, explicit=explicit)  # type: ignore[arg-type]
+        self.variable_attrs = attributes.default_attributes(self, explicit=explicit)
 
     def state_dict(self) -> StateDict:
         """torch's state dict plus "ipu_state" and "ipu_param": the state and the
         hyper-parameters under PopTorch's names once a trainingModel has compiled with this
         optimiser (None before), see `ipu_state` and `ipu_param`."""
-        ipu = ipu_state.read(self)  # type: ignore[arg-type]  # syncs from the device first
-        params = ipu_param.read(self)  # type: ignore[arg-type]
-        return {**super().state_dict(), "ipu_state": ipu,  # type: ignore[misc]
-                "ipu_param": params}
+        ipu = ipu_state.read(self)  # syncs from the device first
+        params = ipu_param.read(self)
+        return {**super().state_dict(), "ipu_state": ipu, "ipu_param": params}
 
     def read_ipu_state(self) -> dict[str, torch.Tensor] | None:
         """The optimiser state on the device under PopTorch's names (None before compiling)."""
-        return ipu_state.read(self)  # type: ignore[arg-type]
+        return ipu_state.read(self)
 
     def write_ipu_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set the device's optimiser state from PopTorch's names (all or some of them)."""
-        ipu_state.write(self, state)  # type: ignore[arg-type]
+        ipu_state.write(self, state)
 
     def add_param_group(self, param_group: ParamGroup) -> None:
         for name in set(self._option_names) & set(param_group):
             param_group[name] = normalize_option(name, param_group[name])
-        super().add_param_group(param_group)  # type: ignore[misc]
+        super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: StateDict) -> None:
         """torch's load_state_dict, then "ipu_state" / "ipu_param" if there (PopTorch's
@@ -217,8 +217,8 @@ class PopTorchOptimizer(scaling.LossScaled):
         ipu = state_dict.pop("ipu_state", None)
         params = state_dict.pop("ipu_param", None)
         saved = _saved_tensors(self, state_dict)
-        ipu_state.sync(self)  # type: ignore[arg-type]  # what is loaded must win over the device
-        super().load_state_dict(state_dict)  # type: ignore[misc]
+        ipu_state.sync(self)  # what is loaded must win over the device
+        super().load_state_dict(state_dict)
         # torch casts loaded float state to each parameter's dtype, which would round a
         # float16 model's float32 moments to float16 (small second moments to 0): put the
         # saved tensors back; below they are cast to their accumulation dtype.
@@ -232,13 +232,13 @@ class PopTorchOptimizer(scaling.LossScaled):
                     _, formats = self._formats(group, param)
                     dtypes_only = {key: (dtype, 1.0) for key, (dtype, _) in formats.items()}
                     self.state[param] = _store_state(self.state[param], dtypes_only)
-        ipu_state.forget_loaded(self)  # type: ignore[arg-type]
+        ipu_state.forget_loaded(self)
         if ipu is not None:
-            ipu_state.write(self, ipu)  # type: ignore[arg-type]
-            ipu_state.remember_loaded(self, "ipu_state", ipu)  # type: ignore[arg-type]
+            ipu_state.write(self, ipu)
+            ipu_state.remember_loaded(self, "ipu_state", ipu)
         if params is not None:
-            ipu_param.write(self, params)  # type: ignore[arg-type]
-            ipu_state.remember_loaded(self, "ipu_param", params)  # type: ignore[arg-type]
+            ipu_param.write(self, params)
+            ipu_state.remember_loaded(self, "ipu_param", params)
 
     def _formats(self, group: ParamGroup,
                  param: torch.Tensor) -> tuple[torch.dtype, StateFormats]:
@@ -265,7 +265,7 @@ class PopTorchOptimizer(scaling.LossScaled):
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Un-scale and clip the gradients, then update as torch does (see the class doc),
         each parameter with its own hyper-parameters where it has some (`per_param`)."""
-        with per_param.stepping(self):  # type: ignore[arg-type]
+        with per_param.stepping(self):
             return self._step(closure)
 
     def _step(self, closure: Callable[[], float] | None) -> float | None:
@@ -309,7 +309,7 @@ class PopTorchOptimizer(scaling.LossScaled):
                 clipping.scale(grads, coefficient, local=peers.current() is None)
             self._update()
         finally:
-            for g, params in zip(self.param_groups, originals):
+            for g, params in zip(self.param_groups, originals, strict=True):
                 g["params"] = params
             for swap in swaps:
                 self._swap_out(group, swap)
@@ -346,7 +346,7 @@ class PopTorchOptimizer(scaling.LossScaled):
     def __getstate__(self) -> dict[str, Any]:
         # torch pickles (and deep-copies) only defaults, state and param_groups: the dynamic
         # loss scale must travel too (to stage workers, to the device copy).
-        state = super().__getstate__()  # type: ignore[misc]
+        state = super().__getstate__()
         if "variable_attrs" in self.__dict__:
             state["variable_attrs"] = self.__dict__["variable_attrs"]
         if scaling.is_automatic(self):
@@ -362,7 +362,7 @@ class PopTorchOptimizer(scaling.LossScaled):
             try:
                 self._torch_step()
             finally:
-                for group, params in zip(own, hidden):
+                for group, params in zip(own, hidden, strict=True):
                     group["params"] = params
         for group in own:
             self._own_update(group)
@@ -371,7 +371,7 @@ class PopTorchOptimizer(scaling.LossScaled):
         """The torch parent's update, without the step hooks: once any plain instance of the
         torch class exists, torch wraps that class's `step` to run the instance's hooks, which
         `step()` (hooked itself) has run already, and would run again for every bucket."""
-        function = super().step.__func__  # type: ignore[misc]
+        function = super().step.__func__  # type: ignore[attr-defined]  # torch's step is overloaded
         if getattr(function, "hooked", False):
             function = function.__wrapped__
         function(self)
@@ -381,6 +381,7 @@ class PopTorchOptimizer(scaling.LossScaled):
         """(gradient's rounding dtype, update's dtype) when `param` is updated through a
         stand-in; None when the update sees the parameter itself."""
         grad_dtype, formats = self._formats(group, param)
+        assert param.grad is not None  # only parameters with a gradient are swapped in
         if (param.dtype not in LOW_PRECISION and grad_dtype == param.grad.dtype
                 and all(dtype == param.dtype and scale == 1.0
                         for dtype, scale in formats.values())):
@@ -390,11 +391,13 @@ class PopTorchOptimizer(scaling.LossScaled):
 
     def _working_grad(self, group: ParamGroup, param: torch.Tensor) -> torch.Tensor:
         """A new tensor holding the gradient the update of `param` sees (before un-scaling)."""
+        grad = param.grad
+        assert grad is not None  # only parameters with a gradient are swapped in or clipped
         dtypes = self._work_dtypes(group, param)
         if dtypes is None:
-            return param.grad.clone()
+            return grad.clone()
         grad_dtype, work_dtype = dtypes
-        return param.grad.to(grad_dtype).to(work_dtype, copy=True)
+        return grad.to(grad_dtype).to(work_dtype, copy=True)
 
     def _complete_state(self, group: ParamGroup, state: dict[str, Any]) -> None:
         """Add the state a hyper-parameter switched on after a first step needs (RMSprop)."""
@@ -437,7 +440,7 @@ def _saved_tensors(optimizer: torch.optim.Optimizer, state_dict: StateDict
     parameters matched by position as torch's `load_state_dict` matches them."""
     saved_ids = [index for group in state_dict.get("param_groups", ()) for index in group["params"]]
     params = [param for group in optimizer.param_groups for param in group["params"]]
-    by_index = dict(zip(saved_ids, params))
+    by_index = dict(zip(saved_ids, params, strict=False))  # torch's load refuses a mismatch
     return [(by_index[index], key, value)
             for index, values in state_dict.get("state", {}).items() if index in by_index
             for key, value in values.items()

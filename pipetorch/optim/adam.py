@@ -145,7 +145,7 @@ class AdamWNoBias(AdamW):
         super().__init__(params, *args, bias_correction=False, **kwargs)
 
 
-def _refuse_bias_correction(name: str, bias_correction: object) -> None:
+def _refuse_bias_correction(name: str, bias_correction: bool) -> None:
     if bias_correction is not False:
         raise ValueError(f"{name} never corrects the bias, got bias_correction="
                          f"{bias_correction!r}; use the class without NoBias for that")

@@ -121,7 +121,7 @@ def recording_explicit_args(init: Callable[..., None]) -> Callable[..., None]:
                 self.__dict__[EXPLICIT_ARGS] = passed
         init(self, *args, **kwargs)
 
-    __init__._pipetorch_records = True  # type: ignore[attr-defined]
+    __init__._pipetorch_records = True  # type: ignore[attr-defined]  # a mark on the function
     return __init__
 
 
@@ -209,7 +209,7 @@ def check_replacement(compiled: Compiled, optimizer: torch.optim.Optimizer) -> N
     messages += [f"Ignoring unexpected group {index} attribute in {kind} optimizer: "
                  f"{sorted(set(group) - known - _KNOWN_GROUP_KEYS)}"
                  for index, (group, known) in enumerate(zip(optimizer.param_groups,
-                                                            compiled.group_keys))]
+                                                            compiled.group_keys, strict=False))]
     for message in messages:
         if not message.endswith("[]") and message not in compiled.warned:
             compiled.warned.add(message)

@@ -40,8 +40,7 @@ class Terms:
             self.parts.extend(((g.device, g.dtype), g.detach().float().pow(2).sum() * weight)
                               for g in grads)
             return
-        grouped = _group_tensors_by_device_and_dtype([list(grads)])  # type: ignore[list-item]
-        for (device, dtype), ([tensors], _) in grouped.items():  # type: ignore[misc]
+        for (device, dtype), tensors in _grouped(grads).items():
             if _has_foreach_support(tensors, device):
                 norms = list(torch._foreach_norm(tensors, _NORM))
             else:
@@ -65,6 +64,14 @@ class Terms:
         return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
+def _grouped(grads: Sequence[torch.Tensor]
+             ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """`grads` by (device, dtype) as torch's clipping groups them (torch's result allows
+    None entries; `grads` has none)."""
+    grouped = _group_tensors_by_device_and_dtype([list(grads)])
+    return {key: [g for g in tensors if g is not None] for key, ([tensors], _) in grouped.items()}
+
+
 def scale(grads: Sequence[torch.Tensor], coefficient: torch.Tensor, *, local: bool) -> None:
     """Multiply `grads` in place by `coefficient`, as torch's clipping (`local`) or a stage
     worker's does."""
@@ -72,8 +79,7 @@ def scale(grads: Sequence[torch.Tensor], coefficient: torch.Tensor, *, local: bo
         for grad in grads:
             grad.mul_(coefficient.to(grad.dtype))
         return
-    grouped = _group_tensors_by_device_and_dtype([list(grads)])  # type: ignore[list-item]
-    for (device, _), ([tensors], _) in grouped.items():  # type: ignore[misc]
+    for (device, _), tensors in _grouped(grads).items():
         if _has_foreach_support(tensors, device):
             torch._foreach_mul_(tensors, coefficient.to(device))
         else:

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from pipetorch.optim import attributes, ipu_state, per_param
+from pipetorch.optim import attributes, device_link, ipu_state, per_param
 from pipetorch.optim.per_param import ParamGroup
 
 __all__: list[str] = []
@@ -157,7 +157,7 @@ def write(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor | flo
         return
     ipu_state.sync(optimizer)
     _apply(optimizer, params)
-    ipu_state.push(optimizer)
+    device_link.push(optimizer)
 
 
 def apply_pending(optimizer: torch.optim.Optimizer) -> bool:
@@ -176,7 +176,7 @@ def _apply(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor | fl
                 for p in g["params"] if id(p) in names}
     loss_scaling = float(optimizer.defaults.get("loss_scaling", 1.0))
     if LOSS_SCALING in params and not _same(loss_scaling, params[LOSS_SCALING]):
-        optimizer.loss_scaling = float(params[LOSS_SCALING])  # type: ignore[attr-defined]
+        optimizer.loss_scaling = float(params[LOSS_SCALING])  # type: ignore[attr-defined]  # a plain torch optimiser gets it
         loss_scaling = float(params[LOSS_SCALING])
     given: dict[str, dict[str, float]] = {}
     for key, value in ipu_state.poptorch_keys(params, group_of).items():
@@ -244,4 +244,4 @@ def link(optimizer: torch.optim.Optimizer, model: torch.nn.Module, *,
     and hyper-parameters written before, and send them to the device if it runs."""
     state_written = ipu_state.link(optimizer, model, sync=sync, push=push)
     if apply_pending(optimizer) or state_written:
-        ipu_state.push(optimizer)  # setOptimizer of an optimiser holding a checkpoint's state
+        device_link.push(optimizer)  # setOptimizer of an optimiser holding a checkpoint's state

@@ -22,9 +22,9 @@ import torch
 
 from pipetorch.optim import per_param, scaling
 from pipetorch.optim.per_param import ParamGroup
-# linked_names, push and sync are also called through this module (ipu_param, optim._common)
-from pipetorch.optim.device_link import (  # noqa: F401
-    _LINK, Link, linked_names, poptorch_keys, poptorch_name, push, sync)
+# linked_names and sync are also called through this module (ipu_param, optim._common)
+from pipetorch.optim.device_link import (
+    _LINK, Link, linked_names, poptorch_keys, poptorch_name, sync)
 
 __all__: list[str] = []
 
@@ -168,7 +168,7 @@ def _apply(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> 
     if unknown:
         raise ValueError(f"ipu_state names tensors this optimiser does not hold: {unknown[:4]}; "
                          f"its parameters are {sorted(by_name)[:6]}")
-    for name, param in by_name.items():
+    for name, _param in by_name.items():
         if not any(k.endswith(f"___{name}") for k in state):
             missing.append(name)
     if missing:

@@ -62,7 +62,7 @@ def _stream_out(optimizer: torch.optim.Optimizer, args: Args, kwargs: Kwargs) ->
     _move(optimizer, to_host=True)
 
 
-def _rebuild(cls: type, state: dict[str, object]) -> torch.optim.Optimizer:
+def _rebuild(cls: type[torch.optim.Optimizer], state: dict[str, object]) -> torch.optim.Optimizer:
     """Unpickling helper: an offloaded optimiser of class `cls` with `state`."""
     optimizer = cls.__new__(cls)
     optimizer.__setstate__(state)

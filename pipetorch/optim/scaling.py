@@ -14,7 +14,7 @@ every stage and replica (optim.peers), so an overflow on any of them skips the s
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TypedDict
 
 import torch
@@ -68,7 +68,7 @@ def _synced(optimizer: torch.optim.Optimizer) -> DynamicScale | None:
     return _dynamic(optimizer)
 
 
-def _check_growth_interval(growth_interval: object) -> int:
+def _check_growth_interval(growth_interval: int) -> int:
     if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
         raise TypeError(f"growth_interval must be an int >= 1, got {growth_interval!r} "
                         f"({type(growth_interval).__name__}); pass e.g. growth_interval=2000")
@@ -153,7 +153,11 @@ def skipped_steps(optimizer: torch.optim.Optimizer) -> int:
 def scaling_state(optimizer: torch.optim.Optimizer) -> ScalingState:
     """The dynamic state as a plain dict ({} when automatic loss scaling is off)."""
     state = _dynamic(optimizer)
-    return {} if state is None else asdict(state)
+    if state is None:
+        return {}
+    return ScalingState(scale=state.scale, growth_interval=state.growth_interval,
+                        clean_steps=state.clean_steps, skipped_steps=state.skipped_steps,
+                        used=state.used)
 
 
 def load_scaling_state(optimizer: torch.optim.Optimizer, state: ScalingState) -> None:

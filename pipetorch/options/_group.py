@@ -13,6 +13,7 @@ import torch
 FROZEN_MESSAGE = "Can't modify frozen Options"
 # Public methods that read rather than set: not offered as setters in messages or files.
 _NOT_SETTERS = frozenset({"toDict", "clone", "defaultOutputMode"})
+_GUARDED: set[Callable[..., object]] = set()  # what _guarded returned: never wrapped twice
 
 
 def _call_text(group: OptionGroup, name: str, args: tuple, kwargs: dict) -> str:
@@ -41,7 +42,7 @@ def _guarded(name: str, setter: Callable[..., object]) -> Callable[..., object]:
             raise frozen_error(self, _call_text(self, name, args, kwargs))
         return setter(self, *args, **kwargs)
 
-    guarded._frozen_guard = True  # type: ignore[attr-defined]
+    _GUARDED.add(guarded)
     return guarded
 
 
@@ -88,7 +89,7 @@ class OptionGroup:
         # Every public method is a setter: refused, naming itself, once the options are frozen.
         for name, value in list(vars(cls).items()):
             if (not name.startswith("_") and name not in _NOT_SETTERS
-                    and inspect.isfunction(value) and not getattr(value, "_frozen_guard", False)):
+                    and inspect.isfunction(value) and value not in _GUARDED):
                 setattr(cls, name, _guarded(name, value))
 
     def __init__(self) -> None:
@@ -153,7 +154,7 @@ class OptionGroup:
         if name.startswith("_"):
             raise AttributeError(name)
         getter = inspect.getattr_static(type(self), name, None)
-        if isinstance(getter, property):
+        if isinstance(getter, property) and getter.fget is not None:
             # A read-back whose getter raised AttributeError: surface that error, not a typo.
             return getter.fget(self)
         raise self._unknown(f"{self._LABEL} has no option {name!r}", name, readbacks=True)

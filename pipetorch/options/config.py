@@ -81,7 +81,7 @@ class _Walker:
             args = [self._argument(a) for a in node.args]
             if any(k.arg is None for k in node.keywords):
                 raise _Refused("**kwargs is not allowed")
-            kwargs = {k.arg: self._argument(k.value) for k in node.keywords}
+            kwargs = {k.arg: self._argument(k.value) for k in node.keywords if k.arg is not None}
             return func(*args, **kwargs)
         raise _Refused(f"{ast.unparse(node)!r} is not allowed: use literals, attribute "
                        "chains and calls only")

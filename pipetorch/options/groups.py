@@ -280,7 +280,8 @@ class _PopartOptions(OptionGroup):
         if key == "autoRecomputation":
             self._set_recomputation(value)
         if key == AUTO_LOSS_SCALING_KEY and self._training is not None:
-            self._training.setAutomaticLossScaling(value)
+            self._training.setAutomaticLossScaling(
+                check.boolean("setAutomaticLossScaling", "enabled", value))
         self._values["options"][key] = value
         return self
 

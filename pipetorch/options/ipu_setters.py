@@ -10,7 +10,7 @@ from pipetorch.options import _validate as check
 from pipetorch.options._group import OptionGroup, readback
 
 if TYPE_CHECKING:
-    from pipetorch.options.options import Options
+    from typing_extensions import Self
 
 __all__ = ["IpuSetters"]
 
@@ -81,17 +81,17 @@ class IpuSetters(OptionGroup):
         "memory_budget", "Bytes each logical device may use: an int for every device, a dict "
         "{ipu index: bytes}, or None (no check on the CPU; a GPU's total memory on a GPU).")
 
-    def useIpuModel(self, use_model: bool) -> Options:
+    def useIpuModel(self, use_model: bool) -> Self:
         """Run on the IPU Model simulator instead of hardware (no-op here)."""
         self._set(use_ipu_model=check.boolean("useIpuModel", "use_model", use_model))
         return self
 
-    def useIpuId(self, ipu_id: int) -> Options:
+    def useIpuId(self, ipu_id: int) -> Self:
         """Use the IPU device with this id, as listed by gc-info (no-op here)."""
         self._set(ipu_id=check.integer("useIpuId", "ipu_id", ipu_id, minimum=0))
         return self
 
-    def useOfflineIpuTarget(self, ipu_version: int = 2) -> Options:
+    def useOfflineIpuTarget(self, ipu_version: int = 2) -> Self:
         """Compile for an IPU version without attaching, sets ConnectionType.Never (no-op here)."""
         if check.integer("useOfflineIpuTarget", "ipu_version", ipu_version) not in _IPU_VERSIONS:
             raise check.value_error("useOfflineIpuTarget", "ipu_version", ipu_version,
@@ -99,20 +99,20 @@ class IpuSetters(OptionGroup):
         self._set(ipu_version=int(ipu_version), connection_type=ConnectionType.Never)
         return self
 
-    def connectionType(self, connection_type: ConnectionType) -> Options:
+    def connectionType(self, connection_type: ConnectionType) -> Self:
         """When to attach to the IPU: Always, OnDemand or Never (no-op here)."""
         self._set(connection_type=check.enum_member(
             "connectionType", "connection_type", connection_type, ConnectionType))
         return self
 
-    def syncPattern(self, sync_pattern: SyncPattern) -> Options:
+    def syncPattern(self, sync_pattern: SyncPattern) -> Self:
         """IPU synchronisation: Full, SinglePipeline or ReplicaAndLadder (no-op here)."""
         self._set(sync_pattern=check.enum_member(
             "syncPattern", "sync_pattern", sync_pattern, SyncPattern))
         return self
 
     def setAvailableMemoryProportion(
-            self, available_memory_proportion: dict[str, float]) -> Options:
+            self, available_memory_proportion: dict[str, float]) -> Self:
         """Temporary memory for matmuls/convolutions per IPU, e.g. {"IPU0": 0.5} (no-op here).
 
         Keys are "IPU<n>", values in (0, 1].
@@ -132,7 +132,7 @@ class IpuSetters(OptionGroup):
 
     def anchorTensor(self, short_name: str, long_name: str,
                      output_mode: OutputMode | None = None,
-                     output_return_period: int | None = 1) -> Options:
+                     output_return_period: int | None = 1) -> Self:
         """Return PopART tensor `long_name` as `short_name` after each run (no-op here).
 
         `output_mode` None means the same mode as the model's outputs.
@@ -150,7 +150,7 @@ class IpuSetters(OptionGroup):
             "long_name": long_name, "output_mode": output_mode, "output_return_period": period}
         return self
 
-    def setMemoryBudget(self, budget: int | str | dict[str, int | str] | None) -> Options:
+    def setMemoryBudget(self, budget: int | str | dict[str, int | str] | None) -> Self:
         """Memory each logical device may use; pipetorch extension (PopTorch has none).
 
         The model is refused at compile time, with remedies, when the estimated peak of a
@@ -179,29 +179,29 @@ class IpuSetters(OptionGroup):
         self._set(memory_budget=_budget_bytes("budget", budget))
         return self
 
-    def enableStableNorm(self, enabled: bool) -> Options:
+    def enableStableNorm(self, enabled: bool) -> Self:
         """Use the slower, more accurate norm kernels (no-op here)."""
         self._set(stable_norm=check.boolean("enableStableNorm", "enabled", enabled))
         return self
 
-    def logCycleCount(self, log_cycle_count: bool) -> Options:
+    def logCycleCount(self, log_cycle_count: bool) -> Self:
         """Log the IPU cycles of each run (no-op here)."""
         self._set(log_cycle_count=check.boolean(
             "logCycleCount", "log_cycle_count", log_cycle_count))
         return self
 
-    def disableModuleNamescope(self) -> Options:
+    def disableModuleNamescope(self) -> Self:
         """Stop prefixing op names with their module's name (no-op here)."""
         self._set(module_namescope_enabled=False)
         return self
 
-    def sourceLocationExcludes(self, excludes: list[str]) -> Options:
+    def sourceLocationExcludes(self, excludes: list[str]) -> Self:
         """Replace the frames ignored when recording op source locations (no-op here)."""
         self._set(source_location_excludes=check.strings(
             "sourceLocationExcludes", "excludes", excludes))
         return self
 
-    def appendToLocationExcludes(self, *excludes: str) -> Options:
+    def appendToLocationExcludes(self, *excludes: str) -> Self:
         """Add frames to ignore when recording op source locations (no-op here)."""
         extra = check.strings("appendToLocationExcludes", "excludes", excludes)
         self._set(source_location_excludes=self._values["source_location_excludes"] + extra)

@@ -24,7 +24,7 @@ class TensorLocationSettings(OptionGroup):
     """
 
     _LABEL = "TensorLocationSettings"
-    _DEFAULTS: dict[str, Any] = {
+    _DEFAULTS = {
         "use_on_chip_storage": None,
         "min_elements_for_off_chip": None,
         "min_elements_for_replicated_tensor_sharding": None,
@@ -142,7 +142,7 @@ class _TensorLocationOptions(OptionGroup):
     """Where activations, weights, optimiser state and accumulators live."""
 
     _LABEL = "Options.TensorLocations"
-    _DEFAULTS: dict[str, Any] = {f"{kind}_location": None for kind in _KINDS} | {
+    _DEFAULTS = {f"{kind}_location": None for kind in _KINDS} | {
         "num_io_tiles": 0}
 
     activation_location = _location("activation")

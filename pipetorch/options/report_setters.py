@@ -10,7 +10,7 @@ from pipetorch.options._group import OptionGroup, readback
 from pipetorch.options.environment import DEFAULT_REPORT_DIR, ENGINE_OPTIONS_VAR
 
 if TYPE_CHECKING:
-    from pipetorch.options.options import Options
+    from typing_extensions import Self
 
 __all__ = ["ReportSetters"]
 
@@ -45,7 +45,7 @@ class ReportSetters(OptionGroup):
         """Report directory, or None: POPLAR_ENGINE_OPTIONS wins over enableProfiling."""
         return self._env_profiling_dir or self._values["profiling_dir"]
 
-    def enableProfiling(self, profile_dir: str | os.PathLike | None = None) -> Options:
+    def enableProfiling(self, profile_dir: str | os.PathLike | None = None) -> Self:
         """Write profiling reports to `profile_dir` (default "./").
 
         A directory requested by POPLAR_ENGINE_OPTIONS takes precedence, as in PopTorch. The
@@ -62,29 +62,29 @@ class ReportSetters(OptionGroup):
         self._set(profiling_dir=directory)
         return self
 
-    def logDir(self, log_dir: str | os.PathLike) -> Options:
+    def logDir(self, log_dir: str | os.PathLike) -> Self:
         """Directory for log files (default: the working directory)."""
         self._set(log_dir=check.path("logDir", "log_dir", log_dir))
         return self
 
-    def modelName(self, name: str) -> Options:
+    def modelName(self, name: str) -> Self:
         """Name of the model, used as the report subdirectory (default: training/inference)."""
         self._set(model_name=check.text("modelName", "name", name))
         return self
 
-    def showCompilationProgressBar(self, show: bool = True) -> Options:
+    def showCompilationProgressBar(self, show: bool = True) -> Self:
         """Show (default) or hide the progress bar while the model is prepared."""
         self._set(show_compilation_progress_bar=check.boolean(
             "showCompilationProgressBar", "show", show))
         return self
 
-    def relaxOptimizerAttributesChecks(self, relax: bool = True) -> Options:
+    def relaxOptimizerAttributesChecks(self, relax: bool = True) -> Self:
         """Log unexpected attributes in setOptimizer() at debug level instead of warning."""
         self._set(relax_optimizer_attributes_checks=check.boolean(
             "relaxOptimizerAttributesChecks", "relax", relax))
         return self
 
-    def maxRepeatLogs(self, number_repeated: int | None) -> Options:
+    def maxRepeatLogs(self, number_repeated: int | None) -> Self:
         """Print one repeated pipetorch log message at most `number_repeated` times, then
         once more saying that further repeats are muted (applied when a model is wrapped);
         None, as in PopTorch: print every repeat."""

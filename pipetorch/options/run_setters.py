@@ -13,7 +13,7 @@ from pipetorch.options import _validate as check
 from pipetorch.options._group import OptionGroup, readback
 
 if TYPE_CHECKING:
-    from pipetorch.options.options import Options
+    from typing_extensions import Self
     from pipetorch.partition.strategies import ExecutionStrategy
 
 __all__ = ["RunSetters"]
@@ -102,20 +102,20 @@ class RunSetters(OptionGroup):
         ...; Orthogonal gives replica r stream r % input_group_count."""
         return self.input_group_count, self._values["input_group_type"]
 
-    def deviceIterations(self, device_iterations: int) -> Options:
+    def deviceIterations(self, device_iterations: int) -> Self:
         """Iterations the device runs per host call, each on a new batch (default 1)."""
         self._set(device_iterations=check.integer(
             "deviceIterations", "device_iterations", device_iterations, minimum=1))
         return self
 
-    def replicationFactor(self, replication_factor: int) -> Options:
+    def replicationFactor(self, replication_factor: int) -> Self:
         """Number of model replicas, each on its own device(s), for data parallelism."""
         self._set(replication_factor=check.integer(
             "replicationFactor", "replication_factor", replication_factor, minimum=1))
         return self
 
     def outputMode(self, output_mode: OutputMode,
-                   output_return_period: int | None = None) -> Options:
+                   output_return_period: int | None = None) -> Self:
         """Which outputs a call returns: All, Final, Sum, EveryN (with a period) or Default.
 
         Default means All for inference and Final for training. `output_return_period` is
@@ -141,7 +141,7 @@ class RunSetters(OptionGroup):
         """True while outputMode is OutputMode.Default."""
         return self._values["output_mode"] == OutputMode.Default
 
-    def randomSeed(self, random_seed: int) -> Options:
+    def randomSeed(self, random_seed: int) -> Self:
         """Seed the device's random numbers; also calls `torch.manual_seed(random_seed)`."""
         seed = check.integer("randomSeed", "random_seed", random_seed, minimum=0,
                              maximum=_SEED_LIMIT - 1)
@@ -150,7 +150,7 @@ class RunSetters(OptionGroup):
         self._set(random_seed=seed)
         return self
 
-    def setExecutionStrategy(self, strategy: ExecutionStrategy) -> Options:
+    def setExecutionStrategy(self, strategy: ExecutionStrategy) -> Self:
         """How blocks become stages: PipelinedExecution (default), ShardedExecution, phased."""
         from pipetorch.partition.strategies import ExecutionStrategy
         if not isinstance(strategy, ExecutionStrategy):  # a user's script passes anything
@@ -161,7 +161,7 @@ class RunSetters(OptionGroup):
         self._set(execution_strategy=strategy)
         return self
 
-    def autoBalance(self, devices: int | None) -> Options:
+    def autoBalance(self, devices: int | None) -> Self:
         """pipetorch extension: before compiling, split the model over `devices` stages by
         measured time and memory (pipetorch.balance), replacing its BeginBlock annotations; a
         model with Block scopes runs its blocks grouped into the balanced stages instead of the
@@ -173,12 +173,12 @@ class RunSetters(OptionGroup):
         self._set(auto_balance_devices=devices)
         return self
 
-    def enableSyntheticData(self, enabled: bool) -> Options:
+    def enableSyntheticData(self, enabled: bool) -> Self:
         """Replace host inputs by data generated on the device, to measure compute alone."""
         self._set(enable_synthetic_data=check.boolean("enableSyntheticData", "enabled", enabled))
         return self
 
-    def enableExecutableCaching(self, path: str | os.PathLike | None) -> Options:
+    def enableExecutableCaching(self, path: str | os.PathLike | None) -> Self:
         """Cache prepared executables in directory `path`; None turns caching off.
 
         The directory is created when first needed: `path` must be a writable directory or
@@ -187,20 +187,20 @@ class RunSetters(OptionGroup):
             "enableExecutableCaching", "path", path, holds="the executable cache"))
         return self
 
-    def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True) -> Options:
+    def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True) -> Self:
         """Round the number of devices up to a power of two instead of raising an error."""
         self._set(auto_round_num_ipus=check.boolean(
             "autoRoundNumIPUs", "auto_round_num_ipus", auto_round_num_ipus))
         return self
 
-    def broadcastBuffers(self, broadcast_buffers: bool = True) -> Options:
+    def broadcastBuffers(self, broadcast_buffers: bool = True) -> Self:
         """Broadcast buffers to all replicas (True, default) or keep them per replica."""
         self._set(broadcast_buffers=check.boolean(
             "broadcastBuffers", "broadcast_buffers", broadcast_buffers))
         return self
 
     def inputReplicaGrouping(self, input_group_size: int,
-                             input_group_type: CommGroupType) -> Options:
+                             input_group_type: CommGroupType) -> Self:
         """Give groups of `input_group_size` replicas the same input data.
 
         `input_group_type` arranges replicas into groups: Consecutive or Orthogonal
@@ -219,7 +219,7 @@ class RunSetters(OptionGroup):
         self._set(input_group_size=size, input_group_type=kind)
         return self
 
-    def updatableNamedBuffers(self, buffers: list[str]) -> Options:
+    def updatableNamedBuffers(self, buffers: list[str]) -> Self:
         """Buffers (by name in the model) that `copyNamedBuffersToDevice()` may update."""
         if isinstance(buffers, str) or not all(isinstance(b, str) for b in buffers):
             raise check.type_error("updatableNamedBuffers", "buffers", buffers,
@@ -227,7 +227,7 @@ class RunSetters(OptionGroup):
         self._set(updatable_named_buffers=list(buffers))
         return self
 
-    def checkNonFinite(self, enabled: bool = True) -> Options:
+    def checkNonFinite(self, enabled: bool = True) -> Self:
         """pipetorch extension: check every call for NaN and Inf (off by default; it costs a
         scan of the inputs and outputs, every micro-batch's outputs are brought back, and a
         training call copies the weights to the host to check them).
@@ -241,7 +241,7 @@ class RunSetters(OptionGroup):
         self._set(check_non_finite=check.boolean("checkNonFinite", "enabled", enabled))
         return self
 
-    def inputSignatures(self, signatures: str) -> Options:
+    def inputSignatures(self, signatures: str) -> Self:
         """pipetorch extension: how many input signatures (shapes, dtypes, structure of a
         call's arguments) one wrapper runs.
 

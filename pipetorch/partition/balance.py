@@ -238,7 +238,7 @@ def _placement(costs: _Costs, starts: tuple[int, ...], flight: Sequence[int]) ->
     stages = tuple(
         Stage(d, tuple(s.name for s in costs.segments[i:j]), costs.seconds(i, j),
               costs.peak(i, j, flight[d]))
-        for d, (i, j) in enumerate(zip(starts, ends)))
+        for d, (i, j) in enumerate(zip(starts, ends, strict=True)))
     return Placement(starts, stages)
 
 

@@ -5,7 +5,7 @@ import functools
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Callable, Iterator, ParamSpec, TypeVar
 
 import torch.nn as nn
 
@@ -13,7 +13,8 @@ from pipetorch.errors import ConfigError
 
 __all__ = ["Block", "BeginBlock", "BlockFunction", "removeBlocks"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 M = TypeVar("M", bound=nn.Module)
 
 _BEGIN_ATTR = "_pipetorch_begin_block"
@@ -215,7 +216,7 @@ def BeginBlock(layer_to_call: M, user_id: str | None = None, ipu_id: int | None 
                 f"BeginBlock expects an nn.Module or a function, got "
                 f"{type(layer_to_call).__name__} ({layer_to_call!r}); pass the layer to call")
         ids = _resolve_ids(user_id, ipu_id)
-        return _BeginBlockFunction(layer_to_call, ids, user_id)  # type: ignore[return-value]
+        return _BeginBlockFunction(layer_to_call, ids, user_id)
     if hasattr(layer_to_call, _BEGIN_ATTR):
         uid, iid = getattr(layer_to_call, _BEGIN_ATTR)[0]
         raise ConfigError(  # PopTorch's sentence first
@@ -229,16 +230,17 @@ def BeginBlock(layer_to_call: M, user_id: str | None = None, ipu_id: int | None 
     return layer_to_call
 
 
-def BlockFunction(user_id: str | None = None, ipu_id: int | None = None) -> Callable[[F], F]:
+def BlockFunction(user_id: str | None = None,
+                  ipu_id: int | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator: every call of the function runs inside `Block(user_id, ipu_id)`."""
 
-    def decorate(func: F) -> F:
+    def decorate(func: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(func)
-        def wrapper(*args: object, **kwargs: object) -> object:
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             with Block(user_id, ipu_id):
                 return func(*args, **kwargs)
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper
 
     return decorate
 

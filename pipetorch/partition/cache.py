@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 import pipetorch
 from pipetorch import extensions
 from pipetorch.partition.blocks import BlockInfo, begin_blocks
+from pipetorch.partition.export import Tree
 from pipetorch.partition.probe import Capture, on_meta
 from pipetorch.partition.stage_module import NodeRecord, attribute, build_graph, graph_nodes
 from pipetorch.partition.trace import BLOCK_KEY, Traced, input_layout
@@ -98,11 +99,11 @@ def _code_digest(kind: type) -> str:
     """SHA-256 of the code of the functions defined in the class body (the key carries the
     Python version, which marshal's format depends on)."""
     digest = hashlib.sha256()
-    for attribute, value in sorted(vars(kind).items()):
+    for name, value in sorted(vars(kind).items()):
         function = getattr(value, "__func__", value)  # staticmethod, classmethod
         code = getattr(function, "__code__", None)
         if code is not None:
-            digest.update(attribute.encode() + marshal.dumps(code))
+            digest.update(name.encode() + marshal.dumps(code))
     return digest.hexdigest()
 
 
@@ -130,7 +131,7 @@ def _function_source(function: Callable) -> str:
         return ""
 
 
-def _signature(value: object) -> object:
+def _signature(value: Tree) -> object:
     if isinstance(value, torch.Tensor):
         return ["tensor", list(value.shape), str(value.dtype), value.requires_grad]
     if isinstance(value, dict):
@@ -253,7 +254,7 @@ def _rebuild(payload: _Payload, model: nn.Module, args: tuple, kwargs: dict) -> 
         if node.target not in attrs:
             attrs[str(node.target)] = attribute(model, str(node.target))
     module = fx.GraphModule(attrs, graph, class_name=payload["class_name"])
-    for node, record in zip(module.graph.nodes, payload["nodes"]):
+    for node, record in zip(module.graph.nodes, payload["nodes"], strict=True):
         node.meta[BLOCK_KEY] = payload["node_blocks"][record[1]]
     extensions.register_dict_outputs(payload["probe"].output)  # forward did not run here
     return Stored(payload["probe"], Traced(module, payload["blocks"],

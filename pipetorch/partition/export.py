@@ -204,7 +204,7 @@ def _mark_blocks(graph: fx.Graph) -> None:
     """
     seen_block = False
     previous: str | None = None
-    order = {}
+    order: dict[str, int] = {}
     for node in graph.nodes:
         block = node.meta.get("custom", {}).get(BLOCK_KEY)
         if node.op in ("placeholder", "get_attr"):

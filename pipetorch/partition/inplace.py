@@ -68,8 +68,7 @@ def _written_roots(graph: fx.Graph) -> set[fx.Node]:
         switch, statistics = _RUNNING_STATISTICS.get(node.target, (None, ()))
         if switch is not None and given.get(switch) is True:
             written.update(_root(given.get(name)) for name in statistics)
-    written.discard(None)
-    return written  # type: ignore[return-value]
+    return {node for node in written if node is not None}
 
 
 def _written_by_subgraph(graph: fx.Graph, node: fx.Node) -> set[fx.Node | None]:
@@ -87,13 +86,14 @@ def _written_by_subgraph(graph: fx.Graph, node: fx.Node) -> set[fx.Node | None]:
     return set()
 
 
-def arguments(node: fx.Node) -> dict[str, object]:
+def arguments(node: fx.Node) -> dict[str, fx.node.Argument]:
     """An aten op node's arguments by their schema's names."""
-    names = (a.name for a in node.target._schema.arguments)  # type: ignore[union-attr]
-    return {**dict(zip(names, node.args)), **node.kwargs}
+    assert isinstance(node.target, torch._ops.OpOverload)
+    names = (a.name for a in node.target._schema.arguments)
+    return {**dict(zip(names, node.args, strict=False)), **node.kwargs}
 
 
-def _root(value: object) -> fx.Node | None:
+def _root(value: fx.node.Argument) -> fx.Node | None:
     """The get_attr or placeholder node `value` is, directly or through views of it."""
     while isinstance(value, fx.Node):
         if value.op in ("get_attr", "placeholder"):

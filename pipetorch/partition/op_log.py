@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 
 if TYPE_CHECKING:
+    from pipetorch.partition.export import Tree
     from pipetorch.partition.strategies import ExecutionStrategy, StageSpec
 
 __all__: list[str] = []
@@ -58,10 +59,10 @@ class OpRecorder:
     @contextmanager
     def scopes(self) -> Iterator[OpRecorder]:
         """Track the module path of the running forward (global hooks, removed on exit)."""
-        def enter(module: nn.Module, _args: object) -> None:
+        def enter(module: nn.Module, _args: tuple) -> None:
             self._scopes.append(self._paths.get(id(module), ""))
 
-        def leave(module: nn.Module, _args: object, _out: object) -> None:
+        def leave(module: nn.Module, _args: tuple, _out: Tree) -> None:
             if self._scopes:
                 self._scopes.pop()
 

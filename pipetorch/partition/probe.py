@@ -6,7 +6,6 @@ model's first call runs forward once before its first step.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 from contextlib import contextmanager
@@ -154,7 +153,7 @@ def _op_scopes(named: op_log.OpRecorder | None) -> contextlib.AbstractContextMan
     return named.scopes() if named is not None else contextlib.nullcontext()
 
 
-def _findings(recorder: BlockRecorder, calls: collections.Counter, output: Tree,
+def _findings(recorder: BlockRecorder, calls: ops.CallCounts, output: Tree,
               mutated: list[str], *, training: bool) -> Capture:
     """What one run of forward showed: `recorder` its blocks, `calls` its loss and checkpoint
     operations (ops.record_calls), `mutated` the buffers it changed."""

@@ -91,7 +91,7 @@ class StagedModel:
     # stages holding it: one per device using it (several for a parameter tied across devices)
     training: bool
 
-    def flatten_inputs(self, *args: object, **kwargs: object) -> list[torch.Tensor]:
+    def flatten_inputs(self, *args: Tree, **kwargs: Tree) -> list[torch.Tensor]:
         """The host inputs `("input", i)` of a call: its tensor arguments in forward's order."""
         return self.layout.flatten(args, kwargs)
 
@@ -105,7 +105,7 @@ class StagedModel:
         wanted = Source.stage(stage, slot)
         return tuple(j for j, io in enumerate(self.io) if wanted in io.inputs)
 
-    def run(self, *args: object, **kwargs: object) -> Tree:
+    def run(self, *args: Tree, **kwargs: Tree) -> Tree:
         """Run every stage in order in this process: the same result as the model's forward."""
         inputs = self.flatten_inputs(*args, **kwargs)
         produced: list[tuple] = []
@@ -113,7 +113,7 @@ class StagedModel:
         def fetch(source: Source) -> Any:
             return inputs[source[1]] if source.kind == "input" else produced[source[1]][source[2]]
 
-        for module, io in zip(self.modules, self.io):
+        for module, io in zip(self.modules, self.io, strict=True):
             produced.append(tuple(module(*(fetch(s) for s in io.inputs))))
         return map_leaves(self.output, Source, fetch)
 
@@ -147,7 +147,8 @@ def map_leaves(structure: Tree, leaf: type[L], fn: Callable[[L], object]) -> Tre
                                      structure.spec)
     if isinstance(structure, tuple):
         items = [map_leaves(v, leaf, fn) for v in structure]
-        return type(structure)(*items) if hasattr(structure, "_fields") else tuple(items)
+        named: Callable[..., Tree] = type(structure)  # a namedtuple takes its fields as arguments
+        return named(*items) if hasattr(structure, "_fields") else tuple(items)
     if isinstance(structure, list):
         return [map_leaves(v, leaf, fn) for v in structure]
     if isinstance(structure, dict):
@@ -381,6 +382,7 @@ def _assemble(top: fx.GraphModule, qualnames: dict[str, str], traced: Traced,
     structure = map_leaves(output, fx.Node, lambda n: _source(n, sources))
     spec = traced.output_spec
     if spec is not None:
+        assert isinstance(structure, (tuple, list))  # export's graph returns the flat leaves
         structure = (pytree.tree_unflatten(list(structure), spec) if _plain(spec)
                      else OutputTree(spec, tuple(structure)))
     return StagedModel(modules, tuple(stages), tuple(ios), structure, traced.layout, owners,
@@ -411,9 +413,11 @@ def _rehome(part: fx.GraphModule, call: fx.Node, qualnames: dict[str, str],
     for node in part.graph.nodes:
         if node.op == "placeholder":
             arg = next(placeholders)
+            assert isinstance(arg, fx.Node)
             if arg.op == "get_attr":
-                attrs[arg.target] = operator.attrgetter(arg.target)(call.graph.owning_module)
-                env[node] = graph.get_attr(arg.target)
+                target = str(arg.target)
+                attrs[target] = operator.attrgetter(target)(call.graph.owning_module)
+                env[node] = graph.get_attr(target)
             else:
                 inputs.append(sources[arg])
                 env[node] = graph.placeholder(node.name)

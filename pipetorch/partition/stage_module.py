@@ -47,8 +47,8 @@ def _target(target: fx.node.Target) -> fx.node.Target | _Op:
 
 def graph_nodes(graph: fx.Graph) -> list[NodeRecord]:
     """The graph as picklable records: operators by name, node arguments by node name."""
-    def refs(value: fx.node.Argument) -> fx.node.Argument:
-        return fx.node.map_arg(value, lambda node: _Ref(node.name))
+    def refs(value: fx.node.Argument) -> object:
+        return fx.node.map_arg(value, lambda node: _Ref(node.name))  # type: ignore[arg-type, return-value]  # _Ref for a Node
 
     return [(n.op, n.name, _target(n.target), refs(n.args), refs(n.kwargs)) for n in graph.nodes]
 
@@ -58,20 +58,13 @@ def build_graph(records: list[NodeRecord]) -> fx.Graph:
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
 
-    def resolve(value: object) -> fx.node.Argument:
-        if isinstance(value, _Ref):
-            return env[value.name]
-        if isinstance(value, (tuple, list)):
-            return type(value)(resolve(v) for v in value)
-        if isinstance(value, dict):
-            return {k: resolve(v) for k, v in value.items()}
-        if isinstance(value, slice):
-            return slice(resolve(value.start), resolve(value.stop), resolve(value.step))
-        return value
+    def resolve(value: fx.node.Argument) -> fx.node.Argument:
+        return env[value.name] if isinstance(value, _Ref) else value
 
     for op, name, target, args, kwargs in records:
         target = target.resolve() if isinstance(target, _Op) else target
-        env[name] = graph.create_node(op, target, resolve(args), resolve(kwargs), name)
+        env[name] = graph.create_node(op, target, fx.node.map_aggregate(args, resolve),
+                                      fx.node.map_aggregate(kwargs, resolve), name)
     return graph
 
 
@@ -86,7 +79,7 @@ def attribute(module: nn.Module, dotted: str) -> Any:
 class StageModule(fx.GraphModule):
     """An fx.GraphModule whose pickle holds its nodes and attributes, not its code."""
 
-    def __reduce__(self) -> tuple[Any, ...]:  # type: ignore[override]
+    def __reduce__(self) -> tuple[Any, ...]:
         attrs = {str(n.target): attribute(self, str(n.target)) for n in self.graph.nodes
                  if n.op in ("get_attr", "call_module")}
         return _rebuild, (attrs, graph_nodes(self.graph), type(self).__name__, self.training)

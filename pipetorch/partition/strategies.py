@@ -116,7 +116,8 @@ def _auto_stages(mode: AutoStage, blocks: list[BlockInfo]) -> list[StageSpec]:
             last = stages[-1]
             stages[-1] = StageSpec(last.index, last.ipu_id, last.block_ids + (block.user_id,))
         else:
-            stages.append(StageSpec(len(stages), block.ipu_id, (block.user_id,)))  # type: ignore[arg-type]
+            assert block.ipu_id is not None
+            stages.append(StageSpec(len(stages), block.ipu_id, (block.user_id,)))
     return stages
 
 
@@ -143,7 +144,7 @@ def _explicit_stages(stages: list[Stage], blocks: list[BlockInfo]) -> list[Stage
             "add them to a Stage"
         )
     order = [owner[b] for b in known]
-    for before, after, block in zip(order, order[1:], known[1:]):
+    for before, after, block in zip(order, order[1:], known[1:], strict=False):
         if after < before:
             raise ConfigError(
                 f"Block {block!r} runs after a block of stage {before} but belongs to stage "
@@ -176,7 +177,7 @@ class Phase:
         """Place the phase's stages on these devices, in order."""
         if len(ipus) != len(self.stages):
             raise ValueError(f"Phase has {len(self.stages)} stages but got {len(ipus)} ipus {ipus}")
-        for stage, ipu in zip(self.stages, ipus):
+        for stage, ipu in zip(self.stages, ipus, strict=True):
             stage.ipu(ipu)
         return self
 
@@ -187,7 +188,7 @@ class _PhasedExecution(ShardedExecution):
     def __init__(self, *phases: Phase | Stage | str) -> None:
         flat: list[Stage] = []
         for phase in phases:
-            flat.extend(phase.stages if isinstance(phase, Phase) else _as_stages((phase,)))  # type: ignore[arg-type]
+            flat.extend(phase.stages if isinstance(phase, Phase) else Phase(phase).stages)
         super().__init__(*flat)
         self.phases = phases
         self.tensors_liveness = Liveness.AlwaysLive

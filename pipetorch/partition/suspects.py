@@ -22,7 +22,7 @@ _CLASS_LOSSES = {_A.cross_entropy_loss.default, _A.nll_loss.default, _A.nll_loss
 def suspect(graph: fx.Graph, inputs: list[torch.Tensor]) -> bool:
     """Whether the captured `graph`, called with `inputs` (its placeholders' values), would
     fail in a real kernel on one of the mistakes above."""
-    given = dict(zip(graph.find_nodes(op="placeholder"), inputs))
+    given = dict(zip(graph.find_nodes(op="placeholder"), inputs, strict=True))
     for node in graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -43,12 +43,12 @@ def suspect(graph: fx.Graph, inputs: list[torch.Tensor]) -> bool:
     return False
 
 
-def _value(arg: object) -> torch.Tensor | None:
+def _value(arg: fx.node.Argument) -> torch.Tensor | None:
     value = arg.meta.get("val") if isinstance(arg, fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _outside(values: torch.Tensor | None, size: int, ignored: object = None) -> bool:
+def _outside(values: torch.Tensor | None, size: int, ignored: fx.node.Argument = None) -> bool:
     """Whether integer `values` (a call's input) hold an index outside [0, size)."""
     if values is None or values.is_floating_point() or values.is_complex():
         return False

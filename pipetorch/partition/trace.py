@@ -5,7 +5,7 @@ import inspect
 import operator
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -17,6 +17,9 @@ from pipetorch import tracebacks
 from pipetorch.errors import CompileError, Error
 from pipetorch.partition import blocks
 from pipetorch.partition.blocks import BlockInfo, BlockRecorder
+
+if TYPE_CHECKING:
+    from pipetorch.partition.export import Tree
 
 __all__: list[str] = []
 
@@ -100,14 +103,14 @@ class Traced:
     output_spec: pytree.TreeSpec | None = None
 
 
-def _same_constant(value: object, traced: object) -> bool:
+def _same_constant(value: Tree, traced: Tree) -> bool:
     try:
         return type(value) is type(traced) and bool(value == traced)
     except Exception:  # a constant whose == does not give a bool is not the same constant
         return False
 
 
-def _describe(value: object) -> str:
+def _describe(value: Tree) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return repr(value)

@@ -51,11 +51,11 @@ class Options(_PoptorchOptions):
         """The devices each replica spans, as given here or to the launcher (1 by default)."""
         return self._ipus_per_replica
 
-    def replicationFactor(self, replication_factor: int) -> NoReturn:  # type: ignore[override]
+    def replicationFactor(self, replication_factor: int) -> NoReturn:
         """Refused: the launcher's --num-replicas sets the replicas (RuntimeError)."""
         _blocked("replicationFactor", f"this instance runs {env.getNumLocalReplicas()} of the "
                  f"launch's {env.getNumTotalReplicas()} replicas, set by --num-replicas")
 
-    def useIpuId(self, ipu_id: int) -> NoReturn:  # type: ignore[override]
+    def useIpuId(self, ipu_id: int) -> NoReturn:
         """Refused: the launcher chooses the devices (RuntimeError)."""
         _blocked("useIpuId", "the launcher chooses each instance's devices")

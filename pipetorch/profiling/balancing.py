@@ -56,6 +56,7 @@ def balance(model: nn.Module, *sample_inputs: object, devices: int,
                       optimizer_slots=optimizer_slots, link_bytes_per_s=link_bytes_per_s,
                       schedule=schedule, micro_batches=micro_batches)
     if apply and scopes:
+        assert options is not None
         options.setExecutionStrategy(placement.strategy(type(options.execution_strategy)))
     elif apply:
         apply_placement(model, placement)

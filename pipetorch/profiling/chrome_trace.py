@@ -36,12 +36,19 @@ class TraceEvent(TypedDict, total=False):
     args: dict[str, str | int | None]
 
 
+class OtherData(TypedDict):
+    """trace.json's `otherData`: its producer, and the calls kept."""
+
+    producer: str
+    calls: list[int]
+
+
 class ChromeTrace(TypedDict):
     """trace.json (`build`), as written and as `recorder.load` reads it back."""
 
     traceEvents: list[TraceEvent]
     displayTimeUnit: str
-    otherData: dict[str, str | list[int]]  # producer, and the calls kept
+    otherData: OtherData
 
 
 def category(kind: str) -> str:
@@ -101,7 +108,7 @@ def build(calls: Sequence[CallRecord], lanes: Sequence[Lane]) -> ChromeTrace:
             "otherData": {"producer": "pipetorch", "calls": [c.index for c in calls]}}
 
 
-def _meta(event: str, pid: int, tid: int, **args: str | int) -> TraceEvent:
+def _meta(event: str, pid: int, tid: int, **args: str | int | None) -> TraceEvent:
     return {"name": event, "ph": "M", "pid": pid, "tid": tid, "args": args}
 
 

@@ -10,13 +10,10 @@ import os
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Mapping
 
 from pipetorch.profiling import html as report_html
-from pipetorch.profiling.recorder import load
-
-if TYPE_CHECKING:
-    from pipetorch.profiling.timing import DeviceRow
+from pipetorch.profiling.recorder import Reports, load
 
 __all__: list[str] = []
 
@@ -24,6 +21,8 @@ __all__: list[str] = []
 Value = str | int | float | None
 # How a row shows its quantity; each takes its own row's kind of Value (a fraction, bytes...)
 Format = Callable[[Any], str]
+# A loaded summary.json or memory.json, read by key (what it lacks raises, see `_safe`)
+Json = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,7 @@ class Row:
             return "same"
         if not self.numeric:
             return "changed"
+        assert isinstance(self.a, (int, float)) and isinstance(self.b, (int, float))
         delta = self.b - self.a
         text = f"{100 * delta:.1f} pts" if self.points else self.show(delta)
         text = text if text.startswith("-") else "+" + text
@@ -76,28 +76,34 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**20:.3f} MiB"
 
 
-def _per_call(row: DeviceRow, key: str, calls: int) -> float | None:
-    return row[key] / calls if calls else None
+def _at(*path: str | int) -> Callable[[Json], Value]:
+    """The getter of the value at `path` (keys and list indices) in a loaded report."""
+    def get(data: Json) -> Value:
+        value: Any = data
+        for step in path:
+            value = value[step]
+        return value
+    return get
 
 
-def rows(a: tuple[dict, dict, dict], b: tuple[dict, dict, dict]) -> list[Row]:
+def rows(a: Reports, b: Reports) -> list[Row]:
     """Every compared quantity of two loaded reports (summary, memory, trace)."""
     (sa, ma, _), (sb, mb, _) = a, b
     out = []
 
-    def add(section: str, name: str, get: Callable[[dict], Value], show: Format = _plain,
+    def add(section: str, name: str, get: Callable[[Json], Value], show: Format = _plain,
             *, memory: bool = False) -> None:
-        pair = (ma, mb) if memory else (sa, sb)
+        pair: tuple[Json, Json] = (ma, mb) if memory else (sa, sb)
         out.append(Row(section, name, _safe(get, pair[0]), _safe(get, pair[1]), show,
                        points=show is _percent))
 
     for key in ("model", "mode", "engine", "schedule", "execution_strategy", "devices",
                 "replicas", "parameters"):
-        add("settings", key, lambda s, key=key: s[key])
+        add("settings", key, _at(key))
     add("settings", "stages", lambda s: len(s["stages"]))
     for key in ("device_iterations", "gradient_accumulation", "replication_factor",
                 "micro_batch_size", "micro_batches_per_call"):
-        add("settings", key, lambda s, key=key: s["batch"][key])
+        add("settings", key, _at("batch", key))
     add("settings", "compile time", lambda s: s["compile_seconds"], _fixed(2, " s"))
     add("performance", "throughput", lambda s: s["throughput"]["items_per_second"],
         _fixed(1, " items/s"))
@@ -113,12 +119,12 @@ def rows(a: tuple[dict, dict, dict], b: tuple[dict, dict, dict]) -> list[Row]:
     for i in range(lanes):
         section = f"device {i}"
 
-        def timing(s: dict, key: str, i: int = i) -> float | None:
-            return _per_call(s["timing"]["per_device"][i], key, s["timing"]["calls_analysed"])
+        def timing(s: Json, key: str, i: int = i) -> float | None:
+            calls = s["timing"]["calls_analysed"]
+            return s["timing"]["per_device"][i][key] / calls if calls else None
 
         add(section, "idle per call", lambda s: timing(s, "idle_ms"), _fixed(2, " ms"))
-        add(section, "idle fraction", lambda s, i=i: s["timing"]["per_device"][i]["idle_fraction"],
-            _percent)
+        add(section, "idle fraction", _at("timing", "per_device", i, "idle_fraction"), _percent)
         add(section, "compute per call", lambda s: timing(s, "compute_ms"), _fixed(2, " ms"))
         add(section, "transfers per call", lambda s: timing(s, "transfer_ms"), _fixed(2, " ms"))
     devices = max(len(ma["devices"]), len(mb["devices"]))
@@ -126,12 +132,11 @@ def rows(a: tuple[dict, dict, dict], b: tuple[dict, dict, dict]) -> list[Row]:
         for key, name in (("total", "memory total"), ("parameters", "parameters"),
                           ("gradients", "gradients"), ("optimiser_state", "optimiser state"),
                           ("activations", "activations (stashed)")):
-            add(f"memory {i}", name, lambda m, key=key, i=i: m["devices"][i][key], _mib,
-                memory=True)
+            add(f"memory {i}", name, _at("devices", i, key), _mib, memory=True)
     return out
 
 
-def _safe(get: Callable[[dict], Value], data: dict) -> Value:
+def _safe(get: Callable[[Json], Value], data: Json) -> Value:
     """The value, or None where a report lacks it (fewer devices, no spans)."""
     try:
         return get(data)
@@ -146,8 +151,8 @@ def render_text(table: list[Row], *, a: str, b: str) -> str:
     widths = [max(len(line[c]) for line in lines) for c in range(4)]
     text = [f"A: {a}", f"B: {b}", ""]
     for n, line in enumerate(lines):
-        text.append("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w)
-                              for c, (cell, w) in enumerate(zip(line, widths))).rstrip())
+        text.append("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w)
+                              in enumerate(zip(line, widths, strict=True))).rstrip())
         if n == 0:
             text.append("  ".join("-" * w for w in widths))
     return "\n".join(text)

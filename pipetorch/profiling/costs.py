@@ -65,10 +65,11 @@ def _one_step(model: nn.Module, probe: Probe, args: tuple,
 
 
 def _span(starts: list[float | None], k: int, end: float) -> float:
-    if starts[k] is None:
+    start = starts[k]
+    if start is None:
         return 0.0
     later = [s for s in starts[k + 1:] if s is not None]
-    return max((later[0] if later else end) - starts[k], 0.0)
+    return max((later[0] if later else end) - start, 0.0)
 
 
 def cost_table(model: nn.Module, names: Sequence[str], args: tuple,

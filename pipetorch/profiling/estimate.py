@@ -147,7 +147,7 @@ class MemoryEstimate:
             rows.append(row)
         widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
         return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                   for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+                                   for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
                          for r in rows)
 
 
@@ -198,7 +198,7 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
     # a weight several devices hold is stepped on the first of them (parallel.worker.tied): its
     # optimiser state is there only
     stepper: dict[int, int] = {}
-    for ipu, module in zip(ipu_of, modules):
+    for ipu, module in zip(ipu_of, modules, strict=True):
         for param in module.parameters():
             stepper[id(param)] = min(stepper.get(id(param), ipu), ipu)
     records = tuple(_stage_memory(j, ipu, module, footprint, flight, optimizer, training,
@@ -206,7 +206,7 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
                                   min_elements=DEFAULT_MIN_ELEMENTS if sharding is None
                                   else sharding)
                     for j, (ipu, module, footprint, flight)
-                    in enumerate(zip(ipu_of, modules, prints, flights)))
+                    in enumerate(zip(ipu_of, modules, prints, flights, strict=True)))
     setting = Setting(training, recomputation and training, offload and training,
                       shards=batching.replication_factor if sharding is not None else 1)
     return MemoryEstimate(price(records, setting), records, setting, pipelined, batching,

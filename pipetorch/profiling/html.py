@@ -9,7 +9,7 @@ memory of each device as stacked bars.
 from __future__ import annotations
 
 from html import escape
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pipetorch.profiling.chrome_trace import (
     HOST_PID, ChromeTrace, TraceEvent, device_lanes, spans_of_call,
@@ -29,10 +29,12 @@ THIN = ("transfer", "host-to-device", "device-to-host", "all-reduce")  # drawn a
 # drawn full height and labelled with the micro-batch; W: a zero-bubble schedule's deferred
 # weight gradients
 COMPUTE = ("forward", "backward", "weight-gradient")
-MEMORY_PARTS = (("parameters", "parameters", "#4e79a7"), ("buffers", "buffers", "#a0cbe8"),
-                ("gradients", "gradients", "#f28e2b"),
-                ("optimiser_state", "optimiser state", "#e15759"),
-                ("activations", "activations (stashed)", "#59a14f"))
+# the DeviceReport (memory.json) parts drawn: key, name, colour
+_Part = Literal["parameters", "buffers", "gradients", "optimiser_state", "activations"]
+MEMORY_PARTS: tuple[tuple[_Part, str, str], ...] = (
+    ("parameters", "parameters", "#4e79a7"), ("buffers", "buffers", "#a0cbe8"),
+    ("gradients", "gradients", "#f28e2b"), ("optimiser_state", "optimiser state", "#e15759"),
+    ("activations", "activations (stashed)", "#59a14f"))
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1180px;color:#222;
@@ -208,7 +210,7 @@ def utilisation_section(summary: Summary) -> str:
         f"<td class=num>{_pct(r['utilisation'])}</td>"
         f"<td><span class=meter><div style=\"width:{100 * (r['utilisation'] or 0):.1f}%\">"
         "</div></span></td></tr>"
-        for lane, r in zip(summary["lanes"], timing["per_device"]))
+        for lane, r in zip(summary["lanes"], timing["per_device"], strict=True))
     bubble = timing["bubble"]
     return (f"<p>Over the last {timing['calls_analysed']} call(s). Idle is the devices' window "
             "less compute: sends and receives (including the wait for the peer's half), the "
@@ -241,8 +243,8 @@ def memory_section(memory: MemoryReport) -> str:
     head = "".join(f"<th>{escape(name)}</th>" for _, name, _ in MEMORY_PARTS)
     notes = [f"Method: {memory['method']}.", f"Activations: {memory['activations_method']}.",
              f"Optimiser state: {memory['optimiser_method']}."]
-    if memory.get("optimiser_note"):
-        notes.append(memory["optimiser_note"] + ".")
+    if note := memory.get("optimiser_note"):
+        notes.append(note + ".")
     return (_legend([(name, colour) for _, name, colour in MEMORY_PARTS])
             + f"<table style=\"width:100%\">{''.join(bars)}</table>"
             + f"<table><tr><th>device</th>{head}<th>peak stashed micro-batches</th>"
@@ -254,7 +256,7 @@ def report_page(summary: Summary, memory: MemoryReport, trace: ChromeTrace, *,
                 title: str) -> str:
     """The whole report.html."""
     timing = summary["timing"]
-    timeline_note = "" if timing["spans"] else f"<p class=note>{escape(timing['note'])}</p>"
+    timeline_note = "" if timing["spans"] else f"<p class=note>{escape(timing['note'] or '')}</p>"
     calls = trace.get("otherData", {}).get("calls") or []
     which = f"host call {calls[-1]}" if calls and timing["spans"] else "the kept host calls"
     legend = _legend([(c, COLOURS[c]) for c in (*COMPUTE, *THIN, "step", "host")])

@@ -19,18 +19,21 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, TypedDict, TypeVar
+from typing import (
+    TYPE_CHECKING, Callable, Iterable, NamedTuple, Protocol, TypedDict, TypeVar, runtime_checkable,
+)
 
 import torch
 import torch.nn as nn
 
 from pipetorch.partition.split import Source
-from pipetorch.profiling.summary import lanes_of, stage_modules
+from pipetorch.profiling.summary import InWorkers, lanes_of, stage_modules
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from pipetorch.options.options import Options
+    from pipetorch.partition.casting import Casting
     from pipetorch.partition.split import StagedModel
     from pipetorch.runtime.compile import Compiled
     from pipetorch.schedule.plans import Batching
@@ -38,7 +41,6 @@ if TYPE_CHECKING:
 __all__: list[str] = []
 
 _Output = TypeVar("_Output")
-_Value = TypeVar("_Value")
 
 logger = logging.getLogger(__name__)
 
@@ -114,12 +116,13 @@ def optimiser_state_bytes(optimizer: torch.optim.Optimizer | None,
 def state_layout(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
                   dtype: torch.dtype | None) -> dict[int, tuple[int, int]]:
     """Per parameter: (state bytes per element of the parameter, bytes of scalar state)."""
-    def stand_in(p: nn.Parameter) -> nn.Parameter:
+    def stand_in_for(p: nn.Parameter) -> nn.Parameter:
         return nn.Parameter(torch.ones(2, dtype=dtype or p.dtype))
 
-    stand_ins = {id(p): stand_in(p) for p in params}
+    stand_ins = {id(p): stand_in_for(p) for p in params}
     everything = [p for g in optimizer.param_groups for p in g["params"]]
-    memo = {id(p): stand_ins[id(p)] if id(p) in stand_ins else stand_in(p) for p in everything}
+    memo = {id(p): stand_ins[id(p)] if id(p) in stand_ins else stand_in_for(p)
+            for p in everything}
     clone = copy.deepcopy(optimizer, dict(memo))
     clone.state.clear()
     for stand_in in memo.values():
@@ -198,7 +201,8 @@ def measure_forward(forward: Callable[..., _Output], values: list[object],
         values = [fake(v) if isinstance(v, torch.Tensor) else v for v in values]
         weights = [fake(w) for w in weights]
     weight_keys = {storage_key(w) for w in weights}
-    values = [_received(v) for v in values]
+    values = [v.detach().clone().requires_grad_(v.requires_grad)
+              if isinstance(v, torch.Tensor) else v for v in values]
     storages: dict[int, Size] = {}
     received = {storage_key(t) for t in tensors_of(values)}
     for t in tensors_of(values):
@@ -268,15 +272,17 @@ def storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def _received(value: _Value) -> _Value:
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().clone().requires_grad_(value.requires_grad)
-
-
 def tensors_of(value: object) -> list[torch.Tensor]:
     leaves = torch.utils._pytree.tree_leaves(value)
     return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+@runtime_checkable
+class _InProcess(Protocol):
+    """The engine running every stage in this process (LocalEngine): its forward and casts."""
+
+    casting: Casting | None
+    forward: Callable[..., object]
 
 
 def footprints(compiled: Compiled, sample: tuple[tuple, dict]) -> list[Footprint]:
@@ -292,6 +298,7 @@ def footprints(compiled: Compiled, sample: tuple[tuple, dict]) -> list[Footprint
         with preserved(engine.model), ops.running_on_device():
             engine.model.train(True)
             if compiled.plan.local:
+                assert isinstance(engine, _InProcess)
                 device = engine.input_device
                 args, kwargs = torch.utils._pytree.tree_map(
                     lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
@@ -304,6 +311,7 @@ def footprints(compiled: Compiled, sample: tuple[tuple, dict]) -> list[Footprint
                 with within(engine.casting):  # forward (and backward) cast as they run
                     return [measure_forward(whole, flat, module_tensors(engine.model),
                                             training=True)[0]]
+            assert isinstance(engine, InWorkers)
             return staged_footprints(engine.staged, args, kwargs, training=True)
     finally:
         for module, mode in modes.items():
@@ -325,7 +333,7 @@ def staged_footprints(staged: StagedModel, args: tuple, kwargs: dict, *,
         produced: dict[Source, object] = {}
         result = []
         for j, (module, io, route) in enumerate(zip(staged.modules, staged.io,
-                                                    routes_of(staged))):
+                                                    routes_of(staged), strict=True)):
             values = [inputs[s[1]] if s.kind == "input" else produced[s] for s in io.inputs]
             relayed = [produced[s] for s in route.receive if s not in io.inputs]
             footprint, outputs = measure_forward(lambda *v, m=module: m(*v), values,
@@ -434,12 +442,13 @@ def build(compiled: Compiled, *, training: bool, options: Options,
     offload = training and offloaded(options)
     least = sharded_above(options)
     shards = engine.batching.replication_factor if least is not None else 1
-    devices, methods = [], set()
-    for lane, module, stashed, footprint in zip(lanes, modules, held, prints):
+    devices: list[DeviceReport] = []
+    methods = set()
+    for lane, module, stashed, footprint in zip(lanes, modules, held, prints, strict=True):
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = engine.optimizer if training else None
         state, how = optimiser_state_bytes(optimizer, params)
-        if shards > 1:
+        if shards > 1 and least is not None:
             state = per_replica(state, optimiser_state_bytes(
                 optimizer, [p for p in params if p.numel() <= least])[0], shards)
         methods.add(how)
@@ -448,7 +457,7 @@ def build(compiled: Compiled, *, training: bool, options: Options,
             kept, received = kept_bytes(footprint or Footprint(ZERO, ZERO, ZERO), stashed,
                                         training=training, recomputation=recomputation)
             activations = kept.bytes + received.bytes
-        row = {
+        row: DeviceReport = {
             "label": lane.label, "stage": lane.stage, "ipu": lane.ipu, "device": lane.device,
             "parameters": _nbytes(module.parameters()),
             "buffers": _nbytes(module.buffers()),
@@ -465,9 +474,10 @@ def build(compiled: Compiled, *, training: bool, options: Options,
             # GPU's allocator, or on a CPU the worker process's resident memory
             "measured_peak": peak if peak is not None else
             getattr(engine, "peak_memory", {}).get(lane.stage),
+            "total": 0,
         }
-        parts = ("parameters", "buffers", "gradients", "optimiser_state", "activations")
-        row["total"] = sum(row[k] or 0 for k in parts)
+        row["total"] = (row["parameters"] + row["buffers"] + row["gradients"]
+                        + row["optimiser_state"] + (row["activations"] or 0))
         devices.append(row)
     measured = any(d["measured_peak"] is not None for d in devices)
     return {

@@ -120,7 +120,8 @@ class Plan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
         lines = [f"model {self.model}"]
         lines += ["  ".join(c.rjust(w) if 0 < i < len(heads) - 1 else c.ljust(w)
-                            for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+                            for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+                  for r in rows]
         lines.append(f"schedule {self.schedule}, {len(rows) - 1} stages x {self.replicas} "
                      f"replicas, gradient accumulation {self.accumulation}; cut: "
                      + (", ".join(self.cut) or "none"))
@@ -200,7 +201,7 @@ def stage_memory(pieces: list[Piece], starts: tuple[int, ...], kind: str,
     ends = (*starts[1:], len(pieces))
     flights = peak_stash(kind, len(starts), run.accumulation, training=True)
     records = []
-    for s, (i, j) in enumerate(zip(starts, ends)):
+    for s, (i, j) in enumerate(zip(starts, ends, strict=True)):
         part = pieces[i:j]
         params = _unique(p for piece in part for p in piece.params)
         trainable = [p for p in params if p.requires_grad]
@@ -292,7 +293,8 @@ def _timeline(kind: str, stages: int, run: _Run, forward: list[float],
         device_plan(kind, stages, run.accumulation, tuple(range(stages)), training=True),
         tuple(range(stages)), forward=ticks(forward), buffered=True,
         step=[round(t / unit) for t in step],
-        backward=ticks([b / 2 + a if split else b + a for b, a in zip(backward, again)]),
+        backward=ticks([b / 2 + a if split else b + a
+                        for b, a in zip(backward, again, strict=True)]),
         weight=ticks([b / 2 for b in backward]))
     return timeline.makespan * unit, timeline.bubble_fraction
 
@@ -307,7 +309,7 @@ def _seconds(pieces: list[Piece], starts: tuple[int, ...], run: _Run, flops: flo
     slowed as `rates.crowding` says where the workers outnumber the cores), else its FLOPs
     at `flops` with backward twice the forward; None without a rate."""
     ends = (*starts[1:], len(pieces))
-    spans = list(zip(starts, ends))
+    spans = list(zip(starts, ends, strict=True))
     if rates is None:
         if not flops:
             return None
@@ -317,9 +319,9 @@ def _seconds(pieces: list[Piece], starts: tuple[int, ...], run: _Run, flops: flo
             for i, _ in spans]
     slow = rates.crowding
     forward = [slow * sum(rates.seconds[k][0] for k in range(i, j)) + c
-               for (i, j), c in zip(spans, copy)]
+               for (i, j), c in zip(spans, copy, strict=True)]
     backward = [slow * sum(rates.seconds[k][1] for k in range(i, j)) + c
-                for (i, j), c in zip(spans, copy[1:] + [0.0])]
+                for (i, j), c in zip(spans, copy[1:] + [0.0], strict=True)]
     held = [{id(p): p for piece in pieces[i:j] for p in piece.params} for i, j in spans]
     tied = {k for s, h in enumerate(held) for k in h if any(k in o for o in held[s + 1:])}
     # a tied weight: its gradient summed and its stepped value shared, two all-reduces
@@ -336,7 +338,7 @@ def _seconds(pieces: list[Piece], starts: tuple[int, ...], run: _Run, flops: flo
             + (ring + shared) * sum(p.numel() * p.element_size() for p in mine)
             / rates.all_reduce_rate
             + 2 * sum(p.numel() * p.element_size() for k, p in h.items() if k in tied)
-            / rates.all_reduce_rate for mine, h in zip(trained, held)]
+            / rates.all_reduce_rate for mine, h in zip(trained, held, strict=True)]
     return forward, backward, step
 
 
@@ -393,13 +395,13 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
     estimate = MemoryEstimate(devices_memory, records, setting, stages > 1,
                               Batching(1, run.accumulation, replicas), micro_batch, METHOD, kind)
     remedies: tuple[Remedy, ...] = ()
-    if over:
+    if over and budget is not None:
         worst = max(devices_memory, key=lambda d: devices_memory[d].total)
         remedies = tuple(rank_remedies(estimate, {d: budget for d in devices_memory}, worst))
     ends = (*starts[1:], len(pieces))
     return Plan(estimate, tuple(pieces[i].name if j - i == 1 else
                                 f"{pieces[i].name} .. {pieces[j - 1].name}"
-                                for i, j in zip(starts, ends)),
+                                for i, j in zip(starts, ends, strict=True)),
                 tuple(pieces[i].name for i in starts[1:]),
                 {v: k for k, v in SCHEDULES.items()}.get(kind, "none"), replicas,
                 run.accumulation, device_memory, overhead,
@@ -416,7 +418,7 @@ def _temporaries(pieces: list[Piece], starts: tuple[int, ...]) -> dict[int, int]
     ends = (*starts[1:], len(pieces))
     return {s: 2 * max((p.numel() * p.element_size() for piece in pieces[i:j]
                         for p in piece.params), default=0)
-            for s, (i, j) in enumerate(zip(starts, ends))}
+            for s, (i, j) in enumerate(zip(starts, ends, strict=True))}
 
 
 def _stepped(pieces: list[Piece], starts: tuple[int, ...], stage: int) -> list[nn.Parameter]:

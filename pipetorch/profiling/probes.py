@@ -10,15 +10,11 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from pipetorch.partition.blocks import recording
+from pipetorch.profiling.memory import tensors_of
 
 __all__: list[str] = []
-
-
-def _tensors(value: object) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -74,6 +70,7 @@ class Probe(abc.ABC):
     def parameters(self, k: int) -> list[nn.Parameter]:
         """The parameters segment k holds."""
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Remove whatever the probe attached to the model."""
 
@@ -90,7 +87,7 @@ class ModuleProbe(Probe):
             self.handles.append(module.register_forward_pre_hook(
                 lambda m, a, k=k: self.enter(k)))
             self.handles.append(module.register_forward_hook(
-                lambda m, a, out, k=k: self._left(k, _tensors(out))))
+                lambda m, a, out, k=k: self._left(k, tensors_of(out))))
 
     def _left(self, k: int, out: list[torch.Tensor]) -> None:
         self.sends(k, out, [t for t in out if t.requires_grad][:1])
@@ -118,6 +115,9 @@ class BlockProbe(Probe):
 
     def parameters(self, k: int) -> list[nn.Parameter]:
         return [p for p, owner in self.owner.items() if owner == k]
+
+    def close(self) -> None:
+        """Nothing stays attached: the recorder and the op watch end with `watching`."""
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -164,5 +164,5 @@ class _OpWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.probe.saw(_tensors((args, kwargs)), _tensors(out), self.made, self.read_until)
+        self.probe.saw(tensors_of((args, kwargs)), tensors_of(out), self.made, self.read_until)
         return out

@@ -142,11 +142,12 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
 
     # scaled_dot_product_attention's other arguments (attn_mask, dropout_p, is_causal, scale,
     # enable_gqa) go unread
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   *_: torch.Tensor | float | None,
                   **__: torch.Tensor | float | None) -> torch.Tensor:
-        pieces[state["at"]].flops += 4 * q.numel() * k.shape[-2]  # QK^T and PV, as counted
-        return _FlashAttention.apply(q, k, v)
+        # QK^T and PV, as counted
+        pieces[state["at"]].flops += 4 * query.numel() * key.shape[-2]
+        return _FlashAttention.apply(query, key, value)
 
     sdpa = nn.functional.scaled_dot_product_attention
     inside = {id(m) for unit in run for m in unit.modules()}
@@ -157,9 +158,10 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
                 if m._parameters or m._buffers]
     modes = {m: m.training for m in model.modules()}
     again = _Again(state, stood_in)
+    slots = layers._modules if layers is not None and same else {}
     try:
-        for key in list(layers._modules)[1:] if same else ():
-            layers._modules[key] = again  # the model's own indexing and slicing still work
+        for key in list(slots)[1:]:
+            slots[key] = again  # the model's own indexing and slicing still work
         if flash:
             nn.functional.scaled_dot_product_attention = attention
         model.train(training)
@@ -179,8 +181,8 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
             pieces[after].outputs.update(_sizes(output, weights))
     finally:
         nn.functional.scaled_dot_product_attention = sdpa
-        for key, (_, unit) in zip(list(layers._modules)[1:] if same else (), units[1:]):
-            layers._modules[key] = unit
+        for key, (_, unit) in zip(list(slots)[1:], units[1:], strict=False):
+            slots[key] = unit
         for h in handles:
             h.remove()
         for module, was in modes.items():
@@ -189,7 +191,7 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
     middle = pieces[1:-1]
     if same:  # the other identical layers: the first one's sizes, their own tensors
         middle = [replace(middle[0], name=n) for n, _ in units]
-    for piece, (_, unit) in zip(middle, units):
+    for piece, (_, unit) in zip(middle, units, strict=True):
         piece.params, piece.buffers = list(unit.parameters()), list(unit.buffers())
     pieces = [pieces[0], *middle, pieces[-1]]
     if middle:
@@ -268,7 +270,7 @@ def _piece_seconds(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, d
     as `measure` counts FLOPs. The least of `rounds` runs after one to warm up (what other
     work on the machine slowed the least); gradients accumulate as in a step, and the model's
     gradients and the RNG are left as they were."""
-    _, layers = _layer_list(model)
+    layers = _layers(model)
     count = len(layers)
     marks: dict[tuple[str, int], float] = {}
 
@@ -311,7 +313,8 @@ def _piece_seconds(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, d
             h.remove()
         for p, g in grads.items():
             p.grad = g
-    least = [tuple(min(r[k][i] for r in runs[1:]) for i in (0, 1)) for k in range(count + 2)]
+    least = [(min(r[k][0] for r in runs[1:]), min(r[k][1] for r in runs[1:]))
+             for k in range(count + 2)]
     names = {n for n, _ in _units(model)}
     before = [] if pieces[0].name in names else [least[0]]
     after = [] if pieces[-1].name in names else [least[-1]]
@@ -324,10 +327,19 @@ def _split(marks: dict[tuple[str, int], float], count: int, start: float, middle
     enter = [marks[("enter", k)] for k in range(count)] + [marks[("leave", count - 1)]]
     grad = [marks.get(("grad in", k), end) for k in range(count)]
     grad += [marks.get(("grad out", count - 1), middle)]
-    forward = [enter[0] - start, *(b - a for a, b in zip(enter, enter[1:])),
+    forward = [enter[0] - start, *(b - a for a, b in zip(enter, enter[1:], strict=False)),
                middle - enter[-1]]
-    backward = [end - grad[0], *(a - b for a, b in zip(grad, grad[1:])), grad[-1] - middle]
-    return list(zip(forward, backward))
+    backward = [end - grad[0], *(a - b for a, b in zip(grad, grad[1:], strict=False)),
+                grad[-1] - middle]
+    return list(zip(forward, backward, strict=True))
+
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    _, layers = _layer_list(model)
+    if layers is None:
+        raise ValueError("measure_here times the model's layer list (its largest ModuleList) "
+                         "and what runs around it; this model has none: give flops instead")
+    return layers
 
 
 def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -369,10 +381,7 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
     share its cores."""
     from pipetorch.parallel.layout.placement import cpu_cores
 
-    _, layers = _layer_list(model)
-    if layers is None:
-        raise ValueError("measure_here times the model's layer list (its largest ModuleList) "
-                         "and what runs around it; this model has none: give flops instead")
+    _layers(model)
     cores = cpu_cores()
     threads, each = torch.get_num_threads(), max(1, cores // workers)
     torch.set_num_threads(each)
@@ -385,7 +394,7 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
         finally:
             for module, was in modes.items():
                 module.training = was
-        layer = copy.deepcopy(_layer_list(real)[1][0])
+        layer = copy.deepcopy(_layers(real)[0])
         stepper = make(list(layer.parameters()))
         for p in layer.parameters():
             p.grad = torch.zeros_like(p)

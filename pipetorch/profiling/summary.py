@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, TypedDict
+from typing import TYPE_CHECKING, Protocol, Sequence, TypedDict, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -12,6 +12,7 @@ from pipetorch.profiling.timing import CallRecord, Timing, timing_summary
 
 if TYPE_CHECKING:
     from pipetorch.options.options import Options
+    from pipetorch.partition.split import StagedModel
     from pipetorch.profiling.memory import MemoryReport
     from pipetorch.runtime.compile import Compiled
 
@@ -103,6 +104,21 @@ class Summary(TypedDict):
     schedule_chosen: ScheduleChoice | None
 
 
+@runtime_checkable
+class InWorkers(Protocol):
+    """An engine running its stages in worker processes (ProcessEngine): the stages in use."""
+
+    staged: StagedModel
+
+
+@runtime_checkable
+class _Chosen(Protocol):
+    """An engine whose schedule pipelineSchedule("auto") chose, and the bubble it predicted."""
+
+    auto: bool
+    predicted_bubble: float
+
+
 def lanes_of(compiled: Compiled) -> list[Lane]:
     """The lanes of `compiled`'s plan: one per stage (on its device worker), or a single one
     for the local engine."""
@@ -111,9 +127,9 @@ def lanes_of(compiled: Compiled) -> list[Lane]:
         device = getattr(compiled.engine, "input_device", torch.device("cpu"))
         return [Lane(None, plan.stages[0].ipu_id if plan.stages else 0, str(device),
                      torch.get_num_threads())]
-    lanes = [Lane(s, p.ipu, p.device, p.threads) for p in plan.placements if p.replica == 0
-             for s in p.stages]
-    return sorted(lanes, key=lambda lane: lane.stage)
+    placed = sorted(((s, p) for p in plan.placements if p.replica == 0 for s in p.stages),
+                    key=lambda sp: sp[0])
+    return [Lane(s, p.ipu, p.device, p.threads) for s, p in placed]
 
 
 def count_parameters(module: nn.Module) -> int:
@@ -124,7 +140,8 @@ def stage_modules(compiled: Compiled) -> list[nn.Module] | None:
     """Each stage's module (owning its parameters), or None when the stages share one model."""
     engine, plan = compiled.engine, compiled.plan
     if not plan.local:
-        return list(engine.staged.modules)  # the input signature in use (inputSignatures)
+        assert isinstance(engine, InWorkers)
+        return list(engine.staged.modules)
     return [engine.model] if len(plan.stages) == 1 else None
 
 
@@ -136,9 +153,9 @@ def build(compiled: Compiled, calls: Sequence[CallRecord], *, training: bool,
     """
     engine, batching, plan = compiled.engine, compiled.engine.batching, compiled.plan
     modules = stage_modules(compiled)
-    stages = [{"index": s.index, "ipu": s.ipu_id, "blocks": list(s.block_ids),
-               "parameters": count_parameters(modules[i]) if modules else None}
-              for i, s in enumerate(plan.stages)]
+    stages: list[StageRow] = [{"index": s.index, "ipu": s.ipu_id, "blocks": list(s.block_ids),
+                               "parameters": count_parameters(modules[i]) if modules else None}
+                              for i, s in enumerate(plan.stages)]
     lanes = lanes_of(compiled)
     schedule = engine.schedule
     calls_total, items, seconds = totals["calls"], totals["items"], totals["ns"] * 1e-9
@@ -181,7 +198,7 @@ def build(compiled: Compiled, calls: Sequence[CallRecord], *, training: bool,
                                  owners=None if plan.local else plan.owners),
         # Training.pipelineSchedule("auto"): the simulator's pick and the bubble it predicted
         "schedule_chosen": ({"predicted_bubble": engine.predicted_bubble}
-                            if getattr(engine, "auto", False) else None),
+                            if isinstance(engine, _Chosen) and engine.auto else None),
     }
 
 
@@ -228,13 +245,13 @@ def render_text(summary: Summary, memory: MemoryReport | None = None) -> str:
         lines.append(f"bubble: measured {_number(bubble['measured'], '.1%')}, theoretical "
                      f"{_number(bubble['theoretical'], '.1%')} ({bubble['formula']}) over the "
                      f"last {timing['calls_analysed']} call(s)")
-        for lane, row in zip(summary["lanes"], timing["per_device"]):
+        for lane, row in zip(summary["lanes"], timing["per_device"], strict=True):
             lines.append(f"  {lane['label']}: utilisation {_number(row['utilisation'], '.1%')}, "
                          f"compute {row['compute_ms']:.1f} ms, idle {row['idle_ms']:.1f} ms "
                          f"(transfers and waits {row['transfer_ms']:.1f} ms, optimiser "
                          f"{row['step_ms']:.1f} ms)")
     else:
-        lines.append(timing["note"])
+        lines.append(timing["note"] or "")
     if memory is not None:
         lines.append(f"memory per device, {memory['method']}:")
         for device in memory["devices"]:

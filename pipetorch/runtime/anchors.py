@@ -30,6 +30,7 @@ from pipetorch.optim.device_link import POPTORCH_ROOT
 from pipetorch.optim.scaling import last_step_scale
 from pipetorch.losses import find_loss
 from pipetorch.parallel.host.outputs import OutputCollector, resolve_mode
+from pipetorch.partition.export import Tree
 from pipetorch.weights.host_copy import held
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class Collector(Protocol):
 
     def wants(self, step: int) -> bool: ...
 
-    def add(self, step: int, replica: int, output: object) -> None: ...
+    def add(self, step: int, replica: int, output: Tree) -> None: ...
 
     def result(self) -> Any: ...
 
@@ -137,10 +138,9 @@ class Anchors:
         modules = dict(self.model.named_modules())
         return long != LOSS and not self._per_call(long) and long in modules
 
-    def _keeper(self, long: str) -> Callable[[nn.Module, tuple[object, ...], object], None]:
-        def keep(module: nn.Module, args: tuple[object, ...], output: object) -> None:
-            detached = isinstance(output, torch.Tensor)
-            self._activations[long] = output.detach() if detached else output
+    def _keeper(self, long: str) -> Callable[[nn.Module, tuple[Tree, ...], Tree], None]:
+        def keep(module: nn.Module, args: tuple[Tree, ...], output: Tree) -> None:
+            self._activations[long] = output.detach() if isinstance(output, torch.Tensor) else output
         return keep
 
     # -- one call ---------------------------------------------------------------------------
@@ -155,7 +155,7 @@ class Anchors:
     def _activation_names(self) -> list[str]:
         return [long for long, _, _ in self._requested.values() if self._is_activation(long)]
 
-    def add(self, step: int, replica: int, output: object) -> None:
+    def add(self, step: int, replica: int, output: Tree) -> None:
         for short, collector in self._live.items():
             long = self._requested[short][0]
             if not collector.wants(step):
@@ -223,7 +223,7 @@ class _Tee:
     def wants(self, step: int) -> bool:
         return self._main.wants(step) or any(c.wants(step) for c in self._anchors._live.values())
 
-    def add(self, step: int, replica: int, output: object) -> None:
+    def add(self, step: int, replica: int, output: Tree) -> None:
         self._main.add(step, replica, output)
         self._anchors.add(step, replica, output)
 

@@ -34,6 +34,7 @@ from pipetorch.errors import ConfigError, Error
 from pipetorch.optim.attributes import VariableAttributes
 from pipetorch.partition import blocks
 from pipetorch.partition.cache import read_checked, unpickle, write_checked
+from pipetorch.partition.export import Tree
 from pipetorch.partition.stage_module import StageModule, attribute
 from pipetorch.partition.trace import BLOCK_KEY, InputLayout, Traced
 from pipetorch.runtime.batching import Signature
@@ -90,7 +91,7 @@ class LoadedModel(nn.Module):
         except Exception:  # a node type without serialisation (a ModelOutput): keep it
             pass
 
-    def forward(self, *args: object, **kwargs: object) -> Any:
+    def forward(self, *args: Tree, **kwargs: Tree) -> Any:
         leaves = self.net(*self.layout.flatten(args, kwargs))
         if self._spec is None:
             return leaves
@@ -100,11 +101,11 @@ class LoadedModel(nn.Module):
 
 def _model_class(layout: InputLayout) -> type:
     """LoadedModel with forward's signature the saved model's (splitting binds by name)."""
-    def forward(self: LoadedModel, *args: object, **kwargs: object) -> Any:
+    def forward(self: LoadedModel, *args: Tree, **kwargs: Tree) -> Any:
         return LoadedModel.forward(self, *args, **kwargs)
 
     me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    forward.__signature__ = layout.signature.replace(  # type: ignore[attr-defined]
+    forward.__signature__ = layout.signature.replace(  # type: ignore[attr-defined]  # for inspect
         parameters=[me, *layout.signature.parameters.values()])
     return type(LoadedModel.__name__, (LoadedModel,), {"forward": forward,
                                                        "__module__": __name__})
@@ -114,8 +115,10 @@ def save(wrapper: PoplarExecutor, path: str | Path) -> None:
     """Write `wrapper`'s (a compiled PoplarExecutor) executable to `path`."""
     compiled = wrapper._require_compiled("save()")
     wrapper._flush_host()
-    traced: Traced = compiled.graph()
-    compiled.graph.save()  # a capture made here serves the executable cache too
+    whole = compiled.graph
+    assert whole is not None  # compile_model makes it
+    traced: Traced = whole()
+    whole.save()  # a capture made here serves the executable cache too
     graph = _with_blocks_and_losses(traced, compiled.capture.loss_index if wrapper.training
                                     else None)
     params = dict(wrapper.model.named_parameters())
@@ -199,6 +202,7 @@ def _portable(layout: InputLayout) -> InputLayout:
 
 def _optimizer_record(wrapper: PoplarExecutor) -> OptimizerRecord:
     optimizer = wrapper._user_optimizer
+    assert optimizer is not None  # a trainingModel's
     names = {id(p): n for n, p in wrapper.model.named_parameters()}
     state = optimizer.state_dict()
     state.pop("ipu_state", None)
@@ -298,7 +302,7 @@ def _rebuild_optimizer(record: OptimizerRecord, graph: nn.Module) -> torch.optim
     optimizer = record["class"](groups, **record["defaults"])
     optimizer.load_state_dict(record["state"])
     if record["variable_attrs"] is not None:
-        optimizer.variable_attrs = record["variable_attrs"]
+        optimizer.__dict__["variable_attrs"] = record["variable_attrs"]
     return optimizer
 
 
@@ -307,10 +311,8 @@ class Exports:
 
     _compiled: Compiled | None
     _user_model: nn.Module
-
-    def save(self, path: str) -> None:
-        """Save the compiled model (stages, options, weights) to `path`; see compileAndExport."""
-        save(self, path)
+    compile: Callable[..., None]  # inputs'
+    save: Callable[[str], None]  # PoplarExecutor's
 
     def loadExecutable(self, filename: str) -> None:
         """Compile this model for the inputs the executable at `filename` was saved for (by
@@ -326,8 +328,8 @@ class Exports:
         args, kwargs = saved_inputs(filename)
         self.compile(*args, **kwargs)
 
-    def compileAndExport(self, filename: str, *args: object, export_model: bool = True,
-                         **kwargs: object) -> None:
+    def compileAndExport(self, filename: str, *args: Tree, export_model: bool = True,
+                         **kwargs: Tree) -> None:
         """Compile for these inputs (if not compiled yet) and save an executable that
         `poptorch.load(filename)` runs in another process without the model's source."""
         if self._compiled is None:

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch.errors import ZeroSizedInputError
+from pipetorch.partition.export import Tree
 
 __all__: list[str] = []
 
@@ -55,7 +56,7 @@ def forward_parameters(model: nn.Module) -> tuple[str, ...]:
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
-def keyed_leaves(tree: object) -> list[tuple[tuple, object]]:
+def keyed_leaves(tree: Tree) -> list[tuple[tuple, object]]:
     """`tree`'s leaves with their key paths; a node type registered without keys (an
     ICustomArgParser type) keys its leaves by their position in it."""
     try:
@@ -79,12 +80,12 @@ def input_names(args: tuple, kwargs: dict, params: tuple[str, ...] = ()) -> tupl
     for path, _ in keyed_leaves((args, kwargs)):
         where, key, inner = path[0], path[1], pytree.keystr(path[2:])
         if getattr(where, "idx", 0) == 0:
-            index = key.idx  # type: ignore[union-attr]
+            index = key.idx
             param = params[index] if index < len(params) else None
             names.append(InputName(f"argument {index}" + (f" ({param})" if param else ""),
                                    param or f"args[{index}]", inner))
         else:
-            names.append(InputName(f"argument {key.key}", key.key, inner))  # type: ignore
+            names.append(InputName(f"argument {key.key}", key.key, inner))
     return tuple(names)
 
 
@@ -144,7 +145,8 @@ class Signature:
                                                                  "Missing")) if names]
             return (f"Keys mismatch for named arguments: {'. '.join(keys)}. "
                     f"{detail[0].upper()}{detail[1:]}")
-        for label, a, b in zip(old_pos + old_kw, _top_specs(self.spec), _top_specs(other.spec)):
+        for label, a, b in zip(old_pos + old_kw, _top_specs(self.spec), _top_specs(other.spec),
+                               strict=True):
             if a != b:
                 nesting = (f"argument {label} changed its nesting from {_layout(a)} on the first "
                            f"call to {_layout(b)}")
@@ -172,7 +174,7 @@ class Signature:
         if self.spec != other.spec:
             return self._structure_change(other)
         names = input_names_for(self)
-        for name, old, new in zip(names, self.leaves, other.leaves):
+        for name, old, new in zip(names, self.leaves, other.leaves, strict=True):
             label = name.label
             if old.shape is None and new.shape is None:
                 if not _same_constant(old.constant, new.constant):
@@ -191,6 +193,7 @@ class Signature:
                         f"got {torch.Size(new.shape)} ({label} changed shape from "
                         f"{list(old.shape)} to {list(new.shape)})")
             elif old.dtype != new.dtype:
+                assert old.dtype is not None  # a tensor's
                 return (f"Data type mismatch for {name.expr}: expected {old.dtype} but got "
                         f"{new.dtype} ({label} changed dtype from {old.dtype} to {new.dtype}); "
                         f"convert it back with {name.expr}{conversion(old.dtype)}")
@@ -204,7 +207,7 @@ def _kind(leaf: LeafSpec) -> str:
     return "None" if leaf.constant is None else type(leaf.constant).__name__
 
 
-def ordered_like(spec: pytree.TreeSpec, value: Any) -> Any:
+def ordered_like(spec: pytree.TreeSpec, value: Tree) -> Any:
     """`value` with each plain dict holding the keys of `spec`'s dict at that place in
     `spec`'s key order: PopTorch matches dict inputs (and keywords) by key, not by order."""
     if spec.is_leaf():
@@ -213,7 +216,8 @@ def ordered_like(spec: pytree.TreeSpec, value: Any) -> Any:
     if spec.type is dict and type(value) is dict and set(value) == set(spec.context):
         return {key: ordered_like(child, value[key])
                 for key, child in zip(spec.context, children, strict=True)}
-    if spec.type in (tuple, list) and type(value) is spec.type and len(value) == len(children):
+    if (spec.type in (tuple, list) and isinstance(value, (tuple, list))
+            and type(value) is spec.type and len(value) == len(children)):
         return type(value)(ordered_like(c, v) for c, v in zip(children, value, strict=True))
     return value
 
@@ -278,7 +282,8 @@ def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_a
     if names is None:
         names = tuple(InputName(f"Input {i}", f"inputs[{i}]") for i in range(len(flat)))
     if not any(isinstance(x, torch.Tensor) for x in flat):
-        data = next((n for n, x in zip(names, flat) if _is_number(x) and n.inner), None)
+        data = next((n for n, x in zip(names, flat, strict=True) if _is_number(x) and n.inner),
+                    None)
         if data is not None:
             raise TypeError(
                 f"The model was called without any tensor: {data.argument} holds Python "
@@ -291,7 +296,7 @@ def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_a
             f"{_factors(device_iterations, gradient_accumulation, replication_factor)} "
             "micro-batches, cut from the inputs' dim 0: pass at least one tensor input, or set "
             "all three to 1 (a model of no inputs then runs once per call)")
-    for name, x in zip(names, flat):
+    for name, x in zip(names, flat, strict=True):
         if not isinstance(x, torch.Tensor):
             continue
         if x.dim() == 0 and count == 1:
@@ -337,7 +342,7 @@ def split_micro_batches(args: tuple, kwargs: dict, *, device_iterations: int,
     return result
 
 
-def plain_containers(tree: object) -> Any:
+def plain_containers(tree: Tree) -> Any:
     """`tree` with dict subclasses that torch's pytree does not know (a user's
     `class Batch(OrderedDict)`) turned into OrderedDict or dict, as PopTorch hands forward
     its inputs' dicts rebuilt; lists, tuples and registered types are walked, not changed."""
@@ -350,9 +355,9 @@ def plain_containers(tree: object) -> Any:
             rebuilt.update(items)
             return rebuilt
         return collections.OrderedDict(items) if isinstance(tree, collections.OrderedDict) else items
-    if type(tree) in (list, tuple):
-        items = [plain_containers(v) for v in tree]
-        return tree if all(a is b for a, b in zip(items, tree)) else type(tree)(items)
+    if type(tree) is list or type(tree) is tuple:
+        children = [plain_containers(v) for v in tree]
+        return tree if all(a is b for a, b in zip(children, tree, strict=True)) else type(tree)(children)
     return tree
 
 

@@ -15,6 +15,7 @@ from pipetorch.enums import MeanReductionStrategy, OutputMode
 from pipetorch.errors import (
     ConfigError, DeviceMismatchError, Error, ModelChangedError, NonFiniteError,
 )
+from pipetorch.partition.export import Tree
 from pipetorch.runtime.anchors import GRADIENT, LOSS_SCALE, UPDATED, Collector
 from pipetorch.weights.host_copy import held
 from pipetorch.tracebacks import HINTS, error_kind, user_line_of
@@ -190,8 +191,8 @@ def _same_kind(error: BaseException, message: str) -> BaseException:
 
 
 def _described(names: Sequence[InputName], leaves: Sequence[object]) -> str:
-    return ", ".join(f"{n.label} {list(x.shape)} {x.dtype}" for n, x in zip(names, leaves)
-                     if isinstance(x, torch.Tensor))
+    return ", ".join(f"{n.label} {list(x.shape)} {x.dtype}"
+                     for n, x in zip(names, leaves, strict=True) if isinstance(x, torch.Tensor))
 
 
 def explain_forward_error(error: BaseException, names: Sequence[InputName],
@@ -208,14 +209,15 @@ def explain_forward_error(error: BaseException, names: Sequence[InputName],
     where = f" at {line}" if line else ""
     said = f"torch: {text}{where}"
     if kind == "not_tensor":
-        bad = [(n, x) for n, x in zip(names, call) if isinstance(x, (int, float)) and n.inner]
+        bad = [(n, x) for n, x in zip(names, call, strict=True)
+               if isinstance(x, (int, float)) and n.inner]
         if bad:
             name = bad[0][0]
             return (f"{name.argument} is a list or tuple of Python numbers where the model needs "
                     f"a tensor ({said}). Pass torch.tensor({name.argument_expr}) instead")
         return f"The model received a value that is not a tensor ({said}). {HINTS[kind]}"
     if kind == "dtype":
-        odd = [(n, x) for n, x in zip(names, micro) if isinstance(x, torch.Tensor)
+        odd = [(n, x) for n, x in zip(names, micro, strict=True) if isinstance(x, torch.Tensor)
                and model_dtype is not None and x.dtype != model_dtype]
         if odd and model_dtype is not None:
             from pipetorch.runtime.batching import conversion
@@ -224,7 +226,7 @@ def explain_forward_error(error: BaseException, names: Sequence[InputName],
                     f"{HINTS[kind]}, e.g. {odd[0][0].expr}{conversion(model_dtype)}")
         return f"An input's dtype does not suit the model ({said}). {HINTS[kind]}"
     if kind == "target":
-        integers = [(n, x) for n, x in zip(names, call) if isinstance(x, torch.Tensor)
+        integers = [(n, x) for n, x in zip(names, call, strict=True) if isinstance(x, torch.Tensor)
                     and not x.is_floating_point() and x.numel()]
         ranges = "; ".join(f"{n.label} holds {int(x.min())}..{int(x.max())}" for n, x in integers)
         return (f"A label is out of range for the loss ({said})"
@@ -263,7 +265,7 @@ def _non_finite(x: torch.Tensor) -> str | None:
 def check_finite_inputs(names: Sequence[InputName], leaves: Sequence[object], *,
                         micro_batches: int) -> None:
     """Refuse, before anything runs, a call whose tensor inputs hold NaN or Inf."""
-    for name, x in zip(names, leaves):
+    for name, x in zip(names, leaves, strict=True):
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             continue
         found = _non_finite(x)
@@ -292,11 +294,13 @@ class NonFiniteWatch:
     def wants(self, step: int) -> bool:
         return True
 
-    def add(self, step: int, replica: int, output: object) -> None:
+    def add(self, step: int, replica: int, output: Tree) -> None:
         from pipetorch.runtime.batching import keyed_leaves
 
         for path, leaf in keyed_leaves(output):
-            found = _non_finite(leaf) if isinstance(leaf, torch.Tensor) else None
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            found = _non_finite(leaf)
             if found:
                 self.count += 1
                 where = f"output{pytree.keystr(path)}" if path else "the output"

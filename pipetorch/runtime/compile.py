@@ -70,14 +70,12 @@ def _synthetic_like(micro_batches: list[tuple[tuple, dict]], device: torch.devic
     """Inputs of the compiled shapes made on the device: floats ~N(0,1), integers 0."""
     gen = torch.Generator(device="cpu").manual_seed(0)
 
-    def make(x: object) -> object:
-        if not isinstance(x, torch.Tensor):
-            return x
+    def make(x: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point():
             return torch.randn(x.shape, generator=gen, dtype=torch.float32).to(device, x.dtype)
         return torch.zeros(x.shape, dtype=x.dtype, device=device)
 
-    return [torch.utils._pytree.tree_map(make, mb) for mb in micro_batches]
+    return [torch.utils._pytree.tree_map_only(torch.Tensor, make, mb) for mb in micro_batches]
 
 
 def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: RunConfig,
@@ -107,10 +105,12 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
             model, first = _on_host(model, user_model, micro[0], workers=workers, device=device)
         graph = capture_forward(model, first, config, training=training, casting=cast,
                                 export=workers)
+        found = graph.probe
+        assert found is not None  # capture_forward always probes
         bar.update()
         # Partition: the strategy's stages of the blocks forward entered.
-        stages, devices = _partition(graph.probe, strategy, config, training=training)
-        _log_placement(graph.probe, stages, strategy)
+        stages, devices = _partition(found, strategy, config, training=training)
+        _log_placement(found, stages, strategy)
         bar.update()
         # Plan: where the stages run, checked against the memory budget, then the engine.
         in_processes = _in_processes(len({s.ipu_id for s in stages}), config)
@@ -118,11 +118,14 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
             model, first = _on_host(model, user_model, micro[0], workers=in_processes,
                                     device=device)
             graph = graph.moved(model, first)
-        replica_buffers = _replica_buffers(model, graph.probe, config)
+        replica_buffers = _replica_buffers(model, found, config)
         bar.update()
-        device_opt = (device_optimizer(optimizer, user_model, model,
-                                       auto_loss_scaling=config.auto_loss_scaling,
-                                       offload=config.offload) if training else None)
+        device_opt = None
+        if training:
+            assert optimizer is not None  # trainingModel makes one
+            device_opt = device_optimizer(optimizer, user_model, model,
+                                          auto_loss_scaling=config.auto_loss_scaling,
+                                          offload=config.offload)
         with casting.within(cast):
             _check_memory(model, first, stages, config, optimizer=device_opt,
                           pipelined=strategy.pipelined, training=training, device=device,
@@ -133,9 +136,9 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
                            pipeline_schedule=config.schedule, training=training,
                            recomputation=recompute, capture=graph,
                            compile_backend=config.compile_backend,
-                           loss_index=graph.probe.loss_index)
+                           loss_index=found.loss_index)
         if plan.local:
-            engine: Engine = _local_engine(model, micro[0], graph.probe, config, training=training,
+            engine: Engine = _local_engine(model, micro[0], found, config, training=training,
                                         optimizer=device_opt, casting=cast,
                                         replica_buffers=replica_buffers)
         else:
@@ -155,7 +158,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
     seconds = time.perf_counter() - start
     logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices,
                 seconds)
-    return Compiled(engine, plan, graph.probe, seconds, synthetic, graph)
+    return Compiled(engine, plan, found, seconds, synthetic, graph)
 
 
 def add_signature(compiled: Compiled, args: tuple, kwargs: dict, *, config: RunConfig,
@@ -177,18 +180,24 @@ def add_signature(compiled: Compiled, args: tuple, kwargs: dict, *, config: RunC
         cast = casting.for_forward(model, *first, config.precision)
         graph = capture_forward(model, first, config, training=training, casting=cast,
                                 export=not local)
+        found = graph.probe
+        assert found is not None  # capture_forward always probes
         with casting.within(cast):  # a longer sequence needs more memory than the first
             _check_memory(model, first, stages, config, optimizer=engine.optimizer,
                           pipelined=config.strategy.pipelined, training=training,
                           device=device, capture=graph)
         if local:
-            key = engine.add_signature(FlatStage(engine.forward, first, graph.probe.output),
-                                       loss_index=graph.probe.loss_index, casting=cast)
+            assert isinstance(engine, LocalEngine)  # the plan's engine
+            key = engine.add_signature(FlatStage(engine.forward, first, found.output),
+                                       loss_index=found.loss_index, casting=cast)
         else:
+            from pipetorch.parallel.host.engine import ProcessEngine
+
+            assert isinstance(engine, ProcessEngine)  # the plan's engine
             graphs = stage_graphs(
                 model, first, stages, training=training,
                 recomputation=training and config.recomputation, capture=graph,
-                compile_backend=config.compile_backend, loss_index=graph.probe.loss_index)
+                compile_backend=config.compile_backend, loss_index=found.loss_index)
             key = engine.add_signature(graphs.staged, graphs.routes, graphs.specs)
         graph.save()
     finally:
@@ -316,8 +325,9 @@ def _auto_balance(model: nn.Module, args: tuple, kwargs: dict,
     from pipetorch.profiling.balancing import balanced_strategy
     from pipetorch.schedule.device_plans import engine_kind
 
-    budget = config.memory_budget
-    return balanced_strategy(model, args, kwargs, devices=config.balance_devices,
+    budget, devices = config.memory_budget, config.balance_devices
+    assert devices  # called only for opts.autoBalance
+    return balanced_strategy(model, args, kwargs, devices=devices,
                              strategy=config.strategy,
                              memory_budget=budget if isinstance(budget, int) else None,
                              schedule=engine_kind(config.strategy.pipelined, config.schedule),

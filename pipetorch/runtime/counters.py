@@ -94,8 +94,8 @@ class PerfCounters:
         """Reports go to <profiling dir>/training or /inference, rewritten at detach/destroy/exit."""
         from pipetorch.profiling.recorder import Profiler
 
-        assert self._compiled is not None
         o = self._options
+        assert self._compiled is not None and o.profiling_dir  # the caller checked it
         sample = to_device(split_micro_batches(
             args, kwargs, device_iterations=o.device_iterations,
             gradient_accumulation=o.Training.gradient_accumulation,

@@ -1,6 +1,7 @@
 """`trainingModel` / `inferenceModel`: the wrapper that runs a model on its devices."""
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import functools
 import datetime
@@ -19,9 +20,9 @@ from pipetorch import extensions, log_level
 from pipetorch.errors import (
     AlreadyWrappedError, BackwardError, ConfigError, DeviceError, OfflineDeviceError,
 )
-from pipetorch.enums import ConnectionType
 from pipetorch.optim import Optimizer, attributes, ipu_state, scaling
 from pipetorch.options import popart_names, session_log
+from pipetorch.partition.export import Tree
 from pipetorch.printing import module_repr
 from pipetorch.runtime import artefact, counters, wrapping
 from pipetorch.weights import host_copy
@@ -56,12 +57,12 @@ _training_wrappers: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakre
 class _TrainingOutput(torch.Tensor):
     """A returned tensor whose `.backward()` explains that training already happened."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # C, unbound
 
-    def __repr__(self, **kwargs: object) -> str:  # print like the tensor it is
-        return repr(self.as_subclass(torch.Tensor))
+    def __repr__(self, **kwargs: object) -> str:  # type: ignore[override]  # torch's is untyped
+        return repr(self.as_subclass(torch.Tensor))  # print like the tensor it is
 
-    def backward(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+    def backward(self, *args: object, **kwargs: object) -> None:
         # PopTorch 3.x raises a poptorch.Error in these words; PopTorch 2.x returned plain
         # tensors, so torch's message follows for scripts matching that one.
         raise BackwardError(
@@ -73,10 +74,8 @@ class _TrainingOutput(torch.Tensor):
             "use the returned loss for logging only)")
 
 
-def _mark_training_output(x: object) -> object:
-    if isinstance(x, torch.Tensor):
-        return torch.Tensor._make_subclass(_TrainingOutput, x)
-    return x
+def _mark_training_output(x: torch.Tensor) -> torch.Tensor:
+    return torch.Tensor._make_subclass(_TrainingOutput, x)
 
 
 class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
@@ -97,11 +96,10 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         options, own = _own_options(options, training=training)
         if training:
             _claim_for_training(model, optimizer, self)
-        wrapping.register(model, self)
-        if training and optimizer is None:
-            optimizer = default_optimizer(model)
-        if training:
+            if optimizer is None:
+                optimizer = default_optimizer(model)
             resolve_mean_strategy(optimizer, options, own)
+        wrapping.register(model, self)
         log_level.limit_repeats(own.max_repeat_logs)
         self._user_model, self._options, self._training = model, own, training
         self._shown_model = model if user_model is None else user_model
@@ -128,7 +126,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         self._from_prompts = False  # compiled by generate() from its prompts, not by a call
 
     # -- calls ------------------------------------------------------------------------------
-    def __call__(self, *args: object, **kwargs: object) -> Any:
+    def __call__(self, *args: Tree, **kwargs: Tree) -> Any:
         if not self._attached:
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
         args, kwargs = self._cast_inputs(*self._bound(args, kwargs))
@@ -193,7 +191,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         if watch is not None:
             self._check_non_finite(compiled, watch)
         if self._training:
-            return pytree.tree_map(_mark_training_output, result)
+            return pytree.tree_map_only(torch.Tensor, _mark_training_output, result)
         return result
 
     def _check_non_finite(self, compiled: Compiled, watch: NonFiniteWatch) -> None:
@@ -209,13 +207,13 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
     def _run(self, compiled: Compiled, micro: list, collector: Collector) -> None:
         if self._training:
             compiled.engine.train(micro, collector)
-            # The steps ran on the device: a learning-rate scheduler stepping the user's
-            # optimizer must not warn that optimizer.step() was never called.
-            self._user_optimizer._opt_called = True  # type: ignore[union-attr]
-            assert self._sync is not None
+            optimizer = self._user_optimizer
+            assert optimizer is not None and self._sync is not None  # a trainingModel's
+            # the device stepped: an LR scheduler must not warn that optimizer.step() never ran
+            optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's flag, undeclared
             self._sync.mark_stale(self._fetch)
             self._state_stale = True
-            ipu_state.forget_loaded(self._user_optimizer)  # type: ignore[arg-type]
+            ipu_state.forget_loaded(optimizer)
         else:
             compiled.engine.infer(micro, collector)
 
@@ -228,7 +226,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         extensions.run_pre_compile_hooks()
         if session_log.logger.isEnabledFor(logging.DEBUG):  # PopTorch's words for the options
             session_log.log(self._options.toDict())
-        if self._training:
+        if self._user_optimizer is not None:  # training (trainingModel makes one)
             self._link_optimizer(self._user_optimizer)
         with device_mismatch_explained(self._device), forward_errors_explained(
                 names, pytree.tree_leaves((args, kwargs)),
@@ -307,6 +305,10 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
     def rng_state(self, state: list[list[torch.Tensor]]) -> None:
         self._require_compiled("rng_state").engine.rng_state(state)
 
+    def save(self, path: str) -> None:
+        """Save the compiled model (stages, options, weights) to `path`; see compileAndExport."""
+        artefact.save(self, path)
+
     def destroy(self) -> None:
         """Free the device copy; the user's model keeps the latest weights."""
         try:
@@ -332,10 +334,8 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
     def __del__(self) -> None:
         if sys.is_finalizing():  # torch may be half torn down; workers stop via their finalizer
             return
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: modules may be gone
             self.destroy()
-        except Exception:  # interpreter shutdown: modules may already be gone
-            pass
 
     # -- the user's model -------------------------------------------------------------------
     @property
@@ -361,7 +361,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
             return functools.wraps(found)(functools.partial(PoplarExecutor._generate, self))
         return found
 
-    @property  # type: ignore[misc]
+    @property  # type: ignore[misc]  # overrides object.__class__
     def __class__(self) -> type:  # isinstance(wrapped, type(model)) holds, as in PopTorch
         return wrapping.wrapper_class(PoplarExecutor, type(self.__dict__["_user_model"]))
 
@@ -370,7 +370,7 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         # wrapper holds devices and processes, which cannot be saved); poptorch.load reads
         # executables written by compileAndExport / save.
         reduced = self._user_model.__reduce_ex__(protocol)
-        if reduced[0] is copyreg.__newobj__:  # pickle would check the class against ours
+        if reduced[0] is copyreg.__dict__["__newobj__"]:  # pickle would check the class
             return (_new_model, *reduced[1:])
         return reduced
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch.errors import ConfigError, DeviceError, InputArgumentError, InputMismatchError
+from pipetorch.partition.export import Tree
 from pipetorch.runtime.batching import (
     InputName, Signature, cast_float_inputs, check_batch, half_dtype, input_names,
     plain_containers, split_micro_batches,
@@ -55,7 +56,7 @@ class Inputs:
         dtype = half_dtype(held(self._user_model, "_parameters").values())
         return cast_float_inputs(args, kwargs, dtype)
 
-    def compile(self, *args: object, **kwargs: object) -> None:
+    def compile(self, *args: Tree, **kwargs: Tree) -> None:
         """Prepare the model for these inputs without running it (with
         Options.inputSignatures("several"), for one more signature when already compiled)."""
         args, kwargs = self._cast_inputs(*self._bound(args, kwargs))
@@ -148,7 +149,7 @@ class Inputs:
             gradient_accumulation=o.Training.gradient_accumulation,
             replication_factor=o.replication_factor)[0])
 
-    def _generate(self, *args: object, **kwargs: object) -> object:
+    def _generate(self, *args: Tree, **kwargs: Tree) -> object:
         """The model's generate() (HuggingFace), every forward it calls run on the device:
         in the stages, each stage's worker keeping the key/value cache of its own layers."""
         if self._training:

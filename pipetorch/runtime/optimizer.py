@@ -41,8 +41,8 @@ def device_optimizer(optimizer: torch.optim.Optimizer, host: nn.Module,
     (TensorLocations.setOptimizerLocation(...useOnChipStorage(False)))."""
     warn_code_poptorch_skips(optimizer)
     memo: dict[int, object] = {}
-    for (name, h), (_, d) in zip(host.named_parameters(remove_duplicate=False),
-                                 device.named_parameters(remove_duplicate=False)):
+    for (_, h), (_, d) in zip(host.named_parameters(remove_duplicate=False),
+                              device.named_parameters(remove_duplicate=False), strict=True):
         memo[id(h)] = d
     for index, group in enumerate(optimizer.param_groups):
         strangers = [tuple(p.shape) for p in group["params"] if id(p) not in memo]
@@ -156,7 +156,7 @@ def copy_hyperparameters(source: torch.optim.Optimizer, target: torch.optim.Opti
             f"with {len(target.param_groups)}: keep the same groups"
         )
     before = ipu_param.describe(target)
-    for src, dst in zip(source.param_groups, target.param_groups):
+    for src, dst in zip(source.param_groups, target.param_groups, strict=True):
         if len(src["params"]) != len(dst["params"]):
             raise ConfigError("setOptimizer: a param group holds a different number of parameters")
         dst.update({k: copy.deepcopy(v) for k, v in src.items() if k != "params"})
@@ -189,8 +189,10 @@ def copy_state_to_device(host_opt: torch.optim.Optimizer, engine: Engine) -> Non
     state = host_opt.state_dict()
     state.pop("ipu_state", None)
     state.pop("ipu_param", None)  # already in the groups it was read from
-    engine.optimizer.load_state_dict(copy.deepcopy(state))
-    scaling.load_scaling_state(engine.optimizer, scaling.scaling_state(host_opt))
+    device_opt = engine.optimizer
+    assert device_opt is not None  # a training engine's
+    device_opt.load_state_dict(copy.deepcopy(state))
+    scaling.load_scaling_state(device_opt, scaling.scaling_state(host_opt))
     engine.push(optimizer_state=True)  # the state, with parameters' own hyper-parameters
     engine.set_hyperparameters()  # the groups' (a checkpoint's learning rate, say)
 

@@ -3,7 +3,7 @@ to the host, uploads, named buffers, setOptimizer and the optimiser's state when
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -141,9 +141,9 @@ class WeightCopies:
             copy_hyperparameters(optimizer, self._compiled.engine.optimizer)
             self._compiled.engine.set_hyperparameters()
             if optimizer is not self._user_optimizer:
-                assert self._sync is not None
+                assert self._sync is not None and self._user_optimizer is not None
                 self._flush_host()  # the old optimiser's state is the device's until now
-                ipu_state.unlink(self._user_optimizer)  # type: ignore[arg-type]
+                ipu_state.unlink(self._user_optimizer)
                 # The new one reads the device's state, and a checkpoint's state it holds
                 # (load_state_dict before this call) is pushed from it.
                 self._user_optimizer = optimizer
@@ -179,9 +179,10 @@ class WeightCopies:
             logger.debug("Writing optimiser state tensors from host to IPU memory")
             copy_state_to_device(self._user_optimizer, self._compiled.engine)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: object, **kwargs: object) -> dict[str, Any]:
         """The user model's state_dict, holding the device's latest weights."""
-        return self._user_model.state_dict(*args, **kwargs)
+        state_dict: Callable[..., dict[str, Any]] = self._user_model.state_dict  # overloaded
+        return state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True) -> Any:
         """Load weights into the user model and the device."""

@@ -142,19 +142,21 @@ def serialize(orders: list[list[Action]], owners: Sequence[int], *, forward: int
     stages = len(owners)
     steps = {Kind.FORWARD: plans._forward, Kind.BACKWARD: plans._backward}
     dry = [[t for a in order for t in (steps[a.kind](a.stage, a.micro_batch, stages)
-                                       if a.kind in steps else [a])] for order in orders]
+                                       if a.kind in steps and a.micro_batch is not None
+                                       else [a])] for order in orders]
     timeline = simulate_devices(dry, owners, forward=forward, backward=backward, weight=weight,
                                 buffered=True)  # raises DeadlockError if the orders wait in a ring
     sent = {e.action: (e.start, 0, e.action.stage, _TIES[e.action.kind], e.action.micro_batch)
             for row in timeline.events for e in row if e.action.kind in _TIES}
     plan = []
     for d, row in enumerate(timeline.events):
-        def key(e: Event) -> tuple[int, ...]:
+        def key(e: Event) -> tuple[int | None, ...]:
             a = e.action
             if a.kind.is_compute:
                 return (e.start, 1)
             if a.kind in _TIES:
                 return sent[a] + (0,)  # a hand-over's send before its receive
+            assert a.peer is not None
             return sent[Action(a.kind.counterpart, a.peer, a.micro_batch, a.stage)] + (1,)
         first = min(s for s, o in enumerate(owners) if o == d)
         plan.append([e.action for e in sorted(row, key=key)] + [Action(Kind.STEP, first)])
@@ -198,7 +200,7 @@ def _peak_stash(kind: str, stages: int, micro_batches: int, owners: tuple[int, .
     kinds = ["pipelined", "zero_bubble", *INTERLEAVED] if kind == "auto" else [kind]
     peaks = [check_devices(device_plan(k, stages, micro_batches, owners, training=training),
                            owners).peak_stash for k in kinds]
-    return tuple(max(column) for column in zip(*peaks))
+    return tuple(max(column) for column in zip(*peaks, strict=True))
 
 
 Ticks = int | Sequence[int]
@@ -217,16 +219,15 @@ def choose(stages: int, micro_batches: int, owners: Sequence[int], *, forward: T
     the one earlier in that list, which holds fewer activations."""
     if whole is None:
         whole = tuple(b + w for b, w in zip(_per_stage(backward, stages),
-                                            _per_stage(weight, stages)))
+                                            _per_stage(weight, stages), strict=True))
     kinds = ["pipelined", "zero_bubble"] + (
         list(INTERLEAVED) if interleaved.fits(owners, micro_batches) else [])
     timelines = []
     for kind in kinds:
         split = "zero_bubble" in kind
-        costs = dict(forward=forward, backward=backward if split else whole, weight=weight)
         timelines.append(simulate_devices(
             device_plan(kind, stages, micro_batches, owners, training=True), owners,
-            buffered=True, **costs))
+            forward=forward, backward=backward if split else whole, weight=weight, buffered=True))
     best = min(range(len(kinds)), key=lambda k: (timelines[k].makespan, k))
     return kinds[best], timelines[best].bubble_fraction
 
@@ -250,7 +251,7 @@ def project(device_plan: DevicePlan, owners: Sequence[int]) -> Plan:
 
 
 def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: Ticks = 1,
-                     backward: Ticks = 1, weight: Ticks = 1, step: int = 0,
+                     backward: Ticks = 1, weight: Ticks = 1, step: Ticks = 0,
                      buffered: bool = False) -> Timeline:
     """Run every device's list in order on a simulated clock (rows of the Timeline are
     devices). A transfer between devices is a rendezvous, as in `simulate`, or with
@@ -283,12 +284,14 @@ def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward:
                     handed[action] = clock[d]
                     run(d, action, clock[d], 0)
                 elif local:
+                    assert action.peer is not None
                     sent = Action(action.kind.counterpart, action.peer, action.micro_batch,
                                   action.stage)
                     if sent not in handed:
                         break
                     run(d, action, max(clock[d], handed.pop(sent)), 0)
                 else:
+                    assert action.peer is not None
                     e = owners[action.peer]
                     if pos[e] == len(device_plan[e]) or not action.matches(
                             device_plan[e][pos[e]]):

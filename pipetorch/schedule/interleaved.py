@@ -65,7 +65,7 @@ def compute_order(stages: int, micro_batches: int, devices: int, device: int,
                  for r in rounds for c in reversed(range(chunks)) for m in r]
     warmup = min((chunks - 1) * size + 2 * (devices - 1 - device), len(forwards))
     order = forwards[:warmup]
-    for f, b in zip(forwards[warmup:], backwards):
+    for f, b in zip(forwards[warmup:], backwards, strict=False):
         order += [f, b]
     order += backwards[len(forwards) - warmup:]
     return _defer_weights(order, device) if split else order

@@ -96,13 +96,13 @@ def zero_bubble(stages: int, micro_batches: int) -> Plan:
     plan = []
     for s, actions in enumerate(one_f_one_b(stages, micro_batches)):
         split: list[Action] = []
-        pending: list[int] = []  # micro-batches whose B ran and W has not
+        pending: list[int | None] = []  # micro-batches whose B ran and W has not
         for action in actions:
             if action.kind is Kind.STEP:
                 split += [Action(Kind.BACKWARD_WEIGHT, s, m) for m in pending]
             split.append(action)
             if action.kind is Kind.BACKWARD:
-                pending.append(action.micro_batch)  # type: ignore[arg-type]
+                pending.append(action.micro_batch)
                 while len(pending) > s:
                     split.append(Action(Kind.BACKWARD_WEIGHT, s, pending.pop(0)))
         plan.append(split)

@@ -100,6 +100,7 @@ def simulate(plan: Plan, *, forward: int = 1, backward: int = 1, weight: int = 1
             if pos[s] == len(actions):
                 continue
             action, p = actions[pos[s]], actions[pos[s]].peer
+            assert p is not None
             if pos[p] < len(plan[p]) and action.matches(plan[p][pos[p]]):
                 start = max(clock[s], clock[p])
                 for t in (s, p):
@@ -151,6 +152,7 @@ def _deadlock_message(plan: Plan, pos: list[int]) -> str:
             continue
         action = actions[pos[s]]
         p = action.peer
+        assert p is not None
         peer_at = (f"is at {plan[p][pos[p]]} (action {pos[p]})" if pos[p] < len(plan[p])
                    else "has finished")
         lines.append(f"stage {s} waits at action {pos[s]} {action} for stage {p}, which "
@@ -201,7 +203,7 @@ def _check_stage(s: int, actions: list[Action], stages: int, micro_batches: int,
     # Within one micro-batch, `expected` lists the stage's work in the order it depends.
     for m in range(micro_batches):
         chain = [a for a in expected if a.micro_batch == m]
-        for before, after in zip(chain, chain[1:]):
+        for before, after in zip(chain, chain[1:], strict=False):
             if after.kind is Kind.BACKWARD_WEIGHT:
                 before = Action(Kind.BACKWARD, s, m)  # W needs its B, not B's send
             if index[before] > index[after]:

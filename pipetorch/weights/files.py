@@ -37,17 +37,17 @@ def empty_weights() -> Iterator[None]:
     frequencies, masks) are seldom in a checkpoint, so they must exist."""
     register = nn.Module.register_parameter
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
         if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"),
+            self._parameters[name] = nn.Parameter(param.to("meta"),
                                                     requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]  # patched while building
     try:
         yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        nn.Module.register_parameter = register  # type: ignore[method-assign]  # restored
 
 
 def map_weights(model: nn.Module, path: str | os.PathLike[str], *,

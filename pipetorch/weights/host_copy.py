@@ -74,12 +74,12 @@ def _strong(ref: _Fetch) -> Callable[[], None] | None:
     return ref() if isinstance(ref, weakref.WeakMethod) else ref
 
 
-def _new_module(cls: type) -> nn.Module:
+def _new_module(cls: type[nn.Module]) -> nn.Module:
     """Unpickling helper: an empty instance of the model's own class."""
     return cls.__new__(cls)
 
 
-def _synced_class(cls: type) -> type:
+def _synced_class(cls: type[nn.Module]) -> type:
     """`cls` with the accessors that read weights flushing the pending device copy first."""
     if cls not in _classes:
         def flushing(name: str) -> Callable[..., object]:
@@ -95,7 +95,8 @@ def _synced_class(cls: type) -> type:
             return method
 
         def __reduce_ex__(self: nn.Module, protocol: SupportsIndex
-                          ) -> tuple[Callable[[type], nn.Module], tuple[type], dict[str, object]]:
+                          ) -> tuple[Callable[[type[nn.Module]], nn.Module], tuple[type[nn.Module]],
+                                     dict[str, object]]:
             # Pickles and deep copies hold the fresh weights and the model's own class.
             sync = self.__dict__.get(_SYNC_ATTR)
             if sync is not None:
@@ -174,7 +175,7 @@ def _rebind_closures(clone: nn.Module, memo: dict[int, Any]) -> None:
         copied = [_copied_module(cell, memo) for cell in cells]
         if any(c is not None for c in copied):
             new_cells = tuple(cell if c is None else types.CellType(c)
-                              for cell, c in zip(cells, copied))
+                              for cell, c in zip(cells, copied, strict=True))
             rebound = types.FunctionType(forward.__code__, forward.__globals__,
                                          forward.__name__, forward.__defaults__, new_cells)
             rebound.__kwdefaults__ = forward.__kwdefaults__
@@ -198,7 +199,7 @@ def copy_state(source: nn.Module, target: nn.Module) -> None:
     do when the engine's host copy is the user's model itself)."""
     if source is target:
         return
-    src = dict(source.named_parameters(remove_duplicate=False))
+    src: dict[str, torch.Tensor] = dict(source.named_parameters(remove_duplicate=False))
     src.update(source.named_buffers(remove_duplicate=False))
     for name, tensor in [*target.named_parameters(remove_duplicate=False),
                          *target.named_buffers(remove_duplicate=False)]:

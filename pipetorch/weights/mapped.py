@@ -111,16 +111,14 @@ def map_region(region: Region, *, shared: bool = False) -> torch.Tensor:
     """`region`'s bytes as a flat uint8 tensor over a new mapping of them, registered (its
     storage is `region`): private (a write copies the page) or `shared` (a write goes to the
     file). A live file this process made is mapped from its descriptor."""
-    fd = _owned.get(region.path)
-    opened = fd is None
-    if opened:
-        fd = os.open(region.path, os.O_RDWR if shared else os.O_RDONLY)
+    owned = _owned.get(region.path)
+    fd = os.open(region.path, os.O_RDWR if shared else os.O_RDONLY) if owned is None else owned
     try:
         memory = mmap.mmap(fd, region.length,
                            flags=mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=region.offset)
     finally:
-        if opened:
+        if owned is None:
             os.close(fd)
     flat = torch.frombuffer(memory, dtype=torch.uint8)
     pointer = flat.untyped_storage().data_ptr()
@@ -215,7 +213,7 @@ def load(kind: str, region: Region) -> torch.UntypedStorage:
 def read(region: Region) -> torch.UntypedStorage:
     """A new storage in this process's memory holding `region`'s bytes (read, not mapped)."""
     storage = torch.UntypedStorage(region.length)
-    view = memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+    view = torch.empty(0, dtype=torch.uint8).set_(storage).numpy().data
     fd = os.open(region.path, os.O_RDONLY)
     try:
         done = 0

@@ -155,8 +155,8 @@ class Writer:
             return
         if self.stage_of[name] != stage:  # a later copy of a tied weight: written once
             return
-        data = value.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
-        self._file(file).write(name, memoryview(data))
+        data = value.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().data
+        self._file(file).write(name, data)
 
     def seal(self) -> dict[str, str]:
         """Complete this process's files (a tensor no worker sent, one of no stage or cast in

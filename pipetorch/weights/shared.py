@@ -94,7 +94,7 @@ class SharedWeights:
         path, name = f"/proc/{os.getpid()}/fd/{fd}", next(_files)
         mapped.own(path, fd)
         with torch.no_grad():
-            for n, (tensors, offset) in enumerate(zip(by_storage.values(), offsets)):
+            for n, (tensors, offset) in enumerate(zip(by_storage.values(), offsets, strict=True)):
                 storage = tensors[0].untyped_storage()
                 _write_all(fd, storage, offset)
                 flat = mapped.map_region(mapped.Region(path, offset, storage.nbytes(),
@@ -125,7 +125,7 @@ def _aligned(nbytes: int) -> int:
 
 
 def _write_all(fd: int, storage: torch.UntypedStorage, offset: int) -> None:
-    data = memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+    data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy().data
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)

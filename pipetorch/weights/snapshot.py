@@ -207,13 +207,14 @@ def read(folder: str, stage: int, commit: int) -> StageState | None:
     if first is None or replicas == 1:
         return first
     parts = [first] + [_read(path(folder, stage, commit, r), commit) for r in range(1, replicas)]
-    if any(part is None for part in parts):
+    found = [part for part in parts if part is not None]
+    if len(found) < len(parts):
         return None
     weights, states, attributes = first
     for name in attributes["sliced"]:
         for key, value in states[name].items():
             if isinstance(value, torch.Tensor) and value.dim():
-                pieces = [part[1][name][key] for part in parts]  # type: ignore[index]
+                pieces = [part[1][name][key] for part in found]
                 states[name][key] = torch.cat(pieces).view(weights[name].shape)
     return weights, states, {"scaling": attributes["scaling"]}
 

@@ -88,7 +88,7 @@ class Arena:
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> Packed:
         packed, views = self.lay_out([(tuple(t.shape), t.dtype) for t in tensors])
-        for view, tensor in zip(views, tensors):
+        for view, tensor in zip(views, tensors, strict=True):
             view.copy_(tensor)
         return packed
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pipetorch.parallel.comm import stream
-from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, PeerLink
+from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, PeerLink, started
 from pipetorch.parallel.layout.routes import TensorSpec
 
 __all__: list[str] = []
@@ -34,7 +34,7 @@ def channels(devices: tuple[int, ...], mine: int) -> list[ChannelSpec]:
     """The first messages' channels of the worker on device `mine` when stage s runs on
     `devices[s]`: from each stage to the next one, where they are on different devices."""
     found = []
-    for sender, receiver in zip(devices, devices[1:]):
+    for sender, receiver in zip(devices, devices[1:], strict=False):
         if sender != receiver and mine in (sender, receiver):
             outgoing = sender == mine
             found.append(ChannelSpec(receiver if outgoing else sender, _TAG, outgoing,
@@ -66,7 +66,7 @@ class Hops:
                                                   for s in storages)]
         for buffer in later:
             if buffer.numel():
-                self._later.append((dist.isend(buffer, self.link.offset + to), buffer))
+                self._later.append((started(dist.isend(buffer, self.link.offset + to)), buffer))
 
     def receive(self, source: int, device: torch.device) -> object:
         """The next value device `source` sent, its tensors on `device`."""
@@ -79,7 +79,7 @@ class Hops:
                                          lambda size: torch.UntypedStorage(size, device=device))
         value = unpickler.load()
         at = _PREFIX + length
-        for storage, size in zip(unpickler.storages, sizes):
+        for storage, size in zip(unpickler.storages, sizes, strict=True):
             target = stream.bytes_of(storage)
             if whole:
                 target.copy_(first[at:at + size])

@@ -3,6 +3,7 @@ it, a host call as a device sees it, and the trace of what ran."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 import torch.nn as nn
@@ -17,8 +18,8 @@ __all__: list[str] = []
 class Call:
     """One host call as a device sees it."""
 
-    inputs: dict[int, torch.Tensor]  # forward's tensor argument i (read by a stage of the device)
-    #                                  -> its micro-batches stacked
+    inputs: Mapping[int, torch.Tensor | list[torch.Tensor]]  # forward's tensor argument i (read
+    # by a stage of the device) -> its micro-batches stacked (listed, in the local engine)
     iterations: int                  # times the plan runs (D when training, 1 for inference)
     micro_batches: int               # micro-batches per run of the plan
     wanted: frozenset[int]           # micro-batches whose outputs go back to the host

@@ -135,7 +135,8 @@ class _FastPickler(pickle.Pickler):
         return _stored, (place, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
                          tensor.stride(), tensor.requires_grad)
 
-    def _storage(self, storage: torch.UntypedStorage | torch.storage.TypedStorage) -> tuple:
+    def _storage(self, storage: torch.UntypedStorage | torch.storage.TypedStorage
+                 ) -> str | tuple:
         typed = _typed(storage)
         if typed is None:
             return storage.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
@@ -182,13 +183,14 @@ def _placed(storages: list[torch.UntypedStorage], read: dict[mapped.Region, torc
 
 
 def _rebuilt(storages: list[torch.UntypedStorage], read: dict[mapped.Region, torch.UntypedStorage],
-             place: tuple, *tensor: Any) -> object:
+             place: tuple, dtype: torch.dtype | None = None, offset: int = 0,
+             shape: tuple[int, ...] = (), stride: tuple[int, ...] = (),
+             requires_grad: bool = False) -> object:
     """A `_stored` call of the sender: a storage (`place` alone), or a tensor over one, given
     its dtype, offset, shape, stride and requires_grad."""
     untyped = _placed(storages, read, place)
-    if not tensor:
+    if dtype is None:
         return untyped
-    dtype, offset, shape, stride, requires_grad = tensor
     rebuilt = torch.empty(0, dtype=dtype, device=untyped.device).set_(
         untyped, offset, shape, stride)
     return rebuilt.requires_grad_() if requires_grad else rebuilt
@@ -203,9 +205,8 @@ def pack(message: object, *, shared: Collection[int] = ()) -> tuple[bytes, list[
     buffer, taken = io.BytesIO(), _Storages(shared)
     try:
         _FastPickler(buffer, taken).dump(message)
-        skeleton: bytes | None = buffer.getvalue()
-        if _MAIN in skeleton or cloudpickle.list_registry_pickle_by_value():
-            skeleton = None
+        fast = buffer.getvalue()
+        skeleton = None if _MAIN in fast or cloudpickle.list_registry_pickle_by_value() else fast
     except Exception:  # noqa: BLE001 - cloudpickle's pickler takes it, or says why not
         skeleton = None
     if skeleton is None:
@@ -240,7 +241,7 @@ def encode(message: object, *, shared: Collection[int] = ()) -> Encoded:
     header, storages = pack(message, shared=shared)
     total = sum(storage.nbytes() for storage in storages)
     if total <= INLINE:
-        parts = [bytes_of(storage).cpu().numpy() for storage in storages]  # joined: one copy
+        parts = [bytes_of(storage).cpu().numpy().data for storage in storages]  # joined: one copy
         return Encoded((b"".join([_INLINE.pack(len(header), 1), header, *parts]),),
                        len(header) + total)
     frames: list[Any] = [_INLINE.pack(len(header), 0) + header]
@@ -290,7 +291,7 @@ def receive(conn: Connection, *, timeout: float,
             continue
         for start in range(0, storage.nbytes(), CHUNK):
             wait(conn, timeout, alive)
-            _read_message_into(conn, memoryview(whole)[start:start + CHUNK])
+            _read_message_into(conn, whole.data[start:start + CHUNK])
     return message, len(header) + sum(sizes)
 
 

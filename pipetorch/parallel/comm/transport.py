@@ -43,6 +43,13 @@ def channel(tag: Tag, stage: int) -> int:
     return int(tag) + len(Tag) * stage
 
 
+def started(work: dist.Work | None) -> dist.Work:
+    """A point-to-point transfer's handle: torch.distributed gives None only to a rank outside
+    the group, and these transfers use the default group, which holds every rank."""
+    assert work is not None
+    return work
+
+
 def _aligned(size: int) -> int:
     return (size + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -84,7 +91,7 @@ class BundleLayout:
     def pack_into(self, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
         """Copy `tensors` into `buffer` (uint8, `nbytes` long, 16-byte aligned) at the offsets."""
         self.check(tensors)
-        for spec, at, tensor in zip(self.specs, self.offsets, tensors):
+        for spec, at, tensor in zip(self.specs, self.offsets, tensors, strict=True):
             if spec.nbytes:  # a typed view takes any strides in one copy
                 buffer[at:at + spec.nbytes].view(spec.dtype).view(spec.shape).copy_(
                     tensor.detach())
@@ -92,7 +99,7 @@ class BundleLayout:
     def unpack(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Fresh leaf tensors viewing `buffer`'s bytes."""
         return [buffer[at:at + spec.nbytes].view(spec.dtype).view(spec.shape).detach()
-                for spec, at in zip(self.specs, self.offsets)]
+                for spec, at in zip(self.specs, self.offsets, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -162,14 +169,15 @@ class PeerLink:
         if not layout.specs:
             return
         buffer = layout.pack(tensors, self.wire_device)
-        self._pending.append((dist.isend(buffer, self.offset + peer, tag=int(tag)), buffer))
+        self._pending.append((started(dist.isend(buffer, self.offset + peer, tag=int(tag))),
+                              buffer))
         self.bytes_sent += buffer.numel()
 
     def recv(self, layout: BundleLayout, peer: int, tag: int) -> list[torch.Tensor]:
         if not layout.specs:
             return []
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.wire_device)
-        self._wait(dist.irecv(buffer, self.offset + peer, tag=int(tag)), peer)
+        self._wait(started(dist.irecv(buffer, self.offset + peer, tag=int(tag))), peer)
         self.bytes_received += buffer.numel()
         if self.wire_device != self.device:
             buffer = buffer.to(self.device, non_blocking=True)
@@ -178,11 +186,11 @@ class PeerLink:
     def signal(self, peer: int, tag: int) -> None:
         """A data-less message (one byte): 'micro-batch done' in sharded inference."""
         flag = torch.ones(1, dtype=torch.uint8, device=self.wire_device)
-        self._pending.append((dist.isend(flag, self.offset + peer, tag=tag), flag))
+        self._pending.append((started(dist.isend(flag, self.offset + peer, tag=tag)), flag))
 
     def wait_signal(self, peer: int, tag: int) -> None:
         flag = torch.empty(1, dtype=torch.uint8, device=self.wire_device)
-        self._wait(dist.irecv(flag, self.offset + peer, tag=tag), peer)
+        self._wait(started(dist.irecv(flag, self.offset + peer, tag=tag)), peer)
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None = None,
                    who: str = "the other replicas") -> None:

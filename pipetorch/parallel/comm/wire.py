@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Protocol, Sequence
 
 from pipetorch.errors import DeviceError
 from pipetorch.parallel.comm import exits, stream
@@ -65,6 +64,18 @@ class Failure:
     replica: int = 0
 
 
+class Process(Protocol):
+    """What the host uses of a worker's process: a subprocess.Popen, or a pool.PooledProcess."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Peer:
     """The host's view of one worker: its pipe, its process sentinel and the stages it runs."""
@@ -72,7 +83,7 @@ class Peer:
     stages: tuple[int, ...]
     device: str
     conn: Connection
-    process: subprocess.Popen
+    process: Process
     replica: int = 0
     replicas: int = 1  # this process's replicas: named in messages only when more than one
     oom_kills: int | None = None  # the kernel's count of OOM kills when it started (exits)
@@ -110,7 +121,8 @@ def gather(peers: Sequence[Peer], *, timeout: float, what: str,
     deadline = time.monotonic() + timeout
     while waiting:
         for conn in wait(list(waiting), timeout=_POLL * 5):
-            n, peer = waiting.pop(conn)  # type: ignore[arg-type]
+            assert isinstance(conn, Connection)  # the only kind waited on
+            n, peer = waiting.pop(conn)
             start = time.monotonic_ns()
             try:
                 reply, nbytes = stream.receive(peer.conn, timeout=timeout)
@@ -171,7 +183,7 @@ def _first_dead(peers: Sequence[Peer], *, grace: float = 1.0) -> Peer | None:
         time.sleep(0.05)
 
 
-def _exit_code(process: subprocess.Popen) -> int | None:
+def _exit_code(process: Process) -> int | None:
     try:
         return process.wait(timeout=2)
     except Exception:

@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pipetorch.errors import CompileError
 from pipetorch.partition import blocks
+from pipetorch.partition.export import Tree
 
 __all__: list[str] = []
 
@@ -144,7 +145,7 @@ class EagerStage:
         if stage == self.index:
             self._inside = True
 
-    def _zeroed(self, result: object) -> object:
+    def _zeroed(self, result: Tree) -> Tree:
         """An earlier stage's module result as zeros: its values are never used (the next
         stage's inputs come from the previous stage), so each is one zero seen in its shape,
         which costs no memory (a prompt's worth of hidden states each, otherwise) and which
@@ -164,7 +165,7 @@ class EagerStage:
 
         return run
 
-    def _record(self, done: int, name: str, result: object) -> None:
+    def _record(self, done: int, name: str, result: Tree) -> None:
         """`name`'s result in place of its inner modules' (recorded since `done`): itself for
         replay, else its tensors' shapes (a layer's output is not kept alive for a hop that
         sends only its shape)."""

@@ -127,8 +127,8 @@ def scatter(caches: list[object], rows: list[int]) -> None:
         lanes = [_layers(cache) for cache in caches]
         for key, layer in lanes[0].items():
             if getattr(layer, "is_initialized", False):
-                parts = zip(layer.keys.split(rows), layer.values.split(rows))
-                for found, (keys, values) in zip(lanes, parts):
+                parts = zip(layer.keys.split(rows), layer.values.split(rows), strict=True)
+                for found, (keys, values) in zip(lanes, parts, strict=True):
                     target = found[key]
                     target.keys, target.values = keys, values
                     target.dtype, target.device, target.is_initialized = (

@@ -145,11 +145,11 @@ class Generation:
             self._send(Boundary(*kv_cache.strip((out.args, out.kwargs, out.records))), s + 1)
         else:
             parts = split(self._crossed(kv_cache.strip(out), torch.device("cpu")), counts)
-            result.outputs.update(zip(lanes, parts))
+            result.outputs.update(zip(lanes, parts, strict=True))
             if not last:
                 self._send(_Skip(), s + 1)
         if cache is not None:
-            for lane, count in zip(lanes, counts):
+            for lane, count in zip(lanes, counts, strict=True):
                 result.shapes.setdefault(lane, {}).update(kv_cache.held_shapes(cache, count))
 
     def _joined(self, s: int, lanes: list[int], counts: list[int], step: Step) -> Any:
@@ -161,7 +161,7 @@ class Generation:
                 del self.joined[key]
         caches = [self._cache(s, lane, step) for lane in lanes]
         if (s, lanes[0]) not in self.joined:
-            for lane, cache in zip(lanes, caches):
+            for lane, cache in zip(lanes, caches, strict=True):
                 kv_cache.mirror(cache, step.shapes.get(lane, {}))
             kv_cache.gather(caches)
             if len(lanes) > 1:
@@ -185,7 +185,7 @@ class Generation:
         are there already (a traversal less on each side of every step)."""
         return tree if self.device.type == "cpu" else _to(tree, device)
 
-    def _send(self, value: object, stage: int) -> None:
+    def _send(self, value: Boundary | _Skip, stage: int) -> None:
         if self.devices[stage] == self.mine:
             self._local.append(value)
         else:

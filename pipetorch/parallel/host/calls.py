@@ -13,7 +13,7 @@ from pipetorch.parallel.comm import arena, wire
 from pipetorch.parallel.comm import messages as m
 from pipetorch.parallel.host.host_link import Kind
 from pipetorch.parallel.host.local import reduction_multiplier
-from pipetorch.parallel.host.outputs import OutputCollector
+from pipetorch.parallel.host.outputs import Collector
 from pipetorch.parallel.comm.payloads import Call, Span, Trace
 from pipetorch.partition.split import Source, StagedModel, map_leaves
 
@@ -45,7 +45,7 @@ class Calls:
             outputs.close()
         self.arenas = []
 
-    def train(self, micro_batches: MicroBatches, collector: OutputCollector) -> None:
+    def train(self, micro_batches: MicroBatches, collector: Collector) -> None:
         """D optimiser steps of G micro-batches on each replica (laid out [D][G][R])."""
         e = self.engine
         b = e.batching
@@ -58,12 +58,12 @@ class Calls:
                   per_iteration=b.gradient_accumulation, scale=reduction_multiplier(every))
         e.choice.called(e.last_trace, e.workers)
 
-    def infer(self, micro_batches: MicroBatches, collector: OutputCollector) -> None:
+    def infer(self, micro_batches: MicroBatches, collector: Collector) -> None:
         """Forward of every micro-batch of the call, each replica through one plan."""
         self._run(micro_batches, collector, training=False, iterations=1,
                   per_iteration=len(micro_batches) // self.engine.replicas, scale=1.0)
 
-    def _run(self, micro_batches: MicroBatches, collector: OutputCollector, *,
+    def _run(self, micro_batches: MicroBatches, collector: Collector, *,
              training: bool, iterations: int, per_iteration: int, scale: float) -> None:
         """Send replica r the micro-batches r, r + R, r + 2R, ... and collect what comes back."""
         if training:
@@ -77,7 +77,7 @@ class Calls:
             raise
         self._collect(replies, arrivals, flat, wanted, collector)
 
-    def _exchange(self, micro_batches: MicroBatches, collector: OutputCollector, *,
+    def _exchange(self, micro_batches: MicroBatches, collector: Collector, *,
                   training: bool, iterations: int, per_iteration: int, scale: float
                   ) -> tuple[list[m.RunReply], list[wire.Transfer], list, frozenset[int]]:
         """Send every worker its inputs and wait for all replies."""
@@ -85,7 +85,7 @@ class Calls:
         replicas = e.replicas
         flat = [e.staged.flatten_inputs(*args, **kwargs) for args, kwargs in micro_batches]
         if e.workers.link is not None:  # the same inputs on every process, or none trains
-            named = list(zip(input_names(e.staged), zip(*flat), strict=True))
+            named = list(zip(input_names(e.staged), zip(*flat, strict=True), strict=True))
             e.workers.across(lambda link: link.call(named))
         steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
         wanted = frozenset(j for j in range(steps) if collector.wants(j))
@@ -97,13 +97,13 @@ class Calls:
             # workers' weights, all of one call (docs/precision.md), never its written pages
             sync.refresh()
         start = time.perf_counter()
-        for n, (peer, placement) in enumerate(zip(e.workers.peers, e.placements)):
+        for n, (peer, placement) in enumerate(zip(e.workers.peers, e.placements, strict=True)):
             reads = sorted({i for s in placement.stages for i in e.routes[s].host_inputs})
             mine = flat[placement.replica::replicas]
             packed, views = self.arenas[n][0].lay_out(
                 [((len(mine), *mine[0][i].shape), mine[0][i].dtype) for i in reads])
             with torch.no_grad():
-                for i, view in zip(reads, views):
+                for i, view in zip(reads, views, strict=True):
                     torch.stack([f[i] for f in mine], out=view)  # straight into shared memory
             call = Call({}, iterations, per_iteration, wanted, scale, overlap)
             e.workers.send(peer, m.Run(call, training, commit if save else None, packed))
@@ -128,15 +128,17 @@ class Calls:
         return setting == "1"
 
     def _collect(self, replies: list[m.RunReply], arrivals: list[wire.Transfer], flat: list,
-                 wanted: frozenset[int], collector: OutputCollector) -> None:
+                 wanted: frozenset[int], collector: Collector) -> None:
         """Unpack the workers' replies, keep their traces, hand the outputs to `collector`."""
         e = self.engine
         replicas = e.replicas
         outputs: dict[tuple[int, int], dict[int, list[object]]] = {}  # (replica, stage) -> m
         traces: list[Trace] = []
-        for n, (placement, reply, arrival) in enumerate(zip(e.placements, replies, arrivals)):
+        for n, (placement, reply, arrival) in enumerate(zip(e.placements, replies, arrivals,
+                                                             strict=True)):
             packed, device_traces = reply.packed, reply.traces
             by_stage = arena.unpack_tree(self.arenas[n][1], reply.outputs, packed)
+            assert isinstance(by_stage, dict)  # reply.outputs' dicts, tensors put back
             outputs.update({(placement.replica, s): o for s, o in by_stage.items()})
             # device to host: the reply and its outputs copied out of shared memory, on the
             # device's first stage
@@ -157,7 +159,8 @@ class Calls:
             for replica in range(replicas):
                 micro = j * replicas + replica
 
-                def fetch(source: Source, micro: int = micro, replica: int = replica) -> object:
+                def fetch(source: Source, micro: int = micro, replica: int = replica,
+                          j: int = j) -> object:
                     if source.kind == "input":
                         return flat[micro][source[1]]
                     stage = source[1]

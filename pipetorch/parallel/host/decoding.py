@@ -164,9 +164,15 @@ def generate(model: nn.Module, engine: ProcessEngine, stages: list[StageSpec], *
         with _routed(model, steps):
             if _lanes_apart(model, lanes, args, kwargs):
                 return _generate_apart(model, steps, args, kwargs)
-            return model.generate(*args, **kwargs)
+            return hf_method(model, "generate")(*args, **kwargs)
     finally:
         engine.end_generation()
+
+
+def hf_method(model: nn.Module, name: str) -> Callable[..., Any]:
+    """`model`'s method `name`: HuggingFace's (GenerationMixin's), which nn.Module's types
+    do not know."""
+    return getattr(model, name)
 
 
 def _check_supported(model: nn.Module, kwargs: dict) -> None:
@@ -215,7 +221,7 @@ def _generate_apart(model: nn.Module, steps: "_Steps", args: tuple, kwargs: dict
     def run(lane: int, call: tuple[tuple, dict]) -> None:
         _current.lane = lane
         try:
-            found[lane] = model.generate(*call[0], **call[1])
+            found[lane] = hf_method(model, "generate")(*call[0], **call[1])
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failed.append(exc)
         finally:
@@ -437,26 +443,27 @@ def _routed(model: nn.Module, steps: _Steps) -> Iterator[None]:
     """While generate() runs: the model's forward, and its encoder's for an encoder-decoder
     model (HuggingFace calls the encoder once, itself), go to the stages."""
     targets = {"": model}
-    encoder = model.get_encoder() if getattr(model.config, "is_encoder_decoder", False) else None
+    encoder = (hf_method(model, "get_encoder")()
+               if getattr(model.config, "is_encoder_decoder", False) else None)
     if encoder is not None:
         targets.update((name, m) for name, m in model.named_modules() if m is encoder)
     own = {path: module.__dict__.get("forward") for path, module in targets.items()}
     for path, module in targets.items():
-        module.forward = _forward(module.forward, path, steps)  # type: ignore[method-assign]
+        module.forward = _forward(module.forward, path, steps)
     try:
         yield
     finally:
         for path, module in targets.items():
-            if own[path] is None:
+            if (forward := own[path]) is None:
                 del module.forward
             else:
-                module.forward = own[path]  # type: ignore[method-assign]
+                module.forward = forward
 
 
 def _forward(original: Callable[..., object], path: str, steps: _Steps) -> Callable[..., Any]:
     # generate() reads forward's signature to decide what it passes (position_ids): keep it
     @functools.wraps(original)
-    def in_stages(*args: Any, **kwargs: Any) -> Any:
+    def in_stages(*args: object, **kwargs: object) -> Any:
         return steps(path, args, kwargs)
 
     return in_stages

@@ -34,7 +34,7 @@ from pipetorch.parallel.host.calls import Calls, MicroBatches
 from pipetorch.parallel.layout.compile_plan import CompilePlan
 from pipetorch.parallel.host import decoding
 from pipetorch.schedule.plans import Batching
-from pipetorch.parallel.host.outputs import OutputCollector
+from pipetorch.parallel.host.outputs import Collector
 from pipetorch.parallel.comm.rendezvous import Rendezvous, next_rendezvous
 from pipetorch.parallel.layout.routes import Route
 from pipetorch.parallel.host.schedule_choice import ScheduleChoice
@@ -136,7 +136,8 @@ class ProcessEngine:
         self.calls.restart()
         staged, routes, specs = self.signatures.all[0]
         folder = self.workers.folder if keep else None
-        for peer, placement, shared in zip(self.workers.peers, self.placements, shares):
+        for peer, placement, shared in zip(self.workers.peers, self.placements, shares,
+                                          strict=True):
             stages = tuple(DeviceStage(staged.modules[s], routes[s], staged.io[s].inputs)
                            for s in placement.stages)
             setup = m.Setup(stages, self._stage_optimizer(placement.stages, stages), specs,
@@ -216,12 +217,12 @@ class ProcessEngine:
         return self.workers.worker_pids
 
     # -- calls, weights, signatures, generation: each a part's ------------------------------
-    def train(self, micro_batches: MicroBatches, collector: OutputCollector) -> None:
+    def train(self, micro_batches: MicroBatches, collector: Collector) -> None:
         """D optimiser steps of G micro-batches on each replica (laid out [D][G][R])."""
         self._ready(check=False)
         self.calls.train(micro_batches, collector)
 
-    def infer(self, micro_batches: MicroBatches, collector: OutputCollector) -> None:
+    def infer(self, micro_batches: MicroBatches, collector: Collector) -> None:
         """Forward of every micro-batch of the call, each replica through one plan."""
         self._ready(check=False)
         self.calls.infer(micro_batches, collector)

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.schedule.plans import Batching
-from pipetorch.parallel.host.outputs import OutputCollector
+from pipetorch.parallel.host.outputs import Collector
 from pipetorch.parallel.comm.payloads import Trace
 from pipetorch.partition.strategies import StageSpec
 
@@ -30,9 +30,9 @@ class Engine(Protocol):
     @property
     def schedule(self) -> str: ...
 
-    def train(self, micro_batches: MicroBatches, collector: OutputCollector) -> None: ...
+    def train(self, micro_batches: MicroBatches, collector: Collector) -> None: ...
 
-    def infer(self, micro_batches: MicroBatches, collector: OutputCollector) -> None: ...
+    def infer(self, micro_batches: MicroBatches, collector: Collector) -> None: ...
 
     def pull(self, *, optimizer_state: bool = False) -> None: ...
 

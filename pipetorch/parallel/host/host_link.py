@@ -111,7 +111,7 @@ class HostLink:
                      for q in range(self.layout.processes)}
         try:
             # a gloo backend serves collectives as a group does; torch's stubs give it none
-            self._group = dist.ProcessGroupGloo(  # type: ignore[assignment]
+            self._group = dist.ProcessGroupGloo(  # type: ignore[assignment]  # a backend, used as a group
                 dist.PrefixStore("group/", self._store), me, self.layout.processes,
                 self._wait_for)
             self._liveness.connect([self._who[q] for q in self._others()], self.timeout)

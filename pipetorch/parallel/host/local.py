@@ -18,7 +18,8 @@ from pipetorch.parallel.worker.stage import StageExecutor
 from pipetorch.partition.split import Source
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.partition.casting import Casting, within
-from pipetorch.parallel.host.outputs import OutputCollector
+from pipetorch.parallel.host.decoding import hf_method
+from pipetorch.parallel.host.outputs import Collector
 from pipetorch.partition.export import Tree
 from pipetorch.schedule import plans
 from pipetorch.schedule.plans import Batching
@@ -38,7 +39,7 @@ class ReplicaBuffers:
     """Each replica's own copy of the buffers forward changes (broadcastBuffers(False))."""
 
     def __init__(self, model: nn.Module, names: list[str], replicas: int) -> None:
-        self._slots: list[tuple[dict[str, torch.Tensor], str, list[torch.Tensor]]] = []
+        self._slots: list[tuple[dict[str, torch.Tensor | None], str, list[torch.Tensor]]] = []
         for name in names:
             owner_name, _, attr = name.rpartition(".")
             owner = model.get_submodule(owner_name)
@@ -130,7 +131,7 @@ class LocalEngine:
         """HuggingFace's generate() on the device copy, which runs all of it."""
         args, kwargs = pytree.tree_map_only(
             torch.Tensor, lambda x: x.to(self.input_device, non_blocking=True), (args, kwargs))
-        return self.model.generate(*args, **kwargs)  # type: ignore[operator]
+        return hf_method(self.model, "generate")(*args, **kwargs)
 
     def release(self) -> None:
         """The device copy stays in this process while detached."""
@@ -138,7 +139,7 @@ class LocalEngine:
     def acquire(self) -> None:
         """Nothing to restart."""
 
-    def train(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
+    def train(self, micro_batches: list[tuple[tuple, dict]], collector: Collector) -> None:
         """D optimiser steps, each over G x R micro-batches laid out [D][G][R]."""
         b = self.batching
         assert self.optimizer is not None and len(micro_batches) == b.micro_batches
@@ -146,12 +147,12 @@ class LocalEngine:
                   per_iteration=b.gradient_accumulation * b.replication_factor,
                   scale=reduction_multiplier(b))
 
-    def infer(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector) -> None:
+    def infer(self, micro_batches: list[tuple[tuple, dict]], collector: Collector) -> None:
         """Forward of every micro-batch, in [D][R] order (G is 1 for inference)."""
         self._run(micro_batches, collector, training=False, iterations=1,
                   per_iteration=len(micro_batches), scale=1.0)
 
-    def _run(self, micro_batches: list[tuple[tuple, dict]], collector: OutputCollector, *,
+    def _run(self, micro_batches: list[tuple[tuple, dict]], collector: Collector, *,
              training: bool, iterations: int, per_iteration: int, scale: float) -> None:
         """Run the one-device plan (`schedule.plans.sharded` over one stage) with the stage
         executor every multi-device worker runs, in this process."""
@@ -162,7 +163,7 @@ class LocalEngine:
         executor = self._executor(training)
         with within(self.casting):
             executor.run(plans.sharded(1, per_iteration, training=training)[0],
-                         Call(inputs, iterations, per_iteration, wanted, scale),  # type: ignore[arg-type]
+                         Call(inputs, iterations, per_iteration, wanted, scale),
                          training=training)
         outputs = executor.outputs[0]
         for m in sorted(wanted):
@@ -171,15 +172,16 @@ class LocalEngine:
     def _executor(self, training: bool) -> StageExecutor:
         """The executor of this engine's one stage (the loss located only in training)."""
         if training not in self._executors:
-            count = self._stage.outputs
+            count, loss = self._stage.outputs, self.loss_index if training else None
             route = Route(index=0, stages=1, host_inputs=tuple(range(self._stage.inputs)),
                           receive=(), send=(),
                           host_outputs=tuple(Source.stage(0, k) for k in range(count)),
-                          loss=Source.stage(0, self.loss_index) if training else None)
+                          loss=None if loss is None else Source.stage(0, loss))
             stage = DeviceStage(self._stage, route,
                                 tuple(Source.input(i) for i in range(self._stage.inputs)))
             self._executors[training] = StageExecutor(
-                [stage], {}, link=InProcessLink(), device=self.input_device,
+                [stage], {}, device=self.input_device,
+                link=InProcessLink(),  # type: ignore[arg-type]  # one stage: never sends
                 optimizer=self.optimizer if training else None,
                 micro_context=self._replica_context())
         return self._executors[training]
@@ -226,13 +228,13 @@ class FlatStage(nn.Module):
     def rebuild(self, tensors: list[torch.Tensor]) -> Tree:
         """Forward's output structure around one micro-batch's output tensors."""
         leaves = list(self._out_constants)
-        for slot, tensor in zip(self._out_slots, tensors):
+        for slot, tensor in zip(self._out_slots, tensors, strict=True):
             leaves[slot] = tensor
         return pytree.tree_unflatten(leaves, self._out_spec)
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         leaves = list(self._constants)
-        for slot, tensor in zip(self._slots, tensors):
+        for slot, tensor in zip(self._slots, tensors, strict=True):
             leaves[slot] = tensor
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
         out_leaves, spec = pytree.tree_flatten(self.inner(*args, **kwargs))

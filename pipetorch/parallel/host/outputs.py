@@ -1,6 +1,8 @@
 """What a host call returns: per-micro-batch outputs combined as the OutputMode says."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -15,6 +17,15 @@ def resolve_mode(mode: OutputMode, *, training: bool) -> OutputMode:
     if mode == OutputMode.Default:
         return OutputMode.Final if training else OutputMode.All
     return OutputMode(mode)
+
+
+class Collector(Protocol):
+    """What an engine hands a call's outputs to: an OutputCollector, or a collector wrapping
+    one (runtime.anchors)."""
+
+    def wants(self, step: int) -> bool: ...
+
+    def add(self, step: int, replica: int, output: Tree) -> None: ...
 
 
 class OutputCollector:
@@ -67,11 +78,11 @@ class OutputCollector:
 
 
 def _combine(values: list[object]) -> object:
-    first = values[0]
-    if not isinstance(first, torch.Tensor):
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if len(tensors) < len(values):  # forward's other values: the last call's
         return values[-1]
-    if len(values) == 1:
-        return first
-    if first.dim() == 0:
-        return torch.stack(values)
-    return torch.cat(values)
+    if len(tensors) == 1:
+        return tensors[0]
+    if tensors[0].dim() == 0:
+        return torch.stack(tensors)
+    return torch.cat(tensors)

@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 from pipetorch import environment
 from pipetorch.errors import DeviceError
@@ -164,7 +164,7 @@ class Zygote:
         except DeviceError:
             return None
 
-    def _ask(self, request: Request, timeout: float, fds: list[int] = ()) -> Any:
+    def _ask(self, request: Request, timeout: float, fds: Sequence[int] = ()) -> Any:
         with self.lock:
             try:
                 socket.send_fds(self.sock, [pickle.dumps(request)], list(fds))
@@ -273,7 +273,7 @@ def _reap(statuses: dict[int, int]) -> None:
         statuses[pid] = os.waitstatus_to_exitcode(status)
 
 
-def _fork(conn_fd: int, env: dict[str, str], cwd: str, path: list[str], host: int,
+def _fork(conn_fd: int, env: dict[str, str], cwd: str, path: list[str], *, host: int,
           sock: socket.socket) -> int:
     pid = os.fork()
     if pid:

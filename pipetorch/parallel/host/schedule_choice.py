@@ -77,21 +77,23 @@ def measured_costs(traces: Sequence[Trace]) -> Costs | None:
                        for s in t.spans if s.kind == kind)
         return times[len(times) // 2] if times else None
 
-    forward, backward, weight = ([median(k, s) for s in range(stages)] for k in "FBW")
-    if not stages or any(not t for t in forward + backward):
+    measured = {k: [median(k, s) for s in range(stages)] for k in "FBW"}
+    forward, backward = ([t for t in measured[k] if t] for k in "FB")
+    if not stages or len(forward) + len(backward) < 2 * stages:
         return None
     split = SPLIT_COSTS["backward"] + SPLIT_COSTS["weight"]
-    whole, parts = [], []
-    for b, w in zip(backward, weight):
+    whole: list[float] = []
+    parts: list[tuple[float, float]] = []
+    for b, w in zip(backward, measured["W"], strict=True):
         if w is None:  # a whole backward: its parts as SPLIT_COSTS shares them
             whole.append(b)
             parts.append((b * split / SPLIT_COSTS["whole"] / 2,) * 2)
         else:
             whole.append((b + w) * SPLIT_COSTS["whole"] / split)
             parts.append((b, w))
-    unit = statistics.median(forward) / 10  # type: ignore[type-var]
+    unit = statistics.median(forward) / 10
 
     def ticks(values: Sequence[float]) -> tuple[int, ...]:
         return tuple(max(1, round(v / unit)) for v in values)
-    return dict(forward=ticks(forward), backward=ticks([b for b, _ in parts]),  # type: ignore
+    return dict(forward=ticks(forward), backward=ticks([b for b, _ in parts]),
                 weight=ticks([w for _, w in parts]), whole=ticks(whole))

@@ -137,7 +137,9 @@ class WeightSync:
         for peer, count in zip(workers.first_replica, counts, strict=False):
             assert isinstance(count, int)
             for _ in range(count):
-                loader.put(workers.receive(peer, "copyWeightsToHost"))  # type: ignore[arg-type]
+                item = workers.receive(peer, "copyWeightsToHost")
+                assert isinstance(item, tuple)  # a snapshot.Item
+                loader.put(item)
 
     def serve(self) -> object:
         """This process's stages' weights, for another process's read while this process's
@@ -148,7 +150,7 @@ class WeightSync:
         loader.finish({})
         return self._mine(False), {}
 
-    def _mine(self, optimizer_state: bool) -> dict[int, object]:
+    def _mine(self, optimizer_state: bool) -> dict[int, snapshot.StageState]:
         """The host copy's state of this process's stages (but what map_weights's files
         hold, which each process writes itself)."""
         e = self.engine
@@ -191,10 +193,11 @@ class WeightSync:
             return
         e = self.engine
         assert e.optimizer is not None
-        for peer, placement in zip(e.workers.first_replica, e.placements):
+        for peer, placement in zip(e.workers.first_replica, e.placements, strict=False):
             modules = [e.staged.modules[s] for s in placement.stages]
-            states = {s: ({}, *snapshot.stage_state(module, e.optimizer)[1:])
-                      for s, module in zip(placement.stages, modules)}
+            states: dict[int, snapshot.StageState] = {
+                s: ({}, *snapshot.stage_state(module, e.optimizer)[1:])
+                for s, module in zip(placement.stages, modules, strict=True)}
             e.workers.broadcast(m.GiveState(states), "giving the optimiser state back", [peer])
             elsewhere = {id(e.model.get_parameter(n)) for n in
                          stepped_elsewhere(e.ties, placement.stages, e.owners)}
@@ -245,7 +248,8 @@ class WeightSync:
                 "completed one (PIPETORCH_SNAPSHOTS=auto writes once writing costs at most a "
                 "tenth of the training time; =1 writes after every call)",
                 points.workers - points.saved)
-        for route, stage in zip(routes, saved):
+        for route, stage in zip(routes, saved, strict=True):
+            assert stage is not None  # checked above
             snapshot.load_stage_state(e.staged.modules[route.index], e.optimizer, stage)
 
     def push(self, *, optimizer_state: bool = False) -> None:

@@ -58,6 +58,7 @@ class WorkerSet:
         with the pool off."""
         environment.get("worker_nice")  # read by each worker: a bad value fails here, at once
         for placement in self.placements:
+            process: wire.Process
             if pool.enabled():
                 conn, process = pool.start_worker(self.timeout)
             else:

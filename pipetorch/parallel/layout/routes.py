@@ -134,7 +134,7 @@ def _specs(staged: StagedModel, args: tuple, kwargs: dict, *, training: bool,
 
     specs: dict[Source, TensorSpec | Constant] = {}
     with torch.set_grad_enabled(training):
-        for j, (module, io) in enumerate(zip(staged.modules, staged.io)):
+        for j, (module, io) in enumerate(zip(staged.modules, staged.io, strict=True)):
             state = {name: fake(t) for name, t in [*module.named_parameters(),
                                                    *module.named_buffers()]}
             outputs = torch.func.functional_call(module, state, tuple(fetch(s) for s in io.inputs))

@@ -8,7 +8,7 @@ import functools
 import itertools
 import operator
 import traceback
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -21,6 +21,9 @@ from pipetorch.partition.trace import FX_RULES, user_line
 from pipetorch.partition.inplace import inplace_inputs
 from pipetorch.partition.probe import preserved
 from pipetorch.partition.casting import HalfFloatCasting
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's from Python 3.11
 
 __all__: list[str] = []
 
@@ -122,12 +125,12 @@ class _SharedView(nn.Module):
         """The module run."""
         return self.__dict__["_wrapped"]
 
-    def train(self, mode: bool = True) -> nn.Module:
+    def train(self, mode: bool = True) -> Self:
         super().train(mode)
         self.module.train(mode)  # not a registered child, and its forward may read .training
         return self
 
-    def __reduce__(self) -> tuple[type, tuple[nn.Module]]:
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
         # Unpickling rebuilds the module (a GraphModule gets new registries): share those.
         return type(self), (self.module,)
 
@@ -208,27 +211,29 @@ def _checkpoint_call(module: nn.Module, mutated: tuple[int, ...], args: tuple[ob
     ReLU(inplace=True)) are changed in the caller's tensors as without checkpointing, while
     the copy checkpoint keeps for the rerun stays as it was received.
     """
-    given = {i: args[i] for i in mutated if i < len(args) and isinstance(args[i], torch.Tensor)}
-    kept = [a.clone() if i in given else a for i, a in enumerate(args)]
-    versions = [a._version if isinstance(a, torch.Tensor) else None for a in kept]
-    outputs, changed = _checkpoint(_run_on_copies, module, tuple(given), *kept,
-                                   use_reentrant=False, context_fn=_replay_contexts(module),
-                                   **kwargs)
-    for index, (arg, version) in enumerate(zip(kept, versions)):
-        if version is not None and arg._version != version:
+    given = {i: a for i in mutated if i < len(args) and isinstance(a := args[i], torch.Tensor)}
+    kept = [given[i].clone() if i in given else a for i, a in enumerate(args)]
+    versions = [(i, a, a._version) for i, a in enumerate(kept) if isinstance(a, torch.Tensor)]
+    run = functools.partial(_run_on_copies, module, tuple(given), **kwargs)
+    outputs, changed = _checkpoint(run, *kept, use_reentrant=False,
+                                   context_fn=_replay_contexts(module))
+    for index, arg, version in versions:
+        if arg._version != version:
             raise CompileError(
                 f"{owner} modified its input {_input_name(module, index)} in place, so it "
                 "cannot be rerun in backward from its inputs to recompute activations. Compute "
                 "it out of place (`x = x + 1`, ReLU(inplace=False)), or turn recomputation off")
-    for tensor, value in zip(given.values(), changed):
+    for tensor, value in zip(given.values(), changed, strict=True):
         tensor.copy_(value)  # through autograd: the gradient reaches the recomputed value
     return outputs
 
 
 def _run_on_copies(module: nn.Module, positions: tuple[int, ...], *args: object,
                    **kwargs: object) -> tuple[Any, tuple[torch.Tensor, ...]]:
-    args = tuple(a.clone() if i in positions else a for i, a in enumerate(args))
-    return module(*args, **kwargs), tuple(args[i] for i in positions)
+    copies = {i: a.clone() for i, a in enumerate(args)
+              if i in positions and isinstance(a, torch.Tensor)}
+    outputs = module(*(copies.get(i, a) for i, a in enumerate(args)), **kwargs)
+    return outputs, tuple(copies.values())
 
 
 def _input_name(module: nn.Module, index: int) -> str:
@@ -244,7 +249,8 @@ def _replay_contexts(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
     return functools.partial(_contexts, module)
 
 
-def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager, ...]:
+def _contexts(module: nn.Module
+              ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     # Called as the forward starts: the rerun casts as this forward does (partition.casting).
     casting = [m for m in torch.overrides._get_current_function_mode_stack()
                if isinstance(m, HalfFloatCasting)]
@@ -265,7 +271,7 @@ def _recomputation(buffers: list[torch.Tensor],
             yield
     finally:
         with torch.no_grad():
-            for buffer, value in zip(buffers, saved):
+            for buffer, value in zip(buffers, saved, strict=True):
                 buffer.copy_(value)
 
 
@@ -299,6 +305,7 @@ def _assemble(module: nn.Module, graph: fx.Graph) -> fx.GraphModule:
 
     def lookup(node: fx.Node) -> fx.Node:
         if node not in env:  # a get_attr read directly by the output
+            assert isinstance(node.target, str)  # an attribute's name
             owned[node.target] = operator.attrgetter(node.target)(module)
             env[node] = program.node_copy(node)
         return env[node]

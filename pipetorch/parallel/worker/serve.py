@@ -31,7 +31,7 @@ from pipetorch.parallel.generation import lanes
 from pipetorch.parallel.comm import messages as m
 from pipetorch.weights import snapshot
 from pipetorch.parallel.comm.rendezvous import join
-from pipetorch.parallel.comm import shm, stream
+from pipetorch.parallel.comm import stream
 from pipetorch.parallel.comm.payloads import Call, DeviceStage, Span
 from pipetorch.parallel.worker.stage import StageExecutor
 from pipetorch.parallel.worker.tied import TiedGrads, new_groups
@@ -155,9 +155,10 @@ class Worker:
         key = (call.micro_batches, training)
         if key not in self._plans:
             self._plans[key] = self._plan(call.micro_batches, training)
-        inputs = zip(self.reads, self._inputs.unpack(packed))
-        call = Call({i: x.to(self.device, non_blocking=True) for i, x in inputs},
-                    call.iterations, call.micro_batches, call.wanted, call.scale, call.overlap)
+        inputs = zip(self.reads, self._inputs.unpack(packed), strict=True)
+        moved = {i: x.to(self.device, non_blocking=True) for i, x in inputs}
+        call = Call(moved, call.iterations, call.micro_batches, call.wanted, call.scale,
+                    call.overlap)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the copy ends the H2D span
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -165,7 +166,7 @@ class Worker:
             resident.reset_peak_rss()
         # host to device: the inputs' bytes from their arrival on the pipe to the device
         loaded = Span("H2D", None, arrival.start, time.monotonic_ns(),
-                      sum(x.nbytes for x in call.inputs.values()))
+                      sum(x.nbytes for x in moved.values()))
         self.executor.run(self._plans[key], call, training=training)
         traces = self.executor.traces
         traces[0].spans.insert(0, loaded)
@@ -178,6 +179,7 @@ class Worker:
         if training and commit is not None:
             traces[0].snapshot = self._snapshot(commit)
         outputs, packed = arena.pack_tree(self._outputs, self.executor.outputs)
+        assert isinstance(outputs, dict)  # the executor's outputs' dicts, tensors taken out
         return m.RunReply(outputs, traces, packed)
 
     def replied(self) -> None:

@@ -32,7 +32,7 @@ import copy
 import datetime
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,8 @@ from pipetorch.parallel.comm.rendezvous import Rendezvous
 from pipetorch.weights.snapshot import Item
 
 __all__: list[str] = []
+
+V = TypeVar("V")
 
 #: PopART's minElementsForReplicatedTensorSharding when the options leave it unset.
 DEFAULT_MIN_ELEMENTS = 8192
@@ -234,7 +236,7 @@ class ShardedStep:
                 value = self.whole(name, modules[stage].get_parameter(name), key, value)
             yield stage, kind, name, key, value
 
-    def whole(self, name: str, param: nn.Parameter, key: str, value: object) -> object:
+    def whole(self, name: str, param: nn.Parameter, key: str, value: V) -> V | torch.Tensor:
         """`value` (this replica's state `key` of `param`) as the whole tensor: gathered
         from every replica when it is a slice (a collective: every replica calls it)."""
         found = self.slices.get(id(param))
@@ -289,7 +291,7 @@ class ShardedStep:
     def step(self) -> int:
         """Step the slices (and the whole small weights), then all-gather the slices; the
         bytes sent."""
-        for shell_group, index in zip(self.shell.param_groups, self._origin):
+        for shell_group, index in zip(self.shell.param_groups, self._origin, strict=True):
             params = shell_group["params"]  # hyper-parameters as the host last set them
             shell_group.update(self.optimizer.param_groups[index])
             shell_group["params"] = params
@@ -358,8 +360,9 @@ class ShardedStep:
 
 
 def build(optimizer: torch.optim.Optimizer | None, setting: tuple[int, int] | None,
-          meeting: Rendezvous, groups: Sequence[dist.ProcessGroup], *, device: int, replica: int,
-          timeout: float, wire_device: torch.device, backend: str) -> ShardedStep | None:
+          meeting: Rendezvous, groups: Sequence[dist.ProcessGroup | None], *, device: int,
+          replica: int, timeout: float, wire_device: torch.device, backend: str
+          ) -> ShardedStep | None:
     """A worker's sharded step when the options ask for one (`setting`: the minimum elements
     of a sliced weight, and this host process's replicas, which share the state out as in
     PopTorch); None otherwise. Every worker calls it: with several host processes it creates
@@ -379,6 +382,7 @@ def build(optimizer: torch.optim.Optimizer | None, setting: tuple[int, int] | No
         group, across = shares[replica // local, device], slices[replica % local, device]
     if optimizer is None:
         return None
+    assert group is not None, "several replicas: every device has its group"
     return ShardedStep(optimizer, rank=replica % local, replicas=local, group=group,
                        min_elements=min_elements, timeout=timeout, wire_device=wire_device,
                        backend=backend, across=across)

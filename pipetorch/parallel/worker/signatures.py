@@ -39,7 +39,7 @@ def skeleton(module: nn.Module, *, buffers: bool = True) -> nn.Module:
                                             requires_grad=p.requires_grad))
     for _, b in module.named_buffers(remove_duplicate=False) if buffers else ():
         memo.setdefault(id(b), torch.empty_like(b, device="meta"))
-    return copy.deepcopy(module, memo)  # type: ignore[arg-type]
+    return copy.deepcopy(module, memo)
 
 
 def tensors_of(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -109,7 +109,7 @@ class Signatures:
     def send(self, key: int) -> None:
         staged, routes, specs = self.all[key]
         workers = self.engine.workers
-        for peer, placement in zip(workers.peers, workers.placements):
+        for peer, placement in zip(workers.peers, workers.placements, strict=True):
             stages = tuple(DeviceStage(skeleton(staged.modules[s]), routes[s],
                                        staged.io[s].inputs) for s in placement.stages)
             workers.send(peer, m.AddSignature(key, stages, specs))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -64,7 +64,7 @@ def backward_input(tensors: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor
     finally:
         for handle in handles:
             handle.remove()
-    for leaf, grad in zip(wanted, grads):
+    for leaf, grad in zip(wanted, grads, strict=True):
         if grad is not None:
             leaf.grad = grad if leaf.grad is None else leaf.grad + grad
     return deferred
@@ -99,13 +99,14 @@ def backward_weight(deferred: Deferred | None) -> None:
         finally:
             for handle in handles:
                 handle.remove()
-        for node, grad in zip(group.params, found):
+        for node, grad in zip(group.params, found, strict=True):
             if grad is not None:
                 param = group.params[node]
                 param.grad = grad if param.grad is None else param.grad + grad
 
 
-def _recorder(deferred: Deferred, node: Node):  # type: ignore[no-untyped-def]
+def _recorder(deferred: Deferred, node: Node
+              ) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
     def record(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         deferred.grads[node] = tuple(grad_outputs)
     return record
@@ -116,8 +117,9 @@ def _node(tensor: torch.Tensor) -> Node:
     if tensor.grad_fn is not None:
         return tensor.grad_fn
     node = tensor.view_as(tensor).grad_fn
-    assert node is not None, "a tensor that requires grad has a grad_fn or an accumulator"
-    return node.next_functions[0][0]
+    accumulator = node.next_functions[0][0] if node is not None else None
+    assert accumulator is not None, "a tensor that requires grad has a grad_fn or an accumulator"
+    return accumulator
 
 
 def _plan(roots: list[Node], leaves: list[torch.Tensor],

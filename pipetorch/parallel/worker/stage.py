@@ -46,9 +46,9 @@ class _Forward:
 def _bundle(sources: tuple[Source, ...], specs: dict[Source, Spec], *,
             grads: bool = False) -> tuple[tuple[Source, ...], BundleLayout]:
     """The tensor entries of a bundle (only those carrying a gradient when `grads`)."""
-    chosen = tuple(s for s in sources if isinstance(specs[s], TensorSpec)
-                   and (not grads or specs[s].requires_grad))
-    return chosen, BundleLayout(tuple(specs[s] for s in chosen))  # type: ignore[misc]
+    chosen = [(s, spec) for s in sources if isinstance(spec := specs[s], TensorSpec)
+              and (not grads or spec.requires_grad)]
+    return tuple(s for s, _ in chosen), BundleLayout(tuple(spec for _, spec in chosen))
 
 
 class _Held:
@@ -219,8 +219,8 @@ class StageExecutor(Transfers):
                                      for i in route.host_inputs}
         received = held.received.pop(m, {})
         values.update(received)
-        values.update({s: self.specs[s].value for s in route.receive  # type: ignore[union-attr]
-                       if isinstance(self.specs[s], Constant)})
+        values.update({s: known.value for s in route.receive
+                       if isinstance(known := self.specs[s], Constant)})
         args = [values[s] for s in held.inputs]
         rewritten: set[Source] = set()
         for i in held.clone_inputs:
@@ -257,8 +257,9 @@ class StageExecutor(Transfers):
         forward = held.forwards.pop(m)
         sources, _ = held.grad_in
         grads = held.grads.pop(m, [])
-        tensors, seeds = [], []
-        for source, grad in zip(sources, grads):
+        tensors: list[torch.Tensor] = []
+        seeds: list[torch.Tensor | None] = []
+        for source, grad in zip(sources, grads, strict=True):
             if source[1] == held.route.index or source in forward.rewritten:
                 # computed (or changed in place) here: back-propagate through it
                 tensors.append(forward.values[source])

@@ -54,8 +54,7 @@ class Transfers:
 
     def _transfer_out(self, tag: Tag, action: Action, m: int, layout: BundleLayout,
                       tensors: list[torch.Tensor]) -> None:
-        peer = action.peer
-        assert peer is not None
+        peer = _peer(action)
         if self._local(peer):
             layout.check(tensors)
             self._handovers[(tag, peer, m)] = [t.detach() for t in tensors]
@@ -64,8 +63,7 @@ class Transfers:
 
     def _transfer_in(self, tag: Tag, action: Action, m: int,
                      layout: BundleLayout) -> list[torch.Tensor]:
-        peer = action.peer
-        assert peer is not None
+        peer = _peer(action)
         if self._local(peer):
             return self._handovers.pop((tag, action.stage, m))
         return self.link.recv(layout, self.owners[peer], channel(tag, peer))
@@ -74,10 +72,10 @@ class Transfers:
         held = self.held[action.stage]
         sources, layout = held.act_in
         tensors = self._transfer_in(Tag.ACTIVATIONS, action, m, layout)
-        for source, tensor in zip(sources, tensors):
-            if self._training and self.specs[source].requires_grad:  # type: ignore[union-attr]
+        for spec, tensor in zip(layout.specs, tensors, strict=True):
+            if self._training and spec.requires_grad:
                 tensor.requires_grad_(True)
-        held.received[m] = dict(zip(sources, tensors))
+        held.received[m] = dict(zip(sources, tensors, strict=True))
 
     def _send_act(self, m: int, action: Action) -> None:
         held = self.held[action.stage]
@@ -96,9 +94,17 @@ class Transfers:
                            held.grads_out.pop(m, []))
 
     def _send_done(self, m: int, action: Action) -> None:
-        if not self._local(action.peer):  # within the device its list already orders them
-            self.link.signal(self.owners[action.peer], channel(Tag.DONE, action.stage))
+        peer = _peer(action)
+        if not self._local(peer):  # within the device its list already orders them
+            self.link.signal(self.owners[peer], channel(Tag.DONE, action.stage))
 
     def _recv_done(self, m: int, action: Action) -> None:
-        if not self._local(action.peer):
-            self.link.wait_signal(self.owners[action.peer], channel(Tag.DONE, action.peer))
+        peer = _peer(action)
+        if not self._local(peer):
+            self.link.wait_signal(self.owners[peer], channel(Tag.DONE, peer))
+
+
+def _peer(action: Action) -> int:
+    """The stage a transfer goes to or comes from."""
+    assert action.peer is not None, f"{action} is a transfer without a peer"
+    return action.peer

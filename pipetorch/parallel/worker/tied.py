@@ -67,11 +67,11 @@ class TiedGrads:
         for devices, group, params in self.sets:  # in the same order on every device
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             used = [torch.full((1,), float(p.grad is not None), dtype=g.dtype, device=g.device)
-                    for p, g in zip(params, grads)]
+                    for p, g in zip(params, grads, strict=True)]
             link.all_reduce([*grads, *used], group=group,
                             who=f"the workers of devices {', '.join(map(str, devices))}")
             steps = devices[0] == self.device
-            for param, grad, flag in zip(params, grads, used):
+            for param, grad, flag in zip(params, grads, used, strict=True):
                 param.grad = grad if steps and flag.item() > 0 else None
 
     @torch.no_grad()
