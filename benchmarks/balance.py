@@ -31,7 +31,7 @@ from pipetorch.parallel.layout.placement import cpu_cores
 from pipetorch.partition.blocks import removeBlocks
 from pipetorch.partition.balance import Segment, evaluate, plan
 from pipetorch.partition.candidates import candidates
-from pipetorch.profiling.costs import cost_table
+from pipetorch.planning.costs import cost_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline as seed  # noqa: E402

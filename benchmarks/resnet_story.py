@@ -32,7 +32,7 @@ import torch.nn as nn
 
 import pipetorch as poptorch
 from pipetorch.parallel.layout.placement import cpu_cores, live_workers
-from pipetorch.profiling.estimate import fmt
+from pipetorch.planning.estimate import fmt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

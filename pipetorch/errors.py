@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pipetorch.partition.balance import Placement
-    from pipetorch.profiling.estimate import MemoryEstimate, Remedy
+    from pipetorch.planning.estimate import MemoryEstimate, Remedy
 
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
            "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",

@@ -21,7 +21,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel.comm",),                     # between processes: messages, wire, links, arenas
     ("parallel.worker", "parallel.generation"),  # in a device's worker: executor, generation
     ("parallel.host",),                     # in the user's process: engines, worker set, clients
-    ("profiling",),                         # reads spans and plans; measured balancing
+    ("planning",),                          # compile-time: memory model and estimate, balancing
+    ("profiling",),                         # a run's reports: spans, memory.json, comparisons
     ("options", "data", "poptorch_core"),   # PopTorch's Options, DataLoader, core checks
     ("runtime",),                           # the wrapper: trainingModel, weights, anchors
     ("popdist",),                           # PopDist's API over torchrun's processes

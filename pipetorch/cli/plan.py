@@ -136,7 +136,7 @@ def _memory(text: str | None) -> int | None:
 def _command(args: argparse.Namespace) -> int:
     import torch
 
-    from pipetorch.profiling.plan import TooManyStagesError, plan
+    from pipetorch.planning.plan import TooManyStagesError, plan
 
     try:
         _check(args)

@@ -12,7 +12,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from pipetorch.errors import CompileError, ConfigError, Error
-from pipetorch.profiling import estimate
+from pipetorch.planning import estimate
 from pipetorch.partition.split import CaptureOnce
 from pipetorch.partition.strategies import ExecutionStrategy, StageSpec
 from pipetorch.partition import casting, op_log, stage_rules
@@ -322,7 +322,7 @@ def _auto_balance(model: nn.Module, args: tuple, kwargs: dict,
                   config: RunConfig) -> ExecutionStrategy:
     """opts.autoBalance: place the model's stages by measured cost before capturing it; the
     strategy to run with (the options' own, or its kind over the balanced Block scopes)."""
-    from pipetorch.profiling.balancing import balanced_strategy
+    from pipetorch.planning.balancing import balanced_strategy
     from pipetorch.schedule.device_plans import engine_kind
 
     budget, devices = config.memory_budget, config.balance_devices

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipetorch import environment
 from pipetorch.schedule.plans import Batching
-from pipetorch.profiling import memory
+from pipetorch.planning import memory
 
 if TYPE_CHECKING:
     from pipetorch.options import Options

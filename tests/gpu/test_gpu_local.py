@@ -17,7 +17,7 @@ from pipetorch.parallel.layout import placement
 from pipetorch.parallel.layout.routes import TensorSpec
 from pipetorch.parallel.comm.transport import BundleLayout, backend_for
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.profiling.estimate import device_budget
+from pipetorch.planning.estimate import device_budget
 from pipetorch.partition.probe import preserved
 from pipetorch.parallel.layout.placement import default_device
 

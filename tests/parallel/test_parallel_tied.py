@@ -13,7 +13,7 @@ from parallel_cases import (assert_same_result, assert_same_state, cleaned, loca
                             TIED_WIDTH, TiedHead, tied_tokens)
 from pipetorch.partition import blocks
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.profiling.estimate import estimate_memory
+from pipetorch.planning.estimate import estimate_memory
 from pipetorch.schedule.plans import Batching
 
 B = 2  # samples per micro-batch

@@ -15,7 +15,7 @@ from parallel.parallel_cases import (assert_in_processes, assert_same_result, as
 from pipetorch.cli.report import show_report
 from pipetorch.partition.balance import evaluate
 from pipetorch.partition.candidates import candidates
-from pipetorch.profiling.costs import cost_table
+from pipetorch.planning.costs import cost_table
 from pipetorch.profiling.recorder import Profiler, load
 from pipetorch.profiling.rebalance import stage_compute
 

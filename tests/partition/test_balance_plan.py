@@ -167,8 +167,8 @@ def test_block_scope_costs_count_first_used_parameters_and_every_crossing_tensor
     import torch.nn.functional as F
 
     import pipetorch as poptorch
-    from pipetorch.profiling.costs import _one_step, cost_table
-    from pipetorch.profiling.probes import BlockProbe
+    from pipetorch.planning.costs import _one_step, cost_table
+    from pipetorch.planning.probes import BlockProbe
 
     class Skip(nn.Module):
         def __init__(self):

@@ -167,7 +167,7 @@ def test_a_second_wrapper_of_the_same_model_compiles_from_the_cache(tmp_path, re
         net.register_forward_pre_hook(lambda *_: runs.append(1))
         if net is twin:  # nothing is measured again: the entry holds the specs and footprints
             for name in ("pipetorch.parallel.host.build.value_specs",
-                         "pipetorch.profiling.estimate.staged_footprints"):
+                         "pipetorch.planning.estimate.staged_footprints"):
                 monkeypatch.setattr(name, lambda *a, name=name, **k: pytest.fail(name))
         opts = poptorch.Options().enableExecutableCaching(str(tmp_path))
         opts.setMemoryBudget("8GiB")  # the estimate measures each stage's footprint

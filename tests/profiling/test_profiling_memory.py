@@ -6,7 +6,7 @@ import torch.nn as nn
 
 import pipetorch as poptorch
 from helpers.models import ReluStages
-from pipetorch.profiling.memory import optimiser_state_bytes
+from pipetorch.planning.memory import optimiser_state_bytes
 from pipetorch.profiling.recorder import Profiler
 
 
@@ -128,7 +128,7 @@ def staged_report(*, offload, recomputation, sharded=None):
     from pipetorch.parallel.layout.placement import Placement
     from pipetorch.partition.split import split_stages
     from pipetorch.partition.strategies import StageSpec
-    from pipetorch.profiling.estimate import estimate_memory
+    from pipetorch.planning.estimate import estimate_memory
     from pipetorch.profiling.memory import build
     from pipetorch.runtime.compile import Compiled
     from pipetorch.schedule.plans import Batching

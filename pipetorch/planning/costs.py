@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from pipetorch.partition.balance import Segment
-from pipetorch.profiling.probes import BlockProbe, ModuleProbe, Probe
+from pipetorch.planning.probes import BlockProbe, ModuleProbe, Probe
 
 __all__: list[str] = []
 

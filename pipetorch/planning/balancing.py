@@ -12,7 +12,7 @@ from pipetorch.partition.balance import Placement, plan
 from pipetorch.partition.blocks import BeginBlock, removeBlocks
 from pipetorch.partition.candidates import ordered_candidates
 from pipetorch.partition.strategies import ExecutionStrategy
-from pipetorch.profiling.costs import cost_table
+from pipetorch.planning.costs import cost_table
 from pipetorch.schedule.device_plans import engine_kind
 
 if TYPE_CHECKING:

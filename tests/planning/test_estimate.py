@@ -7,7 +7,7 @@ import pipetorch as poptorch
 from helpers.models import ReluStages
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.profiling.estimate import check_budget, device_budget, estimate_memory, fmt
+from pipetorch.planning.estimate import check_budget, device_budget, estimate_memory, fmt
 from pipetorch.schedule.plans import Batching
 
 M = 2  # samples per micro-batch
@@ -77,7 +77,7 @@ def test_recomputation_prices_what_checkpointed_stages_keep():
     import dataclasses
 
     from pipetorch.partition.split import split_stages
-    from pipetorch.profiling.memory import staged_footprints
+    from pipetorch.planning.memory import staged_footprints
     from pipetorch.parallel.worker.recompute import stage_module
 
     model, x = ReluStages(), torch.randn(M, 6)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from pipetorch.partition.blocks import recording
-from pipetorch.profiling.memory import tensors_of
+from pipetorch.planning.memory import tensors_of
 
 __all__: list[str] = []
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.parallel.host import pool
-from pipetorch.profiling.memory import (
+from pipetorch.planning.memory import (
     ZERO, Footprint, Size, fake_tensors, faked, module_tensors, sized, storage_key, tensors_of,
 )
 

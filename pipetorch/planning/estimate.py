@@ -33,7 +33,7 @@ import torch.nn as nn
 from pipetorch.errors import OutOfMemoryError
 from pipetorch.parallel.worker.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.profiling.memory import (
+from pipetorch.planning.memory import (
     ZERO, Footprint, Size, faked, fake_tensors, kept_bytes, measure_forward, module_tensors,
     optimiser_state_bytes, per_replica, replica_plan_length, size_of, staged_footprints,
 )

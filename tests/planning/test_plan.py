@@ -6,7 +6,7 @@ import torch.nn as nn
 import pipetorch as poptorch
 from pipetorch.schedule.plans import Batching
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.profiling.estimate import estimate_memory
+from pipetorch.planning.estimate import estimate_memory
 
 M, WIDTH = 3, 16
 
@@ -127,7 +127,7 @@ def test_the_compile_time_estimate_prices_sharded_state_as_the_plan_does(min_ele
 
 def test_the_step_time_follows_the_schedule_simulator():
     _, one = tiny_plan(devices=1, split=None, flops=1e9)
-    flops = sum(p.flops for p in poptorch.profiling.plan.measure(
+    flops = sum(p.flops for p in poptorch.planning.plan.measure(
         Tiny(), ((torch.randn(M, 6),), {})))
     assert one.step_seconds == pytest.approx(4 * 3 * flops / 1e9)
     _, two = tiny_plan(flops=1e9)
@@ -152,7 +152,7 @@ def test_bad_input_names_the_values_and_the_fix(kwargs, message):
 def test_measure_here_times_each_piece_and_leaves_the_model_as_it_was():
     # the step time was 36-70% low when one layer's FLOP rate stood for the embedding's
     # backward and the head's: every piece is now timed for real
-    from pipetorch.profiling.segments import measure, measure_here
+    from pipetorch.planning.segments import measure, measure_here
 
     torch.manual_seed(0)
     model, inputs = Tiny(), ((torch.randn(M, 6),), {})
@@ -178,8 +178,8 @@ def test_replicas_on_a_crowded_cpu_slow_the_step_and_add_their_gradient_reductio
         monkeypatch):
     # the MLP of 2 stages x 2 replicas on 2 cores was planned at 1.7 s for 4.2 s measured:
     # four workers share two cores, and the replicas' gradients are reduced before each step
-    from pipetorch.profiling import plan as planning
-    from pipetorch.profiling.segments import Rates
+    from pipetorch.planning import plan as planning
+    from pipetorch.planning.segments import Rates
 
     def rates(crowding, all_reduce_rate):
         return lambda model, pieces, *_: Rates([(1.0, 2.0)] * len(pieces), 1e-12, 1e15,

@@ -27,11 +27,11 @@ from pipetorch.schedule.plans import Batching
 from pipetorch.parallel.worker.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition import balance
 from pipetorch.partition.stage_rules import min_gradient_accumulation
-from pipetorch.profiling.estimate import (
+from pipetorch.planning.estimate import (
     MemoryEstimate, Remedy, Setting, StageMemory, batch_size, fmt, price, rank_remedies,
 )
-from pipetorch.profiling.memory import ZERO, Footprint, Size, size_of, state_layout
-from pipetorch.profiling.segments import Piece, Rates, measure, measure_here as timed
+from pipetorch.planning.memory import ZERO, Footprint, Size, size_of, state_layout
+from pipetorch.planning.segments import Piece, Rates, measure, measure_here as timed
 from pipetorch.schedule.device_plans import device_plan, peak_stash, simulate_devices
 
 __all__ = ["plan", "Plan"]
