@@ -86,7 +86,7 @@ def _schedule(opts) -> None:  # noqa: ANN001
 def child(setting: str, layers: int, width: int, dtype: str) -> None:
     """One setting in this fresh interpreter; prints its peaks as JSON."""
     sys.path.insert(0, os.path.dirname(HERE))
-    from pipetorch.parallel.comm.resident import TreeSampler
+    from tree_memory import TreeSampler
 
     # --plan times the steps: no Pss then (reading it walks every page of every process)
     with TreeSampler(interval=0.1,
@@ -196,7 +196,7 @@ def sharding_child(setting: str, layers: int, width: int) -> None:
     import torch
 
     import pipetorch as poptorch
-    from pipetorch.parallel.comm.resident import TreeSampler
+    from tree_memory import TreeSampler
 
     with TreeSampler(interval=0.1) as sampler:
         sampler.phase("model")

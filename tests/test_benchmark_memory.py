@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from pipetorch.parallel.comm.resident import TreeSampler, descendants, rss
+from helpers.scripts import load_benchmark
+from pipetorch.parallel.comm.resident import rss
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "memory.py"
+tree_memory = load_benchmark("tree_memory")
+TreeSampler, descendants = tree_memory.TreeSampler, tree_memory.descendants
 
 
 def test_the_sampler_sees_a_child_and_keeps_each_phase_peak():

@@ -12,7 +12,7 @@ ROOT = Path(pipetorch.__file__).parent
 # Lowest first. A module may import its own layer and the layers below it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "enums", "log_level", "printing", "losses", "tracebacks", "tensor_ops",
-     "extensions", "ops", "environment", "torch_compat"),  # foundations, beside the flow
+     "extensions", "ops", "environment", "torch_compat", "memfd"),  # foundations, beside the flow
     ("schedule",),                          # schedules as pure data
     ("optim",),                             # PopTorch's optimisers
     ("weights",),                           # where each weight lives: files, shared memory, copies

@@ -13,7 +13,7 @@ handed back only once the event has completed:
 
 Errors cross the process boundary: an exception in the dataset is raised here as
 `pipetorch.errors.LoaderError` carrying the loader's traceback, and a loader process that
-dies (killed, crashed) is noticed within `POLL_S` seconds instead of being waited on
+dies (killed, crashed) is noticed within `stream.POLL` seconds instead of being waited on
 forever.
 
 Start method (`sharing_strategy`): PopTorch spawns a fresh interpreter (its default is
@@ -50,7 +50,7 @@ from pipetorch.data.sampling import length_of, rebatched_length
 from pipetorch.data.structure import unflatten
 from pipetorch.enums import SharingStrategy
 from pipetorch.errors import LoaderError
-from pipetorch.parallel.comm import memfd
+from pipetorch import memfd
 
 __all__ = ["AsynchronousDataAccessor"]
 
@@ -379,14 +379,6 @@ class AsynchronousDataAccessor(LoaderPipe):
             items = next((n for n in sizes if n is not None), None) if items else None
         self.stats.record(views, items=items or 1)
         return unflatten(views, self._tree)
-
-    def _prefetched_batches(self) -> int:
-        """Batches loaded and announced but not yet taken (for tests and diagnostics)."""
-        self._check_usable()
-        self._connect()
-        while self._conn.poll(0):
-            self._pending.append(self._conn.recv())
-        return sum(1 for m in self._pending if m[0] == Msg.READY)
 
     @property
     def bytes_per_item(self) -> float | None:

@@ -16,9 +16,9 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
-from pipetorch.data.producer import POLL_S
 from pipetorch.data.ring_buffer import Msg
 from pipetorch.errors import LoaderError
+from pipetorch.parallel.comm import stream
 
 __all__: list[str] = []
 
@@ -59,8 +59,8 @@ class LoaderPipe:
                 if self._conn.poll(0):
                     continue  # read what it sent before exiting
                 self._died()
-            wait([self._conn, process.sentinel], timeout=POLL_S)
-            waited += POLL_S
+            wait([self._conn, process.sentinel], timeout=stream.POLL)
+            waited += stream.POLL
             if waited >= _WARN_AFTER_S:
                 logger.warning("still waiting for a batch from loader process %d after %.0f s",
                                process.pid, waited)

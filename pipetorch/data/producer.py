@@ -2,7 +2,7 @@
 
 It runs `source` (anything iterable; one iteration is one epoch) and obeys the user's
 process through one pipe (see ring_buffer.Msg). Every blocking wait wakes up every
-`POLL_S` seconds to check that the user's process still exists, so an orphaned loader
+`stream.POLL` seconds to check that the user's process still exists, so an orphaned loader
 exits by itself. An exception is sent back with its traceback before the process exits.
 
 Epochs: the loader may run ahead of the user by one epoch when load_indefinitely is set
@@ -12,6 +12,7 @@ the first batch (needed to shape the slots) is fetched up front.
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import signal
@@ -24,12 +25,12 @@ import torch
 
 from pipetorch.data.fetch import DirectFetch
 from pipetorch.data.ring_buffer import Command, Msg, SlotLayout, SlotSizes, SlotWriter
-from pipetorch.parallel.comm import memfd
+from pipetorch import memfd
+from pipetorch.parallel.comm import stream
 from pipetorch.data.structure import batch_rows, flatten
 
 __all__: list[str] = []
 
-POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -184,9 +185,10 @@ class _Producer:
             raise _Shutdown from None
 
     def _receive(self) -> Command:
-        while not self.conn.poll(POLL_S):
-            if not self._user_alive():
-                raise _Shutdown
+        try:
+            stream.wait(self.conn, math.inf, self._user_alive)
+        except EOFError:
+            raise _Shutdown from None
         return self._recv()
 
     def _user_alive(self) -> bool:

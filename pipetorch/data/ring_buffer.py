@@ -12,7 +12,7 @@ next batch. Only slot numbers cross the pipe, never tensor data:
     (waits for a FREE) <-- FREE(0) ---
     write slot 0 ...
 
-The buffer is a shared memory file (parallel/comm/memfd.py, as the activations use): the
+The buffer is a shared memory file (pipetorch/memfd.py, as the activations use): the
 loader makes it and keeps its descriptor until the user's process has attached (ACK). It has no
 name, so nothing can be left behind; the memory goes back to the system when both processes
 have dropped their mappings.

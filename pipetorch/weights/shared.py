@@ -36,6 +36,7 @@ from typing import Iterable
 
 import torch
 
+from pipetorch import memfd
 from pipetorch.weights import mapped
 
 __all__: list[str] = []
@@ -73,23 +74,17 @@ class SharedWeights:
                     or (region is not None and not region.live)):  # a weights file's: read
                 continue
             by_storage.setdefault(storage.data_ptr(), []).append(tensor)
-        if not by_storage or not hasattr(os, "memfd_create"):
+        if not by_storage or not memfd.reachable():
             return None
         offsets, total = [], 0
         for tensors in by_storage.values():
             offsets.append(total)
             total += _aligned(tensors[0].untyped_storage().nbytes())
         try:
-            fd = os.memfd_create("pipetorch-weights", os.MFD_CLOEXEC)
+            fd = memfd.new_file(total, name="pipetorch-weights", reserve=True)
         except OSError as exc:
-            logger.info("Weights not shared with the workers (%s): each holds its own copy", exc)
-            return None
-        try:
-            os.posix_fallocate(fd, 0, total)  # every page now: no SIGBUS when memory runs out
-        except OSError as exc:
-            os.close(fd)
-            logger.info("Weights not shared with the workers: no room for %.2f GB (%s); each "
-                        "holds its own copy", total / 1e9, exc)
+            logger.info("Weights not shared with the workers: no memory file of %.2f GB (%s); "
+                        "each holds its own copy", total / 1e9, exc)
             return None
         path, name = f"/proc/{os.getpid()}/fd/{fd}", next(_files)
         mapped.own(path, fd)

@@ -127,7 +127,7 @@ def wait_busy(pid: int, *, ticks: int = 20, timeout: float = 30.0) -> None:
 
 
 def memory_files() -> set[int]:
-    """The inodes of the shared memory files (parallel/comm/memfd.py, not the weights' file,
+    """The inodes of the shared memory files (pipetorch/memfd.py, not the weights' file,
     which the host's parameters may keep mapped) this process holds open or mapped."""
     name = "/memfd:pipetorch (deleted)"
     held = set()

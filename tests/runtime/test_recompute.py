@@ -14,6 +14,8 @@ from pipetorch import ops
 from pipetorch.errors import CompileError
 from pipetorch.parallel.worker.recompute import with_recomputation
 
+from helpers.activations import saved_activation_bytes
+
 BATCH, WIDTH = 16, 32
 ACTIVATION_BYTES = BATCH * WIDTH * 4  # one float32 [BATCH, WIDTH] activation
 
@@ -126,29 +128,13 @@ def test_shares_parameters_and_trains_with_optimiser_on_original():
         assert torch.equal(p, q)
 
 
-def _saved_activation_bytes(model, inputs):
-    """Bytes of distinct non-parameter storages autograd saves during one forward."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(*inputs)
-    return sum(storages.values()), out
-
-
 def test_recomputation_saves_fewer_activation_bytes():
     torch.manual_seed(0)
     plain = CheckpointedMLP()
     wrapped = with_recomputation(copy.deepcopy(plain))
     inputs = (torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH))
-    plain_bytes, _ = _saved_activation_bytes(plain, inputs)
-    wrapped_bytes, _ = _saved_activation_bytes(wrapped, inputs)
+    plain_bytes = saved_activation_bytes(plain, inputs)
+    wrapped_bytes = saved_activation_bytes(wrapped, inputs)
     # Plain saves x, the six ReLU outputs r1..r6, the dropout output and mask, and the target.
     # Wrapped saves the values crossing segments (x, r2, r4; checkpoint saves its inputs through
     # autograd too) and the last segment's r5, r6 and target: r1, the dropout output and mask,

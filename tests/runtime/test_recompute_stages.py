@@ -15,7 +15,9 @@ from pipetorch.options.groups import _PopartOptions, _TrainingOptions
 from pipetorch.partition.inplace import inplace_inputs
 from pipetorch.partition.split import split_stages
 from pipetorch.partition.strategies import StageSpec
-from pipetorch.parallel.worker.recompute import original_module, saved_activation_bytes, stage_module
+from pipetorch.parallel.worker.recompute import original_module, stage_module
+
+from helpers.activations import saved_activation_bytes
 
 WIDTH, BATCH = 8, 4
 STAGES = [StageSpec(0, 0, ("B1",)), StageSpec(1, 1, ("B2",))]

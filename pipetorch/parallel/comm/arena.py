@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from pipetorch.parallel.comm import memfd
+from pipetorch import memfd
 from pipetorch.partition.export import Tree
 from pipetorch.partition.split import map_leaves
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipetorch.errors import DeviceError
-from pipetorch.parallel.comm import memfd
+from pipetorch import memfd
 from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, LinkOptions, PeerLink, Tag
 
 if TYPE_CHECKING:

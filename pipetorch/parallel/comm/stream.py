@@ -60,7 +60,7 @@ INLINE = 1 << 20  # a message whose storages hold at most this many bytes is one
 # (1 MB: 16 sequences' logits, 512 KB, come back in one write; benchmarks/generate.py, 16
 # sequences in 2 lanes: 0.91x plain HF, 0.84x with 64 KB)
 _INLINE = struct.Struct("!IB")  # the first frame opens with its header's bytes and 1 if inline
-_POLL = 0.2  # seconds between checks that the sender is still there
+POLL = 0.2  # seconds between checks that the other side is still there, while waiting
 
 
 def bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -299,7 +299,7 @@ def wait(conn: Connection, timeout: float, alive: Callable[[], bool] | None = No
     """Until `conn` has bytes to read: TimeoutError after `timeout` s, EOFError once
     `alive()` says the other side's process is gone."""
     deadline = time.monotonic() + timeout
-    while not conn.poll(_POLL):
+    while not conn.poll(POLL):
         if alive is not None and not alive():
             raise EOFError("the process that started this worker has exited")
         if time.monotonic() > deadline:

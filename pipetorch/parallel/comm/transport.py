@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pipetorch import environment
 from pipetorch.errors import DeviceError
-from pipetorch.parallel.comm import memfd
+from pipetorch import memfd
 from pipetorch.parallel.comm.buckets import BUCKET_BYTES, Piece, buckets
 from pipetorch.parallel.layout.routes import TensorSpec
 

@@ -14,8 +14,6 @@ from pipetorch.parallel.comm import exits, stream
 
 __all__: list[str] = []
 
-_POLL = 0.2  # seconds between liveness checks while waiting
-
 
 def send(conn: Connection, message: object, *, shared: Collection[int] = ()) -> None:
     """Send by value (no shared-memory handles that could outlive their sender), each tensor's
@@ -120,7 +118,7 @@ def gather(peers: Sequence[Peer], *, timeout: float, what: str,
     waiting = {p.conn: (n, p) for n, p in enumerate(peers)}
     deadline = time.monotonic() + timeout
     while waiting:
-        for conn in wait(list(waiting), timeout=_POLL * 5):
+        for conn in wait(list(waiting), timeout=stream.POLL * 5):
             assert isinstance(conn, Connection)  # the only kind waited on
             n, peer = waiting.pop(conn)
             start = time.monotonic_ns()

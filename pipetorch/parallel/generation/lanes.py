@@ -204,15 +204,16 @@ def rows(call: Tree) -> int:
     return next((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim() >= 2), 1)
 
 
-def join(calls: list[T]) -> T:
-    """The calls (alike but for their rows) as one: their row tensors concatenated."""
+def join(calls: list[T], *, least_dim: int = 2) -> T:
+    """The calls (alike but for their rows) as one: their row tensors (those of `least_dim`
+    dimensions or more; 1 for results, where a 1-d tensor has a value per row) concatenated."""
     if len(calls) == 1:
         return calls[0]
     flat = [pytree.tree_flatten(call, is_leaf=kv_cache.is_cache_or_slot) for call in calls]
     leaves, spec = flat[0]
     return pytree.tree_unflatten(
-        [torch.cat([f[0][i] for f in flat]) if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2
-         else leaf for i, leaf in enumerate(leaves)], spec)
+        [torch.cat([f[0][i] for f in flat]) if isinstance(leaf, torch.Tensor)
+         and leaf.dim() >= least_dim else leaf for i, leaf in enumerate(leaves)], spec)
 
 
 def split(tree: T, counts: list[int]) -> list[T]:

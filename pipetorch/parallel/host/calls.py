@@ -11,6 +11,7 @@ import torch
 from pipetorch import environment
 from pipetorch.parallel.comm import arena, wire
 from pipetorch.parallel.comm import messages as m
+from pipetorch.parallel.host.engines import MicroBatches
 from pipetorch.parallel.host.host_link import Kind
 from pipetorch.parallel.host.local import reduction_multiplier
 from pipetorch.parallel.host.outputs import Collector
@@ -21,8 +22,6 @@ if TYPE_CHECKING:
     from pipetorch.parallel.host.engine import ProcessEngine
 
 __all__: list[str] = []
-
-MicroBatches = list[tuple[tuple, dict]]
 
 
 class Calls:

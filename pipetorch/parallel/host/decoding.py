@@ -32,7 +32,7 @@ from pipetorch.errors import CompileError
 from pipetorch.parallel.generation import lanes, kv_cache
 from pipetorch.parallel.comm import messages as m
 from pipetorch.parallel.comm import stream
-from pipetorch.parallel.generation.lanes import LaneCall, Step, rows, skeleton
+from pipetorch.parallel.generation.lanes import LaneCall, Step, join, rows, skeleton, split
 from pipetorch.parallel.comm.wire import WorkerFailed
 from pipetorch.parallel.host.workers import WorkerSet
 from pipetorch.partition.export import Tree
@@ -375,7 +375,7 @@ class _Steps:
             return kv_cache.fill(out, host_cache)
         calls = _lanes(call, self.lanes)
         outputs = self._run(dict(enumerate(calls)), path, host_cache)
-        return kv_cache.fill(_joined([outputs[lane] for lane in range(len(calls))]), host_cache)
+        return kv_cache.fill(join([outputs[lane] for lane in range(len(calls))], least_dim=1), host_cache)
 
     def _run(self, calls: dict[int, LaneCall], path: str, host_cache: object, *,
              batched: bool = False) -> dict[int, Tree]:
@@ -413,29 +413,8 @@ def _lanes(call: T, lanes: int) -> list[T]:
     batch = rows(call)
     if min(batch, lanes) == 1:
         return [call]
-
-    def part_of(part: torch.Tensor) -> T:
-        start, stop = int(part[0]), int(part[-1]) + 1
-
-        def cut(leaf: object) -> object:
-            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 and leaf.shape[0] == batch:
-                return leaf[start:stop]
-            return leaf
-
-        return pytree.tree_map(cut, call, is_leaf=kv_cache.is_cache_or_slot)
-
-    return [part_of(part) for part in torch.arange(batch).tensor_split(min(batch, lanes))]
-
-
-def _joined(outputs: list[T]) -> T:
-    """The lanes' results as one: tensors concatenated along the batch."""
-    if len(outputs) == 1:
-        return outputs[0]
-    flat = [pytree.tree_flatten(o, is_leaf=kv_cache.is_cache_or_slot) for o in outputs]
-    leaves, spec = flat[0]
-    joined = [torch.cat([f[0][i] for f in flat]) if isinstance(leaf, torch.Tensor)
-              and leaf.dim() >= 1 else leaf for i, leaf in enumerate(leaves)]
-    return pytree.tree_unflatten(joined, spec)
+    parts = torch.arange(batch).tensor_split(min(batch, lanes))
+    return split(call, [len(part) for part in parts])
 
 
 @contextlib.contextmanager

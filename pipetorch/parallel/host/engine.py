@@ -30,7 +30,8 @@ from pipetorch.parallel.host import cross_process, host_link, peers
 from pipetorch.parallel.generation import lanes
 from pipetorch.parallel.comm import wire
 from pipetorch.parallel.comm import messages as m
-from pipetorch.parallel.host.calls import Calls, MicroBatches
+from pipetorch.parallel.host.calls import Calls
+from pipetorch.parallel.host.engines import MicroBatches
 from pipetorch.parallel.layout.compile_plan import CompilePlan
 from pipetorch.parallel.host import decoding
 from pipetorch.schedule.plans import Batching

@@ -1,5 +1,5 @@
-"""Shared memory between the processes of one machine, for activations and a call's inputs and
-outputs: one scheme for both (the weights have theirs, weights/shared.py, reached the same way).
+"""Shared memory between the processes of one machine: activations, a call's inputs and
+outputs, the DataLoader's ring and the weights' file (weights/shared.py) are all memory files.
 
 Each is an anonymous memory file (memfd) that its maker keeps open; another process of the
 same user opens it through /proc/<maker pid>/fd/<fd>, and a pipe's end likewise. Nothing has a
@@ -46,10 +46,25 @@ def make(size: int) -> tuple[Address, torch.Tensor]:
     if not reachable():
         raise OSError("pipetorch's shared memory needs Linux (memfd_create and /proc): run "
                       "the workers and the asynchronous DataLoader on Linux")
-    fd = os.memfd_create("pipetorch", os.MFD_CLOEXEC)
+    fd = new_file(size)
     try:
-        os.ftruncate(fd, size)
         return Address(os.getpid(), fd, size), _map(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def new_file(size: int, *, name: str = "pipetorch", reserve: bool = False) -> int:
+    """The descriptor of a new memory file of `size` bytes (zeros); with `reserve`, every page
+    is allocated now, so that running out of memory is an OSError here rather than a SIGBUS
+    at a later write. Raises OSError."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        if reserve:
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
+        return fd
     except BaseException:
         os.close(fd)
         raise
