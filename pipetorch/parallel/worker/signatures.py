@@ -109,7 +109,8 @@ class Signatures:
     def send(self, key: int) -> None:
         staged, routes, specs = self.all[key]
         workers = self.engine.workers
-        for peer, placement in zip(workers.peers, workers.placements, strict=True):
+        # no peers once stopped after a failure: the gather below says what happened
+        for peer, placement in zip(workers.peers, workers.placements, strict=False):
             stages = tuple(DeviceStage(skeleton(staged.modules[s]), routes[s],
                                        staged.io[s].inputs) for s in placement.stages)
             workers.send(peer, m.AddSignature(key, stages, specs))
