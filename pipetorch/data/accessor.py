@@ -119,7 +119,7 @@ def _strategy(value: SharingStrategy | int) -> SharingStrategy:
         raise ValueError(f"sharing_strategy must be one of {valid}; got {value!r}.") from None
 
 
-class AsynchronousDataAccessor(LoaderPipe):
+class AsynchronousDataAccessor:
     """Iterates `dataset` (any iterable; one pass is one epoch) in a separate process.
 
     miss_sleep_time_in_ms is accepted for PopTorch compatibility: waits here are woken by
@@ -132,7 +132,7 @@ class AsynchronousDataAccessor(LoaderPipe):
                  miss_sleep_time_in_ms: float = 0.1, load_indefinitely: bool = True,
                  early_preload: bool = False, sharing_strategy: SharingStrategy | None = None,
                  rebatched_size: int | None = None) -> None:
-        self._process: Any = None  # terminate() may run even if __init__ fails
+        self._pipe: LoaderPipe | None = None  # None once terminated (or if __init__ fails)
         if getattr(dataset, "_accessor", None) is not None:
             raise ValueError(
                 "The DataLoader already uses an AsynchronousDataAccessor internally. Either "
@@ -149,7 +149,6 @@ class AsynchronousDataAccessor(LoaderPipe):
         self.stats = LoaderStats()
         self._keep_partial = not getattr(dataset, "rebatched_drop_last", True)
         self._owner_pid = os.getpid()
-        self._pending: deque[tuple[Any, ...]] = deque()
         self._views: list[list[torch.Tensor]] | None = None
         self._buffer: torch.Tensor | None = None
         self._held: int | None = None
@@ -170,7 +169,7 @@ class AsynchronousDataAccessor(LoaderPipe):
         A dataset that fails on its first batch is therefore reported here, with PopTorch's
         words ("worker thread failed to start"), rather than at the first `next()`.
         """
-        pid = self._process.pid
+        pid = self.pid
         try:
             self._connect()
         except LoaderError as error:
@@ -187,14 +186,14 @@ class AsynchronousDataAccessor(LoaderPipe):
         payload: Iterable[object] | str = self._dataset
         if strategy == SharingStrategy.FileSystem:
             payload = self._temp_file = self._pickle_to_file()
-        self._conn, child_conn = context.Pipe(duplex=True)
+        conn, child_conn = context.Pipe(duplex=True)
         process = context.Process(  # type: ignore[attr-defined]  # typeshed's BaseContext lacks it
             target=run_loader, args=(payload, child_conn, settings), name="pipetorch-loader",
             daemon=False)
         try:
             process.start()
         except (pickle.PicklingError, TypeError, AttributeError) as error:
-            self._conn.close()
+            conn.close()
             self._release_buffer()  # the FileSystem temporary file
             raise TypeError(
                 f"The dataset could not be sent to the loader process ({error}). "
@@ -202,7 +201,7 @@ class AsynchronousDataAccessor(LoaderPipe):
                 "SharingStrategy.Fork.") from error
         finally:
             child_conn.close()
-        self._process = process
+        self._pipe = LoaderPipe(conn, process)
         # PopTorch's words: scripts (and its tests) read the worker's pid from this line
         logger.debug("AsynchronousDataAccessor worker process: %d (loader process started, %s)",
                      process.pid, strategy.name)
@@ -221,23 +220,12 @@ class AsynchronousDataAccessor(LoaderPipe):
 
     def terminate(self) -> None:
         """Stop the loader process and release the ring buffer (safe to call twice)."""
-        process = self._process
-        if process is None or os.getpid() != self._owner_pid:
+        pipe = self._pipe
+        if pipe is None or os.getpid() != self._owner_pid:
             return
-        self._process = None
+        self._pipe = None
         _LIVE.discard(self)
-        try:
-            self._conn.send((Msg.SHUTDOWN,))
-        except (OSError, ValueError):
-            pass  # already gone
-        process.join(2.0)
-        if process.is_alive():
-            process.terminate()
-            process.join(1.0)
-        if process.is_alive():
-            process.kill()
-            process.join()
-        self._conn.close()
+        pipe.stop()
         self._release_buffer()
 
     def _release_buffer(self) -> None:
@@ -260,20 +248,31 @@ class AsynchronousDataAccessor(LoaderPipe):
 
     # -- iteration --------------------------------------------------------------------
 
+    def _send(self, kind: Msg, *payload: int) -> None:
+        if self._pipe is not None:  # a terminated loader is told nothing
+            self._pipe.send(kind, *payload)
+
+    def _receive(self) -> tuple[Any, ...]:
+        """The loader's next message; its failure is recorded and stops it (and is raised)."""
+        assert self._pipe is not None  # a terminated loader is not read (_check_usable)
+        try:
+            return self._pipe.receive()
+        except LoaderError as error:
+            self._failure = error
+            self.terminate()
+            raise
+
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise self._failure
-        if self._process is None:
+        if self._pipe is None:
             raise LoaderError("This asynchronous loader was terminated; create a new one "
                               "(a DataLoader restarts its loader by itself).")
 
     def _connect(self) -> None:
         if self._views is not None:
             return
-        message = self._receive()
-        if message[0] == Msg.ERROR:
-            self._fail(message[1:])
-        _, layout, tree, address, items = message
+        _, layout, tree, address, items = self._receive()
         buffer = memfd.attach(address)
         self._layout, self._tree, self._buffer = layout, tree, buffer
         self._items_per_slot = items
@@ -303,12 +302,8 @@ class AsynchronousDataAccessor(LoaderPipe):
         self._wait_releases()  # the loader refills every slot after a reset
         self._held = None  # every slot is free again after a reset
         self._send(Msg.RESET)
-        while True:
-            message = self._receive()
-            if message[0] == Msg.RESET_ACK:
-                break
-            if message[0] == Msg.ERROR:
-                self._fail(message[1:])
+        while self._receive()[0] != Msg.RESET_ACK:
+            pass
         self._consumed, self._ended, self._announced = 0, False, True
 
     def __next__(self) -> Any:
@@ -325,8 +320,6 @@ class AsynchronousDataAccessor(LoaderPipe):
         if kind == Msg.EPOCH_END:
             self._ended = True
             raise StopIteration
-        if kind == Msg.ERROR:
-            self._fail(message[1:])
         raise AssertionError(f"unexpected message from the loader process: {message!r}")
 
     def release_after(self, event: CompletionEvent) -> None:
@@ -355,7 +348,7 @@ class AsynchronousDataAccessor(LoaderPipe):
             self._held, self._held_event = None, None
         while self._releases and self._releases[0][1].query():
             self._send(Msg.FREE, self._releases.popleft()[0])
-        while self._releases and not (self._pending or self._conn.poll(0)):
+        while self._releases and self._pipe is not None and not self._pipe.has_message():
             slot, event = self._releases.popleft()
             event.synchronize()
             self._send(Msg.FREE, slot)
@@ -388,7 +381,7 @@ class AsynchronousDataAccessor(LoaderPipe):
     @property
     def pid(self) -> int | None:
         """Process id of the loader process (None once terminated)."""
-        return self._process.pid if self._process is not None else None
+        return self._pipe.pid if self._pipe is not None else None
 
     def __len__(self) -> int:
         length = length_of(self._dataset)

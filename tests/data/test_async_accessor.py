@@ -57,9 +57,10 @@ def shm_state():
 def prefetched(accessor) -> int:
     """Batches the loader process has loaded and announced that nobody took yet."""
     accessor._connect()
-    while accessor._conn.poll(0):
-        accessor._pending.append(accessor._conn.recv())
-    return sum(1 for message in accessor._pending if message[0] == Msg.READY)
+    pipe = accessor._pipe
+    while pipe.conn.poll(0):
+        pipe.pending.append(pipe.conn.recv())
+    return sum(1 for message in pipe.pending if message[0] == Msg.READY)
 
 
 @pytest.mark.parametrize("load_indefinitely", [True, False])
