@@ -129,7 +129,7 @@ class Worker:
                                  optimizer=self.optimizer, owners=setup.owners,
                                  replica=launch.placement.replica,
                                  tied=self.tied or None, peers=peers, sharding=self.sharding)
-            link.open(made.channels(self._transfers()))
+            link.open(made.transfers.channels(self._transfers()))
             return made
 
         self._executor_for = executor

@@ -21,7 +21,7 @@ from pipetorch.parallel.layout.routes import Constant, TensorSpec
 from pipetorch.parallel.worker.tied import TiedGrads
 from pipetorch.parallel.worker.stage_transfers import Transfers
 from pipetorch.parallel.comm.payloads import Call, DeviceStage, Span, Trace
-from pipetorch.parallel.comm.transport import BundleLayout, PeerLink, Tag
+from pipetorch.parallel.comm.transport import BundleLayout, PeerLink
 from pipetorch.parallel.worker.recompute import original_module
 from pipetorch.parallel.worker.split_backward import Deferred, backward_input, backward_weight
 from pipetorch.partition.inplace import inplace_inputs
@@ -77,7 +77,7 @@ class _Held:
         self.trace = Trace(self.route.index, replica=self.replica)
 
 
-class StageExecutor(Transfers):
+class StageExecutor:
     """Runs a device's action list (any schedule) over the stages the device holds: compute,
     bundle transfers and optimiser steps.
 
@@ -106,13 +106,13 @@ class StageExecutor(Transfers):
         self.owners = tuple(owners) if owners is not None else tuple(
             range(stages[0].route.stages))
         self.held = {s.route.index: _Held(s, specs, replica) for s in stages}
-        self._handovers: dict[tuple[Tag, int, int], list[torch.Tensor]] = {}
+        self.transfers = t = Transfers(self.held, link, self.owners)
         self._handlers: dict[Kind, Callable[[int, Action], None]] = {
             Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
             Kind.BACKWARD_WEIGHT: self._backward_weight,
-            Kind.RECV_ACT: self._recv_act, Kind.SEND_ACT: self._send_act,
-            Kind.RECV_GRAD: self._recv_grad, Kind.SEND_GRAD: self._send_grad,
-            Kind.SEND_DONE: self._send_done, Kind.RECV_DONE: self._recv_done,
+            Kind.RECV_ACT: t.recv_act, Kind.SEND_ACT: t.send_act,
+            Kind.RECV_GRAD: t.recv_grad, Kind.SEND_GRAD: t.send_grad,
+            Kind.SEND_DONE: t.send_done, Kind.RECV_DONE: t.recv_done,
             Kind.ALL_REDUCE: self._all_reduce, Kind.TIED_REDUCE: self._tied_reduce,
             Kind.STEP: self._step,
         }
@@ -138,6 +138,7 @@ class StageExecutor(Transfers):
             held.trace.transport = getattr(self.link, "kind", "gloo")
             held.module.train(training)
         self._call, self._training, self._scale = call, training, call.scale
+        self.transfers.training = training
         # the backwards a later W completes: those B computes the input's gradient only
         self._split = {(a.stage, a.micro_batch) for a in actions
                        if a.kind is Kind.BACKWARD_WEIGHT}
@@ -172,7 +173,7 @@ class StageExecutor(Transfers):
                 self.link.flush()
         self._to_host.ready()  # once per call: the outputs' copies ran beside the schedule
         assert not any(h.forwards or h.received or h.deferred for h in self.held.values()) \
-            and not self._handovers, "a schedule left work undone"
+            and not self.transfers.handovers, "a schedule left work undone"
 
     # -- the replicas' all-reduce started early (parallel/worker/overlap.py) ----------------------
     def _early_path(self, actions: list[Action]) -> EarlyReduce | None:

@@ -6,9 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipetorch.parallel.layout.routes import Constant, TensorSpec
 from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, PeerLink, Tag, channel
-from pipetorch.partition.split import Source
 from pipetorch.schedule.actions import Action, Kind
 
 if TYPE_CHECKING:
@@ -18,14 +16,14 @@ __all__: list[str] = []
 
 
 class Transfers:
-    """StageExecutor's transfers (its attributes, below)."""
+    """A stage executor's transfers: the stages it holds (`held`, its own dict), the link to
+    the other devices (`owners[s]` is stage s's), and the hand-overs between held stages not
+    taken yet. `training` is the run's (set by the executor as each run starts)."""
 
-    held: dict[int, _Held]
-    link: PeerLink
-    owners: tuple[int, ...]
-    specs: dict[Source, TensorSpec | Constant]
-    _handovers: dict[tuple[Tag, int, int], list[torch.Tensor]]
-    _training: bool
+    def __init__(self, held: dict[int, _Held], link: PeerLink, owners: tuple[int, ...]) -> None:
+        self.held, self.link, self.owners = held, link, owners
+        self.handovers: dict[tuple[Tag, int, int], list[torch.Tensor]] = {}
+        self.training = False
 
     def channels(self, actions: list[Action]) -> list[ChannelSpec]:
         """Every direction of traffic with another worker that `actions` use, with its largest
@@ -57,7 +55,7 @@ class Transfers:
         peer = _peer(action)
         if self._local(peer):
             layout.check(tensors)
-            self._handovers[(tag, peer, m)] = [t.detach() for t in tensors]
+            self.handovers[(tag, peer, m)] = [t.detach() for t in tensors]
         else:
             self.link.send(layout, tensors, self.owners[peer], channel(tag, action.stage))
 
@@ -65,40 +63,40 @@ class Transfers:
                      layout: BundleLayout) -> list[torch.Tensor]:
         peer = _peer(action)
         if self._local(peer):
-            return self._handovers.pop((tag, action.stage, m))
+            return self.handovers.pop((tag, action.stage, m))
         return self.link.recv(layout, self.owners[peer], channel(tag, peer))
 
-    def _recv_act(self, m: int, action: Action) -> None:
+    def recv_act(self, m: int, action: Action) -> None:
         held = self.held[action.stage]
         sources, layout = held.act_in
         tensors = self._transfer_in(Tag.ACTIVATIONS, action, m, layout)
         for spec, tensor in zip(layout.specs, tensors, strict=True):
-            if self._training and spec.requires_grad:
+            if self.training and spec.requires_grad:
                 tensor.requires_grad_(True)
         held.received[m] = dict(zip(sources, tensors, strict=True))
 
-    def _send_act(self, m: int, action: Action) -> None:
+    def send_act(self, m: int, action: Action) -> None:
         held = self.held[action.stage]
-        forward = held.forwards[m] if self._training else held.forwards.pop(m)
+        forward = held.forwards[m] if self.training else held.forwards.pop(m)
         sources, layout = held.act_out
         self._transfer_out(Tag.ACTIVATIONS, action, m, layout,
                            [forward.values[s] for s in sources])
 
-    def _recv_grad(self, m: int, action: Action) -> None:
+    def recv_grad(self, m: int, action: Action) -> None:
         held = self.held[action.stage]
         held.grads[m] = self._transfer_in(Tag.GRADIENTS, action, m, held.grad_in[1])
 
-    def _send_grad(self, m: int, action: Action) -> None:
+    def send_grad(self, m: int, action: Action) -> None:
         held = self.held[action.stage]
         self._transfer_out(Tag.GRADIENTS, action, m, held.grad_out[1],
                            held.grads_out.pop(m, []))
 
-    def _send_done(self, m: int, action: Action) -> None:
+    def send_done(self, m: int, action: Action) -> None:
         peer = _peer(action)
         if not self._local(peer):  # within the device its list already orders them
             self.link.signal(self.owners[peer], channel(Tag.DONE, action.stage))
 
-    def _recv_done(self, m: int, action: Action) -> None:
+    def recv_done(self, m: int, action: Action) -> None:
         peer = _peer(action)
         if not self._local(peer):
             self.link.wait_signal(self.owners[peer], channel(Tag.DONE, peer))
