@@ -15,7 +15,7 @@ from helpers.reference import assert_same_weights
 from pipetorch.errors import InputMismatchError
 from pipetorch.parallel.host.engine import ProcessEngine
 from pipetorch.parallel.host.local import LocalEngine
-from pipetorch.parallel.worker.signatures import bind, skeleton, tensors_of
+from pipetorch.parallel.worker.skeletons import bind, skeleton, tensors_of
 from pipetorch.runtime.artefact import saved_inputs
 
 LENGTHS = (16, 24, 16, 32, 24)

@@ -7,7 +7,7 @@ any message travel storage by storage (parallel.comm.stream). docs/architecture.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar, Union
+from typing import Generic, TypeVar, Union
 
 import torch
 
@@ -15,13 +15,10 @@ from pipetorch.parallel.comm import arena
 from pipetorch.parallel.layout import placement as places
 from pipetorch.parallel.comm.rendezvous import Rendezvous
 from pipetorch.parallel.layout.routes import Constant, TensorSpec
-from pipetorch.parallel.comm.payloads import Call, DeviceStage, Trace
+from pipetorch.parallel.comm.payloads import Call, DeviceStage, Skeleton, Step, Trace
 from pipetorch.parallel.layout.ties import Tie
 from pipetorch.partition.split import Source
 from pipetorch.weights.snapshot import StageState
-
-if TYPE_CHECKING:  # generation imports signatures, which sends these messages
-    from pipetorch.parallel.generation import lanes
 
 __all__: list[str] = []
 
@@ -149,7 +146,7 @@ class Schedule:
 
 @dataclass(frozen=True)
 class AddSignature:
-    """Another input signature's stages, without weights (parallel.worker.signatures). Reply: None."""
+    """Another input signature's stages, without weights (parallel.host.signatures). Reply: None."""
 
     key: int
     stages: tuple[DeviceStage, ...]
@@ -167,14 +164,14 @@ class Use:
 class Generator:
     """The model's code without weights, for generate() (parallel.generation.lanes). Reply: None."""
 
-    skeleton: lanes.Skeleton
+    skeleton: Skeleton
 
 
 @dataclass(frozen=True)
 class Decode:
-    """One generation step. Reply: lanes.StepResult."""
+    """One generation step. Reply: payloads.StepResult."""
 
-    step: lanes.Step
+    step: Step
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,21 @@
 """What the host and the workers hand each other besides tensors: a stage as its worker holds
-it, a host call as a device sees it, and the trace of what ran."""
+it, a host call as a device sees it, the trace of what ran, and generate()'s model and steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 
 from pipetorch.parallel.layout.routes import Route
+from pipetorch.partition.export import Tree
 from pipetorch.partition.split import Source
 
 __all__: list[str] = []
+
+LaneCall = tuple[tuple, dict]  # a lane's (args, kwargs) of a step, caches replaced by CacheSlot
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]  # cache layer -> its keys' shape, dtype
 
 
 @dataclass(frozen=True)
@@ -62,3 +66,34 @@ class DeviceStage:
     module: nn.Module
     route: Route
     inputs: tuple[Source, ...]
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """The model without its parameters (on the meta device; buffers kept), and every name of
+    each parameter and buffer mapped to its first (a tied weight has several)."""
+
+    model: nn.Module
+    first_names: dict[str, str]
+    stage_of_block: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One host step: call the module at `path` on each lane's arguments (caches replaced by
+    CacheSlot), with the cache layer shapes every worker reported after the last step."""
+
+    session: int
+    path: str
+    lanes: dict[int, LaneCall]
+    shapes: dict[int, Shapes]
+    template: Any = None  # an empty cache to copy for each new lane (the step's first)
+    batched: bool = False  # the lanes run as one batch (their shapes match)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The lanes a worker finished, and the cache layers it holds after the step."""
+
+    outputs: dict[int, Tree] = field(default_factory=dict)
+    shapes: dict[int, Shapes] = field(default_factory=dict)

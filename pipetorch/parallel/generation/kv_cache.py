@@ -16,13 +16,13 @@ from typing import Any, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
+from pipetorch.parallel.comm.payloads import Shapes
 from pipetorch.partition.export import Tree, is_cache
 
 __all__: list[str] = []
 
 T = TypeVar("T")
 
-Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]  # layer key -> its keys' shape, dtype
 
 # the sub-caches of an encoder-decoder cache (transformers' EncoderDecoderCache)
 _PARTS = ("self_attention_cache", "cross_attention_cache")

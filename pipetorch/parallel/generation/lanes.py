@@ -15,7 +15,6 @@ weights read once for all of them), then hands each lane its rows back.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -24,26 +23,16 @@ from torch.utils import _pytree as pytree
 
 from pipetorch.parallel.generation import kv_cache
 
-from pipetorch.parallel.worker import signatures
+from pipetorch.parallel.worker import skeletons
 from pipetorch.parallel.generation.eager_stage import Boundary, EagerStage
 from pipetorch.parallel.comm.hops import Hops
+from pipetorch.parallel.comm.payloads import Skeleton, Step, StepResult
 from pipetorch.parallel.comm.transport import PeerLink
 from pipetorch.partition.export import Tree
 
 __all__: list[str] = []
 
 T = TypeVar("T")
-LaneCall = tuple[tuple, dict]  # a lane's (args, kwargs) of a step, caches replaced by CacheSlot
-
-
-@dataclass(frozen=True)
-class Skeleton:
-    """The model without its parameters (on the meta device; buffers kept), and every name of
-    each parameter and buffer mapped to its first (a tied weight has several)."""
-
-    model: nn.Module
-    first_names: dict[str, str]
-    stage_of_block: dict[str, int]
 
 
 def skeleton(model: nn.Module, stage_of_block: dict[str, int]) -> Skeleton:
@@ -52,35 +41,14 @@ def skeleton(model: nn.Module, stage_of_block: dict[str, int]) -> Skeleton:
     names = {name: first.setdefault(id(tensor), name)
              for name, tensor in [*model.named_parameters(remove_duplicate=False),
                                   *model.named_buffers(remove_duplicate=False)]}
-    return Skeleton(signatures.skeleton(model, buffers=False), names, dict(stage_of_block))
+    return Skeleton(skeletons.skeleton(model, buffers=False), names, dict(stage_of_block))
 
 
 def bind(found: Skeleton, held: dict[str, torch.Tensor], device: torch.device) -> nn.Module:
     """The skeleton's model with the tensors a worker holds (by any of their names) in place
     of their meta copies, and its other buffers on `device`."""
     mine = {found.first_names.get(name, name): tensor for name, tensor in held.items()}
-    return signatures.bind(found.model, mine, first=found.first_names, device=device).eval()
-
-
-@dataclass(frozen=True)
-class Step:
-    """One host step: call the module at `path` on each lane's arguments (caches replaced by
-    CacheSlot), with the cache layer shapes every worker reported after the last step."""
-
-    session: int
-    path: str
-    lanes: dict[int, LaneCall]
-    shapes: dict[int, kv_cache.Shapes]
-    template: Any = None  # an empty cache to copy for each new lane (the step's first)
-    batched: bool = False  # the lanes run as one batch (their shapes match)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """The lanes a worker finished, and the cache layers it holds after the step."""
-
-    outputs: dict[int, Tree] = field(default_factory=dict)
-    shapes: dict[int, kv_cache.Shapes] = field(default_factory=dict)
+    return skeletons.bind(found.model, mine, first=found.first_names, device=device).eval()
 
 
 class _Skip:

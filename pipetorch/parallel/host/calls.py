@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 
@@ -15,27 +15,33 @@ from pipetorch.parallel.host.engines import MicroBatches
 from pipetorch.parallel.host.host_link import Kind
 from pipetorch.parallel.host.local import reduction_multiplier
 from pipetorch.parallel.host.outputs import Collector
+from pipetorch.parallel.host.pipeline import Current
+from pipetorch.parallel.host.weight_sync import WeightSync
+from pipetorch.parallel.host.workers import WorkerSet
 from pipetorch.parallel.comm.payloads import Call, Span, Trace
 from pipetorch.partition.split import Source, StagedModel, map_leaves
-
-if TYPE_CHECKING:
-    from pipetorch.parallel.host.engine import ProcessEngine
+from pipetorch.schedule.plans import Batching
 
 __all__: list[str] = []
 
 
 class Calls:
-    """Runs `engine`'s training and inference calls; per worker, an arena for its inputs and
-    one for its outputs (shared memory, see arena.py)."""
+    """Runs `pipeline`'s training and inference calls on `workers` (`sync` keeps the weights);
+    per worker, an arena for its inputs and one for its outputs (shared memory, see arena.py).
+    Each call's traces are returned; `peak_memory`: stage -> its worker's peak so far (the
+    CUDA allocator's on a GPU, resident memory on a CPU)."""
 
-    def __init__(self, engine: ProcessEngine) -> None:
-        self.engine = engine
+    def __init__(self, pipeline: Current, workers: WorkerSet, sync: WeightSync, *,
+                 batching: Batching, num_processes: int) -> None:
+        self.pipeline, self.workers, self.sync = pipeline, workers, sync
+        self.batching, self.num_processes = batching, num_processes
         self.arenas: list[tuple[arena.Arena, arena.Arena]] = []
+        self.peak_memory: dict[int, int] = {}
 
     def restart(self) -> None:
         """New workers: new arenas."""
         self.close()
-        self.arenas = [(arena.Arena(), arena.Arena()) for _ in self.engine.placements]
+        self.arenas = [(arena.Arena(), arena.Arena()) for _ in self.pipeline.now.placements]
 
     def close(self) -> None:
         """Release the inputs' memory files (the workers' mappings keep theirs)."""
@@ -44,48 +50,48 @@ class Calls:
             outputs.close()
         self.arenas = []
 
-    def train(self, micro_batches: MicroBatches, collector: Collector) -> None:
+    def train(self, micro_batches: MicroBatches, collector: Collector) -> list[Trace]:
         """D optimiser steps of G micro-batches on each replica (laid out [D][G][R])."""
-        e = self.engine
-        b = e.batching
-        assert e.optimizer is not None and len(micro_batches) == b.micro_batches
+        b, now = self.batching, self.pipeline.now
+        assert self.sync.optimizer is not None and len(micro_batches) == b.micro_batches
         # the replicas summing gradients: every process's, or (one pipeline over the
         # processes) this process's, which hold all of them
-        every = dataclasses.replace(b, replication_factor=e.replicas * (
-            1 if e.spread else e.num_processes))
-        self._run(micro_batches, collector, training=True, iterations=b.device_iterations,
-                  per_iteration=b.gradient_accumulation, scale=reduction_multiplier(every))
-        e.choice.called(e.last_trace, e.workers)
+        every = dataclasses.replace(b, replication_factor=now.replicas * (
+            1 if now.spread else self.num_processes))
+        return self._run(micro_batches, collector, training=True,
+                         iterations=b.device_iterations, per_iteration=b.gradient_accumulation,
+                         scale=reduction_multiplier(every))
 
-    def infer(self, micro_batches: MicroBatches, collector: Collector) -> None:
+    def infer(self, micro_batches: MicroBatches, collector: Collector) -> list[Trace]:
         """Forward of every micro-batch of the call, each replica through one plan."""
-        self._run(micro_batches, collector, training=False, iterations=1,
-                  per_iteration=len(micro_batches) // self.engine.replicas, scale=1.0)
+        return self._run(micro_batches, collector, training=False, iterations=1,
+                         per_iteration=len(micro_batches) // self.pipeline.now.replicas,
+                         scale=1.0)
 
     def _run(self, micro_batches: MicroBatches, collector: Collector, *,
-             training: bool, iterations: int, per_iteration: int, scale: float) -> None:
+             training: bool, iterations: int, per_iteration: int, scale: float) -> list[Trace]:
         """Send replica r the micro-batches r, r + R, r + 2R, ... and collect what comes back."""
         if training:
-            self.engine.sync.return_state()
+            self.sync.return_state()
         try:
             replies, arrivals, flat, wanted = self._exchange(
                 micro_batches, collector, training=training, iterations=iterations,
                 per_iteration=per_iteration, scale=scale)
         except KeyboardInterrupt:
-            self.engine.workers.interrupt()
+            self.workers.interrupt()
             raise
-        self._collect(replies, arrivals, flat, wanted, collector)
+        return self._collect(replies, arrivals, flat, wanted, collector)
 
     def _exchange(self, micro_batches: MicroBatches, collector: Collector, *,
                   training: bool, iterations: int, per_iteration: int, scale: float
                   ) -> tuple[list[m.RunReply], list[wire.Transfer], list, frozenset[int]]:
         """Send every worker its inputs and wait for all replies."""
-        e, sync = self.engine, self.engine.sync
+        e, sync, workers = self.pipeline.now, self.sync, self.workers
         replicas = e.replicas
         flat = [e.staged.flatten_inputs(*args, **kwargs) for args, kwargs in micro_batches]
-        if e.workers.link is not None:  # the same inputs on every process, or none trains
+        if workers.link is not None:  # the same inputs on every process, or none trains
             named = list(zip(input_names(e.staged), zip(*flat, strict=True), strict=True))
-            e.workers.across(lambda link: link.call(named))
+            workers.across(lambda link: link.call(named))
         steps = len(flat) // replicas  # micro-batches per replica, in order: d * G + g
         wanted = frozenset(j for j in range(steps) if collector.wants(j))
         commit = sync.points.workers + 1
@@ -97,7 +103,7 @@ class Calls:
             sync.refresh()
         start = time.perf_counter()
         # no peers once stopped after a failure: the gather below says what happened
-        for n, (peer, placement) in enumerate(zip(e.workers.peers, e.placements, strict=False)):
+        for n, (peer, placement) in enumerate(zip(workers.peers, e.placements, strict=False)):
             reads = sorted({i for s in placement.stages for i in e.routes[s].host_inputs})
             mine = flat[placement.replica::replicas]
             packed, views = self.arenas[n][0].lay_out(
@@ -106,9 +112,9 @@ class Calls:
                 for i, view in zip(reads, views, strict=True):
                     torch.stack([f[i] for f in mine], out=view)  # straight into shared memory
             call = Call({}, iterations, per_iteration, wanted, scale, overlap)
-            e.workers.send(peer, m.Run(call, training, commit if save else None, packed))
+            workers.send(peer, m.Run(call, training, commit if save else None, packed))
         arrivals: list[wire.Transfer] = []
-        replies = e.workers.gather("a training call" if training else "an inference call",
+        replies = workers.gather("a training call" if training else "an inference call",
                                    transfers=arrivals)
         assert all(isinstance(r, m.RunReply) for r in replies)
         runs = cast(list[m.RunReply], replies)
@@ -124,13 +130,14 @@ class Calls:
         (PIPETORCH_OVERLAP; `auto`: between GPUs)."""
         setting = environment.get("overlap")
         if setting == "auto":
-            return all(torch.device(p.device).type == "cuda" for p in self.engine.placements)
+            return all(torch.device(p.device).type == "cuda"
+                       for p in self.pipeline.now.placements)
         return setting == "1"
 
     def _collect(self, replies: list[m.RunReply], arrivals: list[wire.Transfer], flat: list,
-                 wanted: frozenset[int], collector: Collector) -> None:
-        """Unpack the workers' replies, keep their traces, hand the outputs to `collector`."""
-        e = self.engine
+                 wanted: frozenset[int], collector: Collector) -> list[Trace]:
+        """Unpack the workers' replies, hand the outputs to `collector`; their traces."""
+        e = self.pipeline.now
         replicas = e.replicas
         outputs: dict[tuple[int, int], dict[int, list[object]]] = {}  # (replica, stage) -> m
         traces: list[Trace] = []
@@ -148,11 +155,10 @@ class Calls:
             traces += device_traces
             for trace in device_traces:
                 if trace.peak_memory is not None:
-                    e.peak_memory[trace.stage] = max(trace.peak_memory,
-                                                     e.peak_memory.get(trace.stage, 0))
-        e.last_trace = sorted(traces, key=lambda t: (t.replica, t.stage))
-        if e.workers.link is not None:  # the other processes' stages' outputs
-            for theirs in e.workers.across(
+                    self.peak_memory[trace.stage] = max(trace.peak_memory,
+                                                        self.peak_memory.get(trace.stage, 0))
+        if self.workers.link is not None:  # the other processes' stages' outputs
+            for theirs in self.workers.across(
                     lambda link: link.exchange(Kind.OUTPUTS, outputs)).values():
                 outputs.update(cast(dict, theirs))
         for j in sorted(wanted):
@@ -168,6 +174,7 @@ class Calls:
                     return outputs[replica, stage][j][index]
 
                 collector.add(j, replica, map_leaves(e.staged.output, Source, fetch))
+        return sorted(traces, key=lambda t: (t.replica, t.stage))
 
 
 def input_names(staged: StagedModel) -> list[str]:

@@ -20,7 +20,7 @@ import itertools
 import threading
 import time
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence, TypeVar
 
 import cloudpickle
 import torch
@@ -29,17 +29,15 @@ from torch.utils import _pytree as pytree
 
 from pipetorch import environment
 from pipetorch.errors import CompileError
-from pipetorch.parallel.generation import lanes, kv_cache
+from pipetorch.parallel.generation import kv_cache
 from pipetorch.parallel.comm import messages as m
 from pipetorch.parallel.comm import stream
-from pipetorch.parallel.generation.lanes import LaneCall, Step, join, rows, skeleton, split
+from pipetorch.parallel.comm.payloads import LaneCall, Shapes, Skeleton, Step, StepResult
+from pipetorch.parallel.generation.lanes import join, rows, skeleton, split
 from pipetorch.parallel.comm.wire import WorkerFailed
 from pipetorch.parallel.host.workers import WorkerSet
 from pipetorch.partition.export import Tree
 from pipetorch.partition.strategies import StageSpec
-
-if TYPE_CHECKING:
-    from pipetorch.parallel.host.engine import ProcessEngine
 
 __all__: list[str] = []
 
@@ -52,18 +50,18 @@ class GenerationSession:
 
     def __init__(self, workers: WorkerSet) -> None:
         self.workers = workers
-        self.skeleton: lanes.Skeleton | None = None  # generate()'s model, once sent
+        self.skeleton: Skeleton | None = None  # generate()'s model, once sent
         self.restart()
 
     def restart(self) -> None:
         """New workers: they owe no replies (and get the skeleton again, if one was sent)."""
         self.tickets = itertools.count()
         self.awaiting: dict[int, collections.deque[int]] = {
-            n: collections.deque() for n in range(len(self.workers.placements))}
-        self.replies: dict[int, dict[int, lanes.StepResult]] = {}
+            n: collections.deque() for n in range(len(self.workers.pipeline.now.placements))}
+        self.replies: dict[int, dict[int, StepResult]] = {}
         self.sending, self.reading = threading.Lock(), threading.Lock()
 
-    def start(self, make: Callable[[], lanes.Skeleton]) -> None:
+    def start(self, make: Callable[[], Skeleton]) -> None:
         """Send every worker the model's code without weights (`make()`), bound there to its
         stages' weights (once: the workers keep it)."""
         if self.skeleton is None:
@@ -83,13 +81,13 @@ class GenerationSession:
         if self.skeleton is not None:
             self.workers.broadcast(m.Generator(self.skeleton), "preparing generate()")
 
-    def decode(self, steps: Sequence[lanes.Step]) -> list[lanes.StepResult]:
+    def decode(self, steps: Sequence[Step]) -> list[StepResult]:
         """One generation step of every replica: replica r's workers run `steps[r]`'s lanes
         through its stages; the StepResults of every worker involved."""
         tickets = [self.submit(r, step) for r, step in enumerate(steps) if step.lanes]
         return [result for ticket in tickets for result in self.collect(ticket)]
 
-    def submit(self, replica: int, step: lanes.Step) -> int:
+    def submit(self, replica: int, step: Step) -> int:
         """Send replica `replica`'s workers `step` (they run steps in the order sent, so
         steps from several threads follow one another); its ticket for `collect`."""
         devices = self.workers.devices
@@ -101,7 +99,7 @@ class GenerationSession:
                 self.awaiting[n].append(ticket)
             return ticket
 
-    def collect(self, ticket: int) -> list[lanes.StepResult]:
+    def collect(self, ticket: int) -> list[StepResult]:
         """The StepResults of a submitted step, each worker's replies read in order (one
         thread at a time; replies to other threads' steps are kept for them).
 
@@ -127,7 +125,7 @@ class GenerationSession:
     def _read(self, n: int) -> None:
         """Worker `n`'s next reply, to the step it answers."""
         reply = self.workers.gather("a generation step", [self.workers.peers[n]])[0]
-        assert isinstance(reply, lanes.StepResult)
+        assert isinstance(reply, StepResult)
         self.replies.setdefault(self.awaiting[n].popleft(), {})[n] = reply
 
     def end(self) -> None:
@@ -151,22 +149,34 @@ FEW_ROWS = 4
 _WHOLE_MODEL = ("output_attentions", "output_hidden_states")
 
 
-def generate(model: nn.Module, engine: ProcessEngine, stages: list[StageSpec], *,
-             lanes: int, args: tuple, kwargs: dict) -> Any:
-    """`model.generate(*args, **kwargs)` with every forward it calls run in `engine`'s stages."""
+class Decoder(Protocol):
+    """What generate() asks of a process engine (its GenerationSession's calls, each but the
+    last after starting new workers where Ctrl-C stopped the last ones)."""
+
+    def start_generation(self, make: Callable[[], Skeleton]) -> None: ...
+
+    def decode(self, steps: Sequence[Step]) -> list[StepResult]: ...
+
+    def end_generation(self) -> None: ...
+
+
+def generate(model: nn.Module, decoder: Decoder, stages: list[StageSpec], *, replicas: int,
+             devices: int, lanes: int, args: tuple, kwargs: dict) -> Any:
+    """`model.generate(*args, **kwargs)` with every forward it calls run in `decoder`'s
+    stages (`devices` per replica, on each of `replicas`)."""
     _check_supported(model, kwargs)
     stage_of_block = {block: spec.index for spec in stages for block in spec.block_ids}
-    engine.start_generation(lambda: skeleton(model, stage_of_block))
+    decoder.start_generation(lambda: skeleton(model, stage_of_block))
     if rows((args, kwargs)) < FEW_ROWS * lanes:
-        lanes = min(lanes, engine.replicas)
-    steps = _Steps(engine, next(_sessions), lanes=lanes)
+        lanes = min(lanes, replicas)
+    steps = _Steps(decoder, next(_sessions), lanes=lanes, replicas=replicas, devices=devices)
     try:
         with _routed(model, steps):
             if _lanes_apart(model, lanes, args, kwargs):
                 return _generate_apart(model, steps, args, kwargs)
             return hf_method(model, "generate")(*args, **kwargs)
     finally:
-        engine.end_generation()
+        decoder.end_generation()
 
 
 def hf_method(model: nn.Module, name: str) -> Callable[..., Any]:
@@ -355,11 +365,13 @@ class _Steps:
     """Runs one forward call of the generation loop in the stages: all lanes of the batch,
     or (in a lane's own thread) that lane."""
 
-    def __init__(self, engine: ProcessEngine, session: int, *, lanes: int) -> None:
-        self.engine, self.session, self.lanes = engine, session, lanes
-        self.shapes: dict[int, kv_cache.Shapes] = {}  # lane -> its cache's layers, all workers
+    def __init__(self, decoder: Decoder, session: int, *, lanes: int, replicas: int,
+                 devices: int) -> None:
+        self.decoder, self.session, self.lanes = decoder, session, lanes
+        self.replicas = replicas
+        self.shapes: dict[int, Shapes] = {}  # lane -> its cache's layers, all workers
         self.cached: set[int] = set()  # lanes whose workers hold their cache
-        self.gate = _Gate(engine.replicas, engine.workers.devices)
+        self.gate = _Gate(replicas, devices)
 
     def __call__(self, path: str, args: tuple, kwargs: dict) -> Any:
         host_cache = kv_cache.find((args, kwargs))
@@ -380,7 +392,7 @@ class _Steps:
     def _run(self, calls: dict[int, LaneCall], path: str, host_cache: object, *,
              batched: bool = False) -> dict[int, Tree]:
         """Each lane's call on its replica (lane % replicas); their outputs by lane."""
-        replicas = self.engine.replicas
+        replicas = self.replicas
         # a lane's workers copy the (empty) host cache once, at its first step with one
         fresh = host_cache is not None and not self.cached.issuperset(calls)
         if host_cache is not None:
@@ -390,7 +402,7 @@ class _Steps:
                  for mine in ({lane: c for lane, c in calls.items() if lane % replicas == r}
                               for r in range(replicas))]
         outputs: dict[int, Any] = {}
-        for result in self.engine.decode(steps):
+        for result in self.decoder.decode(steps):
             outputs.update(result.outputs)
             for lane, shapes in result.shapes.items():
                 self.shapes.setdefault(lane, {}).update(shapes)

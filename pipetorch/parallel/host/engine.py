@@ -11,12 +11,15 @@ each optimiser step, and each sends back the outputs the host asked for.
 
 ProcessEngine is a facade over parts split along the messages (parallel.comm.messages): the
 WorkerSet owns the processes and pipes; Calls, WeightSync, Signatures, GenerationSession and
-ScheduleChoice send it messages. The engine keeps a host copy of the model and optimiser
-(`model`, `optimizer`): `pull` fills them from the workers, `push` sends the host copy's
-weights to the workers. A weight tied across devices has a copy on each (`parallel.worker.tied`).
+ScheduleChoice send it messages; what they run is one frozen Pipeline (parallel.host.pipeline)
+that each reads from a shared `Current`, never from the engine. The engine keeps a host copy of
+the model and optimiser (`model`, `optimizer`): `pull` fills them from the workers, `push`
+sends the host copy's weights to the workers. A weight tied across devices has a copy on each
+(`parallel.worker.tied`).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Callable, Sequence, cast
@@ -27,7 +30,6 @@ import torch.nn as nn
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
 from pipetorch.parallel.host import cross_process, host_link, peers
-from pipetorch.parallel.generation import lanes
 from pipetorch.parallel.comm import wire
 from pipetorch.parallel.comm import messages as m
 from pipetorch.parallel.host.calls import Calls
@@ -38,13 +40,14 @@ from pipetorch.schedule.plans import Batching
 from pipetorch.parallel.host.outputs import Collector
 from pipetorch.parallel.comm.rendezvous import Rendezvous, next_rendezvous
 from pipetorch.parallel.layout.routes import Route
+from pipetorch.parallel.host.pipeline import Current, Pipeline
 from pipetorch.parallel.host.schedule_choice import ScheduleChoice
-from pipetorch.parallel.worker.signatures import Signatures
-from pipetorch.parallel.comm.payloads import DeviceStage, Trace
-from pipetorch.parallel.worker.tied import stepped_elsewhere
-from pipetorch.parallel.layout.ties import ties_of
+from pipetorch.parallel.host.signatures import Signatures
+from pipetorch.parallel.comm.payloads import DeviceStage, Skeleton, Step, StepResult, Trace
+from pipetorch.parallel.layout.ties import stepped_elsewhere, ties_of
 from pipetorch.parallel.host.weight_sync import WeightSync, stage_optimizer
 from pipetorch.parallel.host.workers import WorkerSet
+from pipetorch.parallel.layout.placement import Placement
 from pipetorch.partition.split import StagedModel
 from pipetorch.partition.strategies import StageSpec
 from pipetorch.weights import saving
@@ -68,60 +71,61 @@ class ProcessEngine:
         self.model, self.optimizer, self.batching = model, optimizer, batching
         self.writer = writer  # where copies to the host of a mapped model's weights go
         self.process_id, self.num_processes = process
-        self.replicas = batching.replication_factor  # this process's replicas
+        replicas = batching.replication_factor  # this process's replicas
         # replicated tensor sharding (parallel.worker.sharded_step): the minimum elements of a
         # sliced weight and the replicas sharing the state out; None when off
-        self.sharding = ((sharding, self.replicas) if sharding is not None and optimizer
-                         is not None and self.replicas > 1 else None)
+        self.sharding = ((sharding, replicas) if sharding is not None and optimizer
+                         is not None and replicas > 1 else None)
         # randomSeed, else torch's (so torch.manual_seed repeats runs; the user's stream of
         # random numbers is left as it is)
         self.seed = seed if seed is not None else torch.initial_seed()
-        # the input signature in use (Options.inputSignatures): its stages, routes and specs
-        self.staged, self.routes = plan.graphs.staged, list(plan.graphs.routes)
-        self.specs = plan.graphs.specs
         self.input_device = torch.device("cpu")
         self.in_process = False
         self.last_trace: list[Trace] = []
-        # stage -> its worker's peak: the CUDA allocator's on a GPU, resident memory on a CPU
-        self.peak_memory: dict[int, int] = {}
         self.timeout = environment.get("timeout")
-        self.placements, self.owners = list(plan.placements), plan.owners
+        staged, placements, owners = plan.graphs.staged, list(plan.placements), plan.owners
         # Distributed.stagesAcrossProcesses: this process runs its own devices' workers only,
         # and exchanges outputs and weights with the others (parallel.host.cross_process)
-        self.spread = (cross_process.spread(self.placements, self.owners, process=self.process_id,
-                                            processes=self.num_processes) if across else None)
-        if self.spread is not None:
-            self.placements = cross_process.local_placements(self.placements, self.spread)
+        spread = (cross_process.spread(placements, owners, process=self.process_id,
+                                       processes=self.num_processes) if across else None)
+        if spread is not None:
+            placements = cross_process.local_placements(placements, spread)
         if writer is not None:  # each process writes the files of its own stages
-            writer.place(self.staged.modules, {s for p in self.placements for s in p.stages})
-        self.choice = ScheduleChoice(plan.schedule, stages=len(self.routes), owners=self.owners,
-                                     accumulation=batching.gradient_accumulation)
-        self.ties = ties_of(model, self.staged, self.owners)  # weights held on several devices
-        self.workers = WorkerSet(self.placements, replicas=self.replicas,
-                                 num_processes=self.num_processes, timeout=self.timeout,
-                                 staged=self.staged, batching=batching)
-        self.sync = WeightSync(self)
+            writer.place(staged.modules, {s for p in placements for s in p.stages})
+        self.choice = ScheduleChoice(plan.schedule, stages=len(plan.graphs.routes),
+                                     owners=owners, accumulation=batching.gradient_accumulation)
+        # the input signature in use (Options.inputSignatures), where its stages run
+        self.pipeline = Current(Pipeline(
+            staged, plan.graphs.routes, plan.graphs.specs, tuple(placements), owners,
+            ties_of(model, staged, owners), replicas, spread))
+        self.workers = WorkerSet(self.pipeline, num_processes=self.num_processes,
+                                 timeout=self.timeout, batching=batching)
+        self.sync = WeightSync(self.pipeline, self.workers, model=model, optimizer=optimizer,
+                               writer=writer, sharding=self.sharding)
         self.workers.on_loss = self.sync.restore_last_call
-        self.calls = Calls(self)
-        self.signatures = Signatures(self, (self.staged, self.routes, self.specs))
+        self.calls = Calls(self.pipeline, self.workers, self.sync, batching=batching,
+                           num_processes=self.num_processes)
+        self.peak_memory = self.calls.peak_memory  # stage -> its worker's peak
+        self.signatures = Signatures(self.pipeline, self.workers)
         self.session = decoding.GenerationSession(self.workers)
         self._launch()
 
     def _launch(self) -> None:
         """Start a worker per device and replica with the host copy's weights and optimiser
         state."""
-        spread = self.spread
+        spread, replicas = self.pipeline.now.spread, self.pipeline.now.replicas
         meeting = next_rendezvous(process_id=self.process_id, num_processes=self.num_processes,
                                   devices=len(spread.ipus) if spread else self.workers.devices,
-                                  replicas=self.replicas, timeout=self.timeout,
+                                  replicas=replicas, timeout=self.timeout,
                                   across=spread is not None)
         if spread is not None:  # every process is there before any starts workers
             self._meet(meeting, spread)
         one_machine = False  # every worker on this machine, whatever its process
         if self.num_processes > 1:  # the CPU workers of every process of a machine
-            self.placements, one_machine = cross_process.share_cores(
+            cores, one_machine = cross_process.share_cores(
                 self.placements, meeting, process=self.process_id,
                 processes=self.num_processes, machine=peers.machine_id(), timeout=self.timeout)
+            self.pipeline.now = dataclasses.replace(self.pipeline.now, placements=tuple(cores))
         devices = tuple(p.device for p in self.placements)
         keep = self.optimizer is not None and self.sync.snapshots.setting != "0"
         shares = self.sync.share(keep)
@@ -142,9 +146,10 @@ class ProcessEngine:
             stages = tuple(DeviceStage(staged.modules[s], routes[s], staged.io[s].inputs)
                            for s in placement.stages)
             setup = m.Setup(stages, self._stage_optimizer(placement.stages, stages), specs,
-                            self.schedule, self.owners, devices, self.ties, self.sharding)
+                            self.schedule, self.owners, devices, self.pipeline.now.ties,
+                            self.sharding)
             launch = m.Launch(placement, meeting,
-                              (0 if spread else self.process_id * self.replicas)
+                              (0 if spread else self.process_id * replicas)
                               + placement.replica, self.timeout,
                               os.getpid(), folder if placement.replica == 0 or self.sharding
                               else None, self.seed, start_snapshot, one_machine)
@@ -186,7 +191,7 @@ class ProcessEngine:
         if self.optimizer is None:
             return None
         elsewhere = [self.model.get_parameter(name) for name in
-                     stepped_elsewhere(self.ties, stage_numbers, self.owners)]
+                     stepped_elsewhere(self.pipeline.now.ties, stage_numbers, self.owners)]
         return stage_optimizer(self.optimizer, nn.ModuleList(s.module for s in stages),
                                elsewhere)
 
@@ -210,6 +215,18 @@ class ProcessEngine:
         return self.choice.predicted_bubble
 
     @property
+    def staged(self) -> StagedModel:
+        return self.pipeline.now.staged
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self.pipeline.now.placements
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        return self.pipeline.now.owners
+
+    @property
     def points(self) -> Points:
         return self.sync.points
 
@@ -221,12 +238,13 @@ class ProcessEngine:
     def train(self, micro_batches: MicroBatches, collector: Collector) -> None:
         """D optimiser steps of G micro-batches on each replica (laid out [D][G][R])."""
         self._ready(check=False)
-        self.calls.train(micro_batches, collector)
+        self.last_trace = self.calls.train(micro_batches, collector)
+        self.choice.called(self.last_trace, self.workers)
 
     def infer(self, micro_batches: MicroBatches, collector: Collector) -> None:
         """Forward of every micro-batch of the call, each replica through one plan."""
         self._ready(check=False)
-        self.calls.infer(micro_batches, collector)
+        self.last_trace = self.calls.infer(micro_batches, collector)
 
     def pull(self, *, optimizer_state: bool = False) -> None:
         """Copy every stage's weights (and with `optimizer_state` its optimiser state) into
@@ -278,12 +296,12 @@ class ProcessEngine:
             self._ready()
             self.signatures.use(key)
 
-    def start_generation(self, make: Callable[[], lanes.Skeleton]) -> None:
+    def start_generation(self, make: Callable[[], Skeleton]) -> None:
         """Send every worker the model's code without weights, once (parallel.host.decoding)."""
         self._ready()
         self.session.start(make)
 
-    def decode(self, steps: Sequence[lanes.Step]) -> list[lanes.StepResult]:
+    def decode(self, steps: Sequence[Step]) -> list[StepResult]:
         """One generation step of every replica (parallel.host.decoding)."""
         self._ready()
         return self.session.decode(steps)
@@ -295,7 +313,8 @@ class ProcessEngine:
     def generate(self, model: nn.Module, stages: Sequence[StageSpec], *, lanes: int,
                  args: tuple, kwargs: dict) -> object:
         """HuggingFace's `model.generate`, each forward it calls run in the stages."""
-        return decoding.generate(model, self, list(stages), lanes=lanes, args=args,
+        return decoding.generate(model, self, list(stages), replicas=self.pipeline.now.replicas,
+                                 devices=self.workers.devices, lanes=lanes, args=args,
                                  kwargs=kwargs)
 
     # -- lifetime ---------------------------------------------------------------------------

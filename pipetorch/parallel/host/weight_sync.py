@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections import defaultdict
-from typing import TYPE_CHECKING, Sequence, cast
+from typing import Sequence, cast
 
 import torch
 import torch.nn as nn
@@ -16,13 +16,12 @@ from pipetorch.errors import DeviceError
 from pipetorch.parallel.comm import messages as m
 from pipetorch.parallel.comm import resident, wire
 from pipetorch.parallel.host.host_link import Kind
-from pipetorch.parallel.worker.tied import stepped_elsewhere
-from pipetorch.weights import snapshot
+from pipetorch.parallel.host.pipeline import Current
+from pipetorch.parallel.host.workers import WorkerSet
+from pipetorch.parallel.layout.ties import stepped_elsewhere
+from pipetorch.weights import saving, snapshot
 from pipetorch.weights.points import Points
 from pipetorch.weights.shared import SharedWeights
-
-if TYPE_CHECKING:
-    from pipetorch.parallel.host.engine import ProcessEngine
 
 __all__: list[str] = []
 
@@ -47,10 +46,15 @@ def stage_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module,
 
 
 class WeightSync:
-    """Copies between `engine`'s host copy (its model and optimiser) and its workers."""
+    """Copies between the host copy (`model` and `optimizer`) and `pipeline`'s `workers`;
+    `writer` takes a mapped model's weights; `sharding`: replicas share the state out."""
 
-    def __init__(self, engine: ProcessEngine) -> None:
-        self.engine = engine
+    def __init__(self, pipeline: Current, workers: WorkerSet, *, model: nn.Module,
+                 optimizer: torch.optim.Optimizer | None, writer: saving.Writer | None,
+                 sharding: tuple[int, int] | None) -> None:
+        self.pipeline, self.workers = pipeline, workers
+        self.model, self.optimizer, self.writer = model, optimizer, writer
+        self.sharding = sharding
         self.points = Points()  # which point of training each copy holds
         self.shared: SharedWeights | None = None  # this launch's weights in shared memory
         self.snapshots = snapshot.SnapshotPolicy(environment.get("snapshots"))
@@ -59,35 +63,35 @@ class WeightSync:
     def asked(self) -> list[wire.Peer]:
         """The workers asked for weights or gradients: replica 0's, or every one when the
         replicas share the optimiser state out (they gather its slices together)."""
-        workers = self.engine.workers
-        return workers.peers if self.engine.sharding is not None else workers.first_replica
+        workers = self.workers
+        return workers.peers if self.sharding is not None else workers.first_replica
 
     def share(self, keep: bool) -> list[frozenset[int]]:
         """Each worker's weights mapped from the host's (weights.shared): the
         parameters of the first replica's CPU workers, a weight tied across devices by its
         first device only; nothing with PIPETORCH_SHARED_WEIGHTS=0, or when training without
         snapshots (a worker killed mid-step could leave them torn with no restore point)."""
-        e = self.engine
+        now = self.pipeline.now
         self.close()
         if (environment.get("shared_weights") == "0"
-                or (e.optimizer is not None and not keep)):
-            return [frozenset() for _ in e.placements]
+                or (self.optimizer is not None and not keep)):
+            return [frozenset() for _ in now.placements]
         holder: dict[int, int] = {}  # parameter -> the first worker holding it
         params: list[nn.Parameter] = []
-        for n, placement in enumerate(e.placements):
+        for n, placement in enumerate(now.placements):
             if placement.replica or torch.device(placement.device).type != "cpu":
                 continue
             for stage in placement.stages:
-                for param in e.staged.modules[stage].parameters():
+                for param in now.staged.modules[stage].parameters():
                     if id(param) not in holder:
                         holder[id(param)] = n
                         params.append(param)
         self.shared = SharedWeights.write(params)
         if self.shared is None:
-            return [frozenset() for _ in e.placements]
+            return [frozenset() for _ in now.placements]
         # a pointer of a parameter not moved (a weights file's) is ignored: not a live region
         return [frozenset(p.untyped_storage().data_ptr() for p in params if holder[id(p)] == n)
-                for n in range(len(e.placements))]
+                for n in range(len(now.placements))]
 
     def refresh(self) -> None:
         """The host's pages of shared weights read the file again (see weights.shared)."""
@@ -102,7 +106,7 @@ class WeightSync:
     def pull(self, *, optimizer_state: bool = False) -> None:
         """Copy every stage's weights (and with `optimizer_state` its optimiser state) into
         the host copy, value by value, each into its place."""
-        e, workers = self.engine, self.engine.workers
+        workers = self.workers
         if workers.interrupted:
             return  # the host copy holds the state after the last completed call
         if workers.lost:
@@ -110,19 +114,20 @@ class WeightSync:
                            "the last completed call", workers.lost)
             return
         try:
-            loader = snapshot.Loader(e.staged.modules, e.optimizer, writer=e.writer)
-            if e.writer is not None:
-                e.writer.begin(self.points.workers,
-                               current=self.points.host == self.points.workers)
+            loader = snapshot.Loader(self.pipeline.now.staged.modules, self.optimizer,
+                                     writer=self.writer)
+            if self.writer is not None:
+                self.writer.begin(self.points.workers,
+                                  current=self.points.host == self.points.workers)
             self._receive(loader, optimizer_state)
-            written = e.writer.seal() if e.writer is not None else {}
+            written = self.writer.seal() if self.writer is not None else {}
             if workers.link is not None:  # the other processes' stages, from their hosts
-                written = self._pull_across(loader, optimizer_state and e.optimizer is not None,
-                                            written)
+                written = self._pull_across(
+                    loader, optimizer_state and self.optimizer is not None, written)
             loader.finish(written)
             if written and workers.link is not None:  # none replaces its files before all
                 workers.across(lambda link: link.mark(Kind.MAPPING))  # mapped the others'
-            self.points.pulled(optimizer_state=optimizer_state and e.optimizer is not None)
+            self.points.pulled(optimizer_state=optimizer_state and self.optimizer is not None)
         except DeviceError as exc:
             if workers.link is not None:  # the other processes' stages are missing
                 raise
@@ -132,7 +137,7 @@ class WeightSync:
 
     def _receive(self, loader: snapshot.Loader, optimizer_state: bool) -> None:
         """This process's workers' weights (and optimiser state) into `loader`."""
-        workers = self.engine.workers
+        workers = self.workers
         counts = workers.broadcast(m.Pull(optimizer_state), "copyWeightsToHost", self.asked)
         for peer, count in zip(workers.first_replica, counts, strict=False):
             assert isinstance(count, int)
@@ -145,7 +150,7 @@ class WeightSync:
         """This process's stages' weights, for another process's read while this process's
         script is elsewhere (host_link): pulled from its workers into the host copy, whose
         other stages and point of training stay as they were."""
-        loader = snapshot.Loader(self.engine.staged.modules, self.engine.optimizer)
+        loader = snapshot.Loader(self.pipeline.now.staged.modules, self.optimizer)
         self._receive(loader, False)
         loader.finish({})
         return self._mine(False), {}
@@ -153,14 +158,13 @@ class WeightSync:
     def _mine(self, optimizer_state: bool) -> dict[int, snapshot.StageState]:
         """The host copy's state of this process's stages (but what map_weights's files
         hold, which each process writes itself)."""
-        e = self.engine
-        optimizer = e.optimizer if optimizer_state else None
+        optimizer = self.optimizer if optimizer_state else None
         mine = {}
-        for peer in e.workers.first_replica:
+        for peer in self.workers.first_replica:
             for s in peer.stages:
-                module = e.staged.modules[s]
+                module = self.pipeline.now.staged.modules[s]
                 filed = frozenset(id(t) for t in [*module.parameters(), *module.buffers()]
-                                  if e.writer is not None and e.writer.stays(t))
+                                  if self.writer is not None and self.writer.stays(t))
                 mine[s] = snapshot.stage_state(module, optimizer, skip=filed)
         return mine
 
@@ -170,13 +174,12 @@ class WeightSync:
         holding it: this process's stages out, the others' into `loader`; but the weights
         going to map_weights's files, which each process writes for its own stages (the
         files' save ids cross instead: `written`, every process's, is returned)."""
-        e = self.engine
         # served by the others at their next call when this process alone reads: weights
         # only, with no files of their own to write
-        servable = not optimizer_state and e.writer is None
+        servable = not optimizer_state and self.writer is None
         value = (self._mine(optimizer_state), written)
         every = dict(written)
-        for theirs in e.workers.across(
+        for theirs in self.workers.across(
                 lambda link: link.exchange(Kind.READ, value, servable=servable)).values():
             states, files = cast(tuple, theirs)
             every.update(files)
@@ -191,48 +194,49 @@ class WeightSync:
         dropped once it has arrived (so the state is never in memory twice)."""
         if not self.points.state_on_host:
             return
-        e = self.engine
-        assert e.optimizer is not None
-        for peer, placement in zip(e.workers.first_replica, e.placements, strict=False):
-            modules = [e.staged.modules[s] for s in placement.stages]
+        now = self.pipeline.now
+        assert self.optimizer is not None
+        for peer, placement in zip(self.workers.first_replica, now.placements, strict=False):
+            modules = [now.staged.modules[s] for s in placement.stages]
             states: dict[int, snapshot.StageState] = {
-                s: ({}, *snapshot.stage_state(module, e.optimizer)[1:])
+                s: ({}, *snapshot.stage_state(module, self.optimizer)[1:])
                 for s, module in zip(placement.stages, modules, strict=True)}
-            e.workers.broadcast(m.GiveState(states), "giving the optimiser state back", [peer])
-            elsewhere = {id(e.model.get_parameter(n)) for n in
-                         stepped_elsewhere(e.ties, placement.stages, e.owners)}
+            self.workers.broadcast(m.GiveState(states), "giving the optimiser state back",
+                                   [peer])
+            elsewhere = {id(self.model.get_parameter(n)) for n in
+                         stepped_elsewhere(now.ties, placement.stages, now.owners)}
             for module in modules:
                 for param in module.parameters():
                     if id(param) not in elsewhere:
-                        e.optimizer.state.pop(param, None)
+                        self.optimizer.state.pop(param, None)
             del states
             resident.give_back_freed()
         self.points.state_on_host = False
 
     def pull_gradients(self) -> None:
         """Copy the gradients of the last optimiser step into the host copy's `.grad`."""
-        e = self.engine
-        replies = e.workers.broadcast(m.Grads(), "getAnchoredTensor", self.asked)
+        staged = self.pipeline.now.staged
+        replies = self.workers.broadcast(m.Grads(), "getAnchoredTensor", self.asked)
         found: dict[int, torch.Tensor] = {}  # a tied weight's gradient: its stepping device's
-        for stages in replies[:e.workers.devices]:
+        for stages in replies[:self.workers.devices]:
             assert isinstance(stages, dict)
             for stage, grads in stages.items():
-                for name, param in e.staged.modules[stage].named_parameters():
+                for name, param in staged.modules[stage].named_parameters():
                     if name in grads:
                         found[id(param)] = grads[name]
-        for module in e.staged.modules:
+        for module in staged.modules:
             for param in module.parameters():
                 param.grad = found.get(id(param))
 
     def restore_last_call(self) -> None:
         """After a failure: the host copy takes the state the workers saved after the last
         completed call (nothing to do if none completed since the launch or the last pull)."""
-        e, points = self.engine, self.points
-        if e.optimizer is None or (points.workers == 0 and self.shared is None):
+        points, now = self.points, self.pipeline.now
+        if self.optimizer is None or (points.workers == 0 and self.shared is None):
             return  # with shared weights a cut call may have changed them: restore anyway
-        folder = e.workers.folder
-        held = {s for p in e.placements for s in p.stages}  # this process's stages
-        routes = [r for r in e.routes if r.index in held]
+        folder = self.workers.folder
+        held = {s for p in now.placements for s in p.stages}  # this process's stages
+        routes = [r for r in now.routes if r.index in held]
         saved = ([snapshot.read(folder, r.index, points.saved) for r in routes]
                  if points.saved is not None else [])
         if points.saved == 0 and points.workers == 0 and any(s is None for s in saved):
@@ -250,22 +254,22 @@ class WeightSync:
                 points.workers - points.saved)
         for route, stage in zip(routes, saved, strict=True):
             assert stage is not None  # checked above
-            snapshot.load_stage_state(e.staged.modules[route.index], e.optimizer, stage)
+            snapshot.load_stage_state(now.staged.modules[route.index], self.optimizer, stage)
 
     def push(self, *, optimizer_state: bool = False) -> None:
         """Send the host copy's weights (and with `optimizer_state` the host optimiser's
         state) to every stage of every replica."""
-        e = self.engine
-        if e.workers.link is not None:  # every process uploads, or all raise
-            e.workers.across(lambda link: link.mark(Kind.UPLOAD))
+        staged = self.pipeline.now.staged
+        if self.workers.link is not None:  # every process uploads, or all raise
+            self.workers.across(lambda link: link.mark(Kind.UPLOAD))
         if not optimizer_state:
             self.return_state()  # the snapshot the workers write holds their state
         commit = self.points.workers + 1
-        optimizer = e.optimizer if optimizer_state else None
-        for peer in e.workers.peers:
-            states = {stage: snapshot.stage_state(e.staged.modules[stage], optimizer)
+        optimizer = self.optimizer if optimizer_state else None
+        for peer in self.workers.peers:
+            states = {stage: snapshot.stage_state(staged.modules[stage], optimizer)
                       for stage in peer.stages}
-            e.workers.send(peer, m.Push(states, commit))
-        self.points.changed(saved=any(e.workers.gather("copyWeightsToDevice")), uploaded=True)
+            self.workers.send(peer, m.Push(states, commit))
+        self.points.changed(saved=any(self.workers.gather("copyWeightsToDevice")), uploaded=True)
         self.points.state_on_host &= not optimizer_state  # then it went to every worker
         self.refresh()  # the file now holds what the host's own pages held

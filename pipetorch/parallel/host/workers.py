@@ -10,13 +10,14 @@ import subprocess
 import tempfile
 import weakref
 from multiprocessing.connection import Connection
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, TypeVar
 
 from pipetorch import environment
 from pipetorch.errors import DeviceError
 from pipetorch.parallel.comm import exits, stream, wire
 from pipetorch.parallel.host import host_link, pool
 from pipetorch.parallel.comm import messages as m
+from pipetorch.parallel.host.pipeline import Current
 from pipetorch.parallel.layout import placement as places
 from pipetorch.schedule.plans import Batching
 from pipetorch.partition.split import StagedModel
@@ -32,18 +33,18 @@ _T = TypeVar("_T")
 
 class WorkerSet:
     """One worker process per logical device and replica, ordered replica-major as
-    `placements`: `peers[r * devices + d]` is device d of replica r.
+    the pipeline's placements: `peers[r * devices + d]` is device d of replica r.
 
     `lost` says why the workers are gone; `on_loss` runs before a failure stops them (the
     engine restores the host copy from the workers' files then)."""
 
-    def __init__(self, placements: Sequence[places.Placement], *, replicas: int,
-                 num_processes: int, timeout: float, staged: StagedModel,
+    def __init__(self, pipeline: Current, *, num_processes: int, timeout: float,
                  batching: Batching) -> None:
-        self.placements, self.replicas = list(placements), replicas
-        self.devices = len(self.placements) // replicas  # workers per replica
+        self.pipeline = pipeline  # its placements; its stages name where a failure happened
+        self.replicas = pipeline.now.replicas
+        self.devices = len(pipeline.now.placements) // self.replicas  # workers per replica
         self.num_processes, self.timeout = num_processes, timeout
-        self.staged, self.batching = staged, batching  # to name where a failure happened
+        self.batching = batching
         self.lost: str | None = None
         self.interrupted = False  # Ctrl-C stopped the workers; the next use starts new ones
         self.on_loss: Callable[[], None] = lambda: None
@@ -57,7 +58,7 @@ class WorkerSet:
         """A worker per placement: forked from the pool's warm zygote, or a fresh process
         with the pool off."""
         environment.get("worker_nice")  # read by each worker: a bad value fails here, at once
-        for placement in self.placements:
+        for placement in self.pipeline.now.placements:
             process: wire.Process
             if pool.enabled():
                 conn, process = pool.start_worker(self.timeout)
@@ -201,7 +202,7 @@ class WorkerSet:
                 where += f" of micro-batch {micro} ({self._locate(micro)})"
         replica = f" of replica {failure.replica}" if self.replicas > 1 else ""
         return (f"Stage {failure.stage}{replica} on {failure.device} (pid {failure.pid}) failed "
-                f"{where}: {failure.error}{_explained(failure, self.staged)}"
+                f"{where}: {failure.error}{_explained(failure, self.pipeline.now.staged)}"
                 f"\n\nWorker traceback:\n{failure.traceback}")
 
     def _locate(self, micro: int) -> str:

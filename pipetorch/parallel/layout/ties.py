@@ -41,3 +41,11 @@ def _name_in(module: nn.Module, param: nn.Parameter) -> str:
 def device_sets(ties: Sequence[Tie]) -> list[DeviceSet]:
     """The distinct sets of devices sharing a weight, in one order for every worker."""
     return sorted({t.devices for t in ties})
+
+
+def stepped_elsewhere(ties: Sequence[Tie], stages: Sequence[int],
+                      owners: Sequence[int]) -> set[str]:
+    """Names (in the user's model) of the tied weights that `stages` hold but do not step:
+    a stage on a device after the first one holding the weight."""
+    return {t.name for t in ties for stage, _ in t.held
+            if stage in stages and owners[stage] != t.devices[0]}

@@ -26,13 +26,13 @@ from pipetorch.optim import offload
 from pipetorch.optim.peers import Peers
 from pipetorch.parallel.layout import placement as places
 from pipetorch.parallel.comm import arena, hops, wire
-from pipetorch.parallel.worker import compiled, sharded_step, signatures
+from pipetorch.parallel.worker import compiled, sharded_step, skeletons
 from pipetorch.parallel.generation import lanes
 from pipetorch.parallel.comm import messages as m
 from pipetorch.weights import snapshot
 from pipetorch.parallel.comm.rendezvous import join
 from pipetorch.parallel.comm import stream
-from pipetorch.parallel.comm.payloads import Call, DeviceStage, Span
+from pipetorch.parallel.comm.payloads import Call, DeviceStage, Span, StepResult
 from pipetorch.parallel.worker.stage import StageExecutor
 from pipetorch.parallel.worker.tied import TiedGrads, new_groups
 from pipetorch.parallel.comm.shm import new_link
@@ -304,7 +304,7 @@ class Worker:
         (Options.inputSignatures("several"))."""
         key, stages, specs = message.key, message.stages, message.specs
         bound = tuple(dataclasses.replace(
-            s, module=signatures.bind(s.module, signatures.tensors_of(
+            s, module=skeletons.bind(s.module, skeletons.tensors_of(
                 self.modules[s.route.index])).to(self.device))
             for s in stages)
         self._signatures[key] = (bound, specs, self._executor_for(bound, specs, key))
@@ -322,11 +322,11 @@ class Worker:
         if self._hop_link is None:  # every worker gets the model at once: they open together
             self._hop_link = self._link_named("g-")
             self._hop_link.open(hops.channels(devices, mine))
-        held = {s: signatures.tensors_of(module) for s, module in self.modules.items()}
+        held = {s: skeletons.tensors_of(module) for s, module in self.modules.items()}
         self._generation = lanes.Generation(message.skeleton, held, devices=devices, mine=mine,
                                             device=self.device, link=self._hop_link)
 
-    def _decode(self, message: m.Decode) -> lanes.StepResult:
+    def _decode(self, message: m.Decode) -> StepResult:
         assert self._generation is not None, "a generation step before the model's skeleton"
         return self._generation.step(message.step)
 

@@ -85,14 +85,6 @@ class TiedGrads:
                             who=f"the workers of devices {', '.join(map(str, devices))}")
 
 
-def stepped_elsewhere(ties: Sequence[Tie], stages: Sequence[int],
-                      owners: Sequence[int]) -> set[str]:
-    """Names (in the user's model) of the tied weights that `stages` hold but do not step:
-    a stage on a device after the first one holding the weight."""
-    return {t.name for t in ties for stage, _ in t.held
-            if stage in stages and owners[stage] != t.devices[0]}
-
-
 def _local(tie: Tie, modules: dict[int, nn.Module]) -> nn.Parameter:
     """This worker's copy of `tie` (stages of one device share it: the first one found)."""
     stage, name = next((s, n) for s, n in tie.held if s in modules)
