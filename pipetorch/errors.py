@@ -1,12 +1,6 @@
 """Named errors that pipetorch raises for user mistakes and failures on a device."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pipetorch.partition.balance import Placement
-    from pipetorch.planning.estimate import MemoryEstimate, Remedy
-
 __all__ = ["Error", "ConfigError", "CompileError", "DeviceError", "LoaderError",
            "OutOfMemoryError", "OptionAssertionError", "IpuOnlyError", "RecoverableError",
            "UnrecoverableError", "InputMismatchError", "InputArgumentError", "AlreadyWrappedError", "ConfigFileError", "ModelChangedError", "DeviceMismatchError", "NonFiniteError",
@@ -110,12 +104,8 @@ class LoaderError(Error, RuntimeError):
 
 
 class OutOfMemoryError(ConfigError):
-    """A configuration whose estimated memory exceeds a device's budget (raised at compile)."""
-
-    placement: Placement  # balance.plan's: the smallest peak it found
-    estimate: MemoryEstimate  # check_budget's: the estimate, budgets and ranked remedies
-    budgets: dict[int, int]
-    remedies: list[Remedy]
+    """A configuration whose estimated memory exceeds a device's budget (raised at compile;
+    planning.estimate's OverBudgetError and partition.balance's NoPlacementFits say more)."""
 
 
 def createPoptorchError(msg: str) -> Error:

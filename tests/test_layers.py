@@ -45,12 +45,13 @@ def _type_checking_only(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def imports_of(path: Path, known: set[str]) -> set[str]:
-    """The pipetorch modules `path` imports, at any depth, except under `if TYPE_CHECKING:`."""
+def imports_of(path: Path, known: set[str], *, typing: bool = False) -> set[str]:
+    """The pipetorch modules `path` imports, at any depth; under `if TYPE_CHECKING:` too with
+    `typing`."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if _type_checking_only(node):
+        if _type_checking_only(node) and not typing:
             return
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
                 and node.module.split(".")[0] == "pipetorch":
@@ -66,12 +67,12 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     return {m for m in found if m in known}
 
 
-def graph() -> dict[str, set[str]]:
+def graph(*, typing: bool = False) -> dict[str, set[str]]:
     """Module -> the modules it imports. `import pipetorch` itself (for `__version__`, or the
     lazy table of public names that a config file's `poptorch.X` names resolve through) is
     left out: Python runs the package's `__init__` before any of its modules anyway."""
     known = modules()
-    return {name: imports_of(path, set(known)) - {name, "pipetorch"}
+    return {name: imports_of(path, set(known), typing=typing) - {name, "pipetorch"}
             for name, path in known.items()}
 
 
@@ -131,8 +132,31 @@ def test_no_import_points_up_a_layer():
     assert upward == [], "imports pointing up the layers:\n" + "\n".join(upward)
 
 
-def test_no_import_cycles():
-    assert cycles(graph()) == []
+def test_no_import_cycles_type_only_imports_included():
+    assert cycles(graph(typing=True)) == []
+
+
+# Imports under TYPE_CHECKING that point up the layers: annotations naming a higher layer's
+# class (the Options, a Compiled model). Issue 52 asks for none; the list may only shrink.
+TYPED_UPWARD = {
+    "pipetorch.partition.casting -> pipetorch.options.groups",
+    "pipetorch.planning.balancing -> pipetorch.options.options",
+    "pipetorch.planning.memory -> pipetorch.options.options",
+    "pipetorch.profiling.lanes -> pipetorch.runtime.compile",
+    "pipetorch.profiling.memory -> pipetorch.options.options",
+    "pipetorch.profiling.memory -> pipetorch.runtime.compile",
+    "pipetorch.profiling.recorder -> pipetorch.options.options",
+    "pipetorch.profiling.recorder -> pipetorch.runtime.compile",
+    "pipetorch.profiling.summary -> pipetorch.options.options",
+    "pipetorch.profiling.summary -> pipetorch.runtime.compile",
+}
+
+
+def test_type_only_imports_point_up_only_where_they_did():
+    upward = {f"{a} -> {b}" for a, targets in graph(typing=True).items() for b in targets
+              if layer_of(b) > layer_of(a)}
+    assert upward <= TYPED_UPWARD, f"new upward imports: {sorted(upward - TYPED_UPWARD)}"
+    assert upward == TYPED_UPWARD, f"gone (remove them from TYPED_UPWARD): {TYPED_UPWARD - upward}"
 
 
 def test_the_checks_see_a_cycle_and_an_upward_import():

@@ -14,12 +14,9 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
-
-if TYPE_CHECKING:
-    from pipetorch.optim._common import PopTorchOptimizer
 
 __all__ = ["VariableAttributes"]
 
@@ -114,7 +111,7 @@ def recording_explicit_args(init: Callable[..., None]) -> Callable[..., None]:
     signature = inspect.signature(init)
 
     @functools.wraps(init)
-    def __init__(self: PopTorchOptimizer, *args: object, **kwargs: object) -> None:
+    def __init__(self: torch.optim.Optimizer, *args: object, **kwargs: object) -> None:
         if EXPLICIT_ARGS not in self.__dict__:
             passed = _passed(signature, (self, *args), kwargs)
             if passed is not None:

@@ -14,6 +14,18 @@ from pipetorch.schedule.device_plans import peak_stash
 
 __all__: list[str] = []
 
+
+class NoPlacementFits(OutOfMemoryError):
+    """No placement fits the budgets; `placement` is the one whose fullest device is least
+    full against its budget."""
+
+    def __init__(self, message: str, placement: Placement) -> None:
+        super().__init__(message)
+        self.placement = placement
+
+    def __reduce__(self) -> tuple[type, tuple[str, Placement]]:
+        return type(self), (self.args[0], self.placement)
+
 # The bubble of a pipeline of S stages over G micro-batches is (S-1)/(G+S-1); stay under this.
 BUBBLE_TARGET = 0.10
 # Relative slack under which two plans' slowest stages count as equal (float sums).
@@ -171,9 +183,8 @@ def plan(segments: Sequence[Segment], devices: int, *,
     if starts is None:
         best = _solve(costs, devices, lambda d, i, j: costs.peak(i, j, flight[d]) / caps[d])
         assert best is not None
-        error = OutOfMemoryError(_oom_message(_placement(costs, best, flight), caps))
-        error.placement = _placement(costs, best, flight)  # the smallest peak: the planner's
-        raise error
+        least_full = _placement(costs, best, flight)  # the smallest peak: the planner's
+        raise NoPlacementFits(_oom_message(least_full, caps), least_full)
     return _placement(costs, starts, flight)
 
 

@@ -13,7 +13,7 @@ import operator
 import re
 import sys
 import traceback
-from typing import Any, Callable, Iterator, TypeAlias
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -26,7 +26,7 @@ from pipetorch.errors import CompileError, Error
 from pipetorch.partition import blocks
 from pipetorch.partition.casting import Casting
 from pipetorch.partition.stage_module import attribute
-from pipetorch.partition.trace import (BLOCK_KEY, InputLayout, Traced, input_layout,
+from pipetorch.partition.trace import (BLOCK_KEY, InputLayout, Traced, Tree, input_layout,
                                        quoted_frame, user_line)
 
 __all__: list[str] = []
@@ -43,11 +43,6 @@ def available() -> bool:
     return hasattr(torch, "export") and "custom" in getattr(fx.proxy, "_COPY_META_FIELDS", ())
 
 
-# A call's arguments or forward's output, as torch's pytree opens it: tensors and other leaves
-# (None, numbers, a HuggingFace cache) in tuples, lists, dicts and dataclasses such as
-# ModelOutput. Its leaves are the user's values, so it can be any object: the code opens it
-# with pytree (or map_leaves) and narrows the leaves with isinstance.
-Tree: TypeAlias = object
 Watch = Callable[[Callable[[], Tree]], Tree]  # runs forward (the thunk), returns its output
 
 

@@ -5,7 +5,7 @@ import inspect
 import operator
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeAlias
 
 import torch
 import torch.fx as fx
@@ -18,10 +18,13 @@ from pipetorch.errors import CompileError, Error
 from pipetorch.partition import blocks
 from pipetorch.partition.blocks import BlockInfo, BlockRecorder
 
-if TYPE_CHECKING:
-    from pipetorch.partition.export import Tree
-
 __all__: list[str] = []
+
+# A call's arguments or forward's output, as torch's pytree opens it: tensors and other leaves
+# (None, numbers, a HuggingFace cache) in tuples, lists, dicts and dataclasses such as
+# ModelOutput. Its leaves are the user's values, so it can be any object: the code opens it
+# with pytree (or map_leaves) and narrows the leaves with isinstance.
+Tree: TypeAlias = object
 
 BLOCK_KEY = "pipetorch_block"  # node.meta key: the id of the block that created the node, or None
 

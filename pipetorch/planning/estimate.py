@@ -346,6 +346,19 @@ def _budgets(budget: int | dict[int, int], devices: dict[int, DeviceMemory]) -> 
     return {ipu: budget for ipu in devices}
 
 
+class OverBudgetError(OutOfMemoryError):
+    """A device's estimated peak over its budget, with what the message shows: the estimate,
+    the budgets and the remedies ranked by what each saves."""
+
+    def __init__(self, message: str, estimate: MemoryEstimate, budgets: dict[int, int],
+                 remedies: list[Remedy]) -> None:
+        super().__init__(message)
+        self.estimate, self.budgets, self.remedies = estimate, budgets, remedies
+
+    def __reduce__(self) -> tuple[type, tuple[str, MemoryEstimate, dict[int, int], list[Remedy]]]:
+        return type(self), (self.args[0], self.estimate, self.budgets, self.remedies)
+
+
 def check_budget(estimate: MemoryEstimate, budget: dict[int, int] | int | None) -> None:
     """Raise OutOfMemoryError when a device's estimated peak exceeds its budget.
 
@@ -362,9 +375,8 @@ def check_budget(estimate: MemoryEstimate, budget: dict[int, int] | int | None) 
         return
     worst = max(over, key=over.__getitem__)
     remedies = rank_remedies(estimate, budgets, worst)
-    error = OutOfMemoryError(_message(estimate, budgets, worst, remedies))
-    error.estimate, error.budgets, error.remedies = estimate, budgets, remedies
-    raise error
+    raise OverBudgetError(_message(estimate, budgets, worst, remedies), estimate, budgets,
+                          remedies)
 
 
 def rank_remedies(estimate: MemoryEstimate, budgets: dict[int, int],

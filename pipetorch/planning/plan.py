@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, TypeVar
 import torch
 import torch.nn as nn
 
-from pipetorch.errors import ConfigError, OutOfMemoryError
+from pipetorch.errors import ConfigError
 from pipetorch.schedule.plans import Batching
 from pipetorch.parallel.worker.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition import balance
@@ -270,7 +270,7 @@ def _starts(pieces: list[Piece], split: list[str] | None, kind: str, run: _Run,
     try:
         return balance.plan(segments, run.stages, budgets=budget, schedule=schedule,
                             micro_batches=run.accumulation).starts
-    except OutOfMemoryError as error:
+    except balance.NoPlacementFits as error:
         return error.placement.starts
 
 

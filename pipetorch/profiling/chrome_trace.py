@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Sequence, TypedDict
 
-from pipetorch.profiling.summary import Lane
+from pipetorch.profiling.lanes import Lane
 from pipetorch.profiling.timing import COMPUTE, TRANSFER, CallRecord
 
 __all__: list[str] = []

@@ -27,7 +27,7 @@ from pipetorch.planning.memory import (
     optimiser_state_bytes, per_replica, recomputing, replica_plan_length, sharded_above,
     staged_footprints,
 )
-from pipetorch.profiling.summary import InWorkers, lanes_of, stage_modules
+from pipetorch.profiling.lanes import InWorkers, lanes_of, stage_modules
 
 if TYPE_CHECKING:
     from pipetorch.options.options import Options

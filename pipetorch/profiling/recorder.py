@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipetorch.profiling import chrome_trace, html, memory, summary
+from pipetorch.profiling.lanes import lanes_of
 from pipetorch.profiling.timing import CallRecord
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ class Profiler:
 
     def reports(self) -> Reports:
         """(summary, memory, trace) as they would be written now."""
-        lanes = summary.lanes_of(self.compiled)
+        lanes = lanes_of(self.compiled)
         calls = self.calls
         summary_data = summary.build(self.compiled, calls, training=self.training,
                                      options=self.options, totals=dict(self._totals))

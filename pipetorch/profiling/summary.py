@@ -1,39 +1,21 @@
 """summary.json: devices, replicas, stages with blocks and parameters, batching, throughput."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence, TypedDict, runtime_checkable
 
-import torch
 import torch.nn as nn
 
-from pipetorch.parallel.layout.compile_plan import CompilePlan
+from pipetorch.profiling.lanes import lanes_of, stage_modules
 from pipetorch.profiling.timing import CallRecord, Timing, timing_summary
 
 if TYPE_CHECKING:
     from pipetorch.options.options import Options
-    from pipetorch.partition.split import StagedModel
     from pipetorch.profiling.memory import MemoryReport
     from pipetorch.runtime.compile import Compiled
 
 __all__: list[str] = []
 
 FORMAT = "pipetorch-report/1"
-
-
-@dataclass(frozen=True)
-class Lane:
-    """One lane of the report: a stage on its device worker, or this process (local engine)."""
-
-    stage: int | None  # None: every stage, run in this process
-    ipu: int
-    device: str
-    threads: int
-
-    @property
-    def label(self) -> str:
-        where = "all stages" if self.stage is None else f"stage {self.stage}"
-        return f"IPU {self.ipu} · {where} · {self.device}"
 
 
 class LaneRow(TypedDict):
@@ -105,13 +87,6 @@ class Summary(TypedDict):
 
 
 @runtime_checkable
-class InWorkers(Protocol):
-    """An engine running its stages in worker processes (ProcessEngine): the stages in use."""
-
-    staged: StagedModel
-
-
-@runtime_checkable
 class _Chosen(Protocol):
     """An engine whose schedule pipelineSchedule("auto") chose, and the bubble it predicted."""
 
@@ -119,30 +94,8 @@ class _Chosen(Protocol):
     predicted_bubble: float
 
 
-def lanes_of(compiled: Compiled) -> list[Lane]:
-    """The lanes of `compiled`'s plan: one per stage (on its device worker), or a single one
-    for the local engine."""
-    plan: CompilePlan = compiled.plan
-    if plan.local:
-        device = getattr(compiled.engine, "input_device", torch.device("cpu"))
-        return [Lane(None, plan.stages[0].ipu_id if plan.stages else 0, str(device),
-                     torch.get_num_threads())]
-    placed = sorted(((s, p) for p in plan.placements if p.replica == 0 for s in p.stages),
-                    key=lambda sp: sp[0])
-    return [Lane(s, p.ipu, p.device, p.threads) for s, p in placed]
-
-
 def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-def stage_modules(compiled: Compiled) -> list[nn.Module] | None:
-    """Each stage's module (owning its parameters), or None when the stages share one model."""
-    engine, plan = compiled.engine, compiled.plan
-    if not plan.local:
-        assert isinstance(engine, InWorkers)
-        return list(engine.staged.modules)
-    return [engine.model] if len(plan.stages) == 1 else None
 
 
 def build(compiled: Compiled, calls: Sequence[CallRecord], *, training: bool,

@@ -20,7 +20,7 @@ import logging
 import pickle
 import platform
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypedDict
 
 import torch
 import torch.fx as fx
@@ -42,9 +42,25 @@ from pipetorch.runtime.batching import Signature
 if TYPE_CHECKING:
     from pipetorch.options import Options
     from pipetorch.runtime.compile import Compiled
-    from pipetorch.runtime.executor import PoplarExecutor
 
 __all__ = ["ExecutableError"]
+
+
+class Exportable(Protocol):
+    """What saving reads of a compiled wrapper (runtime.executor's PoplarExecutor)."""
+
+    _signature: Signature | None
+    _signatures: list[tuple[Signature, list | None]]
+    _user_optimizer: torch.optim.Optimizer | None
+
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def options(self) -> Options: ...
+    @property
+    def training(self) -> bool: ...
+    def _require_compiled(self, what: str) -> Compiled: ...
+    def _flush_host(self) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +127,7 @@ def _model_class(layout: InputLayout) -> type:
                                                        "__module__": __name__})
 
 
-def save(wrapper: PoplarExecutor, path: str | Path) -> None:
+def save(wrapper: Exportable, path: str | Path) -> None:
     """Write `wrapper`'s (a compiled PoplarExecutor) executable to `path`."""
     compiled = wrapper._require_compiled("save()")
     wrapper._flush_host()
@@ -200,7 +216,7 @@ def _portable(layout: InputLayout) -> InputLayout:
                        dict(layout.nested))
 
 
-def _optimizer_record(wrapper: PoplarExecutor) -> OptimizerRecord:
+def _optimizer_record(wrapper: Exportable) -> OptimizerRecord:
     optimizer = wrapper._user_optimizer
     assert optimizer is not None  # a trainingModel's
     names = {id(p): n for n, p in wrapper.model.named_parameters()}

@@ -3,17 +3,22 @@ holds, and `model.destroy()` on the user's model destroys the model's wrappers."
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from pipetorch.runtime.executor import PoplarExecutor
-
 __all__: list[str] = []
 
+
+class Wrapper(Protocol):
+    """What `model.destroy()` reaches: a wrapper (PoplarExecutor) of the model."""
+
+    def destroy(self) -> None: ...
+
+
 # user model -> every live wrapper of it, for `model.destroy()`.
-_wrappers: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+_wrappers: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Wrapper]]" = (
+    weakref.WeakKeyDictionary())
 _DESTROY = "destroy"
 _classes: dict[tuple[type, type], type] = {}
 
@@ -35,14 +40,14 @@ class DestroyHandle:
         return DestroyHandle, (None,)
 
 
-def register(model: nn.Module, wrapper: PoplarExecutor) -> None:
+def register(model: nn.Module, wrapper: Wrapper) -> None:
     """`wrapper` now wraps `model`: `model.destroy()` reaches it."""
     _wrappers.setdefault(model, weakref.WeakSet()).add(wrapper)
     if not isinstance(model.__dict__.get(_DESTROY), DestroyHandle):
         object.__setattr__(model, _DESTROY, DestroyHandle(model))  # not a submodule or weight
 
 
-def forget(model: nn.Module, wrapper: PoplarExecutor) -> None:
+def forget(model: nn.Module, wrapper: Wrapper) -> None:
     """`wrapper` is destroyed; with no wrapper left the model loses its `destroy`."""
     wrappers = _wrappers.get(model)
     if wrappers is None:

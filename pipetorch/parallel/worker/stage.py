@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
@@ -17,65 +16,17 @@ from pipetorch.optim.scaling import loss_scale
 from pipetorch.parallel.worker.host_copies import HostCopies
 from pipetorch.parallel.worker.overlap import EarlyReduce, arming
 from pipetorch.parallel.worker.sharded_step import ShardedStep
-from pipetorch.parallel.layout.routes import Constant, TensorSpec
+from pipetorch.parallel.layout.routes import Constant
 from pipetorch.parallel.worker.tied import TiedGrads
+from pipetorch.parallel.worker.held import HeldStage, Forward, Spec
 from pipetorch.parallel.worker.stage_transfers import Transfers
 from pipetorch.parallel.comm.payloads import Call, DeviceStage, Span, Trace
-from pipetorch.parallel.comm.transport import BundleLayout, PeerLink
-from pipetorch.parallel.worker.recompute import original_module
-from pipetorch.parallel.worker.split_backward import Deferred, backward_input, backward_weight
-from pipetorch.partition.inplace import inplace_inputs
+from pipetorch.parallel.comm.transport import PeerLink
+from pipetorch.parallel.worker.split_backward import backward_input, backward_weight
 from pipetorch.partition.split import Source
 from pipetorch.schedule.actions import Action, Kind
 
 __all__: list[str] = []
-
-Spec = TensorSpec | Constant
-
-
-@dataclass
-class _Forward:
-    """What a forward leaves for its backward and for the sends after it."""
-
-    values: dict[Source, Any]          # this stage's outputs and the values it received
-    received: dict[Source, torch.Tensor]
-    loss: torch.Tensor | None = None
-    rewritten: set[Source] = field(default_factory=set)  # received values changed in place
-
-
-def _bundle(sources: tuple[Source, ...], specs: dict[Source, Spec], *,
-            grads: bool = False) -> tuple[tuple[Source, ...], BundleLayout]:
-    """The tensor entries of a bundle (only those carrying a gradient when `grads`)."""
-    chosen = [(s, spec) for s in sources if isinstance(spec := specs[s], TensorSpec)
-              and (not grads or spec.requires_grad)]
-    return tuple(s for s, _ in chosen), BundleLayout(tuple(spec for _, spec in chosen))
-
-
-class _Held:
-    """One held stage's bundles and its per-call state (what waits for a backward or a send)."""
-
-    def __init__(self, stage: DeviceStage, specs: dict[Source, Spec], replica: int) -> None:
-        self.module, self.route, self.inputs = stage.module, stage.route, stage.inputs
-        self.clone_inputs = inplace_inputs(original_module(stage.module))
-        # A recomputed (checkpointed) or compiled stage runs its whole backward in B: a
-        # checkpoint would rerun the forward for W too, a compiled backward is one node.
-        self.splits = original_module(stage.module) is stage.module
-        self.act_in = _bundle(stage.route.receive, specs)
-        self.act_out = _bundle(stage.route.send, specs)
-        self.grad_in = _bundle(stage.route.send, specs, grads=True)
-        self.grad_out = _bundle(stage.route.receive, specs, grads=True)
-        self.replica = replica
-        self.reset()
-
-    def reset(self) -> None:
-        self.received: dict[int, dict[Source, torch.Tensor]] = {}
-        self.forwards: dict[int, _Forward] = {}
-        self.grads: dict[int, list[torch.Tensor]] = {}
-        self.grads_out: dict[int, list[torch.Tensor]] = {}
-        self.deferred: dict[int, Deferred | None] = {}  # micro-batch -> what its W computes
-        self.outputs: dict[int, list[Any]] = {}
-        self.trace = Trace(self.route.index, replica=self.replica)
-
 
 class StageExecutor:
     """Runs a device's action list (any schedule) over the stages the device holds: compute,
@@ -105,7 +56,7 @@ class StageExecutor:
         self._to_host = HostCopies.for_device(device)
         self.owners = tuple(owners) if owners is not None else tuple(
             range(stages[0].route.stages))
-        self.held = {s.route.index: _Held(s, specs, replica) for s in stages}
+        self.held = {s.route.index: HeldStage(s, specs, replica) for s in stages}
         self.transfers = t = Transfers(self.held, link, self.owners)
         self._handlers: dict[Kind, Callable[[int, Action], None]] = {
             Kind.FORWARD: self._forward, Kind.BACKWARD: self._backward,
@@ -249,9 +200,9 @@ class StageExecutor:
         if m in self._call.wanted:
             held.outputs[m] = [self._to_host.take(values[s]) for s in route.host_outputs]
         if self._training:
-            held.forwards[m] = _Forward(values, received, loss, rewritten)
+            held.forwards[m] = Forward(values, received, loss, rewritten)
         elif not route.is_last:  # kept until its S>F, even for an empty bundle
-            held.forwards[m] = _Forward(values, received)
+            held.forwards[m] = Forward(values, received)
 
     def _backward(self, m: int, action: Action) -> None:
         held = self.held[action.stage]

@@ -2,15 +2,11 @@
 over in memory between two stages the device holds (parallel.worker.stage)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from pipetorch.parallel.worker.held import HeldStage
 from pipetorch.parallel.comm.transport import BundleLayout, ChannelSpec, PeerLink, Tag, channel
 from pipetorch.schedule.actions import Action, Kind
-
-if TYPE_CHECKING:
-    from pipetorch.parallel.worker.stage import _Held
 
 __all__: list[str] = []
 
@@ -20,7 +16,7 @@ class Transfers:
     the other devices (`owners[s]` is stage s's), and the hand-overs between held stages not
     taken yet. `training` is the run's (set by the executor as each run starts)."""
 
-    def __init__(self, held: dict[int, _Held], link: PeerLink, owners: tuple[int, ...]) -> None:
+    def __init__(self, held: dict[int, HeldStage], link: PeerLink, owners: tuple[int, ...]) -> None:
         self.held, self.link, self.owners = held, link, owners
         self.handovers: dict[tuple[Tag, int, int], list[torch.Tensor]] = {}
         self.training = False
