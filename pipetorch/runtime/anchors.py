@@ -231,22 +231,9 @@ class _Tee:
         return self._main.result()
 
 
-class AnchorReads:
-    """PoplarExecutor's reads of anchored tensors (Options.anchorTensor)."""
-
-    _anchors: Anchors | None
-
-    def getAnchoredTensor(self, short_name: str) -> Any:
-        """The value of the tensor anchored as `short_name` by Options.anchorTensor, from the
-        last call (see pipetorch.runtime.anchors for the names)."""
-        return self._anchor_table().get(short_name)
-
-    def getTensorNames(self) -> list[str]:
-        """Every tensor name Options.anchorTensor accepts for this model."""
-        return list(self._anchor_table().names)
-
-    def _anchor_table(self) -> Anchors:
-        if self._anchors is None:
-            raise RuntimeError("Model has not been compiled or has been destroyed. Call the "
-                               "model (or compile()) first")
-        return self._anchors
+def table(anchors: Anchors | None) -> Anchors:
+    """A wrapper's anchors, once it is compiled (getAnchoredTensor, getTensorNames)."""
+    if anchors is None:
+        raise RuntimeError("Model has not been compiled or has been destroyed. Call the "
+                           "model (or compile()) first")
+    return anchors

@@ -20,7 +20,7 @@ import logging
 import pickle
 import platform
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, TypedDict
 
 import torch
 import torch.fx as fx
@@ -45,22 +45,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ExecutableError"]
 
-
-class Exportable(Protocol):
-    """What saving reads of a compiled wrapper (runtime.executor's PoplarExecutor)."""
-
-    _signature: Signature | None
-    _signatures: list[tuple[Signature, list | None]]
-    _user_optimizer: torch.optim.Optimizer | None
-
-    @property
-    def model(self) -> nn.Module: ...
-    @property
-    def options(self) -> Options: ...
-    @property
-    def training(self) -> bool: ...
-    def _require_compiled(self, what: str) -> Compiled: ...
-    def _flush_host(self) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -127,18 +111,18 @@ def _model_class(layout: InputLayout) -> type:
                                                        "__module__": __name__})
 
 
-def save(wrapper: Exportable, path: str | Path) -> None:
-    """Write `wrapper`'s (a compiled PoplarExecutor) executable to `path`."""
-    compiled = wrapper._require_compiled("save()")
-    wrapper._flush_host()
+def save(path: str | Path, compiled: Compiled, *, model: nn.Module, options: Options,
+         training: bool, signature: Signature | None,
+         optimizer: torch.optim.Optimizer | None) -> None:
+    """Write the executable of `compiled` (a wrapper's, `model` its user model holding the
+    latest weights, `signature` the first call's) to `path`."""
     whole = compiled.graph
     assert whole is not None  # compile_model makes it
     traced: Traced = whole()
     whole.save()  # a capture made here serves the executable cache too
-    graph = _with_blocks_and_losses(traced, compiled.capture.loss_index if wrapper.training
-                                    else None)
-    params = dict(wrapper.model.named_parameters())
-    buffers = dict(wrapper.model.named_buffers())
+    graph = _with_blocks_and_losses(traced, compiled.capture.loss_index if training else None)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
     attrs: dict[str, Any] = {}
     for node in graph.find_nodes(op="get_attr"):
         target = str(node.target)  # the user's latest weights; constants made by forward
@@ -149,19 +133,17 @@ def save(wrapper: Exportable, path: str | Path) -> None:
             attrs[target] = buffers[target].detach().clone()
         else:
             attrs[target] = attribute(traced.module, target)
-    module = StageModule(attrs, graph, class_name=f"Saved{type(wrapper.model).__name__}")
+    module = StageModule(attrs, graph, class_name=f"Saved{type(model).__name__}")
     payload = {
         "graph": module, "layout": _portable(traced.layout), "output_spec": traced.output_spec,
-        "options": wrapper.options, "training": wrapper.training,
-        # the graph is the first call's: its signature, whichever one ran last
-        "signature": wrapper._signatures[0][0] if wrapper._signatures else wrapper._signature,
-        "optimizer": _optimizer_record(wrapper) if wrapper.training else None,
+        "options": options, "training": training, "signature": signature,
+        "optimizer": _optimizer_record(optimizer, model) if training else None,
     }
     try:
         data = pickle.dumps(payload)
     except Exception as error:
         raise ExecutableError(
-            f"The compiled {type(wrapper.model).__name__} cannot be saved: {error}. The graph "
+            f"The compiled {type(model).__name__} cannot be saved: {error}. The graph "
             "must hold only torch operators and the optimiser must be a poptorch.optim or "
             "torch.optim one") from error
     write_checked(_file(path), MAGIC, _versions(), data)
@@ -216,10 +198,10 @@ def _portable(layout: InputLayout) -> InputLayout:
                        dict(layout.nested))
 
 
-def _optimizer_record(wrapper: Exportable) -> OptimizerRecord:
-    optimizer = wrapper._user_optimizer
+def _optimizer_record(optimizer: torch.optim.Optimizer | None, model: nn.Module
+                      ) -> OptimizerRecord:
     assert optimizer is not None  # a trainingModel's
-    names = {id(p): n for n, p in wrapper.model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
     state = optimizer.state_dict()
     state.pop("ipu_state", None)
     state.pop("ipu_param", None)  # PopTorch-named copies of the groups and state above
@@ -322,32 +304,14 @@ def _rebuild_optimizer(record: OptimizerRecord, graph: nn.Module) -> torch.optim
     return optimizer
 
 
-class Exports:
-    """PoplarExecutor's saving of executables and compiling for a saved one."""
-
-    _compiled: Compiled | None
-    _user_model: nn.Module
-    compile: Callable[..., None]  # inputs'
-    save: Callable[[str], None]  # PoplarExecutor's
-
-    def loadExecutable(self, filename: str) -> None:
-        """Compile this model for the inputs the executable at `filename` was saved for (by
-        compileAndExport of this model's class), keeping this model's own weights, as
-        PopTorch does; `poptorch.load(filename)` restores the saved weights too."""
-        saved = saved_weights(filename)
-        own = dict(self._user_model.state_dict())
-        wrong = [n for n, t in saved.items() if n not in own or own[n].shape != t.shape]
-        if wrong:
-            raise ConfigError(
-                f"The executable {filename} was saved from another model: its weights "
-                f"{wrong[:4]} are missing here or have other shapes")
-        args, kwargs = saved_inputs(filename)
-        self.compile(*args, **kwargs)
-
-    def compileAndExport(self, filename: str, *args: Tree, export_model: bool = True,
-                         **kwargs: Tree) -> None:
-        """Compile for these inputs (if not compiled yet) and save an executable that
-        `poptorch.load(filename)` runs in another process without the model's source."""
-        if self._compiled is None:
-            self.compile(*args, **kwargs)
-        self.save(filename)
+def inputs_for(filename: str, model: nn.Module) -> tuple[tuple, dict]:
+    """loadExecutable: the inputs the executable at `filename` was saved for, checked to
+    come from `model`'s class (weights of the same names and shapes)."""
+    saved = saved_weights(filename)
+    own = dict(model.state_dict())
+    wrong = [n for n, t in saved.items() if n not in own or own[n].shape != t.shape]
+    if wrong:
+        raise ConfigError(
+            f"The executable {filename} was saved from another model: its weights "
+            f"{wrong[:4]} are missing here or have other shapes")
+    return saved_inputs(filename)

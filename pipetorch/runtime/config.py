@@ -1,11 +1,15 @@
 """What compiling reads from the user's Options and the environment, resolved once at the
-start of a compilation into frozen values: the layers below get their part, never Options."""
+start of a compilation into frozen values: the layers below get their part, never Options;
+and the wrapper's own frozen copy of the Options it reads them from."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipetorch import environment
+from pipetorch.options import popart_names
+from pipetorch.parallel.host.outputs import resolve_mode
+from pipetorch.runtime.checks import check_inference_accumulation, check_return_periods
 from pipetorch.schedule.plans import Batching
 from pipetorch.planning import memory
 
@@ -66,3 +70,24 @@ def run_config(options: Options) -> RunConfig:
         compile_backend=chosen if chosen is not None else environment.get("compile"),
         execution=environment.get("execution"),
         across=options.Distributed.stages_across_processes)
+
+
+def own_options(options: Options | None, *, training: bool) -> tuple[Options, Options]:
+    """A wrapper's options: the user's (frozen, as in PopTorch) and the wrapper's own frozen
+    copy, its output mode resolved, checked."""
+    from pipetorch.options import Options
+
+    options = Options() if options is None else options
+    if not isinstance(options, Options):
+        raise TypeError(f"options must be a pipetorch.Options, got {type(options).__name__}")
+    popart_names.check(options._Popart.options)  # PopTorch checks them at compile
+    options._freeze(by=f"poptorch.{'trainingModel' if training else 'inferenceModel'}")
+    own = options.clone()
+    mode = resolve_mode(own.output_mode, training=training)
+    own.outputMode(mode, **({"output_return_period": own.output_return_period}
+                            if mode.name == "EveryN" else {}))
+    own._freeze()
+    if not training:
+        check_inference_accumulation(own)
+    check_return_periods(own)
+    return options, own

@@ -78,90 +78,67 @@ def latency(counters: Counters, start: str, start_reduce: Callable[[list[float]]
 
 
 class PerfCounters:
-    """PoplarExecutor's counters and latencies, read from the last call's `_times`, and its
+    """A wrapper's timings: the last call's stamps, its counters and latencies, and its
     profiler (Options.enableProfiling)."""
 
-    _compiled: Compiled | None
-    _signature: Signature | None
-    _times: CallTimes | None
-    _options: Options
-    _training: bool
-    _profiler: Profiler | None
-    _profile_writer: weakref.finalize | None
-    destroy: Callable[[], None]
+    def __init__(self, options: Options, *, training: bool) -> None:
+        self._options, self._training = options, training
+        self.times: CallTimes | None = None  # the last call's
+        self.profiler: Profiler | None = None
+        self._profile_writer: weakref.finalize | None = None
 
-    def _start_profiler(self, args: tuple, kwargs: dict) -> None:
-        """Reports go to <profiling dir>/training or /inference, rewritten at detach/destroy/exit."""
+    def start_profiler(self, compiled: Compiled, args: tuple, kwargs: dict) -> None:
+        """Reports go to <profiling dir>/training or /inference, rewritten at detach/destroy/exit.
+        A directory that cannot be made raises ConfigError (the caller destroys the model)."""
         from pipetorch.profiling.recorder import Profiler
 
         o = self._options
-        assert self._compiled is not None and o.profiling_dir  # the caller checked it
+        assert o.profiling_dir  # the caller checked it
         sample = to_device(split_micro_batches(
             args, kwargs, device_iterations=o.device_iterations,
             gradient_accumulation=o.Training.gradient_accumulation,
-            replication_factor=o.replication_factor)[0], self._compiled.engine.input_device)
+            replication_factor=o.replication_factor)[0], compiled.engine.input_device)
         directory = os.path.join(o.profiling_dir, "training" if self._training else "inference")
         try:  # now, not at destroy(): a report that cannot be written must not be lost
             os.makedirs(directory, exist_ok=True)
         except OSError as error:
-            self.destroy()
             raise ConfigError(
                 f"The profiling report directory {directory!r} cannot be created "
                 f"({error.strerror or error}); it comes from opts.enableProfiling() or "
                 "POPLAR_ENGINE_OPTIONS autoReport.directory. Name a directory this process "
                 "can write to, then wrap the model again") from error
-        self._profiler = Profiler(directory, self._compiled, training=self._training, options=o,
-                                  sample=sample)
-        self._profile_writer = weakref.finalize(self, _write_report, self._profiler)
+        self.profiler = Profiler(directory, compiled, training=self._training, options=o,
+                                 sample=sample)
+        self._profile_writer = weakref.finalize(self, _write_report, self.profiler)
 
-    def _write_profile(self) -> None:
+    def write_profile(self) -> None:
         if self._profile_writer is not None:
             self._profile_writer()  # at most once; a later call starts a new profiler
-        self._profiler, self._profile_writer = None, None
+        self.profiler, self._profile_writer = None, None
 
-    def getPerfCounters(self) -> dict[str, list[list[float]]]:
-        """PopTorch's counters of the last call: {"input", "input_complete", "output",
-        "output_complete": [per input/output: [per iteration: seconds]]} (see counters)."""
-        if self._compiled is None or self._signature is None:
+    def counters(self, compiled: Compiled | None, signature: Signature | None) -> Counters:
+        """PopTorch's counters of the last call of `compiled`, run with `signature`."""
+        if compiled is None or signature is None:
             return perf_counters(None, inputs=0, outputs=0, iterations=0)
-        outputs = len([x for x in pytree.tree_leaves(self._compiled.capture.output)
+        outputs = len([x for x in pytree.tree_leaves(compiled.capture.output)
                        if isinstance(x, torch.Tensor)])
         return perf_counters(
-            self._times, inputs=sum(leaf.shape is not None for leaf in self._signature.leaves),
+            self.times, inputs=sum(leaf.shape is not None for leaf in signature.leaves),
             outputs=outputs,
             iterations=self._options.device_iterations * self._options.replication_factor)
 
-    def cycleCount(self) -> int:
-        """PopTorch's IPU cycle count of the last run; the checks come first, as PopTorch's:
-        opts.logCycleCount(True), then a model that ran. Then IpuOnlyError: there are no IPU
-        clock cycles on a CPU or GPU (getComputeLatency() times the run instead)."""
+    def cycle_count(self, compiled: Compiled | None) -> int:
+        """cycleCount()'s checks, as PopTorch's, then IpuOnlyError."""
         if not self._options.log_cycle_count:
             raise createPoptorchError("Cycle count logging is disabled. Please set option "
                                       "logCycleCount to True to enable.")
-        if self._compiled is None or self._times is None:
+        if compiled is None or self.times is None:
             raise createPoptorchError("Please run the model at least once before obtaining "
                                       "cycle count.")
         raise IpuOnlyError(
             "cycleCount() reads the IPU's hardware cycle counter, which a CPU or GPU does not "
             "have: time the run with getComputeLatency() / getLatency() (seconds), or profile "
             "it with opts.enableProfiling(dir)")
-
-    def getLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds from the first input requested to the last output on
-        the host, over the last call's iterations."""
-        return latency(self.getPerfCounters(), "input", min, "output_complete", max)
-
-    def getHostIpuLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds to move the inputs to the devices."""
-        return latency(self.getPerfCounters(), "input", min, "input_complete", max)
-
-    def getComputeLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds from the inputs on the devices to the outputs ready."""
-        return latency(self.getPerfCounters(), "input_complete", max, "output", max)
-
-    def getIpuHostLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds to bring the outputs to the host."""
-        return latency(self.getPerfCounters(), "output", min, "output_complete", max)
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:

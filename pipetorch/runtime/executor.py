@@ -8,79 +8,49 @@ import datetime
 import logging
 import sys
 import time
-import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, SupportsIndex
+from typing import TYPE_CHECKING, Any, Callable, Mapping, SupportsIndex
 
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from pipetorch import extensions, log_level
-from pipetorch.errors import (
-    AlreadyWrappedError, BackwardError, ConfigError, DeviceError, OfflineDeviceError,
-)
-from pipetorch.optim import Optimizer, attributes, ipu_state, scaling
-from pipetorch.options import popart_names, session_log
+from pipetorch.errors import ConfigError, DeviceError, OfflineDeviceError
+from pipetorch.optim import ipu_state
+from pipetorch.options import session_log
 from pipetorch.partition.export import Tree
 from pipetorch.printing import module_repr
-from pipetorch.runtime import artefact, counters, wrapping
-from pipetorch.weights import host_copy
-from pipetorch.runtime.anchors import AnchorReads, Anchors, Collector
+from pipetorch.runtime import anchors, artefact, counters, wrapping
+from pipetorch.runtime.anchors import Anchors, Collector
 from pipetorch.runtime.batching import (
-    Signature, forward_parameters, input_names, ordered_like, split_micro_batches, to_device,
+    Signature, input_names, ordered_like, split_micro_batches, to_device,
 )
 from pipetorch.runtime.checks import (
-    NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs,
-    check_inference_accumulation, check_optimizer_params, check_return_periods,
-    check_trainable, device_mismatch_explained, forward_errors_explained,
-    held, resolve_mean_strategy, warn_non_finite_weights,
+    NonFiniteWatch, buffer_ids, check_buffers, check_finite_inputs, check_optimizer_params,
+    check_trainable, device_mismatch_explained, forward_errors_explained, held,
+    resolve_mean_strategy, warn_non_finite_weights,
 )
 from pipetorch.runtime.compile import Compiled, compile_model
 from pipetorch.runtime.inputs import Inputs
-from pipetorch.runtime.weight_copies import WeightCopies
-from pipetorch.runtime.config import run_config
+from pipetorch.runtime.weight_copies import WeightCopies, offline
+from pipetorch.runtime.config import own_options, run_config
 from pipetorch.parallel.layout.placement import default_device
 from pipetorch.runtime.optimizer import default_optimizer
 
 if TYPE_CHECKING:
     from pipetorch.options import Options
-    from pipetorch.profiling.recorder import Profiler
-from pipetorch.parallel.host.outputs import OutputCollector, resolve_mode
+from pipetorch.parallel.host.outputs import OutputCollector, mark_training_output
 
 __all__ = ["PoplarExecutor", "trainingModel", "inferenceModel", "load"]
 
 logger = logging.getLogger(__name__)
 
-# user model -> its live training wrapper: two would train diverging device copies.
-_training_wrappers: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-class _TrainingOutput(torch.Tensor):
-    """A returned tensor whose `.backward()` explains that training already happened."""
+class PoplarExecutor:
+    """A model wrapped for its devices; call it like the model, with a host call's batch.
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # C, unbound
-
-    def __repr__(self, **kwargs: object) -> str:  # type: ignore[override]  # torch's is untyped
-        return repr(self.as_subclass(torch.Tensor))  # print like the tensor it is
-
-    def backward(self, *args: object, **kwargs: object) -> None:
-        # PopTorch 3.x raises a poptorch.Error in these words; PopTorch 2.x returned plain
-        # tensors, so torch's message follows for scripts matching that one.
-        raise BackwardError(
-            "backward() cannot be called explicitly on outputs of a PopTorch model. If you're "
-            "using a trainingModel, the backwards pass is performed automatically when invoking "
-            "the model. If you're using an inferenceModel, you should use a trainingModel "
-            "instead. (torch: element 0 of tensors does not require grad and does not have a "
-            "grad_fn: forward, backward and the optimiser step already ran inside the call; "
-            "use the returned loss for logging only)")
-
-
-def _mark_training_output(x: torch.Tensor) -> torch.Tensor:
-    return torch.Tensor._make_subclass(_TrainingOutput, x)
-
-
-class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
-                     artefact.Exports):
-    """A model wrapped for its devices; call it like the model, with a host call's batch."""
+    Its parts hold their own state: the inputs' signatures (Inputs), the copies of weights and
+    optimiser between host and device (WeightCopies), the timings (PerfCounters)."""
 
     def __init__(self, model: nn.Module, options: Options | None = None, *, training: bool,
                  optimizer: torch.optim.Optimizer | None = None,
@@ -93,9 +63,12 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
             model = model._user_model  # PopTorch wraps a wrapper's model (e.g. for inference)
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected a torch.nn.Module to wrap, got {type(model).__name__}")
-        options, own = _own_options(options, training=training)
+        options, own = own_options(options, training=training)
         if training:
-            _claim_for_training(model, optimizer, self)
+            check_trainable(model)
+            if optimizer is not None:
+                check_optimizer_params(optimizer, model, where="trainingModel")
+            wrapping.claim_for_training(model, self)
             if optimizer is None:
                 optimizer = default_optimizer(model)
             resolve_mean_strategy(optimizer, options, own)
@@ -104,59 +77,50 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
         self._user_model, self._options, self._training = model, own, training
         self._shown_model = model if user_model is None else user_model
         self._poptorch_version = poptorch_version
-        self._params = forward_parameters(model)
-        self._user_optimizer = optimizer
         self._device = default_device()
+        self._inputs = Inputs(model, own, training=training, device=self._device)
+        self._weights = WeightCopies(model, own, training=training, optimizer=optimizer)
+        self._counters = counters.PerfCounters(own, training=training)
         self._compiled: Compiled | None = None
-        self._signature: Signature | None = None  # the signature the engine runs now
-        # every signature compiled for (inputSignatures("several")), with its synthetic inputs
-        self._signatures: list[tuple[Signature, list | None]] = []
-        self._sync: host_copy.HostSync | None = None
-        self._uploaded_generation = -1
         self._attached = True
-        self._profiler: Profiler | None = None
         self._anchors: Anchors | None = None
         self._buffer_ids: dict[str, int] | None = None
-        self._profile_writer: weakref.finalize | None = None
-        self._optimizer_record: attributes.Compiled | None = None
-        self._times: counters.CallTimes | None = None
         self._calls = 0  # calls checked by checkNonFinite
-        self._state_stale = False  # the device's optimiser state is newer than the user's
         self._warned_weights = False
-        self._from_prompts = False  # compiled by generate() from its prompts, not by a call
 
     # -- calls ------------------------------------------------------------------------------
     def __call__(self, *args: Tree, **kwargs: Tree) -> Any:
         if not self._attached:
             raise DeviceError("The model is detached from its device: call attachToDevice() first")
-        args, kwargs = self._cast_inputs(*self._bound(args, kwargs))
-        if self._signature:  # dicts in the first call's key order (PopTorch matches by key)
-            args, kwargs = ordered_like(self._signature.spec, (args, kwargs))
-        signature = Signature.of(args, kwargs, self._params)
-        problem = self._signature.mismatch(signature) if self._signature else None
-        if problem and self._from_prompts:  # the user never chose generate()'s signature
+        inputs = self._inputs
+        args, kwargs = inputs.cast(args, kwargs)
+        if inputs.signature:  # dicts in the first call's key order (PopTorch matches by key)
+            args, kwargs = ordered_like(inputs.signature.spec, (args, kwargs))
+        signature = inputs.of(args, kwargs)
+        problem = inputs.mismatch(signature)
+        if problem and inputs.from_prompts:  # the user never chose generate()'s signature
             logger.info("Compiling again for this call's inputs (generate() compiled the "
                         "model from its prompts: %s)", problem)
             self.destroy()
             wrapping.register(self._user_model, self)  # it lives on: model.destroy() reaches it
         elif problem:
-            self._switch_signature(args, kwargs, signature, problem)
-        self._from_prompts = False
+            inputs.switch(self._compiled, args, kwargs, signature, problem)
+        inputs.from_prompts = False
         o = self._options
         if o.check_non_finite:
-            check_finite_inputs(input_names(args, kwargs, self._params),
+            check_finite_inputs(input_names(args, kwargs, inputs.params),
                                 pytree.tree_leaves((args, kwargs)), micro_batches=(
                                     o.device_iterations * o.Training.gradient_accumulation
                                     * o.replication_factor))
         compiled = self._compiled or self._compile(args, kwargs, signature)
-        if self._offline():
+        if offline(o):
             raise OfflineDeviceError(
                 "Trying to run a model on an offline device (ConnectionType.Never, set by "
                 "Options.useOfflineIpuTarget() or connectionType()): such a model compiles "
                 "(compile(), compileAndExport()) but never runs. Remove the option to run it")
         check_buffers(self._user_model, self._buffer_ids)
         if not self._training:
-            self._refresh_from_host()
+            self._weights.refresh_from_host()
         times = counters.CallTimes()
         if compiled.synthetic is None:  # one move of the whole call, then views of it
             args, kwargs = to_device((args, kwargs), compiled.engine.input_device)
@@ -181,25 +145,24 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
             self._run(compiled, micro, collector)
         times.stamp("output")
         self._anchors.after_call(compiled.engine)
-        if self._profiler is not None:
+        if self._counters.profiler is not None:
             items = next(leaf.shape[0] for leaf in pytree.tree_leaves((args, kwargs))
                          if isinstance(leaf, torch.Tensor))
-            self._profiler.record_call(start, time.monotonic_ns(), items)
+            self._counters.profiler.record_call(start, time.monotonic_ns(), items)
         result = collector.result()
         times.stamp("output_complete")
-        self._times = times
+        self._counters.times = times
         if watch is not None:
             self._check_non_finite(compiled, watch)
         if self._training:
-            return pytree.tree_map_only(torch.Tensor, _mark_training_output, result)
+            return pytree.tree_map_only(torch.Tensor, mark_training_output, result)
         return result
 
     def _check_non_finite(self, compiled: Compiled, watch: NonFiniteWatch) -> None:
         """checkNonFinite after a call: weights (warned once per wrapper), then outputs."""
         self._calls += 1
         if self._training and not self._warned_weights:
-            assert self._sync is not None
-            self._sync.run(self._pull)  # the device's weights into the host copy
+            self._weights.to_host()  # the device's weights into the host copy
             self._warned_weights = warn_non_finite_weights(compiled.engine.model, logger,
                                                            calls=self._calls)
         watch.check()
@@ -207,39 +170,29 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
     def _run(self, compiled: Compiled, micro: list, collector: Collector) -> None:
         if self._training:
             compiled.engine.train(micro, collector)
-            optimizer = self._user_optimizer
-            assert optimizer is not None and self._sync is not None  # a trainingModel's
-            # the device stepped: an LR scheduler must not warn that optimizer.step() never ran
-            optimizer._opt_called = True  # type: ignore[attr-defined]  # torch's flag, undeclared
-            self._sync.mark_stale(self._fetch)
-            self._state_stale = True
-            ipu_state.forget_loaded(optimizer)
+            self._weights.trained(self._fetch)
         else:
             compiled.engine.infer(micro, collector)
 
     def _compile(self, args: tuple, kwargs: dict, signature: Signature) -> Compiled:
         if self._compiled is not None:
             raise ValueError("The model is already compiled: call destroy() to compile again")
-        names = self._check_inputs(args, kwargs)
+        names = self._inputs.check(args, kwargs)
         dtypes = {p.dtype for p in held(self._user_model, "_parameters").values()
                   if p.is_floating_point()}
         extensions.run_pre_compile_hooks()
         if session_log.logger.isEnabledFor(logging.DEBUG):  # PopTorch's words for the options
             session_log.log(self._options.toDict())
-        if self._user_optimizer is not None:  # training (trainingModel makes one)
-            self._link_optimizer(self._user_optimizer)
+        self._weights.link_optimizer()  # training's (trainingModel makes one)
         with device_mismatch_explained(self._device), forward_errors_explained(
                 names, pytree.tree_leaves((args, kwargs)),
-                lambda: self._first_micro_batch(args, kwargs),
+                lambda: self._inputs.first_micro_batch(args, kwargs),
                 dtypes.pop() if len(dtypes) == 1 else None):
             self._compiled = compile_model(
                 self._user_model, args, kwargs, config=run_config(self._options),
-                training=self._training, optimizer=self._user_optimizer, device=self._device)
-        self._signature = signature
-        self._signatures = [(signature, self._compiled.synthetic)]
-        # PopTorch copies a poptorch.optim optimiser's state to the host at the first read
-        # after compiling (a torch optimiser's only once trained)
-        self._state_stale = isinstance(self._user_optimizer, Optimizer)
+                training=self._training, optimizer=self._weights.optimizer, device=self._device)
+        self._inputs.compiled(signature, self._compiled.synthetic)
+        self._weights.compiled(self._compiled)
         o, engine = self._options, self._compiled.engine
         try:
             self._anchors = Anchors(
@@ -251,24 +204,132 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
             self.destroy()  # a bad anchor name: stop the workers; fix the options, wrap again
             raise
         if self._options.profiling_dir:
-            self._start_profiler(args, kwargs)
-        self._sync = host_copy.attach(self._user_model, self._shown_model)
-        if engine.optimizer is not None and self._user_optimizer is not None:
-            # From compile on, the user's optimiser reports the device's loss scale (ipu_state's
-            # lossScaleUpdateFactor), as PopTorch's does before the first call.
-            scaling.load_scaling_state(self._user_optimizer,
-                                       scaling.scaling_state(engine.optimizer))
+            try:
+                self._counters.start_profiler(self._compiled, args, kwargs)
+            except ConfigError:
+                self.destroy()  # a report directory that cannot be made
+                raise
+        self._weights.attach(self._shown_model)
         self._buffer_ids = buffer_ids(self._user_model)
-        self._uploaded_generation = self._sync.generation
         extensions.run_post_compile_hooks()
         return self._compiled
+
+    def compile(self, *args: Tree, **kwargs: Tree) -> None:
+        """Prepare the model for these inputs without running it (with
+        Options.inputSignatures("several"), for one more signature when already compiled)."""
+        args, kwargs = self._inputs.cast(args, kwargs)
+        signature = self._inputs.of(args, kwargs)
+        problem = self._inputs.mismatch(signature)
+        if problem and self._options.input_signatures == "several":
+            return self._inputs.switch(self._compiled, args, kwargs, signature, problem)
+        self._compile(args, kwargs, signature)
+
+    def _generate(self, *args: Tree, **kwargs: Tree) -> object:
+        """The model's generate() (HuggingFace), every forward it calls run on the device:
+        in the stages, each stage's worker keeping the key/value cache of its own layers."""
+        if self._training:
+            raise ConfigError(
+                "generate() runs on a poptorch.inferenceModel: wrap the model with "
+                "poptorch.inferenceModel(model, opts) (it follows the weights this "
+                "trainingModel trains) and call its generate()")
+        if not self._attached:
+            raise DeviceError("The model is detached from its device: call attachToDevice() first")
+        compiled = self._compiled
+        if compiled is None:  # compiled from the prompts
+            compiled = self._compile(*self._inputs.prompts(args, kwargs))
+            self._inputs.from_prompts = True
+        self._weights.refresh_from_host()
+        o = self._options
+        with device_mismatch_explained(self._device):
+            return compiled.engine.generate(
+                self._user_model, compiled.stages,
+                lanes=o.device_iterations * o.replication_factor, args=args, kwargs=kwargs)
+
+    # -- weights: WeightCopies ---------------------------------------------------------------
+    def _fetch(self) -> None:
+        # PopTorch's lazy copy calls the wrapper's copyWeightsToHost, which scripts and tests
+        # replace to count copies (`deviceToHostCounter`).
+        logger.debug("Implicit copyWeightsToHost()")
+        self.copyWeightsToHost()
+
+    def copyWeightsToHost(self) -> None:
+        """Copy the device's weights (and optimiser state) into the user's model now."""
+        self._weights.to_host()
+
+    def copyWeightsToDevice(self) -> None:
+        """Copy the user's model's weights to the device (host edits reach it only this way).
+
+        The host copy is brought to the latest call first when a call trained since it was
+        last: the upload holds every tensor from one point of training (docs/precision.md)."""
+        self._weights.to_device()
+
+    def copyNamedBuffersToDevice(self) -> None:
+        """Copy the buffers named by Options.updatableNamedBuffers from the user's model to
+        the device (other weights and buffers on the device are kept)."""
+        self._weights.named_buffers_to_device()
+
+    def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Send new hyper-parameters (learning rate, ...) to the device; its state is kept.
+
+        The new optimiser may be another object of the same class; attributes that
+        `variable_attrs` marks constant must keep their compiled values."""
+        self._weights.set_optimizer(optimizer, self._fetch)
+
+    def state_dict(self, *args: object, **kwargs: object) -> dict[str, Any]:
+        """The user model's state_dict, holding the device's latest weights."""
+        state_dict: Callable[..., dict[str, Any]] = self._user_model.state_dict  # overloaded
+        return state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True) -> Any:
+        """Load weights into the user model and the device."""
+        result = self._user_model.load_state_dict(state_dict, strict=strict)
+        self.copyWeightsToDevice()
+        return result
+
+    # -- anchored tensors, counters: anchors.Anchors, counters.PerfCounters ------------------
+    def getAnchoredTensor(self, short_name: str) -> Any:
+        """The value of the tensor anchored as `short_name` by Options.anchorTensor, from the
+        last call (see pipetorch.runtime.anchors for the names)."""
+        return anchors.table(self._anchors).get(short_name)
+
+    def getTensorNames(self) -> list[str]:
+        """Every tensor name Options.anchorTensor accepts for this model."""
+        return list(anchors.table(self._anchors).names)
+
+    def getPerfCounters(self) -> dict[str, list[list[float]]]:
+        """PopTorch's counters of the last call: {"input", "input_complete", "output",
+        "output_complete": [per input/output: [per iteration: seconds]]} (see counters)."""
+        return self._counters.counters(self._compiled, self._inputs.signature)
+
+    def cycleCount(self) -> int:
+        """PopTorch's IPU cycle count of the last run; the checks come first, as PopTorch's:
+        opts.logCycleCount(True), then a model that ran. Then IpuOnlyError: there are no IPU
+        clock cycles on a CPU or GPU (getComputeLatency() times the run instead)."""
+        return self._counters.cycle_count(self._compiled)
+
+    def getLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the first input requested to the last output on
+        the host, over the last call's iterations."""
+        return counters.latency(self.getPerfCounters(), "input", min, "output_complete", max)
+
+    def getHostIpuLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds to move the inputs to the devices."""
+        return counters.latency(self.getPerfCounters(), "input", min, "input_complete", max)
+
+    def getComputeLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the inputs on the devices to the outputs ready."""
+        return counters.latency(self.getPerfCounters(), "input_complete", max, "output", max)
+
+    def getIpuHostLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds to bring the outputs to the host."""
+        return counters.latency(self.getPerfCounters(), "output", min, "output_complete", max)
 
     # -- device lifetime --------------------------------------------------------------------
     def detachFromDevice(self) -> None:
         """Release the device; the user's model keeps the trained weights."""
-        self._flush_host()
-        if self._profiler is not None:
-            self._profiler.write()
+        self._weights.flush_host()
+        if self._counters.profiler is not None:
+            self._counters.profiler.write()
         if self._compiled is not None and self._attached:
             self._compiled.engine.release()
         self._attached = False
@@ -307,29 +368,47 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
 
     def save(self, path: str) -> None:
         """Save the compiled model (stages, options, weights) to `path`; see compileAndExport."""
-        artefact.save(self, path)
+        compiled = self._require_compiled("save()")
+        self._weights.flush_host()
+        signatures = self._inputs.signatures  # the graph is the first call's
+        artefact.save(path, compiled, model=self._shown_model, options=self._options,
+                      training=self._training, optimizer=self._weights.optimizer,
+                      signature=signatures[0][0] if signatures else self._inputs.signature)
+
+    def compileAndExport(self, filename: str, *args: Tree, export_model: bool = True,
+                         **kwargs: Tree) -> None:
+        """Compile for these inputs (if not compiled yet) and save an executable that
+        `poptorch.load(filename)` runs in another process without the model's source."""
+        if self._compiled is None:
+            self.compile(*args, **kwargs)
+        self.save(filename)
+
+    def loadExecutable(self, filename: str) -> None:
+        """Compile this model for the inputs the executable at `filename` was saved for (by
+        compileAndExport of this model's class), keeping this model's own weights, as
+        PopTorch does; `poptorch.load(filename)` restores the saved weights too."""
+        args, kwargs = artefact.inputs_for(filename, self._user_model)
+        self.compile(*args, **kwargs)
 
     def destroy(self) -> None:
         """Free the device copy; the user's model keeps the latest weights."""
         try:
-            self._flush_host()  # the optimiser's state too: a new wrapper resumes from it
+            self._weights.flush_host()  # the optimiser's state too: a new wrapper resumes from it
         finally:
-            if self._training and self._user_optimizer is not None:
-                ipu_state.unlink(self._user_optimizer)
+            if self._training and self._weights.optimizer is not None:
+                ipu_state.unlink(self._weights.optimizer)
             wrapping.forget(self._user_model, self)
-            if self._sync is not None:
-                host_copy.detach(self._sync)
-            self._write_profile()
+            self._weights.detach()
+            self._counters.write_profile()
             if self._compiled is not None:
                 self._compiled.engine.close()
             if self._anchors is not None:
                 self._anchors.remove()
-            self._compiled, self._signature, self._sync, self._anchors = None, None, None, None
-            self._signatures = []
+            self._compiled, self._anchors = None, None
+            self._inputs.forget()
             self._buffer_ids = None
-            if self._training and _training_wrappers.get(self._user_model) is not None:
-                if _training_wrappers[self._user_model]() is self:
-                    del _training_wrappers[self._user_model]
+            if self._training:
+                wrapping.release_for_training(self._user_model, self)
 
     def __del__(self) -> None:
         if sys.is_finalizing():  # torch may be half torn down; workers stop via their finalizer
@@ -382,44 +461,6 @@ class PoplarExecutor(Inputs, WeightCopies, AnchorReads, counters.PerfCounters,
 def _new_model(cls: type[nn.Module], *args: object) -> nn.Module:
     """Unpickling helper of a saved wrapper: an empty instance of the user model's class."""
     return cls.__new__(cls, *args)
-
-
-def _claim_for_training(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                        wrapper: PoplarExecutor) -> None:
-    """`wrapper` trains `model`, which must have trainable parameters, those `optimizer`
-    steps, and no other live training wrapper."""
-    check_trainable(model)
-    if optimizer is not None:
-        check_optimizer_params(optimizer, model, where="trainingModel")
-    other = _training_wrappers.get(model)
-    if other is not None and other() is not None:
-        raise AlreadyWrappedError(
-            "Model has already been wrapped in 'poptorch.trainingModel'. Call "
-            "model.destroy() on the model to unwrap before wrapping again (this "
-            "destroys its live trainingModel, whose device copy would otherwise train "
-            "apart)")
-    _training_wrappers[model] = weakref.ref(wrapper)
-
-
-def _own_options(options: Options | None, *, training: bool) -> tuple[Options, Options]:
-    """The user's options (frozen, as in PopTorch) and the wrapper's own frozen copy, its
-    output mode resolved, checked."""
-    from pipetorch.options import Options
-
-    options = Options() if options is None else options
-    if not isinstance(options, Options):
-        raise TypeError(f"options must be a pipetorch.Options, got {type(options).__name__}")
-    popart_names.check(options._Popart.options)  # PopTorch checks them at compile
-    options._freeze(by=f"poptorch.{'trainingModel' if training else 'inferenceModel'}")
-    own = options.clone()
-    mode = resolve_mode(own.output_mode, training=training)
-    own.outputMode(mode, **({"output_return_period": own.output_return_period}
-                            if mode.name == "EveryN" else {}))
-    own._freeze()
-    if not training:
-        check_inference_accumulation(own)
-    check_return_periods(own)
-    return options, own
 
 
 def trainingModel(model: nn.Module, options: Options | None = None,

@@ -1,11 +1,14 @@
 """How a wrapper stands for its model, as PopTorch's does: `isinstance(wrapped, type(model))`
-holds, and `model.destroy()` on the user's model destroys the model's wrappers."""
+holds, `model.destroy()` on the user's model destroys the model's wrappers, and a model has
+one live training wrapper at most."""
 from __future__ import annotations
 
 import weakref
 from typing import Protocol
 
 import torch.nn as nn
+
+from pipetorch.errors import AlreadyWrappedError
 
 __all__: list[str] = []
 
@@ -18,6 +21,9 @@ class Wrapper(Protocol):
 
 # user model -> every live wrapper of it, for `model.destroy()`.
 _wrappers: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Wrapper]]" = (
+    weakref.WeakKeyDictionary())
+# user model -> its live training wrapper: two would train diverging device copies.
+_training_wrappers: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[Wrapper]]" = (
     weakref.WeakKeyDictionary())
 _DESTROY = "destroy"
 _classes: dict[tuple[type, type], type] = {}
@@ -55,6 +61,24 @@ def forget(model: nn.Module, wrapper: Wrapper) -> None:
     wrappers.discard(wrapper)
     if not wrappers and isinstance(model.__dict__.get(_DESTROY), DestroyHandle):
         del model.__dict__[_DESTROY]
+
+
+def claim_for_training(model: nn.Module, wrapper: Wrapper) -> None:
+    """`wrapper` trains `model`, which has no other live training wrapper."""
+    other = _training_wrappers.get(model)
+    if other is not None and other() is not None:
+        raise AlreadyWrappedError(
+            "Model has already been wrapped in 'poptorch.trainingModel'. Call "
+            "model.destroy() on the model to unwrap before wrapping again (this "
+            "destroys its live trainingModel, whose device copy would otherwise train "
+            "apart)")
+    _training_wrappers[model] = weakref.ref(wrapper)
+
+
+def release_for_training(model: nn.Module, wrapper: Wrapper) -> None:
+    """`wrapper`, destroyed, no longer trains `model`."""
+    if _training_wrappers.get(model) is not None and _training_wrappers[model]() is wrapper:
+        del _training_wrappers[model]
 
 
 def wrapper_class(executor: type, model_class: type) -> type:

@@ -26,12 +26,12 @@ def test_host_weights_sync_lazily_and_once():
     before = model.fc1.weight.detach().clone()
     wrapped = poptorch.trainingModel(model, quiet(), optimizer=sgd(model))
     wrapped(*data(4))
-    generation = wrapped._sync.generation
+    generation = wrapped._weights.sync.generation
     device_weight = wrapped._compiled.engine.model.fc1.weight
     assert not torch.equal(device_weight, before)
     assert_close(model.fc1.weight, device_weight)  # first access copies back
     _ = model.state_dict(), list(model.parameters()), model(data(2)[0])
-    assert wrapped._sync.generation == generation + 1  # ... exactly once
+    assert wrapped._weights.sync.generation == generation + 1  # ... exactly once
 
 
 def test_host_edits_reach_device_only_through_copy_weights_to_device():

@@ -150,12 +150,12 @@ def test_compile_adds_a_signature_without_running(request):
     request.addfinalizer(model.destroy)
     model.compile(token_batch(B, 16)[0])
     model.compile(token_batch(B, 24)[0])
-    assert len(model._signatures) == 2
+    assert len(model._inputs.signatures) == 2
     net.eval()
     ids = token_batch(B, 24, seed=3)[0]
     with torch.no_grad():
         assert_close(model(ids), net(ids))
-    assert len(model._signatures) == 2  # the call found the compiled signature
+    assert len(model._inputs.signatures) == 2  # the call found the compiled signature
 
 
 def test_the_option_is_validated_when_set():
@@ -205,7 +205,7 @@ def test_a_new_signature_over_the_memory_budget_is_refused_and_the_others_still_
         model(*token_batch(B, 4096))
     model(*token_batch(B, 16))
     model(*token_batch(B, 24))
-    assert len(model._signatures) == 2
+    assert len(model._inputs.signatures) == 2
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from pipetorch.enums import OutputMode
+from pipetorch.errors import BackwardError
 from pipetorch.partition.export import Tree
 
 __all__: list[str] = []
@@ -86,3 +87,28 @@ def _combine(values: list[object]) -> object:
     if tensors[0].dim() == 0:
         return torch.stack(tensors)
     return torch.cat(tensors)
+
+
+class TrainingOutput(torch.Tensor):
+    """A returned tensor whose `.backward()` explains that training already happened."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # C, unbound
+
+    def __repr__(self, **kwargs: object) -> str:  # type: ignore[override]  # torch's is untyped
+        return repr(self.as_subclass(torch.Tensor))  # print like the tensor it is
+
+    def backward(self, *args: object, **kwargs: object) -> None:
+        # PopTorch 3.x raises a poptorch.Error in these words; PopTorch 2.x returned plain
+        # tensors, so torch's message follows for scripts matching that one.
+        raise BackwardError(
+            "backward() cannot be called explicitly on outputs of a PopTorch model. If you're "
+            "using a trainingModel, the backwards pass is performed automatically when invoking "
+            "the model. If you're using an inferenceModel, you should use a trainingModel "
+            "instead. (torch: element 0 of tensors does not require grad and does not have a "
+            "grad_fn: forward, backward and the optimiser step already ran inside the call; "
+            "use the returned loss for logging only)")
+
+
+def mark_training_output(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a training call returns it: a TrainingOutput."""
+    return torch.Tensor._make_subclass(TrainingOutput, x)
