@@ -1,5 +1,6 @@
 """Pre-started workers (parallel/host/pool.py): forked from one warm zygote across wrappers, equal to
 fresh processes, and gone with the user's process; a killed zygote is named or replaced."""
+import importlib
 import logging
 import os
 import signal
@@ -15,7 +16,7 @@ import pipetorch as poptorch
 from fault_cases import registry  # noqa: F401 - the fixture
 from fault_cases import Script, TokenNet, alive, options, script_env, token_data, wait_gone
 from pipetorch.errors import ConfigError, DeviceError
-from pipetorch.parallel.host import pool
+from pipetorch.parallel.host import pool, preload
 
 
 
@@ -74,6 +75,47 @@ def test_wrappers_fork_from_one_zygote_and_match_fresh_workers(registry, monkeyp
             (model(t, y)[1] / 4).backward()
         sgd.step()
     assert_close(first_weights, model.state_dict())
+
+
+_LIBRARY = """import os
+import torch.nn as nn
+with open({marker!r}, "a") as imports:
+    imports.write(f"{{os.getpid()}}\\n")
+
+
+class Layer(nn.Linear):
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_a_models_installed_library_is_imported_once_in_the_zygote(registry, tmp_path,
+                                                                    monkeypatch):
+    """A model whose classes come from an installed library (transformers, for a HuggingFace
+    model): the zygote imports it before forking, once for every worker of every wrapper."""
+    folder, marker = tmp_path / "site-packages", tmp_path / "imports"
+    folder.mkdir()
+    name = f"layers_{tmp_path.name.replace('-', '_')}"
+    (folder / f"{name}.py").write_text(_LIBRARY.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setattr(preload, "_site_folders", lambda: (f"{folder}/",))
+    library = importlib.import_module(name)
+    monkeypatch.setitem(sys.modules, name, library)  # gone again when the test ends
+    x = torch.randn(4, 4)
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(library.Layer(4, 4),
+                                    poptorch.BeginBlock(library.Layer(4, 2), ipu_id=1))
+        assert preload.libraries(model) == (name,)
+        wrapper = poptorch.inferenceModel(model, options(D=2, G=1))
+        try:
+            assert_close(wrapper(x), model(x))
+            pids = wrapper._compiled.engine.worker_pids
+            assert all(_parent(p) == pool.zygote().process.pid for p in pids)
+        finally:
+            wrapper.destroy()
+    # this process's import, then the zygote's; none in the four workers
+    assert marker.read_text().split() == [str(os.getpid()), str(pool.zygote().process.pid)]
 
 
 @pytest.mark.slow

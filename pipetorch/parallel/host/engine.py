@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from pipetorch import environment
 from pipetorch.errors import CompileError, DeviceError
-from pipetorch.parallel.host import cross_process, host_link, peers
+from pipetorch.parallel.host import cross_process, host_link, peers, preload
 from pipetorch.parallel.comm import wire
 from pipetorch.parallel.comm import messages as m
 from pipetorch.parallel.host.calls import Calls
@@ -99,7 +99,8 @@ class ProcessEngine:
             staged, plan.graphs.routes, plan.graphs.specs, tuple(placements), owners,
             ties_of(model, staged, owners), replicas, spread))
         self.workers = WorkerSet(self.pipeline, num_processes=self.num_processes,
-                                 timeout=self.timeout, batching=batching)
+                                 timeout=self.timeout, batching=batching,
+                                 libraries=preload.libraries(model))
         self.sync = WeightSync(self.pipeline, self.workers, model=model, optimizer=optimizer,
                                writer=writer, sharding=self.sharding)
         self.workers.on_loss = self.sync.restore_last_call

@@ -7,12 +7,14 @@ no OpenMP or intra-op thread pool exists to be broken by fork) and stays single-
 Each stage worker is then a fork of the zygote, ready in milliseconds; the zygote serves every
 later wrapper of the process too.
 
-    user process --- ("fork", env, cwd, path) + the worker's socket --->  zygote
-                 <-- ("ok", pid) -------------------------------------   | fork
+    user process --- ("fork", env, cwd, path, libraries) + a socket --->  zygote
+                 <-- ("ok", pid) -------------------------------------   | import, fork
                  <================ the worker's socket ================> worker.main
 
 Guarantees, as for fresh workers: no `__main__` guard (the zygote is exec'd, not forked from
-the user's process); the zygote exits when the user's process does (it polls its parent) or
+the user's process); the model's installed libraries (`preload.libraries`: `transformers` for a
+HuggingFace model) are imported in the zygote before the fork, once for all its workers and
+wrappers, as torch is; the zygote exits when the user's process does (it polls its parent) or
 closes its end of the socket; a worker exits when the user's process does (it holds a pidfd
 of the user's process, inherited from the zygote), not when the zygote does. The zygote reaps
 its children and tells the host their exit status. `PIPETORCH_WORKER_POOL=early` starts the
@@ -22,6 +24,7 @@ starts every worker as a fresh process instead.
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import os
 import pickle
@@ -47,9 +50,10 @@ _PERIOD = 0.25     # seconds between the zygote's checks that the user's process
 _MESSAGE = 1 << 20  # the largest request or reply (a seqpacket datagram)
 UNKNOWN_EXIT = 255  # exit status of a worker whose zygote died before telling it
 
-# What the host asks the zygote: ("fork", (environment, cwd, sys.path)), ("threads", None),
-# ("status", pid)
-Request = tuple[str, Union[tuple[dict[str, str], str, list[str]], int, None]]
+# What the host asks the zygote: ("fork", (environment, cwd, sys.path, libraries)),
+# ("threads", None), ("status", pid)
+Fork = tuple[dict[str, str], str, list[str], tuple[str, ...]]
+Request = tuple[str, Union[Fork, int, None]]
 
 
 def enabled() -> bool:
@@ -143,18 +147,21 @@ class Zygote:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def fork(self, timeout: float) -> tuple[Connection, PooledProcess]:
-        """A new worker, connected to the returned end of a socket pair."""
+    def fork(self, timeout: float, libraries: tuple[str, ...] = ()) -> tuple[Connection,
+                                                                              PooledProcess]:
+        """A new worker, connected to the returned end of a socket pair; the zygote imports
+        `libraries` first (those it has not yet)."""
         ours, theirs = socket.socketpair()
         try:
-            request = ("fork", (worker_env(), os.getcwd(), list(sys.path)))
+            request = ("fork", (worker_env(), os.getcwd(), list(sys.path), libraries))
             pid = self._ask(request, timeout, fds=[theirs.fileno()])
         finally:
             theirs.close()
         return Connection(ours.detach()), PooledProcess(pid, self)
 
     def thread_count(self, timeout: float) -> int:
-        """The zygote's threads once warm: those importing torch makes, no more."""
+        """The most threads the zygote had as it forked (or now, before its first fork): those
+        its imports make (OpenBLAS's, which OpenBLAS stops for a fork), no intra-op pool."""
         return self._ask(("threads", None), timeout)
 
     def exit_status(self, pid: int) -> int | None:
@@ -234,9 +241,9 @@ def prestart() -> None:
         zygote()
 
 
-def start_worker(timeout: float) -> tuple[Connection, PooledProcess]:
-    """A worker forked from this process's zygote."""
-    return zygote().fork(timeout)
+def start_worker(timeout: float, libraries: tuple[str, ...]) -> tuple[Connection, PooledProcess]:
+    """A worker forked from this process's zygote, once it has imported `libraries`."""
+    return zygote().fork(timeout, libraries)
 
 
 @atexit.register
@@ -250,16 +257,39 @@ def shutdown() -> None:
 
 
 # -- the zygote process -----------------------------------------------------------------------
-def _warm() -> int:
+def _warm() -> None:
     """Import everything a worker needs (running no tensor op: no intra-op thread pool may
-    exist when this process forks); return its thread count (only those imports make)."""
+    exist when this process forks)."""
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401 - torch.optim imports it on the first step
     import torch.distributed  # noqa: F401
     import torch.optim  # noqa: F401
 
     import pipetorch.parallel.worker.serve  # noqa: F401
+
+
+def _import(libraries: tuple[str, ...], path: list[str]) -> None:
+    """Import the model's libraries a worker would import itself, from the user's import
+    path; one that fails is left for the worker, which then raises the error where the user
+    sees it."""
+    own = sys.path[:]
+    sys.path[:] = path
+    try:
+        for name in libraries:
+            if name not in sys.modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - the worker's own import reports it
+                    pass
+    finally:
+        sys.path[:] = own
+
+
+def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
+
+
+_most_threads = 0  # in the zygote: the most threads it had as it forked
 
 
 def _reap(statuses: dict[int, int]) -> None:
@@ -273,8 +303,11 @@ def _reap(statuses: dict[int, int]) -> None:
         statuses[pid] = os.waitstatus_to_exitcode(status)
 
 
-def _fork(conn_fd: int, env: dict[str, str], cwd: str, path: list[str], *, host: int,
-          sock: socket.socket) -> int:
+def _fork(conn_fd: int, env: dict[str, str], cwd: str, path: list[str],
+          libraries: tuple[str, ...], *, host: int, sock: socket.socket) -> int:
+    global _most_threads
+    _import(libraries, path)
+    _most_threads = max(_most_threads, _threads())
     pid = os.fork()
     if pid:
         return pid
@@ -302,7 +335,7 @@ def serve(sock: socket.socket) -> None:
     if os.getppid() != parent:
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the host's to handle
-    threads = _warm()
+    _warm()
     statuses: dict[int, int] = {}
     while os.getppid() == parent:
         _reap(statuses)
@@ -316,7 +349,7 @@ def serve(sock: socket.socket) -> None:
             if kind == "fork":
                 reply: Any = ("ok", _fork(fds[0], *payload, host=host, sock=sock))
             elif kind == "threads":
-                reply = ("ok", threads)
+                reply = ("ok", max(_most_threads, _threads()))
             else:
                 _reap(statuses)
                 reply = ("ok", statuses.pop(payload, None))

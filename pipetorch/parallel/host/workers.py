@@ -39,8 +39,9 @@ class WorkerSet:
     engine restores the host copy from the workers' files then)."""
 
     def __init__(self, pipeline: Current, *, num_processes: int, timeout: float,
-                 batching: Batching) -> None:
+                 batching: Batching, libraries: tuple[str, ...] = ()) -> None:
         self.pipeline = pipeline  # its placements; its stages name where a failure happened
+        self.libraries = libraries  # what the zygote imports for them (preload.libraries)
         self.replicas = pipeline.now.replicas
         self.devices = len(pipeline.now.placements) // self.replicas  # workers per replica
         self.num_processes, self.timeout = num_processes, timeout
@@ -61,7 +62,7 @@ class WorkerSet:
         for placement in self.pipeline.now.placements:
             process: wire.Process
             if pool.enabled():
-                conn, process = pool.start_worker(self.timeout)
+                conn, process = pool.start_worker(self.timeout, self.libraries)
             else:
                 ours, theirs = socket.socketpair()
                 try:
