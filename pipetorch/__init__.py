@@ -10,8 +10,7 @@ from pipetorch.enums import (
     MeanReductionStrategy, OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern,
 )
 from pipetorch.errors import Error
-
-__version__ = "0.1.0"
+from pipetorch.version import __version__ as __version__
 
 # Public name -> module that defines it. Modules load on first use, so `import pipetorch`
 # stays cheap in worker processes that only need the runtime.

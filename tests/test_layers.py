@@ -12,7 +12,7 @@ ROOT = Path(pipetorch.__file__).parent
 # Lowest first. A module may import its own layer and the layers below it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "enums", "log_level", "printing", "losses", "tracebacks", "tensor_ops",
-     "extensions", "ops", "environment", "torch_compat", "memfd"),  # foundations, beside the flow
+     "extensions", "ops", "environment", "torch_compat", "memfd", "version"),  # foundations, beside the flow
     ("schedule",),                          # schedules as pure data
     ("optim",),                             # PopTorch's optimisers
     ("weights",),                           # where each weight lives: files, shared memory, copies
@@ -136,19 +136,16 @@ def test_no_import_cycles_type_only_imports_included():
     assert cycles(graph(typing=True)) == []
 
 
-# Imports under TYPE_CHECKING that point up the layers: annotations naming a higher layer's
-# class (the Options, a Compiled model). Issue 52 asks for none; the list may only shrink.
+# Imports under TYPE_CHECKING that point up these layers: the user's Options, which the public
+# `pipetorch.balance(options=)` sets and the memory report reads (options/ sits above planning/
+# and profiling/ here, beside the DataLoader; no module of options/ imports them, so the
+# packages form no circle). Issue 52 asks for none; the list may only shrink.
 TYPED_UPWARD = {
-    "pipetorch.partition.casting -> pipetorch.options.groups",
     "pipetorch.planning.balancing -> pipetorch.options.options",
     "pipetorch.planning.memory -> pipetorch.options.options",
-    "pipetorch.profiling.lanes -> pipetorch.runtime.compile",
     "pipetorch.profiling.memory -> pipetorch.options.options",
-    "pipetorch.profiling.memory -> pipetorch.runtime.compile",
     "pipetorch.profiling.recorder -> pipetorch.options.options",
-    "pipetorch.profiling.recorder -> pipetorch.runtime.compile",
     "pipetorch.profiling.summary -> pipetorch.options.options",
-    "pipetorch.profiling.summary -> pipetorch.runtime.compile",
 }
 
 

@@ -37,7 +37,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-import pipetorch
+from pipetorch.version import __version__
 from pipetorch import extensions
 from pipetorch.partition.blocks import BlockInfo, begin_blocks
 from pipetorch.partition.export import Tree
@@ -64,7 +64,7 @@ def capture_key(model: nn.Module, args: tuple, kwargs: dict,
     are the options (Options.toDict())."""
     settings = settings or {}
     parts: dict[str, Any] = {
-        "format": FORMAT, "pipetorch": pipetorch.__version__, "torch": torch.__version__,
+        "format": FORMAT, "pipetorch": __version__, "torch": torch.__version__,
         "python": platform.python_version(),
         "code": sorted({_source(type(m)) for m in model.modules()}),
         "hooks": [_hooks(name, m) for name, m in model.named_modules()],

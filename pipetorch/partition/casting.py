@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Callable, ContextManager
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn as nn
@@ -21,9 +21,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from pipetorch.enums import HalfFloatCastingBehavior
-
-if TYPE_CHECKING:  # the options are a layer above: annotations only
-    from pipetorch.options.groups import _PrecisionOptions
 
 __all__: list[str] = []
 
@@ -88,11 +85,13 @@ def _has_sixteen_bit(model: nn.Module, args: tuple, kwargs: dict) -> bool:
 
 
 def for_forward(model: nn.Module, args: tuple, kwargs: dict,
-                precision: _PrecisionOptions) -> Casting | None:
-    """The casting forward runs under, or None where it cannot matter: a model without a
-    16-bit parameter, buffer or input, whose options' Precision leaves halfFloatCasting unset."""
-    if precision._casting_chosen or _has_sixteen_bit(model, args, kwargs):
-        return functools.partial(HalfFloatCasting, precision.half_float_casting)
+                chosen: HalfFloatCastingBehavior | None) -> Casting | None:
+    """The casting forward runs under (`chosen`: Precision.halfFloatCasting, None when unset),
+    or None where it cannot matter: a model without a 16-bit parameter, buffer or input, whose
+    options leave halfFloatCasting unset."""
+    if chosen is not None or _has_sixteen_bit(model, args, kwargs):
+        return functools.partial(HalfFloatCasting, HalfFloatCastingBehavior.Default
+                                 if chosen is None else chosen)
     return None
 
 

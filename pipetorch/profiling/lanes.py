@@ -12,7 +12,7 @@ from pipetorch.parallel.layout.compile_plan import CompilePlan
 
 if TYPE_CHECKING:
     from pipetorch.partition.split import StagedModel
-    from pipetorch.runtime.compile import Compiled
+    from pipetorch.profiling.compiled import Compiled
 
 __all__: list[str] = []
 

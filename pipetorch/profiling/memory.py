@@ -32,7 +32,7 @@ from pipetorch.profiling.lanes import InWorkers, lanes_of, stage_modules
 if TYPE_CHECKING:
     from pipetorch.options.options import Options
     from pipetorch.partition.casting import Casting
-    from pipetorch.runtime.compile import Compiled
+    from pipetorch.profiling.compiled import Compiled
 
 __all__: list[str] = []
 

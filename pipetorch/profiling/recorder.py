@@ -25,7 +25,7 @@ from pipetorch.profiling.timing import CallRecord
 
 if TYPE_CHECKING:
     from pipetorch.options.options import Options
-    from pipetorch.runtime.compile import Compiled
+    from pipetorch.profiling.compiled import Compiled
 
 __all__: list[str] = []
 

@@ -11,7 +11,7 @@ from pipetorch.profiling.timing import CallRecord, Timing, timing_summary
 if TYPE_CHECKING:
     from pipetorch.options.options import Options
     from pipetorch.profiling.memory import MemoryReport
-    from pipetorch.runtime.compile import Compiled
+    from pipetorch.profiling.compiled import Compiled
 
 __all__: list[str] = []
 

@@ -27,7 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-import pipetorch
+from pipetorch.version import __version__
 from pipetorch import ops
 from pipetorch.enums import ConnectionType
 from pipetorch.errors import ConfigError, Error
@@ -65,7 +65,7 @@ OptimizerRecord = TypedDict("OptimizerRecord", {
 
 
 def _versions() -> dict[str, Any]:
-    return {"format": FORMAT, "pipetorch": pipetorch.__version__, "torch": torch.__version__,
+    return {"format": FORMAT, "pipetorch": __version__, "torch": torch.__version__,
             "python": platform.python_version()}
 
 

@@ -95,7 +95,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
                                     gradient_accumulation=batching.gradient_accumulation,
                                     replication_factor=batching.replication_factor)
         first = to_device(micro[0], host)
-        cast = casting.for_forward(model, *first, config.precision)
+        cast = casting.for_forward(model, *first, config.half_float_casting)
         strategy = config.strategy
         if config.balance_devices:
             with casting.within(cast):
@@ -177,7 +177,7 @@ def add_signature(compiled: Compiled, args: tuple, kwargs: dict, *, config: RunC
                                 replication_factor=batching.replication_factor)
     try:
         first = to_device(micro[0], engine.input_device)
-        cast = casting.for_forward(model, *first, config.precision)
+        cast = casting.for_forward(model, *first, config.half_float_casting)
         graph = capture_forward(model, first, config, training=training, casting=cast,
                                 export=not local)
         found = graph.probe

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipetorch import environment
+from pipetorch.enums import HalfFloatCastingBehavior
 from pipetorch.options import popart_names
 from pipetorch.parallel.host.outputs import resolve_mode
 from pipetorch.runtime.checks import check_inference_accumulation, check_return_periods
@@ -42,7 +43,8 @@ class RunConfig:
     memory_budget: int | dict[int, int] | None  # setMemoryBudget (a pipetorch extension)
     cache_dir: str | None      # enableExecutableCaching / POPTORCH_CACHE_DIR
     settings: dict[str, Any]   # every option, which the executable cache's key holds
-    precision: Any             # Precision: what partition.casting reads
+    half_float_casting: HalfFloatCastingBehavior | None  # Precision.halfFloatCasting; None:
+    #                            unset (partition.casting then casts only 16-bit models)
     compile_backend: str | None  # Jit.compileStages, else $PIPETORCH_COMPILE
     execution: str             # $PIPETORCH_EXECUTION
     across: bool = False       # Distributed.stagesAcrossProcesses: one pipeline, all processes
@@ -66,7 +68,8 @@ def run_config(options: Options) -> RunConfig:
         progress_bar=options.show_compilation_progress_bar,
         balance_devices=options.auto_balance_devices, memory_budget=options.memory_budget,
         cache_dir=options.executable_cache_dir, settings=options.toDict(),
-        precision=options.Precision,
+        half_float_casting=(options.Precision.half_float_casting
+                            if options.Precision._casting_chosen else None),
         compile_backend=chosen if chosen is not None else environment.get("compile"),
         execution=environment.get("execution"),
         across=options.Distributed.stages_across_processes)
