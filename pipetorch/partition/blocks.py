@@ -5,6 +5,7 @@ import functools
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Callable, Iterator, ParamSpec, TypeVar
 
 import torch.nn as nn
@@ -152,7 +153,8 @@ class Block:
             _state.recorder.begin(self._user_id, self._ipu_id, scoped=True)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if _state.recorder is not None:
             _state.recorder.end()
 

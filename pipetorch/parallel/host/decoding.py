@@ -381,7 +381,7 @@ class _Steps:
             lengths = sorted((key, shape[1:]) for key, (shape, _) in self.shapes.get(
                 lane, {}).items())  # the lane's cache in the workers, but for its rows
             alike = (path, _signature(call), tuple(lengths)) if kv_cache.joinable(
-                [host_cache] * (host_cache is not None)) else None
+                [] if host_cache is None else [host_cache]) else None
             out = self.gate.run(lane, alike, call, lambda calls: self._run(
                 calls, path, host_cache, batched=len(calls) > 1))
             return kv_cache.fill(out, host_cache)
@@ -389,7 +389,7 @@ class _Steps:
         outputs = self._run(dict(enumerate(calls)), path, host_cache)
         return kv_cache.fill(join([outputs[lane] for lane in range(len(calls))], least_dim=1), host_cache)
 
-    def _run(self, calls: dict[int, LaneCall], path: str, host_cache: object, *,
+    def _run(self, calls: dict[int, LaneCall], path: str, host_cache: kv_cache.Cache | None, *,
              batched: bool = False) -> dict[int, Tree]:
         """Each lane's call on its replica (lane % replicas); their outputs by lane."""
         replicas = self.replicas
