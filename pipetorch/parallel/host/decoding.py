@@ -20,7 +20,7 @@ import itertools
 import threading
 import time
 from multiprocessing.connection import wait
-from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
 
 import cloudpickle
 import torch
@@ -40,8 +40,6 @@ from pipetorch.partition.export import Tree
 from pipetorch.partition.strategies import StageSpec
 
 __all__: list[str] = []
-
-T = TypeVar("T")
 
 
 class GenerationSession:
@@ -409,7 +407,7 @@ class _Steps:
         return outputs
 
 
-def _signature(call: Tree) -> Hashable:
+def _signature(call: LaneCall) -> Hashable:
     """What lanes' calls must share to run as one batch: all but their rows."""
     leaves, spec = pytree.tree_flatten(call, is_leaf=kv_cache.is_cache_or_slot)
     return str(spec), tuple(
@@ -418,7 +416,7 @@ def _signature(call: Tree) -> Hashable:
 
 
 
-def _lanes(call: T, lanes: int) -> list[T]:
+def _lanes(call: LaneCall, lanes: int) -> list[LaneCall]:
     """The call's arguments for each lane: the batch's rows in `lanes` groups (at most one per
     row), every tensor of the batch cut there (a 1-d tensor, such as cache_position, is the
     same for every row)."""
