@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
-from pipetorch.parallel.comm.payloads import Shapes
-from pipetorch.partition.export import Tree, is_cache
+from pipetorch.parallel.comm.payloads import LaneCall, Shapes
+from pipetorch.partition.export import is_cache
 
 if TYPE_CHECKING:  # the library never imports transformers: a model brings it
     from transformers.cache_utils import Cache
@@ -52,15 +52,15 @@ def fill(tree: T, cache: Cache | None) -> T:
                            is_leaf=lambda v: isinstance(v, CacheSlot))
 
 
-def has_slot(tree: Tree) -> bool:
-    """Whether `tree` has a CacheSlot."""
+def has_slot(calls: list[LaneCall]) -> bool:
+    """Whether lanes' calls have a CacheSlot."""
     return any(isinstance(v, CacheSlot) for v in pytree.tree_leaves(
-        tree, is_leaf=lambda v: isinstance(v, CacheSlot)))
+        calls, is_leaf=lambda v: isinstance(v, CacheSlot)))
 
 
-def find(tree: Tree) -> Cache | None:
-    """The first cache in `tree`, or None."""
-    return next((v for v in pytree.tree_leaves(tree, is_leaf=is_cache) if is_cache(v)), None)
+def find(call: LaneCall) -> Cache | None:
+    """The first cache in a call's arguments, or None."""
+    return next((v for v in pytree.tree_leaves(call, is_leaf=is_cache) if is_cache(v)), None)
 
 
 def _layers(cache: Cache, prefix: str = "") -> dict[str, Any]:
