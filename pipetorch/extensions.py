@@ -63,11 +63,11 @@ class ICustomArgParser(Generic[_Custom]):
         raise NotImplementedError
 
 
-class _Original:
+class _Original(Generic[_Custom]):
     """The object a custom input was flattened from; equal to any other of the same type,
     so two calls with fresh objects of one type share an input signature."""
 
-    def __init__(self, value: object) -> None:
+    def __init__(self, value: _Custom) -> None:
         self.value = value
 
     def __eq__(self, other: object) -> bool:
@@ -83,7 +83,7 @@ class _Original:
 _parsers: dict[type, ICustomArgParser] = {}
 
 
-def registerCustomArgParser(arg_type: type, parser: ICustomArgParser) -> None:
+def registerCustomArgParser(arg_type: type[_Custom], parser: ICustomArgParser[_Custom]) -> None:
     """Let inputs of `arg_type` be split into micro-batches and passed to the model."""
     if not isinstance(arg_type, type):
         raise TypeError(f"registerCustomArgParser: arg_type must be a class, got {arg_type!r}")
@@ -94,10 +94,10 @@ def registerCustomArgParser(arg_type: type, parser: ICustomArgParser) -> None:
         pytree._deregister_pytree_node(arg_type)
     _parsers[arg_type] = parser
 
-    def flatten(obj: object) -> tuple[list[torch.Tensor], _Original]:
+    def flatten(obj: _Custom) -> tuple[list[torch.Tensor], _Original[_Custom]]:
         return list(parser.yieldTensors(obj)), _Original(obj)
 
-    def unflatten(values: Iterable[torch.Tensor], context: _Original) -> Any:
+    def unflatten(values: Iterable[torch.Tensor], context: _Original[_Custom]) -> _Custom:
         return parser.reconstruct(context.value, iter(values))
 
     name = f"{arg_type.__module__}.{arg_type.__qualname__}"

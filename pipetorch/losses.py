@@ -46,11 +46,13 @@ class LossGraph:
         self.kinds.append(kind)
         self._depends[loss] = before | {len(self.tensors) - 1}
 
-    def propagate(self, inputs: object, output: object) -> None:
-        """An op read `inputs` and returned `output`: the output depends on their losses."""
+    def propagate(self, args: tuple[object, ...], kwargs: dict[str, object] | None,
+                  output: object) -> None:
+        """An op read `args` and `kwargs` and returned `output`: the output depends on their
+        losses."""
         if not self.tensors:  # nothing to follow before the first loss
             return
-        found = _NONE.union(*(self.depends_on(t) for t in _tensors(inputs)))
+        found = _NONE.union(*(self.depends_on(t) for t in _tensors((args, kwargs))))
         if found:
             for tensor in _tensors(output):
                 self._depends[tensor] = self.depends_on(tensor) | found

@@ -106,7 +106,7 @@ class _LossCallCounter(TorchFunctionMode):
         if _RECOMPUTING.get():
             return out
         graph = self._counts.losses
-        graph.propagate((args, kwargs), out)
+        graph.propagate(args, kwargs, out)
         if func in _LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
             self._counts["loss"] += 1
             graph.add(out, func.__name__)

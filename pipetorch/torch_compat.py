@@ -7,12 +7,15 @@ any data is read. `restore()` puts back an `__init__` that takes and ignores it.
 """
 from __future__ import annotations
 
+from collections.abc import Sized
+
 import torch.utils.data as torch_data
 
 __all__: list[str] = []
 
 
-def _ignoring_data_source(self: object, data_source: object = None) -> None:
+def _ignoring_data_source(self: torch_data.Sampler[object], data_source: Sized | None = None
+                          ) -> None:
     """torch 2.0's `Sampler.__init__`: the data source is not used."""
 
 
@@ -20,4 +23,4 @@ def restore() -> None:
     """Give `torch.utils.data.Sampler` back its `__init__(data_source=None)` where torch
     dropped it (a no-op on a torch that has one)."""
     if "__init__" not in vars(torch_data.Sampler):
-        torch_data.Sampler.__init__ = _ignoring_data_source  # type: ignore[method-assign]  # meant
+        torch_data.Sampler.__init__ = _ignoring_data_source  # type: ignore[method-assign,assignment]  # torch dropped it

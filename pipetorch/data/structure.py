@@ -13,46 +13,46 @@ __all__: list[str] = []
 
 
 @dataclass(frozen=True)
-class Tree:
+class BatchTree:
     """The shape of a nested batch: kind is 'leaf', 'dict', 'list', 'tuple', 'namedtuple' or
     'custom' (an ICustomArgParser type; keys holds the first object, the structure to rebuild)."""
 
     kind: str
-    children: tuple[Tree, ...] = ()
+    children: tuple[BatchTree, ...] = ()
     keys: tuple[object, ...] = ()
     cls: type | None = None
 
 
-_LEAF = Tree("leaf")
+_LEAF = BatchTree("leaf")
 
 
-def flatten(batch: object, *, where: str = "batch") -> tuple[list[torch.Tensor], Tree]:
+def flatten(batch: object, *, where: str = "batch") -> tuple[list[torch.Tensor], BatchTree]:
     """Split a nested batch into its tensors (depth first) and the tree that rebuilds it."""
     leaves: list[torch.Tensor] = []
     tree = _flatten_into(batch, leaves, where)
     return leaves, tree
 
 
-def _flatten_into(value: object, leaves: list[torch.Tensor], where: str) -> Tree:
+def _flatten_into(value: object, leaves: list[torch.Tensor], where: str) -> BatchTree:
     if isinstance(value, torch.Tensor):
         leaves.append(value)
         return _LEAF
     if isinstance(value, dict):
         keys = tuple(value.keys())
         children = tuple(_flatten_into(value[k], leaves, f"{where}[{k!r}]") for k in keys)
-        return Tree("dict", children, keys)
+        return BatchTree("dict", children, keys)
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         children = tuple(_flatten_into(v, leaves, f"{where}.{f}")
                          for f, v in zip(value._fields, value, strict=True))
-        return Tree("namedtuple", children, cls=type(value))
+        return BatchTree("namedtuple", children, cls=type(value))
     if isinstance(value, (list, tuple)):
         children = tuple(_flatten_into(v, leaves, f"{where}[{i}]") for i, v in enumerate(value))
-        return Tree("list" if isinstance(value, list) else "tuple", children)
+        return BatchTree("list" if isinstance(value, list) else "tuple", children)
     parser = extensions.parser_for(type(value))
     if parser is not None:  # a type registered with poptorch.registerCustomArgParser
         children = tuple(_flatten_into(t, leaves, f"{where}.<tensor {i}>")
                          for i, t in enumerate(parser.yieldTensors(value)))
-        return Tree("custom", children, keys=(value,), cls=type(value))
+        return BatchTree("custom", children, keys=(value,), cls=type(value))
     raise TypeError(
         f"{where} is a {type(value).__name__}, but an asynchronous loader can only move "
         "tensors (alone or in dicts, tuples and lists) and types registered with "
@@ -61,13 +61,13 @@ def _flatten_into(value: object, leaves: list[torch.Tensor], where: str) -> Tree
         "register a parser, or use mode=DataLoaderMode.Sync.")
 
 
-def unflatten(leaves: list[torch.Tensor], tree: Tree) -> Any:
+def unflatten(leaves: list[torch.Tensor], tree: BatchTree) -> Any:
     """Rebuild the nested batch that `flatten` split (inverse of `flatten`)."""
     position = iter(leaves)
     return _build(position, tree)
 
 
-def _build(position: Iterator[torch.Tensor], tree: Tree) -> Any:
+def _build(position: Iterator[torch.Tensor], tree: BatchTree) -> Any:
     if tree.kind == "leaf":
         return next(position)
     values = [_build(position, child) for child in tree.children]

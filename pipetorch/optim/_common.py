@@ -172,7 +172,7 @@ class PopTorchOptimizer(scaling.LossScaled, _OptimizerBase):
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, "_pipetorch_records", False):
-            cls.__init__ = attributes.recording_explicit_args(init)  # type: ignore[method-assign]  # wraps the constructor
+            cls.__init__ = attributes.recording_explicit_args(init)  # type: ignore[method-assign,assignment]  # wraps the constructor
 
     def _install_options(self, **options: OptionValue | None) -> None:
         """Put the extra arguments in `defaults` and fill them into groups that lack them."""

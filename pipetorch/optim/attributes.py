@@ -14,11 +14,13 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Concatenate, Iterable, ParamSpec
 
 import torch
 
 __all__ = ["VariableAttributes"]
+
+P = ParamSpec("P")
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +108,13 @@ def _passed(signature: inspect.Signature, args: tuple, kwargs: dict) -> set[str]
     return names - {"self", "params"}
 
 
-def recording_explicit_args(init: Callable[..., None]) -> Callable[..., None]:
+def recording_explicit_args(init: Callable[Concatenate[torch.optim.Optimizer, P], None]
+                            ) -> Callable[Concatenate[torch.optim.Optimizer, P], None]:
     """`init`, noting which arguments the outermost constructor call passed."""
     signature = inspect.signature(init)
 
     @functools.wraps(init)
-    def __init__(self: torch.optim.Optimizer, *args: object, **kwargs: object) -> None:
+    def __init__(self: torch.optim.Optimizer, *args: P.args, **kwargs: P.kwargs) -> None:
         if EXPLICIT_ARGS not in self.__dict__:
             passed = _passed(signature, (self, *args), kwargs)
             if passed is not None:

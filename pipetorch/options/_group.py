@@ -6,7 +6,7 @@ import difflib
 import enum
 import functools
 import inspect
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -14,6 +14,8 @@ FROZEN_MESSAGE = "Can't modify frozen Options"
 # Public methods that read rather than set: not offered as setters in messages or files.
 _NOT_SETTERS = frozenset({"toDict", "clone", "defaultOutputMode"})
 _GUARDED: set[Callable[..., object]] = set()  # what _guarded returned: never wrapped twice
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _call_text(group: OptionGroup, name: str, args: tuple, kwargs: dict) -> str:
@@ -33,11 +35,12 @@ def frozen_error(group: OptionGroup, call: str) -> AttributeError:
         "wrap (or build the DataLoader) again with the copy")
 
 
-def _guarded(name: str, setter: Callable[..., object]) -> Callable[..., object]:
+def _guarded(name: str, setter: Callable[Concatenate[OptionGroup, P], R]
+             ) -> Callable[Concatenate[OptionGroup, P], R]:
     """`setter`, refusing with the call's own text when its options are frozen."""
 
     @functools.wraps(setter)
-    def guarded(self: OptionGroup, *args: object, **kwargs: object) -> object:
+    def guarded(self: OptionGroup, *args: P.args, **kwargs: P.kwargs) -> R:
         if self._is_frozen:
             raise frozen_error(self, _call_text(self, name, args, kwargs))
         return setter(self, *args, **kwargs)

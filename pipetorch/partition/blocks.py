@@ -5,7 +5,8 @@ import functools
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, ParamSpec, TypeVar
+from types import TracebackType
+from typing import Callable, Generic, Iterator, ParamSpec, TypeVar
 
 import torch.nn as nn
 
@@ -152,7 +153,8 @@ class Block:
             _state.recorder.begin(self._user_id, self._ipu_id, scoped=True)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if _state.recorder is not None:
             _state.recorder.end()
 
@@ -172,17 +174,17 @@ class _BlockHook:
         return f"BeginBlock(user_id={getattr(self, 'given', self.user_id)}, ipu_id={self.ipu_id})"
 
 
-class _BeginBlockFunction(nn.Module):
+class _BeginBlockFunction(nn.Module, Generic[P, R]):
     """What BeginBlock returns for a function (PopTorch returns a module too): calling it
     starts the block, then calls the function. A module, so a model holding one pickles."""
 
-    def __init__(self, func: Callable[..., object], ids: tuple[str, int | None],
+    def __init__(self, func: Callable[P, R], ids: tuple[str, int | None],
                  given: str | None) -> None:
         super().__init__()
         self.func, self.ids, self.given = func, ids, given
         functools.update_wrapper(self, func, updated=())  # its __name__, __doc__, __wrapped__
 
-    def forward(self, *args: object, **kwargs: object) -> object:
+    def forward(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if _state.recorder is not None:
             _state.recorder.begin(*self.ids, scoped=False)
         return self.func(*args, **kwargs)

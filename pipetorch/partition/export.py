@@ -13,7 +13,7 @@ import operator
 import re
 import sys
 import traceback
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeGuard
 
 import torch
 import torch.fx as fx
@@ -26,6 +26,9 @@ from pipetorch.errors import CompileError, Error
 from pipetorch.partition import blocks
 from pipetorch.partition.casting import Casting
 from pipetorch.partition.stage_module import attribute
+if TYPE_CHECKING:  # the library never imports transformers: a model brings it
+    from transformers.cache_utils import Cache
+
 from pipetorch.partition.trace import (BLOCK_KEY, InputLayout, Traced, Tree, input_layout,
                                        quoted_frame, user_line)
 
@@ -74,7 +77,7 @@ class _Bound(nn.Module):
         return self._watch(run)
 
 
-def is_cache(value: object) -> bool:
+def is_cache(value: object) -> TypeGuard[Cache]:
     """Whether `value` is a HuggingFace key/value cache (transformers' `Cache` classes)."""
     cache_utils = sys.modules.get("transformers.cache_utils")
     return cache_utils is not None and isinstance(value, getattr(cache_utils, "Cache", ()))

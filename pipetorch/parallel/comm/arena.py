@@ -19,7 +19,6 @@ from typing import Sequence
 import torch
 
 from pipetorch import memfd
-from pipetorch.partition.export import Tree
 from pipetorch.partition.split import map_leaves
 
 __all__: list[str] = []
@@ -106,8 +105,12 @@ class Arena:
         self._made, self._whole = None, None
 
 
-def pack_tree(arena: Arena, value: Tree) -> tuple[Tree, Packed]:
-    """`value` (lists, tuples, dicts) with its tensors replaced by their index in the Packed."""
+StageOutputs = dict[int, dict[int, list[object]]]
+"""A call's outputs on one device: stage -> micro-batch -> the values it returns to the host."""
+
+
+def pack_tree(arena: Arena, value: StageOutputs) -> tuple[StageOutputs, Packed]:
+    """`value` with its tensors replaced by their index in the Packed."""
     tensors: list[torch.Tensor] = []
 
     def strip(tensor: torch.Tensor) -> _Slot:
@@ -115,13 +118,16 @@ def pack_tree(arena: Arena, value: Tree) -> tuple[Tree, Packed]:
         return _Slot(len(tensors) - 1)
 
     skeleton = map_leaves(value, torch.Tensor, strip)
+    assert isinstance(skeleton, dict)  # map_leaves rebuilds the dicts
     return skeleton, arena.pack(tensors)
 
 
-def unpack_tree(arena: Arena, skeleton: Tree, packed: Packed) -> Tree:
+def unpack_tree(arena: Arena, skeleton: StageOutputs, packed: Packed) -> StageOutputs:
     """The value `pack_tree` stripped, its tensors copied out of the arena."""
     views = arena.unpack(packed)
-    return map_leaves(skeleton, _Slot, lambda slot: views[slot.index].clone())
+    value = map_leaves(skeleton, _Slot, lambda slot: views[slot.index].clone())
+    assert isinstance(value, dict)  # map_leaves rebuilds the dicts
+    return value
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ class RunReply:
     """A call's outputs (stage -> micro-batch -> values, tensors as places in `packed`) and
     the device's trace spans."""
 
-    outputs: dict[int, dict[int, list[object]]]
+    outputs: arena.StageOutputs
     traces: list[Trace]
     packed: arena.Packed
 

@@ -24,7 +24,7 @@ result, until its own block begins.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ParamSpec, TypeVar
 
 import torch
 import torch.nn as nn
@@ -36,6 +36,9 @@ from pipetorch.partition import blocks
 from pipetorch.partition.export import Tree
 
 __all__: list[str] = []
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -153,11 +156,10 @@ class EagerStage:
         return pytree.tree_map_only(Like, lambda like: torch.zeros(
             (), dtype=like.dtype, device=self.device).expand(like.shape), result)
 
-    def _recorded(self, name: str, module: nn.Module,
-                  forward: Callable[..., object]) -> Callable[..., object]:
+    def _recorded(self, name: str, module: nn.Module, forward: Callable[P, R]) -> Callable[P, R]:
         """A module whose code runs in this stage whatever (it holds the stage's first
         module): its result is handed on in place of its inner modules' results."""
-        def run(*args: object, **kwargs: object) -> object:
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
             done = len(self._records)
             result = forward(*args, **kwargs)
             self._record(done, name, result)
@@ -174,11 +176,11 @@ class EagerStage:
         self._records[done:] = [(name, result)]
 
     def _skippable(self, name: str, module: nn.Module,
-                   forward: Callable[..., object]) -> Callable[..., object]:
+                   forward: Callable[P, object]) -> Callable[P, object]:
         own = list(module.parameters(recurse=False))
         foreign = bool(own) and all(p.is_meta for p in own)  # another stage's weights
 
-        def run_or_skip(*args: object, **kwargs: object) -> object:
+        def run_or_skip(*args: P.args, **kwargs: P.kwargs) -> object:
             incoming = self._entry.records if self._entry is not None else ()
             at, done = self._replayed, len(self._records)
             if not self._inside and at < len(incoming) and incoming[at][0] == name:

@@ -11,13 +11,16 @@ layers it holds (`held_shapes`); before the next, every other worker mirrors the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
 
-from pipetorch.parallel.comm.payloads import Shapes
-from pipetorch.partition.export import Tree, is_cache
+from pipetorch.parallel.comm.payloads import LaneCall, Shapes
+from pipetorch.partition.export import is_cache
+
+if TYPE_CHECKING:  # the library never imports transformers: a model brings it
+    from transformers.cache_utils import Cache
 
 __all__: list[str] = []
 
@@ -43,24 +46,24 @@ def strip(tree: T) -> T:
     return pytree.tree_map(lambda v: CacheSlot() if is_cache(v) else v, tree, is_leaf=is_cache)
 
 
-def fill(tree: T, cache: object) -> T:
+def fill(tree: T, cache: Cache | None) -> T:
     """`tree` with every CacheSlot replaced by `cache`."""
     return pytree.tree_map(lambda v: cache if isinstance(v, CacheSlot) else v, tree,
                            is_leaf=lambda v: isinstance(v, CacheSlot))
 
 
-def has_slot(tree: Tree) -> bool:
-    """Whether `tree` has a CacheSlot."""
+def has_slot(calls: list[LaneCall]) -> bool:
+    """Whether lanes' calls have a CacheSlot."""
     return any(isinstance(v, CacheSlot) for v in pytree.tree_leaves(
-        tree, is_leaf=lambda v: isinstance(v, CacheSlot)))
+        calls, is_leaf=lambda v: isinstance(v, CacheSlot)))
 
 
-def find(tree: Tree) -> object:
-    """The first cache in `tree`, or None."""
-    return next((v for v in pytree.tree_leaves(tree, is_leaf=is_cache) if is_cache(v)), None)
+def find(call: LaneCall) -> Cache | None:
+    """The first cache in a call's arguments, or None."""
+    return next((v for v in pytree.tree_leaves(call, is_leaf=is_cache) if is_cache(v)), None)
 
 
-def _layers(cache: object, prefix: str = "") -> dict[str, Any]:
+def _layers(cache: Cache, prefix: str = "") -> dict[str, Any]:
     """The cache's layers by key ("3", "self_attention_cache.3")."""
     found: dict[str, Any] = {}
     layers = getattr(cache, "layers", None)
@@ -79,14 +82,14 @@ def _held(layer: object) -> bool:
             and keys.device.type != "meta" and keys.numel() > 0)
 
 
-def held_shapes(cache: object, rows: int | None = None) -> Shapes:
+def held_shapes(cache: Cache, rows: int | None = None) -> Shapes:
     """The shapes of the layers this worker computed (not its mirrors), as if `rows` long
     (a lane's, when the cache holds a batch of lanes)."""
     return {key: ((layer.keys.shape[0] if rows is None else rows, *layer.keys.shape[1:]),
                   layer.keys.dtype) for key, layer in _layers(cache).items() if _held(layer)}
 
 
-def mirror(cache: object, shapes: Shapes) -> None:
+def mirror(cache: Cache, shapes: Shapes) -> None:
     """Make the layers of `shapes` that this worker does not hold report those lengths."""
     for key, layer in _layers(cache).items():
         if key not in shapes or _held(layer):
@@ -103,13 +106,13 @@ def mirror(cache: object, shapes: Shapes) -> None:
         layer.dtype, layer.device, layer.is_initialized = dtype, torch.device("meta"), True
 
 
-def joinable(caches: list[object]) -> bool:
+def joinable(caches: list[Cache]) -> bool:
     """Whether lanes' caches can run as one batch (DynamicCaches of DynamicLayers)."""
     return all(type(c).__name__ == "DynamicCache" and all(
         type(layer).__name__ == "DynamicLayer" for layer in _layers(c).values()) for c in caches)
 
 
-def gather(caches: list[object]) -> object:
+def gather(caches: list[Cache]) -> Cache:
     """The first cache, holding every cache's rows in order; `scatter` gives each its rows
     back."""
     if len(caches) > 1:
@@ -121,7 +124,7 @@ def gather(caches: list[object]) -> object:
     return caches[0]
 
 
-def scatter(caches: list[object], rows: list[int]) -> None:
+def scatter(caches: list[Cache], rows: list[int]) -> None:
     """Give each cache its rows of the first (which `gather` joined them into)."""
     if len(caches) > 1:
         lanes = [_layers(cache) for cache in caches]

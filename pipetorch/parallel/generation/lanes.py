@@ -26,9 +26,8 @@ from pipetorch.parallel.generation import kv_cache
 from pipetorch.parallel.worker import skeletons
 from pipetorch.parallel.generation.eager_stage import Boundary, EagerStage
 from pipetorch.parallel.comm.hops import Hops
-from pipetorch.parallel.comm.payloads import Skeleton, Step, StepResult
+from pipetorch.parallel.comm.payloads import LaneCall, Skeleton, Step, StepResult
 from pipetorch.parallel.comm.transport import PeerLink
-from pipetorch.partition.export import Tree
 
 __all__: list[str] = []
 
@@ -165,7 +164,7 @@ class Generation:
         return self.hops.receive(self.devices[stage], self.device)
 
 
-def rows(call: Tree) -> int:
+def rows(call: LaneCall) -> int:
     """The rows of a call: the first dimension of its first tensor of two or more (a 1-d
     tensor, such as cache_position, is the same for every row)."""
     leaves = pytree.tree_leaves(call, is_leaf=kv_cache.is_cache_or_slot)

@@ -145,7 +145,6 @@ class Calls:
                                                              strict=True)):
             packed, device_traces = reply.packed, reply.traces
             by_stage = arena.unpack_tree(self.arenas[n][1], reply.outputs, packed)
-            assert isinstance(by_stage, dict)  # reply.outputs' dicts, tensors put back
             outputs.update({(placement.replica, s): o for s, o in by_stage.items()})
             # device to host: the reply and its outputs copied out of shared memory, on the
             # device's first stage

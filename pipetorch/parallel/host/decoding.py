@@ -20,7 +20,7 @@ import itertools
 import threading
 import time
 from multiprocessing.connection import wait
-from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
 
 import cloudpickle
 import torch
@@ -40,8 +40,6 @@ from pipetorch.partition.export import Tree
 from pipetorch.partition.strategies import StageSpec
 
 __all__: list[str] = []
-
-T = TypeVar("T")
 
 
 class GenerationSession:
@@ -381,7 +379,7 @@ class _Steps:
             lengths = sorted((key, shape[1:]) for key, (shape, _) in self.shapes.get(
                 lane, {}).items())  # the lane's cache in the workers, but for its rows
             alike = (path, _signature(call), tuple(lengths)) if kv_cache.joinable(
-                [host_cache] * (host_cache is not None)) else None
+                [] if host_cache is None else [host_cache]) else None
             out = self.gate.run(lane, alike, call, lambda calls: self._run(
                 calls, path, host_cache, batched=len(calls) > 1))
             return kv_cache.fill(out, host_cache)
@@ -389,7 +387,7 @@ class _Steps:
         outputs = self._run(dict(enumerate(calls)), path, host_cache)
         return kv_cache.fill(join([outputs[lane] for lane in range(len(calls))], least_dim=1), host_cache)
 
-    def _run(self, calls: dict[int, LaneCall], path: str, host_cache: object, *,
+    def _run(self, calls: dict[int, LaneCall], path: str, host_cache: kv_cache.Cache | None, *,
              batched: bool = False) -> dict[int, Tree]:
         """Each lane's call on its replica (lane % replicas); their outputs by lane."""
         replicas = self.replicas
@@ -409,7 +407,7 @@ class _Steps:
         return outputs
 
 
-def _signature(call: Tree) -> Hashable:
+def _signature(call: LaneCall) -> Hashable:
     """What lanes' calls must share to run as one batch: all but their rows."""
     leaves, spec = pytree.tree_flatten(call, is_leaf=kv_cache.is_cache_or_slot)
     return str(spec), tuple(
@@ -418,7 +416,7 @@ def _signature(call: Tree) -> Hashable:
 
 
 
-def _lanes(call: T, lanes: int) -> list[T]:
+def _lanes(call: LaneCall, lanes: int) -> list[LaneCall]:
     """The call's arguments for each lane: the batch's rows in `lanes` groups (at most one per
     row), every tensor of the batch cut there (a 1-d tensor, such as cache_position, is the
     same for every row)."""

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
@@ -255,7 +256,8 @@ class InProcessLink:
     kind = "local"
     bytes_sent = bytes_received = 0
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], **_: object) -> None:
+    def all_reduce(self, tensors: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None = None,
+                   who: str = "the other replicas") -> None:
         """The replicas of this process share their parameters' gradients."""
 
     def flush(self) -> None:

@@ -179,7 +179,6 @@ class Worker:
         if training and commit is not None:
             traces[0].snapshot = self._snapshot(commit)
         outputs, packed = arena.pack_tree(self._outputs, self.executor.outputs)
-        assert isinstance(outputs, dict)  # the executor's outputs' dicts, tensors taken out
         return m.RunReply(outputs, traces, packed)
 
     def replied(self) -> None:
