@@ -153,6 +153,21 @@ def test_a_killed_zygote_leaves_running_wrappers_alone_and_is_replaced(registry,
     assert wait_gone(pids) == []
 
 
+def test_the_zygote_starts_again_for_a_changed_variable_not_for_the_test_running(monkeypatch):
+    """A variable torch's imports may read, changed, takes a new zygote; pytest's name of the
+    test running, which changes at every test of a suite, does not (it took seconds a test)."""
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/a.py::test_one (call)")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    first = pool.zygote()
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/a.py::test_two (call)")
+    assert pool.zygote() is first and first.alive()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    second = pool.zygote()
+    assert second is not first and not first.alive() and second.alive()
+    monkeypatch.undo()
+    assert pool.zygote() is not second  # and back again, for the tests after this one
+
+
 @pytest.mark.slow
 def test_user_process_killed_takes_the_zygote_with_it(registry):
     script = Script("linger", registry)

@@ -80,11 +80,18 @@ def python_command(*args: str) -> list[str]:
     return [sys.executable, *safe, *args]
 
 
+# Variables a tool changes at every step of its own and no import reads: pytest names the test
+# running in PYTEST_CURRENT_TEST, so a zygote restarted on its change would start afresh for
+# every test of a user's suite (seconds each) though its imports saw nothing new.
+_PER_STEP = frozenset({"PYTEST_CURRENT_TEST"})
+
+
 def _imported_at_start(env: dict[str, str]) -> dict[str, str]:
     """The variables a zygote cannot take on after its imports: all but pipetorch's own (read
-    when used) and PYTHONPATH (a worker takes the user's sys.path as it is when forked)."""
+    when used), PYTHONPATH (a worker takes the user's sys.path as it is when forked) and those
+    of _PER_STEP (a worker gets their value of the moment with the rest of the environment)."""
     return {k: v for k, v in env.items()
-            if not k.startswith("PIPETORCH_") and k != "PYTHONPATH"}
+            if not k.startswith("PIPETORCH_") and k != "PYTHONPATH" and k not in _PER_STEP}
 
 
 class PooledProcess:
