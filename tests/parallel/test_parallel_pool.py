@@ -53,6 +53,7 @@ def test_wrappers_fork_from_one_zygote_and_match_fresh_workers(registry, monkeyp
     monkeypatch.setenv("PIPETORCH_WORKER_POOL", "0")
     fresh_out, fresh_weights, _ = _train_twice(tokens, labels)
     monkeypatch.setenv("PIPETORCH_WORKER_POOL", "1")
+    pool.shutdown()  # a zygote of its own (an earlier test's may have imported transformers)
     first_out, first_weights, first_pids = _train_twice(tokens, labels)
     zygote = pool.zygote()
     # Only the threads importing torch makes (OpenBLAS's, fork-safe): no intra-op pool, so
@@ -158,6 +159,7 @@ def test_the_zygote_starts_again_for_a_changed_variable_not_for_the_test_running
     test running, which changes at every test of a suite, does not (it took seconds a test)."""
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/a.py::test_one (call)")
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    pool.shutdown()  # the zygote of the tests before, started without OMP_NUM_THREADS
     first = pool.zygote()
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/a.py::test_two (call)")
     assert pool.zygote() is first and first.alive()

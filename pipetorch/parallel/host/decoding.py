@@ -91,6 +91,7 @@ class GenerationSession:
         devices = self.workers.devices
         encoded = stream.encode(m.Decode(step))  # pickled once for all the replica's workers
         with self.sending:
+            self.workers.check_alive()  # another lane's step may have failed and stopped them
             ticket = next(self.tickets)
             for n in range(replica * devices, (replica + 1) * devices):
                 self.workers.send(self.workers.peers[n], encoded)
@@ -106,6 +107,7 @@ class GenerationSession:
         cores, three processes); they are read after it, or when one has been waiting for
         _GLANCE seconds (a failure is reported that soon)."""
         with self.reading:
+            self.workers.check_alive()
             owing = [n for n, awaiting in self.awaiting.items() if ticket in awaiting]
             deadline = time.monotonic() + self.workers.timeout
             while owing and ticket in self.awaiting[owing[-1]] and time.monotonic() < deadline:
@@ -242,8 +244,8 @@ def _generate_apart(model: nn.Module, steps: "_Steps", args: tuple, kwargs: dict
         thread.start()
     for thread in threads:
         thread.join()
-    if failed:
-        raise failed[0]
+    if failed:  # the failing worker's own error, not another lane's finding the workers gone
+        raise next((exc for exc in failed if isinstance(exc, WorkerFailed)), failed[0])
     return _padded([found[lane] for lane in range(len(calls))], _pad_token(model, kwargs))
 
 
