@@ -15,6 +15,7 @@ RATE = r"\s+[\d,.]+\s+[\d,.]+\.\.[\d,.]+\s*$"  # samples/s, slowest..fastest
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # torchrun's processes in both recipes; 60-75 s on a quiet host
 def test_quick_run_prints_every_row_with_the_same_losses() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True,
                           text=True, timeout=300)
