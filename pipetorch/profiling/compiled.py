@@ -13,11 +13,6 @@ __all__: list[str] = []
 class Compiled(Protocol):
     """A compiled wrapper's engine, plan and compile time, as the reports read them."""
 
-    @property
-    def engine(self) -> Engine: ...
-
-    @property
-    def plan(self) -> CompilePlan: ...
-
-    @property
-    def seconds(self) -> float: ...
+    engine: Engine
+    plan: CompilePlan
+    seconds: float

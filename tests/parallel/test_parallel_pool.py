@@ -120,6 +120,34 @@ def test_a_models_installed_library_is_imported_once_in_the_zygote(registry, tmp
 
 
 @pytest.mark.slow
+def test_a_library_the_zygote_cannot_import_is_left_to_the_workers(registry, tmp_path,
+                                                                   monkeypatch):
+    """The model's library went from disk after the user's process imported it: the zygote's
+    import fails, and the zygote goes on forking workers (who import what they need)."""
+    folder = tmp_path / "site-packages"
+    folder.mkdir()
+    name = f"gone_{tmp_path.name.replace('-', '_')}"
+    (folder / f"{name}.py").write_text("import torch.nn as nn\n\n\nclass Layer(nn.Linear):\n"
+                                       "    pass\n")
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setattr(preload, "_site_folders", lambda: (f"{folder}/",))
+    library = importlib.import_module(name)
+    monkeypatch.setitem(sys.modules, name, library)
+    (folder / f"{name}.py").unlink()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(library.Layer(4, 4),
+                                poptorch.BeginBlock(library.Layer(4, 2), ipu_id=1))
+    zygote = pool.zygote()
+    wrapper = poptorch.inferenceModel(model, options(D=2, G=1))
+    try:
+        x = torch.randn(4, 4)
+        assert_close(wrapper(x), model(x))
+    finally:
+        wrapper.destroy()
+    assert pool.zygote() is zygote and zygote.alive()
+
+
+@pytest.mark.slow
 def test_a_killed_zygote_leaves_running_wrappers_alone_and_is_replaced(registry, caplog):
     tokens, labels = token_data(8)
     torch.manual_seed(0)
