@@ -3,6 +3,7 @@ plain HuggingFace, computed in the stage workers, each keeping its own layers' c
 from __future__ import annotations
 
 import time
+import types
 from typing import Callable
 
 import pytest
@@ -399,3 +400,23 @@ def test_a_failure_in_an_earlier_stage_reaches_the_user_at_once(request, monkeyp
     with pytest.raises(Exception, match="RuntimeError: stage 0 broke at the first decoding step"):
         wrapper.generate(**prompts(), max_new_tokens=4, pad_token_id=0)
     assert time.monotonic() - start < 30
+
+
+class _LanesFailing(nn.Module):
+    """generate() of two lanes: lane 1 finds the workers gone at once (as after another lane's
+    failure stopped them), lane 0's worker fails a moment later."""
+
+    def generate(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if int(input_ids[0, 0]) == 0:
+            time.sleep(0.3)
+            raise decoding.WorkerFailed("RuntimeError: stage 0 broke (on device 0)")
+        raise IndexError("list index out of range")
+
+
+# Found 2026-12-07: the lane finding the workers stopped could be the error the user saw.
+def test_the_failing_workers_error_is_raised_not_another_lanes_consequence():
+    steps = types.SimpleNamespace(lanes=2, gate=types.SimpleNamespace(
+        lanes=set(), leave=lambda lane: None))
+    ids = torch.arange(4).reshape(4, 1)  # rows 0-1 are lane 0, rows 2-3 lane 1
+    with pytest.raises(decoding.WorkerFailed, match="stage 0 broke"):
+        decoding._generate_apart(_LanesFailing(), steps, (), {"input_ids": ids})
