@@ -42,6 +42,30 @@ def reset_peak_rss() -> bool:
         return False
 
 
+# glibc's mallopt parameters, and the values a worker sets
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64 bits: a larger block is still mapped apart
+_TRIM_THRESHOLD = 1 << 30
+
+
+def reuse_freed() -> None:
+    """Keep this process's freed heap memory for its next allocations instead of handing it
+    back to the system at each free (glibc's mallopt; nothing elsewhere, nor where the user set
+    MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_). A stage's gradients and activations are
+    freed and allocated again every micro-batch: with glibc's defaults each time is fresh pages
+    that the kernel faults in and zeroes. At width 2048 a stage worker took 35,000 page faults
+    a call and a quarter more CPU than the same work without them (2026-12-07). The peak is the
+    same: what is kept was in use before; `give_back_freed` still returns it when asked."""
+    if any(f"MALLOC_{name}_" in os.environ for name in ("MMAP_THRESHOLD", "TRIM_THRESHOLD")):
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    except (OSError, AttributeError):
+        pass
+
+
 def give_back_freed() -> None:
     """Return this process's freed heap memory to the system now (glibc's malloc_trim;
     nothing elsewhere): freed tensors below malloc's mmap threshold otherwise stay resident."""

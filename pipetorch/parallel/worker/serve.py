@@ -419,6 +419,7 @@ def main(conn: Connection, host: int | None = None) -> None:
     try:
         try:
             _yield_to_host()
+            resident.reuse_freed()
             start: m.Start = wire.receive(conn, timeout=environment.get("timeout"), parent=parent)
             launch, setup = start.launch, start.setup
             torch.set_num_threads(launch.placement.threads)
