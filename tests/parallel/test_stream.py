@@ -117,6 +117,23 @@ def test_a_mapped_tensor_travels_as_its_file_region(tmp_path):
     assert torch.equal(source.tensor("a"), weights["a"])  # the file never changes
 
 
+def test_bytes_for_another_machine_carry_a_mapped_tensors_own_bytes(tmp_path):
+    """stream.dumps (the rounds between host processes, which may be on other machines): a
+    mapped storage goes as its bytes, not as a path on this machine; views stay views."""
+    path = str(tmp_path / "w.safetensors")
+    weights = {"a": torch.randn(1000, 100)}
+    save_file(weights, path)
+    a = mapped.SafetensorsFile(path).tensor("a")
+    base = torch.arange(10.0)
+    data = stream.dumps({"a": a, "view": base[2:5], "base": base, "n": 3})
+    assert len(data) > a.numel() * 4
+    os.remove(path)  # the receiver reads nothing of the file
+    got = stream.loads(data)
+    assert torch.equal(got["a"], weights["a"]) and got["n"] == 3
+    assert got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+    assert torch.equal(got["view"], torch.tensor([2.0, 3.0, 4.0]))
+
+
 def _explode() -> None:
     raise LookupError("no such class here")
 
