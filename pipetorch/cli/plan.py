@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
+    from pipetorch.planning.layout_plan import Plan
+
 __all__ = ["register", "load_model"]
 
 _HELP = "predict each device's memory and the step time of a pipelined run, on the meta device"
@@ -37,9 +39,18 @@ image_size for an image model).
 (BeginBlock names where stages 1.. begin), budget, fits, devices (per stage: parameters,
 buffers, gradients, optimiser_state, activations, received, host_optimiser_state, in_flight,
 process, peak, fits, segments; bytes), host, step_seconds, bubble, time_method, method,
-remedies (name, code, saving, fits). Exit code 0 when the plan fits (or no --device-memory), 1
-when it does not, 2 for a run that cannot happen (e.g. --accumulation below 2 x stages - 1 for
-a pipeline, a --sequence longer than the config's positions), in one line naming the flag."""
+remedies (name, code, saving, fits).
+
+--search plans every layout of the devices (stages x replicas, 1F1B or zero-bubble, optimiser
+state whole, sharded or offloaded, recomputation; the samples per step kept, --accumulation
+being one replica's) and lists those that fit by predicted step time, then the others with
+their reasons, then the fastest as the Options and BeginBlock lines that set it up; with
+--json: layouts, refused and code. It needs --flops or --measure-here.
+
+Exit code 0 when the plan fits (or no --device-memory), 1 when it does not (with --search:
+when no layout fits), 2 for a run that cannot happen (e.g. --accumulation below
+2 x stages - 1 for a pipeline, a --sequence longer than the config's positions), in one line
+naming the flag."""
 
 _SEQUENCE = 1024  # tokens per sample unless --sequence, or the config, says fewer
 _PREFIXES = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
@@ -77,6 +88,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="size attention as a GPU's flash kernel keeps it (no scores)")
     p.add_argument("--split", nargs="+", metavar="NAME",
                    help="BeginBlock names where stages 1.. begin (default: chosen)")
+    p.add_argument("--search", action="store_true",
+                   help="plan every layout of the devices (stages x replicas, schedule, "
+                        "optimiser state whole, sharded or offloaded, recomputation) and rank "
+                        "those that fit by step time; needs --flops or --measure-here")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(command=_command, parser=p)
 
@@ -101,15 +116,27 @@ def _check(args: argparse.Namespace) -> None:
         value, name = getattr(args, flag), "--" + flag.replace("_", "-")
         if value is not None and value < 1:
             raise ValueError(f"{name} {value}: give {name} 1 or more")
+    if args.search:
+        chosen = [flag for flag, given in (
+            ("--replicas", args.replicas != 1), ("--recompute", args.recompute),
+            ("--offload", args.offload), ("--sharded", args.sharded),
+            ("--schedule", args.schedule != "auto"), ("--split", args.split is not None))
+            if given]
+        if chosen:
+            raise ValueError(f"--search chooses {', '.join(chosen)} itself: leave "
+                             f"{'it' if len(chosen) == 1 else 'them'} out")
+        if not (args.flops or args.measure_here):
+            raise ValueError("--search ranks layouts by their step time: give --flops (e.g. "
+                             "400T) or --measure-here")
     devices = args.machines * args.devices_per_machine
     if devices % args.replicas:
         raise ValueError(f"--replicas {args.replicas} does not divide the {devices} devices "
                          "(--machines x --devices-per-machine): each replica is a pipeline of "
                          "devices / replicas stages; give a --replicas that divides them")
     stages = devices // args.replicas
-    least = min_gradient_accumulation(stages) if stages > 1 else 1
+    least = min_gradient_accumulation(stages) if stages > 1 and not args.search else 1
     if args.accumulation is not None and args.accumulation < least:
-        if stages == 1:
+        if least == 1:
             raise ValueError(f"--accumulation {args.accumulation}: give --accumulation 1 or "
                              "more (micro-batches per step)")
         raise ValueError(
@@ -136,20 +163,29 @@ def _memory(text: str | None) -> int | None:
 def _command(args: argparse.Namespace) -> int:
     import torch
 
-    from pipetorch.planning.plan import TooManyStagesError, plan
+    from pipetorch.planning.layout_plan import TooManyStagesError
+    from pipetorch.planning.plan import plan
+    from pipetorch.planning.search import Search
 
     try:
         _check(args)
         memory = _memory(args.device_memory)
         model, inputs = load_model(args.model, dtype=getattr(torch, args.dtype),
                                    micro_batch=args.micro_batch, sequence=args.sequence)
-        found = plan(model, inputs, devices=args.machines * args.devices_per_machine,
-                     device_memory=memory, flops=_flops(args.flops),
-                     accumulation=args.accumulation, replicas=args.replicas,
-                     optimizer=args.optimizer, loss_scaling=args.loss_scaling,
-                     recompute=args.recompute, offload=args.offload, sharded=args.sharded,
-                     schedule=args.schedule, split=args.split, measure_here=args.measure_here,
-                     flash_attention=args.flash_attention)
+        devices, flops = args.machines * args.devices_per_machine, _flops(args.flops)
+        if args.search:
+            found: Plan | Search = plan(
+                model, inputs, devices=devices, device_memory=memory, flops=flops,
+                accumulation=args.accumulation, optimizer=args.optimizer,
+                loss_scaling=args.loss_scaling, measure_here=args.measure_here,
+                flash_attention=args.flash_attention, search=True)
+        else:
+            found = plan(model, inputs, devices=devices, device_memory=memory, flops=flops,
+                         accumulation=args.accumulation, replicas=args.replicas,
+                         optimizer=args.optimizer, loss_scaling=args.loss_scaling,
+                         recompute=args.recompute, offload=args.offload, sharded=args.sharded,
+                         schedule=args.schedule, split=args.split,
+                         measure_here=args.measure_here, flash_attention=args.flash_attention)
     except TooManyStagesError as error:
         args.parser.error(
             f"{error.stages} stages (--machines x --devices-per-machine / --replicas) but "
@@ -159,6 +195,8 @@ def _command(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, ImportError, OSError) as error:
         args.parser.error(str(error))
     print(json.dumps(found.to_json(), indent=2) if args.json else found.table(), flush=True)
+    if isinstance(found, Search):
+        return 0 if found.fitting else 1
     return 0 if found.fits is not False else 1
 
 

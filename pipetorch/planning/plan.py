@@ -1,4 +1,5 @@
-"""`plan`: each device's memory and the step time of a pipelined run, before having the machines.
+"""`plan`: each device's memory and the step time of a pipelined run before having the
+machines, for one layout or (`search=True`) for every layout the devices allow, ranked.
 
 The model may live on the meta device: nothing is allocated. One forward on fake tensors (under
 saved-tensor hooks, as the memory estimate sizes a stage) measures each candidate segment: what
@@ -11,335 +12,41 @@ gradients, optimiser state, activations x the schedule's micro-batches in flight
 chosen by the balancer (`partition.balance.plan`) and the step time comes from the schedule
 simulator (`simulate_devices`) with each stage's seconds: its FLOPs (counted on the same fake
 forward) at a given rate (`flops`), or each segment timed for real on this CPU
-(`measure_here`, with the transfers, the optimiser step and tied weights crossing).
+(`measure_here`, with the transfers, the optimiser step and tied weights crossing):
+`layout_plan.py`. The search over layouts is `search.py`.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Literal, overload
 
-import torch
 import torch.nn as nn
 
-from pipetorch.errors import ConfigError
-from pipetorch.schedule.plans import Batching
 from pipetorch.parallel.worker.sharded_step import DEFAULT_MIN_ELEMENTS
-from pipetorch.partition import balance
 from pipetorch.partition.stage_rules import min_gradient_accumulation
-from pipetorch.planning.estimate import (
-    MemoryEstimate, Remedy, Setting, StageMemory, batch_size, fmt, price, rank_remedies,
-)
-from pipetorch.planning.memory import ZERO, Footprint, Size, size_of, state_layout
-from pipetorch.planning.segments import Piece, Rates, measure, measure_here as timed
-from pipetorch.schedule.device_plans import device_plan, peak_stash, simulate_devices
+from pipetorch.planning.layout_plan import Plan, measured, plan_measured
+from pipetorch.planning.search import Search, search as find
 
-__all__ = ["plan", "Plan"]
-
-OPTIMIZERS = {"adamw": ("AdamW", {}), "sgd": ("SGD", {"momentum": 0.9}), "lamb": ("LAMB", {})}
-SCHEDULES = {"1f1b": "pipelined", "zero_bubble": "zero_bubble"}
-METHOD = ("activations: one forward on fake tensors under saved-tensor hooks (identical layers "
-          "measured once), x the schedule's micro-batches in flight; weights, gradients and "
-          "optimiser state from tensor sizes and the state one optimiser step creates")
-
-_Tensor = TypeVar("_Tensor", bound=torch.Tensor)
+__all__ = ["plan", "Plan", "Search"]
 
 
-class TooManyStagesError(ConfigError):
-    """More stages than the model has segments to give them: each stage needs one."""
-
-    def __init__(self, stages: int, segments: list[str]) -> None:
-        self.stages, self.segments = stages, segments
-        super().__init__(f"{stages} stages (devices / replicas) but the model has "
-                         f"{len(segments)} segments a stage may hold ({', '.join(segments)}); "
-                         f"plan at most {len(segments)} stages")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The planned run: its cut, schedule, each device's memory and the step time."""
-
-    estimate: MemoryEstimate
-    names: tuple[str, ...]           # each stage's first and last segment, "first .. last"
-    cut: tuple[str, ...]             # the BeginBlock names where stages 1.. begin
-    schedule: str                    # "1f1b", "zero_bubble", or "none" (one stage)
-    replicas: int
-    accumulation: int
-    budget: int | None               # bytes per device
-    overhead: int                    # bytes per worker process outside the model (measured here)
-    temporaries: dict[int, int]      # per stage: the CPU step's temporaries (measured runs only)
-    remedies: tuple[Remedy, ...]
-    step_seconds: float | None
-    bubble: float
-    time_method: str
-    host_weights: int
-    model: str                       # the model's class, e.g. "BertForMaskedLM"
-
-    @property
-    def peaks(self) -> dict[int, int]:
-        return {ipu: d.total + self.overhead + self.temporaries.get(ipu, 0)
-                for ipu, d in self.estimate.devices.items()}
-
-    @property
-    def fits(self) -> bool | None:
-        return None if self.budget is None else max(self.peaks.values()) <= self.budget
-
-    def to_json(self) -> dict[str, Any]:
-        """The plan as a JSON-ready dict (bytes and seconds)."""
-        devices = [{"stage": ipu, "segments": self.names[ipu], **d.categories,
-                    "host_optimiser_state": d.host_optimiser_state, "in_flight": d.in_flight,
-                    "process": self.overhead,
-                    "step_temporaries": self.temporaries.get(ipu, 0), "peak": self.peaks[ipu],
-                    "fits": None if self.budget is None else self.peaks[ipu] <= self.budget}
-                   for ipu, d in self.estimate.devices.items()]
-        return {"model": self.model, "schedule": self.schedule, "stages": len(devices),
-                "replicas": self.replicas,
-                "accumulation": self.accumulation, "cut": list(self.cut),
-                "budget": self.budget, "fits": self.fits, "devices": devices,
-                "host": {"weights": self.host_weights, "optimiser_state": sum(
-                    d.host_optimiser_state for d in self.estimate.devices.values())},
-                "step_seconds": self.step_seconds, "bubble": self.bubble,
-                "time_method": self.time_method, "method": self.estimate.method,
-                "remedies": [{"name": r.name, "code": r.code, "saving": r.saving,
-                              "fits": r.fits} for r in self.remedies]}
-
-    def table(self) -> str:
-        """The plan as text: one row per device, then the cut, the step time, the remedies."""
-        heads = ["stage", "weights", "gradients", "optimiser", "activations", "in flight",
-                 "peak", "fits", "segments"]
-        rows = [heads]
-        for ipu, d in self.estimate.devices.items():
-            fits = "-" if self.budget is None else (
-                "yes" if self.peaks[ipu] <= self.budget else
-                f"NO (+{fmt(self.peaks[ipu] - self.budget)})")
-            rows.append([str(ipu), fmt(d.parameters + d.buffers), fmt(d.gradients),
-                         fmt(d.optimiser_state) + (f" (+{fmt(d.host_optimiser_state)} host)"
-                                                   if d.host_optimiser_state else ""),
-                         fmt(d.activations + d.received), str(d.in_flight),
-                         fmt(self.peaks[ipu]), fits, self.names[ipu]])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
-        lines = [f"model {self.model}"]
-        lines += ["  ".join(c.rjust(w) if 0 < i < len(heads) - 1 else c.ljust(w)
-                            for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
-                  for r in rows]
-        lines.append(f"schedule {self.schedule}, {len(rows) - 1} stages x {self.replicas} "
-                     f"replicas, gradient accumulation {self.accumulation}; cut: "
-                     + (", ".join(self.cut) or "none"))
-        if self.overhead:
-            lines.append(f"peaks include {fmt(self.overhead)} per worker process outside the "
-                         "model (an interpreter with torch, measured here) and the step's "
-                         "temporaries (two of the stage's largest parameter: "
-                         + ", ".join(fmt(t) for t in self.temporaries.values()) + ")")
-        if self.budget is not None:
-            lines.append(f"budget {fmt(self.budget)} per device: "
-                         + ("fits" if self.fits else "does NOT fit"))
-        if self.step_seconds is not None:
-            lines.append(f"predicted step: {self.step_seconds:.3f} s (bubble "
-                         f"{self.bubble:.0%}; {self.time_method})")
-        for rank, r in enumerate(self.remedies, 1):
-            if rank == 1:
-                lines.append("what would make it fit, by what each saves on the fullest device:")
-            lines.append(f"  {rank}. {r.name}: saves {fmt(r.saving)}; "
-                         + ("fits on its own" if r.fits else "not enough on its own"))
-            lines.append(f"       {r.code}")
-        return "\n".join(lines)
+@overload
+def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = ...,
+         device_memory: int | None = ..., flops: float | None = ...,
+         accumulation: int | None = ..., replicas: int = ..., optimizer: str = ...,
+         loss_scaling: float | None = ..., recompute: bool = ..., offload: bool = ...,
+         sharded: bool = ..., schedule: str = ..., split: list[str] | None = ...,
+         measure_here: bool = ..., flash_attention: bool = ..., min_elements: int = ...,
+         search: Literal[False] = ...) -> Plan: ...
 
 
-@dataclass(frozen=True)
-class _Run:
-    """What prices a cut: the run's choices and the optimiser's state per element."""
-
-    stages: int
-    replicas: int
-    accumulation: int
-    setting: Setting
-    layouts: dict[torch.dtype, tuple[int, int]]  # dtype -> (state bytes per element, fixed)
-    min_elements: int  # weights of more elements have their state sharded (with shards > 1)
-
-
-def _optimizer(optimizer: str, loss_scaling: float | None
-               ) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
-    """What makes PopTorch's `optimizer` ("adamw", "sgd" with momentum 0.9, "lamb")."""
-    from pipetorch import optim
-
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r} is not one of {sorted(OPTIMIZERS)}")
-    name, extra = OPTIMIZERS[optimizer]
-    kwargs = dict(extra, **({"loss_scaling": loss_scaling} if loss_scaling else {}))
-    return lambda params: getattr(optim, name)(params, lr=1e-3, **kwargs)
-
-
-def _layouts(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-             dtypes: set[torch.dtype]) -> dict[torch.dtype, tuple[int, int]]:
-    """Per parameter dtype (and its 16-bit form): the state one optimiser step creates."""
-    out = {}
-    for dtype in dtypes | {_half(d) for d in dtypes}:
-        stand_in = nn.Parameter(torch.ones(2, dtype=dtype))
-        out[dtype] = state_layout(make([stand_in]), [stand_in], None)[id(stand_in)]
-    return out
-
-
-def _half(dtype: torch.dtype) -> torch.dtype:
-    return torch.float16 if dtype.is_floating_point and dtype.itemsize > 2 else dtype
-
-
-def _state(params: list[nn.Parameter], layouts: dict[torch.dtype, tuple[int, int]]) -> Size:
-    def bytes_as(pick: Callable[[torch.dtype], torch.dtype]) -> int:
-        return sum(layouts[pick(p.dtype)][0] * p.numel() + layouts[pick(p.dtype)][1]
-                   for p in params)
-    return Size(bytes_as(lambda d: d), bytes_as(_half))
-
-
-def _unique(tensors: Iterable[_Tensor]) -> list[_Tensor]:
-    return list({id(t): t for t in tensors}.values())
-
-
-def stage_memory(pieces: list[Piece], starts: tuple[int, ...], kind: str,
-                 run: _Run) -> tuple[StageMemory, ...]:
-    """Each stage's sizes for the cut `starts` (first piece of each stage) under plan kind
-    `kind`; a weight several stages hold (tied) is stepped on the first of them."""
-    ends = (*starts[1:], len(pieces))
-    flights = peak_stash(kind, len(starts), run.accumulation, training=True)
-    records = []
-    for s, (i, j) in enumerate(zip(starts, ends, strict=True)):
-        part = pieces[i:j]
-        params = _unique(p for piece in part for p in piece.params)
-        trainable = [p for p in params if p.requires_grad]
-        steps = [p for p in _stepped(pieces, starts, s) if p.requires_grad]
-        prints = [piece.footprint() for piece in part]
-        footprint = Footprint(prints[0].received,
-                              sum((f.saved for f in prints), ZERO)
-                              + sum((f.outputs for f in prints[:-1]), ZERO), prints[-1].outputs)
-        records.append(StageMemory(s, s, size_of(params),
-                                   size_of(_unique(b for piece in part for b in piece.buffers)),
-                                   size_of(trainable), _state(steps, run.layouts), footprint,
-                                   flights[s], _state([p for p in steps if p.numel()
-                                                       <= run.min_elements], run.layouts)))
-    return tuple(records)
-
-
-def _segments(pieces: list[Piece], run: _Run) -> list[balance.Segment]:
-    """The pieces as the balancer's cost table: FLOPs of forward and backward (as seconds:
-    only their ratios matter to the cut), activations per micro-batch, and the bytes of
-    weights, gradients and optimiser state priced under the run's setting."""
-    setting, segments = run.setting, []
-    for piece in pieces:
-        one = stage_memory([piece], (0,), "sharded", run)[0]
-        device = price((dataclasses.replace(one, footprint=Footprint(ZERO, ZERO, ZERO)),),
-                       setting)[0]
-        kept = piece.footprint()
-        activations = (kept.outputs if setting.recomputation else kept.saved + kept.outputs)
-        segments.append(balance.Segment(piece.name, float(piece.flops * (
-            4 if setting.recomputation else 3)), activations.bytes, device.total))
-    return segments
-
-
-def _kinds(schedule: str, stages: int) -> list[str]:
-    if stages == 1:
-        return ["sharded"]
-    if schedule == "auto":
-        return list(SCHEDULES.values())
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r} is not one of auto, {', '.join(SCHEDULES)}")
-    return [SCHEDULES[schedule]]
-
-
-def _starts(pieces: list[Piece], split: list[str] | None, kind: str, run: _Run,
-            budget: int | None) -> tuple[int, ...]:
-    """The first piece of each stage: from the BeginBlock names in `split`, else the
-    balancer's fastest cut within the budget, else the one whose fullest device is least
-    full."""
-    names = [p.name for p in pieces]
-    if split is not None:
-        if len(split) != run.stages - 1:
-            raise ValueError(f"split names {len(split)} BeginBlock places ({split}) for "
-                             f"{run.stages} stages; give {run.stages - 1}, or set the devices "
-                             "and replicas so that devices / replicas = len(split) + 1")
-        unknown = [n for n in split if n not in names[1:]]
-        if unknown:
-            raise ValueError(f"split: {unknown} do not begin a segment; the places a stage "
-                             f"may begin are {names[1:]}")
-        starts = (0, *(names.index(n) for n in split))
-        if list(starts) != sorted(set(starts)):
-            raise ValueError(f"split {split} must name places in the model's order")
-        return starts
-    if run.stages == 1:
-        return (0,)
-    segments = _segments(pieces, run)
-    schedule = kind if kind != "sharded" else "pipelined"
-    try:
-        return balance.plan(segments, run.stages, budgets=budget, schedule=schedule,
-                            micro_batches=run.accumulation).starts
-    except balance.NoPlacementFits as error:
-        return error.placement.starts
-
-
-def _timeline(kind: str, stages: int, run: _Run, forward: list[float],
-              backward: list[float], step: list[float]) -> tuple[float, float]:
-    """(makespan, bubble share) of one step in seconds, from each stage's forward and backward
-    seconds for one micro-batch (recomputation runs forward again in backward; zero-bubble
-    splits backward into halves, the input's gradient and the weights') and its optimiser
-    step."""
-    again = forward if run.setting.recomputation else [0.0] * stages
-    if kind == "sharded":
-        return run.accumulation * (forward[0] + backward[0] + again[0]) + step[0], 0.0
-    unit = max(forward + backward) / 200 or 1.0
-
-    def ticks(seconds: list[float]) -> list[int]:
-        return [max(1, round(t / unit)) for t in seconds]
-
-    split = kind == "zero_bubble"
-    timeline = simulate_devices(
-        device_plan(kind, stages, run.accumulation, tuple(range(stages)), training=True),
-        tuple(range(stages)), forward=ticks(forward), buffered=True,
-        step=[round(t / unit) for t in step],
-        backward=ticks([b / 2 + a if split else b + a
-                        for b, a in zip(backward, again, strict=True)]),
-        weight=ticks([b / 2 for b in backward]))
-    return timeline.makespan * unit, timeline.bubble_fraction
-
-
-def _seconds(pieces: list[Piece], starts: tuple[int, ...], run: _Run, flops: float | None,
-             rates: Rates | None) -> tuple[list[float], list[float], list[float]] | None:
-    """Each stage's forward and backward seconds for one micro-batch and its optimiser step's:
-    measured here (each piece timed, a received value's and gradient's transfer as two copies,
-    the step per element, a tied weight's gradient and value all-reduced, and with replicas
-    each stage's gradients all-reduced between them, or with sharded state reduced and its
-    slice of the weights sent to the others, each replica stepping its slice; computing
-    slowed as `rates.crowding` says where the workers outnumber the cores), else its FLOPs
-    at `flops` with backward twice the forward; None without a rate."""
-    ends = (*starts[1:], len(pieces))
-    spans = list(zip(starts, ends, strict=True))
-    if rates is None:
-        if not flops:
-            return None
-        forward = [sum(p.flops for p in pieces[i:j]) / flops for i, j in spans]
-        return forward, [2 * f for f in forward], [0.0] * len(spans)
-    copy = [2 * (pieces[i].footprint().received.bytes if i else 0) / rates.copy_rate
-            for i, _ in spans]
-    slow = rates.crowding
-    forward = [slow * sum(rates.seconds[k][0] for k in range(i, j)) + c
-               for (i, j), c in zip(spans, copy, strict=True)]
-    backward = [slow * sum(rates.seconds[k][1] for k in range(i, j)) + c
-                for (i, j), c in zip(spans, copy[1:] + [0.0], strict=True)]
-    held = [{id(p): p for piece in pieces[i:j] for p in piece.params} for i, j in spans]
-    tied = {k for s, h in enumerate(held) for k in h if any(k in o for o in held[s + 1:])}
-    # a tied weight: its gradient summed and its stepped value shared, two all-reduces
-    replicas, sharded = run.replicas, run.setting.shards > 1
-    trained = [[p for p in _stepped(pieces, starts, s) if p.requires_grad]
-               for s in range(len(spans))]
-    # between replicas: a ring all-reduce moves 2 (R - 1) / R of the gradients (what the
-    # two-worker rate measured, R = 2, moves once); sharded, each replica's slice of the
-    # stepped weights goes to the others as well, (R - 1) / R of them
-    ring = 2 * (replicas - 1) / replicas if replicas > 1 else 0.0
-    shared = (replicas - 1) / replicas if sharded else 0.0
-    step = [slow * sum(p.numel() for p in mine) * rates.step_per_element
-            / (replicas if sharded else 1)
-            + (ring + shared) * sum(p.numel() * p.element_size() for p in mine)
-            / rates.all_reduce_rate
-            + 2 * sum(p.numel() * p.element_size() for k, p in h.items() if k in tied)
-            / rates.all_reduce_rate for mine, h in zip(trained, held, strict=True)]
-    return forward, backward, step
+@overload
+def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = ...,
+         device_memory: int | None = ..., flops: float | None = ...,
+         accumulation: int | None = ..., replicas: int = ..., optimizer: str = ...,
+         loss_scaling: float | None = ..., recompute: bool = ..., offload: bool = ...,
+         sharded: bool = ..., schedule: str = ..., split: list[str] | None = ...,
+         measure_here: bool = ..., flash_attention: bool = ..., min_elements: int = ...,
+         search: Literal[True]) -> Search: ...
 
 
 def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
@@ -348,7 +55,7 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
          loss_scaling: float | None = None, recompute: bool = False, offload: bool = False,
          sharded: bool = False, schedule: str = "auto", split: list[str] | None = None,
          measure_here: bool = False, flash_attention: bool = False,
-         min_elements: int = DEFAULT_MIN_ELEMENTS) -> Plan:
+         min_elements: int = DEFAULT_MIN_ELEMENTS, search: bool = False) -> Plan | Search:
     """Plan training `model` (on the meta device or any other) on `devices` devices of
     `device_memory` bytes each: `replicas` pipelines of devices / replicas stages, one
     micro-batch being `inputs` (args, kwargs), `accumulation` micro-batches per step (default:
@@ -359,87 +66,36 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
     minElementsForReplicatedTensorSharding), `offload` keeps it in host memory. The step time needs a
     rate: `flops` (sustained FLOP/s per device) or `measure_here` (each segment timed for
     real on this CPU, which also measures a worker's memory outside the model). `flash_attention` sizes
-    attention as a GPU's flash kernel keeps it (`measure`)."""
+    attention as a GPU's flash kernel keeps it (`measure`).
+
+    `search=True` plans every layout of the `devices` instead (`search.search`): stages x
+    replicas, schedule, sharded or offloaded optimiser state, recomputation, the samples per
+    step kept (`accumulation` is a one-replica layout's); `replicas`, `recompute`, `offload`,
+    `sharded`, `schedule` and `split` are then the search's to choose and must be left as
+    they are. It needs a rate (`flops` or `measure_here`) to rank them."""
+    if search and (replicas != 1 or recompute or offload or sharded or schedule != "auto"
+                   or split is not None):
+        raise ValueError("search=True chooses the replicas, recomputation, offload, sharding, "
+                         "schedule and split itself: leave them out")
+    if search and not (flops or measure_here):
+        raise ValueError("search=True ranks layouts by their step time: give flops (FLOP/s "
+                         "per device) or measure_here=True")
     if devices < 1 or replicas < 1 or devices % replicas:
         raise ValueError(f"devices ({devices}) must be a positive multiple of replicas "
                          f"({replicas}): each replica is a pipeline of devices / replicas stages")
     stages = devices // replicas
     least = min_gradient_accumulation(stages) if stages > 1 else 1
-    if accumulation is not None and accumulation < least:
+    if accumulation is not None and accumulation < (1 if search else least):
         raise ValueError(f"accumulation ({accumulation}) must be >= {least}"
                          + (f" (2*stages-1) for pipelined training with {stages} stages; "
                             "raise it or plan fewer stages" if stages > 1 else ""))
-    pieces = measure(model, inputs, flash=flash_attention)
-    if stages > len(pieces):
-        raise TooManyStagesError(stages, [p.name for p in pieces])
-    micro_batch = batch_size(*inputs)
-    setting = Setting(True, recompute, offload, shards=replicas if sharded else 1)
-    make = _optimizer(optimizer, loss_scaling)
-    run = _Run(stages, replicas, accumulation or balance.propose_gradient_accumulation(stages),
-               setting, _layouts(make, {p.dtype for p in model.parameters()}), min_elements)
-    rates = timed(model, pieces, inputs, make, stages * replicas) if measure_here else None
-    overhead = rates.overhead if rates else 0
-    budget = None if device_memory is None else device_memory - overhead
-    options = []
-    for kind in _kinds(schedule, stages):
-        starts = _starts(pieces, split, kind, run, budget)
-        records = stage_memory(pieces, starts, kind, run)
-        devices_memory = price(records, setting)
-        seconds = _seconds(pieces, starts, run, flops, rates)
-        span, bubble = _timeline(kind, stages, run, *seconds) if seconds else (None, 0.0)
-        worst = max(d.total for d in devices_memory.values())
-        options.append((budget is not None and worst > budget, span or 0.0, kind, starts,
-                        records, devices_memory, bubble))
-    over, span, kind, starts, records, devices_memory, bubble = min(
-        options, key=lambda o: (o[0], o[1] if not o[0] else max(d.total for d in o[5].values())))
-    estimate = MemoryEstimate(devices_memory, records, setting, stages > 1,
-                              Batching(1, run.accumulation, replicas), micro_batch, METHOD, kind)
-    remedies: tuple[Remedy, ...] = ()
-    if over and budget is not None:
-        worst = max(devices_memory, key=lambda d: devices_memory[d].total)
-        remedies = tuple(rank_remedies(estimate, {d: budget for d in devices_memory}, worst))
-    ends = (*starts[1:], len(pieces))
-    return Plan(estimate, tuple(pieces[i].name if j - i == 1 else
-                                f"{pieces[i].name} .. {pieces[j - 1].name}"
-                                for i, j in zip(starts, ends, strict=True)),
-                tuple(pieces[i].name for i in starts[1:]),
-                {v: k for k, v in SCHEDULES.items()}.get(kind, "none"), replicas,
-                run.accumulation, device_memory, overhead,
-                _temporaries(pieces, starts) if rates else {}, remedies,
-                span if flops or rates else None, bubble, _time_method(flops, rates),
-                size_of(_unique(model.parameters())).bytes, type(model).__name__)
-
-
-def _temporaries(pieces: list[Piece], starts: tuple[int, ...]) -> dict[int, int]:
-    """Per stage, what a CPU worker's optimiser step adds at its peak: torch steps one
-    parameter at a time on a CPU, with two temporaries of its size (AdamW's square root of the
-    second moment and the quotient), and a tied weight's gradient and value cross between its
-    devices whole: two of the stage's largest parameter."""
-    ends = (*starts[1:], len(pieces))
-    return {s: 2 * max((p.numel() * p.element_size() for piece in pieces[i:j]
-                        for p in piece.params), default=0)
-            for s, (i, j) in enumerate(zip(starts, ends, strict=True))}
-
-
-def _stepped(pieces: list[Piece], starts: tuple[int, ...], stage: int) -> list[nn.Parameter]:
-    """The parameters stage `stage` steps: its own, less those an earlier stage holds."""
-    ends = (*starts[1:], len(pieces))
-    earlier = {id(p) for piece in pieces[:starts[stage]] for p in piece.params}
-    return [p for p in _unique(p for piece in pieces[starts[stage]:ends[stage]]
-                               for p in piece.params) if id(p) not in earlier]
-
-
-def _time_method(flops: float | None, rates: Rates | None) -> str:
-    if rates:
-        return ("each piece's forward and backward timed on this CPU with a worker's threads "
-                f"(the model run for real), transfers as two copies at {rates.copy_rate / 1e9:.3g}"
-                f" GB/s, the optimiser step at {rates.step_per_element * 1e9:.2f} ns a "
-                "parameter and a tied weight's gradient and value all-reduced at "
-                f"{rates.all_reduce_rate / 1e9:.3g} GB/s (as the replicas' gradients), computing "
-                f"{rates.crowding:.3g}x slower with more workers than cores, through the "
-                "schedule simulator")
-    if flops:
-        return (f"each stage's forward FLOPs x3 (x4 recomputing) at {flops:.3g} FLOP/s a "
-                "device, through the schedule simulator; the optimiser step and transfers "
-                "not counted")
-    return "no rate given (flops or measure_here)"
+    found = measured(model, inputs, workers=devices, stages=1 if search else stages, flops=flops,
+                     optimizer=optimizer, loss_scaling=loss_scaling, measure_here=measure_here,
+                     flash_attention=flash_attention)
+    if search:
+        return find(found, devices=devices, device_memory=device_memory,
+                    accumulation=accumulation, min_elements=min_elements)
+    return plan_measured(found, stages=stages, replicas=replicas, device_memory=device_memory,
+                         accumulation=accumulation, recompute=recompute, offload=offload,
+                         sharded=sharded, schedule=schedule, split=split,
+                         min_elements=min_elements)

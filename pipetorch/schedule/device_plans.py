@@ -193,12 +193,21 @@ def peak_stash(kind: str, stages: int, micro_batches: int,
 
 
 @functools.lru_cache(maxsize=32)
+def read_only_plan(kind: str, stages: int, micro_batches: int, owners: tuple[int, ...],
+                   training: bool) -> DevicePlan:
+    """`device_plan`, kept for the next caller who asks the same (the simulator and the
+    checks only read it; a caller who changes it takes a copy): merging 32 stages' plans of
+    288 micro-batches takes a second, and a search over layouts asks for each several times."""
+    return device_plan(kind, stages, micro_batches, owners, training=training)
+
+
+@functools.lru_cache(maxsize=32)
 def _peak_stash(kind: str, stages: int, micro_batches: int, owners: tuple[int, ...],
                 training: bool) -> tuple[int, ...]:
     # cached: simulating many stages over many micro-batches takes seconds (the planner and
     # its remedies ask the same question several times)
     kinds = ["pipelined", "zero_bubble", *INTERLEAVED] if kind == "auto" else [kind]
-    peaks = [check_devices(device_plan(k, stages, micro_batches, owners, training=training),
+    peaks = [check_devices(read_only_plan(k, stages, micro_batches, owners, training),
                            owners).peak_stash for k in kinds]
     return tuple(max(column) for column in zip(*peaks, strict=True))
 

@@ -127,7 +127,7 @@ def test_the_compile_time_estimate_prices_sharded_state_as_the_plan_does(min_ele
 
 def test_the_step_time_follows_the_schedule_simulator():
     _, one = tiny_plan(devices=1, split=None, flops=1e9)
-    flops = sum(p.flops for p in poptorch.planning.plan.measure(
+    flops = sum(p.flops for p in poptorch.planning.layout_plan.measure(
         Tiny(), ((torch.randn(M, 6),), {})))
     assert one.step_seconds == pytest.approx(4 * 3 * flops / 1e9)
     _, two = tiny_plan(flops=1e9)
@@ -178,7 +178,7 @@ def test_replicas_on_a_crowded_cpu_slow_the_step_and_add_their_gradient_reductio
         monkeypatch):
     # the MLP of 2 stages x 2 replicas on 2 cores was planned at 1.7 s for 4.2 s measured:
     # four workers share two cores, and the replicas' gradients are reduced before each step
-    from pipetorch.planning import plan as planning
+    from pipetorch.planning import layout_plan as planning
     from pipetorch.planning.segments import Rates
 
     def rates(crowding, all_reduce_rate):
