@@ -2,7 +2,6 @@
 activations kept per micro-batch, parameter + optimiser bytes and boundary transfer time."""
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Sequence
 
@@ -12,25 +11,9 @@ from torch.utils._pytree import tree_flatten
 
 from pipetorch.partition.balance import Segment
 from pipetorch.planning.probes import BlockProbe, ModuleProbe, Probe
+from pipetorch.planning.segments import copy_rate
 
 __all__: list[str] = []
-
-# A reference buffer for the link speed: big enough to be bandwidth-bound, small enough to be quick.
-_LINK_PROBE_BYTES = 16 * 2**20
-
-
-def measure_link_speed(*, repeats: int = 5) -> float:
-    """Bytes per second a stage boundary moves at between two local workers (a host copy)."""
-    src = torch.empty(_LINK_PROBE_BYTES, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return _LINK_PROBE_BYTES / max(statistics.median(times), 1e-9)
-
 
 def _loss_of(output: object) -> torch.Tensor:
     tensors = [t for t in tree_flatten(output)[0]
@@ -85,7 +68,7 @@ def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
     """
     if repeats < 1:
         raise ValueError(f"repeats ({repeats}) must be >= 1")
-    link = link_bytes_per_s or measure_link_speed()
+    link = link_bytes_per_s or copy_rate()
     probe = BlockProbe(names) if scopes else ModuleProbe(model, names)
     try:
         runs = []

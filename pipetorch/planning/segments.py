@@ -347,7 +347,7 @@ def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{path}.{i}", u) for i, u in enumerate(layers)] if layers is not None else []
 
 
-def _copy_rate() -> float:
+def copy_rate() -> float:
     """Bytes a second of one copy of 32 MiB (a transfer through shared memory is two)."""
     source, target = torch.ones(2**23), torch.empty(2**23)
     return source.nbytes / _least(lambda: target.copy_(source), 5)
@@ -399,7 +399,7 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
         for p in layer.parameters():
             p.grad = torch.zeros_like(p)
         per_element = _least(stepper.step, 3) / sum(p.numel() for p in layer.parameters())
-        rate = _copy_rate()
+        rate = copy_rate()
     finally:
         torch.set_num_threads(threads)
     overhead, all_reduce_rate = _workers(each)
