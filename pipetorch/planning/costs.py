@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from pipetorch.partition.balance import Segment
+from pipetorch.planning.memory import bytes_of
 from pipetorch.planning.probes import BlockProbe, ModuleProbe, Probe
 from pipetorch.planning.segments import copy_rate
 
@@ -84,7 +85,6 @@ def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
         name=name,
         seconds=min(f[k] for f, _ in runs) + min(b[k] for _, b in runs),
         activation_bytes=probe.saved[k] if training else 0,
-        param_bytes=per_param * sum(p.numel() * p.element_size()
-                                    for p in probe.parameters(k)),
+        param_bytes=per_param * bytes_of(probe.parameters(k)),
         transfer_seconds=crossings * probe.out_bytes[k] / link,
     ) for k, name in enumerate(names)]

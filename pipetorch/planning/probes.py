@@ -12,13 +12,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from pipetorch.partition.blocks import recording
-from pipetorch.planning.memory import tensors_of
+from pipetorch.planning.memory import bytes_of, tensors_of
 
 __all__: list[str] = []
-
-
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Probe(abc.ABC):
@@ -47,7 +43,7 @@ class Probe(abc.ABC):
 
     def sends(self, k: int, tensors: Sequence[torch.Tensor],
               timing: Sequence[torch.Tensor]) -> None:
-        self.out_bytes[k] = _nbytes(tensors)
+        self.out_bytes[k] = bytes_of(tensors)
         for t in timing:
             if t.requires_grad:
                 t.register_hook(self._grad(k))
