@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from pipetorch.parallel.host import pool
+from pipetorch.partition.probe import modes_kept
 from pipetorch.planning.memory import (
     ZERO, Footprint, Size, fake_tensors, faked, module_tensors, sized, storage_key, tensors_of,
 )
@@ -156,7 +157,6 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
                          unit.register_forward_hook(leave(k)))]
     handles += [m.register_forward_pre_hook(touched) for m in model.modules()
                 if m._parameters or m._buffers]
-    modes = {m: m.training for m in model.modules()}
     again = _Again(state, stood_in)
     slots = layers._modules if layers is not None and same else {}
     try:
@@ -164,8 +164,8 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
             slots[key] = again  # the model's own indexing and slicing still work
         if flash:
             nn.functional.scaled_dot_product_attention = attention
-        model.train(training)
-        with fake_tensors() as mode, ops.running_on_device():
+        with modes_kept(model), fake_tensors() as mode, ops.running_on_device():
+            model.train(training)
             fake = faked(mode)
             # the fake weights are held (a freed storage's key is reused), and their real
             # (meta) tensors' keys kept too: a meta weight may reach an op as it is
@@ -185,8 +185,6 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
             slots[key] = unit
         for h in handles:
             h.remove()
-        for module, was in modes.items():
-            module.training = was
     pieces.pop()  # between identical layers standing aside
     middle = pieces[1:-1]
     if same:  # the other identical layers: the first one's sizes, their own tensors
@@ -387,13 +385,9 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
     torch.set_num_threads(each)
     try:
         real = _materialised(model)
-        modes = {m: m.training for m in real.modules()}
-        real.train(True)
-        try:
+        with modes_kept(real):
+            real.train(True)
             seconds = _piece_seconds(real, pieces, inputs)
-        finally:
-            for module, was in modes.items():
-                module.training = was
         layer = copy.deepcopy(_layers(real)[0])
         stepper = make(list(layer.parameters()))
         for p in layer.parameters():
