@@ -59,7 +59,7 @@ def _span(starts: list[float | None], k: int, end: float) -> float:
 def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
                kwargs: dict[str, object] | None = None, *, repeats: int = 5,
                optimizer_slots: int = 2, link_bytes_per_s: float | None = None,
-               training: bool = True, scopes: bool = False) -> list[Segment]:
+               scopes: bool = False) -> list[Segment]:
     """Profile `model` on the micro-batch `args` in this process: one Segment per candidate.
 
     `names` are submodules, or with `scopes` the user_ids of the Block scopes forward opens.
@@ -79,12 +79,10 @@ def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
     finally:
         probe.close()
     runs = runs[1:]
-    per_param = (2 + optimizer_slots) if training else 1
-    crossings = 2 if training else 1
     return [Segment(
         name=name,
         seconds=min(f[k] for f, _ in runs) + min(b[k] for _, b in runs),
-        activation_bytes=probe.saved[k] if training else 0,
-        param_bytes=per_param * bytes_of(probe.parameters(k)),
-        transfer_seconds=crossings * probe.out_bytes[k] / link,
+        activation_bytes=probe.saved[k],
+        param_bytes=(2 + optimizer_slots) * bytes_of(probe.parameters(k)),
+        transfer_seconds=2 * probe.out_bytes[k] / link,  # the output, and its gradient back
     ) for k, name in enumerate(names)]

@@ -84,8 +84,7 @@ class _State(TypedDict, total=False):
     again: object
 
 
-def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = True,
-            flash: bool = False) -> list[Piece]:
+def measure(model: nn.Module, inputs: tuple[tuple, dict], *, flash: bool = False) -> list[Piece]:
     """The candidate segments of `model` run on one micro-batch `inputs` (args, kwargs).
     With `flash`, scaled_dot_product_attention keeps what flash attention keeps (a GPU's
     kernel; on the meta device it would run the math one, which keeps the scores)."""
@@ -165,7 +164,7 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
         if flash:
             nn.functional.scaled_dot_product_attention = attention
         with modes_kept(model), fake_tensors() as mode, ops.running_on_device():
-            model.train(training)
+            model.train(True)
             fake = faked(mode)
             # the fake weights are held (a freed storage's key is reused), and their real
             # (meta) tensors' keys kept too: a meta weight may reach an op as it is
@@ -174,7 +173,7 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
             args, kwargs = torch.utils._pytree.tree_map(
                 lambda t: fake(t) if isinstance(t, torch.Tensor) else t, inputs)
             pieces[0].received.update(_sizes((args, kwargs), weights))
-            with torch.set_grad_enabled(training), counter, \
+            with torch.enable_grad(), counter, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 output = model(*args, **kwargs)
             flush(after)
