@@ -66,10 +66,6 @@ class Route:
     loss: Source | None               # the loss, when this stage computes it
 
     @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
     def is_last(self) -> bool:
         return self.index == self.stages - 1
 
