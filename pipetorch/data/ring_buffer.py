@@ -20,6 +20,7 @@ have dropped their mappings.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ class SlotLayout:
                 shape = (rows, *shape[1:])
             shapes.append(shape)
             offsets.append(position)
-            position += _aligned(_numel(shape) * leaf.element_size())
+            position += _aligned(math.prod(shape) * leaf.element_size())
         return cls(tuple(shapes), tuple(t.dtype for t in leaves), tuple(offsets),
                    max(position, _ALIGN))
 
@@ -88,7 +89,7 @@ class SlotLayout:
         base = slot * self.slot_bytes
         out = []
         for shape, dtype, offset in zip(self.shapes, self.dtypes, self.offsets, strict=True):
-            size = _numel(shape) * dtype.itemsize
+            size = math.prod(shape) * dtype.itemsize
             raw = buffer[base + offset: base + offset + size]
             out.append(raw.view(dtype).view(shape))
         return out
@@ -116,13 +117,6 @@ class SlotLayout:
                     "last, partial batch may be shorter) and of a dtype the first batch's "
                     "promotes it to: pad or resize the samples, cast them to one dtype, or use "
                     "mode=DataLoaderMode.Sync.")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def pin(buffer: torch.Tensor) -> bool:
