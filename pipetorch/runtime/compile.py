@@ -90,9 +90,7 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
         # Capture: forward once, on the host copy (on the CPU when workers are known to run
         # the stages, else on `device`).
         model, host = _host_copy(user_model, config, device=device)
-        micro = split_micro_batches(args, kwargs, device_iterations=batching.device_iterations,
-                                    gradient_accumulation=batching.gradient_accumulation,
-                                    replication_factor=batching.replication_factor)
+        micro = split_micro_batches(args, kwargs, batching)
         first = to_device(micro[0], host)
         cast = casting.for_forward(model, *first, config.half_float_casting)
         strategy = config.strategy
@@ -166,9 +164,7 @@ def add_signature(compiled: Compiled, args: tuple, kwargs: dict, *, config: RunC
     engine, batching, local = compiled.engine, config.batching, compiled.plan.local
     model = engine.model  # the host copy (workers), or the device copy (one device)
     stages = list(compiled.stages)
-    micro = split_micro_batches(args, kwargs, device_iterations=batching.device_iterations,
-                                gradient_accumulation=batching.gradient_accumulation,
-                                replication_factor=batching.replication_factor)
+    micro = split_micro_batches(args, kwargs, batching)
     with modes_kept(model):  # capturing sets the wrapper's mode
         first = to_device(micro[0], engine.input_device)
         cast = casting.for_forward(model, *first, config.half_float_casting)

@@ -94,10 +94,8 @@ class PerfCounters:
 
         o = self._options
         assert o.profiling_dir  # the caller checked it
-        sample = to_device(split_micro_batches(
-            args, kwargs, device_iterations=o.device_iterations,
-            gradient_accumulation=o.Training.gradient_accumulation,
-            replication_factor=o.replication_factor)[0], compiled.engine.input_device)
+        sample = to_device(split_micro_batches(args, kwargs, compiled.engine.batching)[0],
+                           compiled.engine.input_device)
         directory = os.path.join(o.profiling_dir, "training" if self._training else "inference")
         try:  # now, not at destroy(): a report that cannot be written must not be lost
             os.makedirs(directory, exist_ok=True)
