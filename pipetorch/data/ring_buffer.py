@@ -28,12 +28,11 @@ from typing import TypeAlias
 
 import torch
 
+from pipetorch import memfd
 from pipetorch.data.fetch import DirectFetch
 from pipetorch.data.structure import flatten
 
 __all__: list[str] = []
-
-_ALIGN = 64  # bytes: every tensor of a slot starts on a cache line
 
 
 class Msg(enum.IntEnum):
@@ -57,10 +56,6 @@ SlotSizes: TypeAlias = "tuple[int | None, ...] | None"
 Command: TypeAlias = "tuple[Msg] | tuple[Msg, int]"
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 @dataclass(frozen=True)
 class SlotLayout:
     """Shapes, dtypes and byte offsets of the tensors in one slot."""
@@ -80,9 +75,9 @@ class SlotLayout:
                 shape = (rows, *shape[1:])
             shapes.append(shape)
             offsets.append(position)
-            position += _aligned(math.prod(shape) * leaf.element_size())
+            position += memfd.aligned(math.prod(shape) * leaf.element_size())  # on a cache line
         return cls(tuple(shapes), tuple(t.dtype for t in leaves), tuple(offsets),
-                   max(position, _ALIGN))
+                   max(position, memfd.ALIGN))
 
     def views(self, buffer: torch.Tensor, slot: int) -> list[torch.Tensor]:
         """The tensors of `slot`, as views of the shared byte buffer."""
