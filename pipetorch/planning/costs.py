@@ -7,8 +7,8 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
+from pipetorch.losses import tensor_leaves
 from pipetorch.partition.balance import Segment
 from pipetorch.planning.memory import bytes_of
 from pipetorch.planning.probes import BlockProbe, ModuleProbe, Probe
@@ -17,8 +17,7 @@ from pipetorch.planning.segments import copy_rate
 __all__: list[str] = []
 
 def _loss_of(output: object) -> torch.Tensor:
-    tensors = [t for t in tree_flatten(output)[0]
-               if isinstance(t, torch.Tensor) and t.requires_grad]
+    tensors = [t for t in tensor_leaves(output) if t.requires_grad]
     if not tensors:
         raise ValueError("The model's output has no tensor that requires grad, so its backward "
                          "cannot be profiled; balance a model in training mode with parameters")

@@ -12,7 +12,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from pipetorch.partition.blocks import recording
-from pipetorch.planning.memory import bytes_of, tensors_of
+from pipetorch.losses import tensor_leaves
+from pipetorch.planning.memory import bytes_of
 
 __all__: list[str] = []
 
@@ -83,7 +84,7 @@ class ModuleProbe(Probe):
             self.handles.append(module.register_forward_pre_hook(
                 lambda m, a, k=k: self.enter(k)))
             self.handles.append(module.register_forward_hook(
-                lambda m, a, out, k=k: self._left(k, tensors_of(out))))
+                lambda m, a, out, k=k: self._left(k, tensor_leaves(out))))
 
     def _left(self, k: int, out: list[torch.Tensor]) -> None:
         self.sends(k, out, [t for t in out if t.requires_grad][:1])
@@ -160,5 +161,5 @@ class _OpWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.probe.saw(tensors_of((args, kwargs)), tensors_of(out), self.made, self.read_until)
+        self.probe.saw(tensor_leaves((args, kwargs)), tensor_leaves(out), self.made, self.read_until)
         return out

@@ -23,10 +23,11 @@ from typing import Callable, TypedDict
 import torch
 import torch.nn as nn
 
+from pipetorch.losses import tensor_leaves
 from pipetorch.parallel.host import pool
 from pipetorch.partition.probe import modes_kept
 from pipetorch.planning.memory import (
-    ZERO, Footprint, Size, fake_tensors, faked, module_tensors, sized, storage_key, tensors_of,
+    ZERO, Footprint, Size, fake_tensors, faked, module_tensors, sized, storage_key,
 )
 
 __all__: list[str] = []
@@ -218,7 +219,7 @@ class _Again(nn.Module):
 
 def _sizes(value: object, weights: set[int]) -> dict[int, Size]:
     return {storage_key(t): sized(t, t.untyped_storage().nbytes())
-            for t in tensors_of(value) if storage_key(t) not in weights}
+            for t in tensor_leaves(value) if storage_key(t) not in weights}
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,7 @@ def _piece_seconds(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, d
     marks: dict[tuple[str, int], float] = {}
 
     def first_grad(value: object) -> torch.Tensor | None:
-        return next((t for t in tensors_of(value) if t.requires_grad), None)
+        return next((t for t in tensor_leaves(value) if t.requires_grad), None)
 
     def mark(key: tuple[str, int]) -> Callable[..., None]:
         return lambda *_: marks.__setitem__(key, _clock())
@@ -301,7 +302,7 @@ def _piece_seconds(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, d
         with torch.random.fork_rng():
             for _ in range(rounds + 1):
                 start = _clock()
-                loss = tensors_of(model(*args, **kwargs))[0].float().sum()
+                loss = tensor_leaves(model(*args, **kwargs))[0].float().sum()
                 middle = _clock()
                 loss.backward()
                 runs.append(_split(marks, count, start, middle, _clock()))
