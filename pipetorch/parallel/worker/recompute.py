@@ -176,7 +176,7 @@ def _checkpoint_call(module: nn.Module, mutated: tuple[int, ...], args: tuple[ob
     versions = [(i, a, a._version) for i, a in enumerate(kept) if isinstance(a, torch.Tensor)]
     run = functools.partial(_run_on_copies, module, tuple(given), **kwargs)
     outputs, changed = _checkpoint(run, *kept, use_reentrant=False,
-                                   context_fn=_replay_contexts(module))
+                                   context_fn=functools.partial(_contexts, module))
     for index, arg, version in versions:
         if arg._version != version:
             raise CompileError(
@@ -204,13 +204,10 @@ def _input_name(module: nn.Module, index: int) -> str:
     return str(index)
 
 
-def _replay_contexts(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
-    """checkpoint's context_fn: nothing around the forward, _recomputation around the rerun."""
-    return functools.partial(_contexts, module)
-
-
 def _contexts(module: nn.Module
               ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """checkpoint's context_fn (with `module` bound): nothing around the forward,
+    _recomputation around the rerun."""
     # Called as the forward starts: the rerun casts as this forward does (partition.casting).
     casting = [m for m in torch.overrides._get_current_function_mode_stack()
                if isinstance(m, HalfFloatCasting)]
