@@ -52,9 +52,9 @@ class LossGraph:
         losses."""
         if not self.tensors:  # nothing to follow before the first loss
             return
-        found = _NONE.union(*(self.depends_on(t) for t in _tensors((args, kwargs))))
+        found = _NONE.union(*(self.depends_on(t) for t in tensor_leaves((args, kwargs))))
         if found:
-            for tensor in _tensors(output):
+            for tensor in tensor_leaves(output):
                 self._depends[tensor] = self.depends_on(tensor) | found
 
     def depends_on(self, tensor: torch.Tensor) -> frozenset[int]:
@@ -68,13 +68,9 @@ class LossGraph:
 
 # Forward's output, and a torch op's inputs and output, may be any value (a tensor, nested
 # containers of tensors and other values, a ModelOutput...): pytree finds the tensors in it.
-def _tensors(structure: object) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(structure) if isinstance(x, torch.Tensor)]
-
-
 def tensor_leaves(output: object) -> list[torch.Tensor]:
     """Forward's returned tensors in pytree order (the order a captured graph returns them)."""
-    return _tensors(output)
+    return [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
 
 
 def find_loss(output: object, index: int) -> torch.Tensor:

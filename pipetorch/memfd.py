@@ -36,8 +36,8 @@ def reachable() -> bool:
     return hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
 
 
-def aligned(nbytes: int) -> int:
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+def aligned(nbytes: int, to: int = ALIGN) -> int:
+    return (nbytes + to - 1) // to * to
 
 
 def make(size: int) -> tuple[Address, torch.Tensor]:

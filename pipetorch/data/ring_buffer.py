@@ -20,6 +20,7 @@ have dropped their mappings.
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,12 +28,11 @@ from typing import TypeAlias
 
 import torch
 
+from pipetorch import memfd
 from pipetorch.data.fetch import DirectFetch
 from pipetorch.data.structure import flatten
 
 __all__: list[str] = []
-
-_ALIGN = 64  # bytes: every tensor of a slot starts on a cache line
 
 
 class Msg(enum.IntEnum):
@@ -56,10 +56,6 @@ SlotSizes: TypeAlias = "tuple[int | None, ...] | None"
 Command: TypeAlias = "tuple[Msg] | tuple[Msg, int]"
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 @dataclass(frozen=True)
 class SlotLayout:
     """Shapes, dtypes and byte offsets of the tensors in one slot."""
@@ -79,16 +75,16 @@ class SlotLayout:
                 shape = (rows, *shape[1:])
             shapes.append(shape)
             offsets.append(position)
-            position += _aligned(_numel(shape) * leaf.element_size())
+            position += memfd.aligned(math.prod(shape) * leaf.element_size())  # on a cache line
         return cls(tuple(shapes), tuple(t.dtype for t in leaves), tuple(offsets),
-                   max(position, _ALIGN))
+                   max(position, memfd.ALIGN))
 
     def views(self, buffer: torch.Tensor, slot: int) -> list[torch.Tensor]:
         """The tensors of `slot`, as views of the shared byte buffer."""
         base = slot * self.slot_bytes
         out = []
         for shape, dtype, offset in zip(self.shapes, self.dtypes, self.offsets, strict=True):
-            size = _numel(shape) * dtype.itemsize
+            size = math.prod(shape) * dtype.itemsize
             raw = buffer[base + offset: base + offset + size]
             out.append(raw.view(dtype).view(shape))
         return out
@@ -116,13 +112,6 @@ class SlotLayout:
                     "last, partial batch may be shorter) and of a dtype the first batch's "
                     "promotes it to: pad or resize the samples, cast them to one dtype, or use "
                     "mode=DataLoaderMode.Sync.")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def pin(buffer: torch.Tensor) -> bool:

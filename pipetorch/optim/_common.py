@@ -51,8 +51,6 @@ _OPTION_RULES: dict[str, tuple[OptionValue, str]] = {
     "first_order_momentum_accum_type": (DEFAULT_ACCUM_DTYPE, "dtype"),
     "second_order_momentum_accum_type": (DEFAULT_ACCUM_DTYPE, "dtype"),
 }
-# Options that act on all parameters at once, so every param group must hold the same value.
-_GLOBAL_OPTIONS = ("loss_scaling", "max_grad_norm")
 
 
 def check_betas(betas: _T) -> _T:

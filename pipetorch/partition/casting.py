@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from pipetorch.enums import HalfFloatCastingBehavior
+from pipetorch.losses import tensor_leaves
 
 __all__: list[str] = []
 
@@ -71,7 +72,7 @@ class HalfFloatCasting(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in _CASTS or _in_place(name, kwargs):
             return func(*args, **kwargs)
-        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = tensor_leaves((args, kwargs))
         dtype = target_dtype(tensors, downcast=self.downcast) if len(tensors) > 1 else None
         if dtype is not None:
             args, kwargs = pytree.tree_map_only(torch.Tensor, functools.partial(_cast, dtype),

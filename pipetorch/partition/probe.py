@@ -75,6 +75,17 @@ class _BlockGuard(TorchFunctionMode):
 
 
 @contextmanager
+def modes_kept(model: nn.Module) -> Iterator[None]:
+    """Leave the train/eval mode of each of the model's modules as it was."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        yield
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+
+
+@contextmanager
 def preserved(model: nn.Module) -> Iterator[list[str]]:
     """Leave the model's buffers and the RNG as they were; yields the names of the buffers the
     block changed (filled in on exit)."""

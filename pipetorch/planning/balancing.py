@@ -1,9 +1,8 @@
 """Automatic stage balancing: profile the candidate segments, plan, and place the stages."""
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import nn
@@ -11,6 +10,7 @@ from torch import nn
 from pipetorch.partition.balance import Placement, plan
 from pipetorch.partition.blocks import BeginBlock, removeBlocks
 from pipetorch.partition.candidates import ordered_candidates
+from pipetorch.partition.probe import preserved
 from pipetorch.partition.strategies import ExecutionStrategy
 from pipetorch.planning.costs import cost_table
 from pipetorch.schedule.device_plans import engine_kind
@@ -105,7 +105,7 @@ def _ordered(model: nn.Module, args: tuple,
              kwargs: dict[str, object]) -> tuple[list[str], bool]:
     """The candidates in execution order, and whether they are block ids; the forward that
     finds them must not change the model (BatchNorm statistics)."""
-    with _buffers_kept(model):
+    with preserved(model):
         return ordered_candidates(model, args, kwargs)
 
 
@@ -121,7 +121,7 @@ def _plan(model: nn.Module, names: list[str], args: tuple, kwargs: dict[str, obj
     try:
         # Profiling steps must not change the model: restore buffers (BatchNorm statistics)
         # and the random state (dropout) they consume.
-        with _buffers_kept(model), torch.random.fork_rng(devices=[]):
+        with preserved(model):
             table = cost_table(model, names, args, kwargs, repeats=repeats,
                                optimizer_slots=optimizer_slots,
                                link_bytes_per_s=link_bytes_per_s, scopes=scopes)
@@ -133,15 +133,3 @@ def _plan(model: nn.Module, names: list[str], args: tuple, kwargs: dict[str, obj
     logger.info("Balanced placement:\n%s\nEquivalent %s lines:\n%s", placement.table(),
                 "execution strategy" if scopes else "BeginBlock", "\n".join(lines))
     return placement
-
-
-@contextlib.contextmanager
-def _buffers_kept(model: nn.Module) -> Iterator[None]:
-    """Restores the model's buffers on exit."""
-    saved = {k: v.detach().clone() for k, v in model.named_buffers()}
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for k, v in model.named_buffers():
-                v.copy_(saved[k])

@@ -2,39 +2,22 @@
 activations kept per micro-batch, parameter + optimiser bytes and boundary transfer time."""
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
+from pipetorch.losses import tensor_leaves
 from pipetorch.partition.balance import Segment
+from pipetorch.planning.memory import bytes_of
 from pipetorch.planning.probes import BlockProbe, ModuleProbe, Probe
+from pipetorch.planning.segments import copy_rate
 
 __all__: list[str] = []
 
-# A reference buffer for the link speed: big enough to be bandwidth-bound, small enough to be quick.
-_LINK_PROBE_BYTES = 16 * 2**20
-
-
-def measure_link_speed(*, repeats: int = 5) -> float:
-    """Bytes per second a stage boundary moves at between two local workers (a host copy)."""
-    src = torch.empty(_LINK_PROBE_BYTES, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return _LINK_PROBE_BYTES / max(statistics.median(times), 1e-9)
-
-
 def _loss_of(output: object) -> torch.Tensor:
-    tensors = [t for t in tree_flatten(output)[0]
-               if isinstance(t, torch.Tensor) and t.requires_grad]
+    tensors = [t for t in tensor_leaves(output) if t.requires_grad]
     if not tensors:
         raise ValueError("The model's output has no tensor that requires grad, so its backward "
                          "cannot be profiled; balance a model in training mode with parameters")
@@ -75,7 +58,7 @@ def _span(starts: list[float | None], k: int, end: float) -> float:
 def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
                kwargs: dict[str, object] | None = None, *, repeats: int = 5,
                optimizer_slots: int = 2, link_bytes_per_s: float | None = None,
-               training: bool = True, scopes: bool = False) -> list[Segment]:
+               scopes: bool = False) -> list[Segment]:
     """Profile `model` on the micro-batch `args` in this process: one Segment per candidate.
 
     `names` are submodules, or with `scopes` the user_ids of the Block scopes forward opens.
@@ -85,7 +68,7 @@ def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
     """
     if repeats < 1:
         raise ValueError(f"repeats ({repeats}) must be >= 1")
-    link = link_bytes_per_s or measure_link_speed()
+    link = link_bytes_per_s or copy_rate()
     probe = BlockProbe(names) if scopes else ModuleProbe(model, names)
     try:
         runs = []
@@ -95,13 +78,10 @@ def cost_table(model: nn.Module, names: Sequence[str], args: tuple,
     finally:
         probe.close()
     runs = runs[1:]
-    per_param = (2 + optimizer_slots) if training else 1
-    crossings = 2 if training else 1
     return [Segment(
         name=name,
         seconds=min(f[k] for f, _ in runs) + min(b[k] for _, b in runs),
-        activation_bytes=probe.saved[k] if training else 0,
-        param_bytes=per_param * sum(p.numel() * p.element_size()
-                                    for p in probe.parameters(k)),
-        transfer_seconds=crossings * probe.out_bytes[k] / link,
+        activation_bytes=probe.saved[k],
+        param_bytes=(2 + optimizer_slots) * bytes_of(probe.parameters(k)),
+        transfer_seconds=2 * probe.out_bytes[k] / link,  # the output, and its gradient back
     ) for k, name in enumerate(names)]

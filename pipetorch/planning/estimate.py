@@ -177,21 +177,16 @@ def estimate_memory(model: nn.Module, first: tuple[tuple, dict], stages: list[St
     footprints are shared with the engine and saved in the executable cache.
     """
     from pipetorch import ops
-    from pipetorch.partition.probe import preserved
+    from pipetorch.partition.probe import modes_kept, preserved
 
     if training and optimizer is not None:
         _check_optimizer(model, optimizer)
     args, kwargs = first
-    modes = {m: m.training for m in model.modules()}
-    try:
-        with preserved(model), ops.running_on_device(), ops.recomputing():
-            model.train(training)
-            modules, ipu_of, sizing = _sizing(model, first, stages, training=training,
-                                              capture=capture)
-            prints, method = _footprints(sizing, len(modules))
-    finally:
-        for module, mode in modes.items():
-            module.training = mode
+    with modes_kept(model), preserved(model), ops.running_on_device(), ops.recomputing():
+        model.train(training)
+        modules, ipu_of, sizing = _sizing(model, first, stages, training=training,
+                                          capture=capture)
+        prints, method = _footprints(sizing, len(modules))
     kind = engine_kind(pipelined, schedule)
     flights = peak_stash(kind, len(modules), replica_plan_length(batching, training=training),
                          owners_of(ipu_of), training=training)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, TypeVar
 import torch
 import torch.nn as nn
 
+from pipetorch.losses import tensor_leaves
 from pipetorch.partition.split import Source
 
 if TYPE_CHECKING:
@@ -158,8 +159,8 @@ def measure_forward(forward: Callable[..., _Output], values: list[object],
     values = [v.detach().clone().requires_grad_(v.requires_grad)
               if isinstance(v, torch.Tensor) else v for v in values]
     storages: dict[int, Size] = {}
-    received = {storage_key(t) for t in tensors_of(values)}
-    for t in tensors_of(values):
+    received = {storage_key(t) for t in tensor_leaves(values)}
+    for t in tensor_leaves(values):
         storages.setdefault(storage_key(t), sized(t, t.untyped_storage().nbytes()))
     saved: set[int] = set()
 
@@ -174,7 +175,7 @@ def measure_forward(forward: Callable[..., _Output], values: list[object],
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = forward(*values)
     produced = set()
-    for t in tensors_of(output):
+    for t in tensor_leaves(output):
         key = storage_key(t)
         if key not in weight_keys and key not in received:
             produced.add(key)
@@ -226,11 +227,6 @@ def storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def tensors_of(value: object) -> list[torch.Tensor]:
-    leaves = torch.utils._pytree.tree_leaves(value)
-    return [t for t in leaves if isinstance(t, torch.Tensor)]
-
-
 def staged_footprints(staged: StagedModel, args: tuple, kwargs: dict, *,
                       training: bool) -> list[Footprint]:
     """Each stage's Footprint, running the captured stages in order on fake tensors of one
@@ -252,7 +248,7 @@ def staged_footprints(staged: StagedModel, args: tuple, kwargs: dict, *,
             footprint, outputs = measure_forward(lambda *v, m=module: m(*v), values,
                                                  module_tensors(module), training=training,
                                                  fake=fake)
-            extra = size_of(tensors_of(relayed))
+            extra = size_of(tensor_leaves(relayed))
             result.append(footprint._replace(received=footprint.received + extra))
             for k, value in enumerate(outputs):
                 produced[Source.stage(j, k)] = value

@@ -12,13 +12,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from pipetorch.partition.blocks import recording
-from pipetorch.planning.memory import tensors_of
+from pipetorch.losses import tensor_leaves
+from pipetorch.planning.memory import bytes_of
 
 __all__: list[str] = []
-
-
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Probe(abc.ABC):
@@ -47,7 +44,7 @@ class Probe(abc.ABC):
 
     def sends(self, k: int, tensors: Sequence[torch.Tensor],
               timing: Sequence[torch.Tensor]) -> None:
-        self.out_bytes[k] = _nbytes(tensors)
+        self.out_bytes[k] = bytes_of(tensors)
         for t in timing:
             if t.requires_grad:
                 t.register_hook(self._grad(k))
@@ -87,7 +84,7 @@ class ModuleProbe(Probe):
             self.handles.append(module.register_forward_pre_hook(
                 lambda m, a, k=k: self.enter(k)))
             self.handles.append(module.register_forward_hook(
-                lambda m, a, out, k=k: self._left(k, tensors_of(out))))
+                lambda m, a, out, k=k: self._left(k, tensor_leaves(out))))
 
     def _left(self, k: int, out: list[torch.Tensor]) -> None:
         self.sends(k, out, [t for t in out if t.requires_grad][:1])
@@ -164,5 +161,5 @@ class _OpWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.probe.saw(tensors_of((args, kwargs)), tensors_of(out), self.made, self.read_until)
+        self.probe.saw(tensor_leaves((args, kwargs)), tensor_leaves(out), self.made, self.read_until)
         return out

@@ -23,9 +23,11 @@ from typing import Callable, TypedDict
 import torch
 import torch.nn as nn
 
+from pipetorch.losses import tensor_leaves
 from pipetorch.parallel.host import pool
+from pipetorch.partition.probe import modes_kept
 from pipetorch.planning.memory import (
-    ZERO, Footprint, Size, fake_tensors, faked, module_tensors, sized, storage_key, tensors_of,
+    ZERO, Footprint, Size, fake_tensors, faked, module_tensors, sized, storage_key,
 )
 
 __all__: list[str] = []
@@ -83,8 +85,7 @@ class _State(TypedDict, total=False):
     again: object
 
 
-def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = True,
-            flash: bool = False) -> list[Piece]:
+def measure(model: nn.Module, inputs: tuple[tuple, dict], *, flash: bool = False) -> list[Piece]:
     """The candidate segments of `model` run on one micro-batch `inputs` (args, kwargs).
     With `flash`, scaled_dot_product_attention keeps what flash attention keeps (a GPU's
     kernel; on the meta device it would run the math one, which keeps the scores)."""
@@ -156,7 +157,6 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
                          unit.register_forward_hook(leave(k)))]
     handles += [m.register_forward_pre_hook(touched) for m in model.modules()
                 if m._parameters or m._buffers]
-    modes = {m: m.training for m in model.modules()}
     again = _Again(state, stood_in)
     slots = layers._modules if layers is not None and same else {}
     try:
@@ -164,8 +164,8 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
             slots[key] = again  # the model's own indexing and slicing still work
         if flash:
             nn.functional.scaled_dot_product_attention = attention
-        model.train(training)
-        with fake_tensors() as mode, ops.running_on_device():
+        with modes_kept(model), fake_tensors() as mode, ops.running_on_device():
+            model.train(True)
             fake = faked(mode)
             # the fake weights are held (a freed storage's key is reused), and their real
             # (meta) tensors' keys kept too: a meta weight may reach an op as it is
@@ -174,7 +174,7 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
             args, kwargs = torch.utils._pytree.tree_map(
                 lambda t: fake(t) if isinstance(t, torch.Tensor) else t, inputs)
             pieces[0].received.update(_sizes((args, kwargs), weights))
-            with torch.set_grad_enabled(training), counter, \
+            with torch.enable_grad(), counter, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 output = model(*args, **kwargs)
             flush(after)
@@ -185,8 +185,6 @@ def measure(model: nn.Module, inputs: tuple[tuple, dict], *, training: bool = Tr
             slots[key] = unit
         for h in handles:
             h.remove()
-        for module, was in modes.items():
-            module.training = was
     pieces.pop()  # between identical layers standing aside
     middle = pieces[1:-1]
     if same:  # the other identical layers: the first one's sizes, their own tensors
@@ -221,7 +219,7 @@ class _Again(nn.Module):
 
 def _sizes(value: object, weights: set[int]) -> dict[int, Size]:
     return {storage_key(t): sized(t, t.untyped_storage().nbytes())
-            for t in tensors_of(value) if storage_key(t) not in weights}
+            for t in tensor_leaves(value) if storage_key(t) not in weights}
 
 
 @dataclass(frozen=True)
@@ -275,7 +273,7 @@ def _piece_seconds(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, d
     marks: dict[tuple[str, int], float] = {}
 
     def first_grad(value: object) -> torch.Tensor | None:
-        return next((t for t in tensors_of(value) if t.requires_grad), None)
+        return next((t for t in tensor_leaves(value) if t.requires_grad), None)
 
     def mark(key: tuple[str, int]) -> Callable[..., None]:
         return lambda *_: marks.__setitem__(key, _clock())
@@ -304,7 +302,7 @@ def _piece_seconds(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, d
         with torch.random.fork_rng():
             for _ in range(rounds + 1):
                 start = _clock()
-                loss = tensors_of(model(*args, **kwargs))[0].float().sum()
+                loss = tensor_leaves(model(*args, **kwargs))[0].float().sum()
                 middle = _clock()
                 loss.backward()
                 runs.append(_split(marks, count, start, middle, _clock()))
@@ -347,7 +345,7 @@ def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{path}.{i}", u) for i, u in enumerate(layers)] if layers is not None else []
 
 
-def _copy_rate() -> float:
+def copy_rate() -> float:
     """Bytes a second of one copy of 32 MiB (a transfer through shared memory is two)."""
     source, target = torch.ones(2**23), torch.empty(2**23)
     return source.nbytes / _least(lambda: target.copy_(source), 5)
@@ -387,19 +385,15 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
     torch.set_num_threads(each)
     try:
         real = _materialised(model)
-        modes = {m: m.training for m in real.modules()}
-        real.train(True)
-        try:
+        with modes_kept(real):
+            real.train(True)
             seconds = _piece_seconds(real, pieces, inputs)
-        finally:
-            for module, was in modes.items():
-                module.training = was
         layer = copy.deepcopy(_layers(real)[0])
         stepper = make(list(layer.parameters()))
         for p in layer.parameters():
             p.grad = torch.zeros_like(p)
         per_element = _least(stepper.step, 3) / sum(p.numel() for p in layer.parameters())
-        rate = _copy_rate()
+        rate = copy_rate()
     finally:
         torch.set_num_threads(threads)
     overhead, all_reduce_rate = _workers(each)

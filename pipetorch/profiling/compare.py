@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from pipetorch.profiling import html as report_html
+from pipetorch.profiling.html import percent
 from pipetorch.profiling.recorder import Reports, load
 
 __all__: list[str] = []
@@ -68,10 +69,6 @@ def _fixed(digits: int, unit: str = "") -> Format:
     return lambda v: "-" if v is None else f"{v:.{digits}f}{unit}"
 
 
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
-
-
 def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**20:.3f} MiB"
 
@@ -95,7 +92,7 @@ def rows(a: Reports, b: Reports) -> list[Row]:
             *, memory: bool = False) -> None:
         pair: tuple[Json, Json] = (ma, mb) if memory else (sa, sb)
         out.append(Row(section, name, _safe(get, pair[0]), _safe(get, pair[1]), show,
-                       points=show is _percent))
+                       points=show is percent))
 
     for key in ("model", "mode", "engine", "schedule", "execution_strategy", "devices",
                 "replicas", "parameters"):
@@ -110,11 +107,11 @@ def rows(a: Reports, b: Reports) -> list[Row]:
     add("performance", "throughput after the first call",
         lambda s: s["throughput"]["steady_items_per_second"], _fixed(1, " items/s"))
     add("performance", "mean call", lambda s: s["throughput"]["mean_call_ms"], _fixed(2, " ms"))
-    add("performance", "bubble (measured)", lambda s: s["timing"]["bubble"]["measured"], _percent)
+    add("performance", "bubble (measured)", lambda s: s["timing"]["bubble"]["measured"], percent)
     add("performance", "bubble (theoretical)", lambda s: s["timing"]["bubble"]["theoretical"],
-        _percent)
+        percent)
     add("performance", "devices computing at once", lambda s: s["timing"]["concurrency"],
-        _percent)
+        percent)
     lanes = max(len(sa["timing"]["per_device"]), len(sb["timing"]["per_device"]))
     for i in range(lanes):
         section = f"device {i}"
@@ -124,7 +121,7 @@ def rows(a: Reports, b: Reports) -> list[Row]:
             return s["timing"]["per_device"][i][key] / calls if calls else None
 
         add(section, "idle per call", lambda s: timing(s, "idle_ms"), _fixed(2, " ms"))
-        add(section, "idle fraction", _at("timing", "per_device", i, "idle_fraction"), _percent)
+        add(section, "idle fraction", _at("timing", "per_device", i, "idle_fraction"), percent)
         add(section, "compute per call", lambda s: timing(s, "compute_ms"), _fixed(2, " ms"))
         add(section, "transfers per call", lambda s: timing(s, "transfer_ms"), _fixed(2, " ms"))
     devices = max(len(ma["devices"]), len(mb["devices"]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from html import escape
 from typing import TYPE_CHECKING, Literal
 
+from pipetorch.profiling.summary import mib
 from pipetorch.profiling.chrome_trace import (
     HOST_PID, ChromeTrace, TraceEvent, device_lanes, spans_of_call,
 )
@@ -75,12 +76,8 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} ms"
 
 
-def _pct(value: float | None) -> str:
+def percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
-
-
-def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / 2**20:.2f} MiB"
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
@@ -207,7 +204,7 @@ def utilisation_section(summary: Summary) -> str:
         f"<tr><td>{escape(lane['label'])}</td><td class=num>{_ms(r['compute_ms'])}</td>"
         f"<td class=num>{_ms(r['idle_ms'])}</td><td class=num>{_ms(r['transfer_ms'])}</td>"
         f"<td class=num>{_ms(r['step_ms'])}</td><td class=num>{_ms(r['untracked_ms'])}</td>"
-        f"<td class=num>{_pct(r['utilisation'])}</td>"
+        f"<td class=num>{percent(r['utilisation'])}</td>"
         f"<td><span class=meter><div style=\"width:{100 * (r['utilisation'] or 0):.1f}%\">"
         "</div></span></td></tr>"
         for lane, r in zip(summary["lanes"], timing["per_device"], strict=True))
@@ -219,10 +216,10 @@ def utilisation_section(summary: Summary) -> str:
             "</th><th>optimiser</th><th>gaps</th><th>utilisation</th><th></th></tr>"
             f"{rows}</table>"
             f"<p><b>Bubble</b> (device time not computing): measured "
-            f"<b>{_pct(bubble['measured'])}</b>, theoretical {_pct(bubble['theoretical'])} "
+            f"<b>{percent(bubble['measured'])}</b>, theoretical {percent(bubble['theoretical'])} "
             f"for balanced stages ({escape(bubble['formula'] or '-')}, S = {bubble['stages']}, "
             f"G = {bubble['micro_batches_per_plan']} micro-batches per plan). Two or more "
-            f"devices computed at once during {_pct(timing['concurrency'])} of the window.</p>")
+            f"devices computed at once during {percent(timing['concurrency'])} of the window.</p>")
 
 
 def memory_section(memory: MemoryReport) -> str:
@@ -231,15 +228,15 @@ def memory_section(memory: MemoryReport) -> str:
     bars, rows = [], []
     for d in devices:
         parts = "".join(
-            f'<div title="{escape(name)}: {_mib(d[key])}" style="width:'
+            f'<div title="{escape(name)}: {mib(d[key])}" style="width:'
             f'{100 * (d[key] or 0) / largest:.2f}%;background:{colour}"></div>'
             for key, name, colour in MEMORY_PARTS)
         bars.append(f"<tr><td>{escape(d['label'])}</td><td style=\"width:60%\">"
-                    f"<div class=bar>{parts}</div></td><td class=num>{_mib(d['total'])}</td></tr>")
+                    f"<div class=bar>{parts}</div></td><td class=num>{mib(d['total'])}</td></tr>")
         rows.append("<tr><td>" + escape(d["label"]) + "</td>" + "".join(
-            f"<td class=num>{_mib(d[key])}</td>" for key, _, _ in MEMORY_PARTS)
+            f"<td class=num>{mib(d[key])}</td>" for key, _, _ in MEMORY_PARTS)
             + f"<td class=num>{d['peak_stashed_micro_batches']}</td>"
-            + f"<td class=num>{_mib(d['measured_peak'])}</td></tr>")
+            + f"<td class=num>{mib(d['measured_peak'])}</td></tr>")
     head = "".join(f"<th>{escape(name)}</th>" for _, name, _ in MEMORY_PARTS)
     notes = [f"Method: {memory['method']}.", f"Activations: {memory['activations_method']}.",
              f"Optimiser state: {memory['optimiser_method']}."]

@@ -88,34 +88,29 @@ class _InProcess(Protocol):
 def footprints(compiled: Compiled, sample: tuple[tuple, dict]) -> list[Footprint]:
     """Each lane's Footprint for one training micro-batch (see the module doc)."""
     from pipetorch import ops
-    from pipetorch.partition.probe import preserved
+    from pipetorch.partition.probe import modes_kept, preserved
     from pipetorch.partition.casting import within
 
     engine = compiled.engine
     args, kwargs = sample
-    modes = {m: m.training for m in engine.model.modules()}
-    try:
-        with preserved(engine.model), ops.running_on_device():
-            engine.model.train(True)
-            if compiled.plan.local:
-                assert isinstance(engine, _InProcess)
-                device = engine.input_device
-                args, kwargs = torch.utils._pytree.tree_map(
-                    lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
-                flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    with modes_kept(engine.model), preserved(engine.model), ops.running_on_device():
+        engine.model.train(True)
+        if compiled.plan.local:
+            assert isinstance(engine, _InProcess)
+            device = engine.input_device
+            args, kwargs = torch.utils._pytree.tree_map(
+                lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+            flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
 
-                def whole(*leaves: object) -> object:
-                    a, k = torch.utils._pytree.tree_unflatten(list(leaves), spec)
-                    return engine.forward(*a, **k)
+            def whole(*leaves: object) -> object:
+                a, k = torch.utils._pytree.tree_unflatten(list(leaves), spec)
+                return engine.forward(*a, **k)
 
-                with within(engine.casting):  # forward (and backward) cast as they run
-                    return [measure_forward(whole, flat, module_tensors(engine.model),
-                                            training=True)[0]]
-            assert isinstance(engine, InWorkers)
-            return staged_footprints(engine.staged, args, kwargs, training=True)
-    finally:
-        for module, mode in modes.items():
-            module.training = mode
+            with within(engine.casting):  # forward (and backward) cast as they run
+                return [measure_forward(whole, flat, module_tensors(engine.model),
+                                        training=True)[0]]
+        assert isinstance(engine, InWorkers)
+        return staged_footprints(engine.staged, args, kwargs, training=True)
 
 
 def stash_per_lane(compiled: Compiled, *, training: bool) -> list[int]:

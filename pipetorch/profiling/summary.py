@@ -208,12 +208,12 @@ def render_text(summary: Summary, memory: MemoryReport | None = None) -> str:
     if memory is not None:
         lines.append(f"memory per device, {memory['method']}:")
         for device in memory["devices"]:
-            lines.append(f"  {device['label']}: total {_mib(device['total'])}, parameters "
-                         f"{_mib(device['parameters'])}, gradients {_mib(device['gradients'])}, "
-                         f"optimiser {_mib(device['optimiser_state'])}, activations "
-                         f"{_mib(device['activations'])}")
+            lines.append(f"  {device['label']}: total {mib(device['total'])}, parameters "
+                         f"{mib(device['parameters'])}, gradients {mib(device['gradients'])}, "
+                         f"optimiser {mib(device['optimiser_state'])}, activations "
+                         f"{mib(device['activations'])}")
     return "\n".join(lines)
 
 
-def _mib(nbytes: int | None) -> str:
+def mib(nbytes: int | None) -> str:
     return "-" if nbytes is None else f"{nbytes / 2**20:.2f} MiB"

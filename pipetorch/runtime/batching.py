@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 
 from pipetorch.errors import ZeroSizedInputError
 from pipetorch.partition.export import Tree
+from pipetorch.schedule.plans import Batching
 
 __all__: list[str] = []
 
@@ -265,19 +266,19 @@ def _same_constant(a: object, b: object) -> bool:
         return a is b
 
 
-def _factors(device_iterations: int, gradient_accumulation: int, replication_factor: int) -> str:
-    count = device_iterations * gradient_accumulation * replication_factor
-    return (f"deviceIterations ({device_iterations}) x gradientAccumulation "
-            f"({gradient_accumulation}) x replicationFactor ({replication_factor}) = {count}")
+def _factors(batching: Batching) -> str:
+    return (f"deviceIterations ({batching.device_iterations}) x gradientAccumulation "
+            f"({batching.gradient_accumulation}) x replicationFactor "
+            f"({batching.replication_factor}) = {batching.micro_batches}")
 
 
-def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_accumulation: int,
-                replication_factor: int, names: tuple[InputName, ...] | None = None) -> None:
+def check_batch(args: tuple, kwargs: dict, batching: Batching, *,
+                names: tuple[InputName, ...] | None = None) -> None:
     """Refuse, naming the input, a call whose tensors cannot be cut into D*G*R micro-batches:
     no tensor at all (unless D*G*R is 1: the model then runs once), an empty one, dim 0 not a multiple of D*G*R, or a 0-dim tensor where
     D*G*R > 1 (as in PopTorch, a 0-dim tensor is a batch of one: a call of one micro-batch
     passes it whole)."""
-    count = device_iterations * gradient_accumulation * replication_factor
+    count = batching.micro_batches
     flat = pytree.tree_leaves((args, kwargs))
     if names is None:
         names = tuple(InputName(f"Input {i}", f"inputs[{i}]") for i in range(len(flat)))
@@ -293,7 +294,7 @@ def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_a
             return  # PopTorch runs a model of no tensor inputs (buffers, constants) once a call
         raise ValueError(
             "The model was called without any tensor input, but this call takes "
-            f"{_factors(device_iterations, gradient_accumulation, replication_factor)} "
+            f"{_factors(batching)} "
             "micro-batches, cut from the inputs' dim 0: pass at least one tensor input, or set "
             "all three to 1 (a model of no inputs then runs once per call)")
     for name, x in zip(names, flat, strict=True):
@@ -304,19 +305,19 @@ def check_batch(args: tuple, kwargs: dict, *, device_iterations: int, gradient_a
         if x.dim() == 0:
             raise ValueError(
                 f"{name.label} is a 0-dim tensor ({x.item()!r}), but every tensor input needs "
-                f"dim 0 = {count}*B samples ({_factors(device_iterations, gradient_accumulation, replication_factor)}). "
+                f"dim 0 = {count}*B samples ({_factors(batching)}). "
                 f"Give it a batch dimension, e.g. {name.expr}.expand({count})")
         if x.shape[0] == 0:  # PopTorch's words first (a zero-sized other dimension runs)
             raise ZeroSizedInputError(
                 f"Zero-sized tensors are unsupported (Got shape {list(x.shape)}): "
                 f"{name.label} is empty: each host call takes {count} "
-                f"micro-batches of B >= 1 samples ({_factors(device_iterations, gradient_accumulation, replication_factor)}), "
+                f"micro-batches of B >= 1 samples ({_factors(batching)}), "
                 f"so dim 0 must be {count}*B. An empty batch usually comes from slicing past the "
                 "end of the data or from an empty dataset")
         if x.shape[0] % count:
             raise ValueError(
                 f"{name.label} has shape {list(x.shape)}, but dim 0 must be a multiple of "
-                f"{_factors(device_iterations, gradient_accumulation, replication_factor)}: "
+                f"{_factors(batching)}: "
                 f"each host call takes {count} micro-batches of size B, i.e. dim 0 = {count}*B. "
                 "Use a poptorch.DataLoader to build batches of the right size")
 
@@ -325,13 +326,10 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def split_micro_batches(args: tuple, kwargs: dict, *, device_iterations: int,
-                        gradient_accumulation: int, replication_factor: int
-                        ) -> list[tuple[tuple, dict]]:
+def split_micro_batches(args: tuple, kwargs: dict, batching: Batching) -> list[tuple[tuple, dict]]:
     """Cut every tensor input along dim 0 into D*G*R micro-batches, in [D][G][R] order."""
-    check_batch(args, kwargs, device_iterations=device_iterations,
-                gradient_accumulation=gradient_accumulation, replication_factor=replication_factor)
-    count = device_iterations * gradient_accumulation * replication_factor
+    check_batch(args, kwargs, batching)
+    count = batching.micro_batches
     flat, spec = pytree.tree_flatten((args, kwargs))
     pieces = {i: x.split(x.shape[0] // count) for i, x in enumerate(flat)
               if isinstance(x, torch.Tensor) and x.dim() > 0}  # 0-dim: only when count is 1

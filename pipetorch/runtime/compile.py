@@ -20,7 +20,7 @@ from pipetorch.partition.casting import Casting
 from pipetorch.weights import files as weight_files, host_copy
 from pipetorch.runtime.batching import split_micro_batches, to_device
 from pipetorch.partition.blocks import begin_blocks
-from pipetorch.partition.probe import Capture, probe, probe_by_export
+from pipetorch.partition.probe import Capture, modes_kept, probe, probe_by_export
 from pipetorch.partition.suspects import suspect
 from pipetorch.enums import AutoStage
 from pipetorch.parallel.host.build import plan_stages, stage_graphs
@@ -86,14 +86,11 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
     batching = config.batching
     bar = tqdm(total=4, desc="Graph compilation", unit="step", leave=False,
                disable=not config.progress_bar)
-    modes = {m: m.training for m in user_model.modules()}
-    try:
+    with modes_kept(user_model), bar:  # capturing sets the wrapper's mode
         # Capture: forward once, on the host copy (on the CPU when workers are known to run
         # the stages, else on `device`).
         model, host = _host_copy(user_model, config, device=device)
-        micro = split_micro_batches(args, kwargs, device_iterations=batching.device_iterations,
-                                    gradient_accumulation=batching.gradient_accumulation,
-                                    replication_factor=batching.replication_factor)
+        micro = split_micro_batches(args, kwargs, batching)
         first = to_device(micro[0], host)
         cast = casting.for_forward(model, *first, config.half_float_casting)
         strategy = config.strategy
@@ -150,10 +147,6 @@ def compile_model(user_model: nn.Module, args: tuple, kwargs: dict, *, config: R
                 writer=weight_files.output_of(user_model) if model is user_model else None)
         graph.save()  # the capture and what was measured from it, for the next run
         bar.update()
-    finally:
-        bar.close()
-        for module, training_mode in modes.items():  # capturing set the wrapper's mode
-            module.training = training_mode
     synthetic = _synthetic_like(micro, engine.input_device) if config.synthetic else None
     seconds = time.perf_counter() - start
     logger.info("Compiled %d stage(s) on %d logical device(s) in %.2fs", len(stages), devices,
@@ -171,11 +164,8 @@ def add_signature(compiled: Compiled, args: tuple, kwargs: dict, *, config: RunC
     engine, batching, local = compiled.engine, config.batching, compiled.plan.local
     model = engine.model  # the host copy (workers), or the device copy (one device)
     stages = list(compiled.stages)
-    modes = {m: m.training for m in model.modules()}
-    micro = split_micro_batches(args, kwargs, device_iterations=batching.device_iterations,
-                                gradient_accumulation=batching.gradient_accumulation,
-                                replication_factor=batching.replication_factor)
-    try:
+    micro = split_micro_batches(args, kwargs, batching)
+    with modes_kept(model):  # capturing sets the wrapper's mode
         first = to_device(micro[0], engine.input_device)
         cast = casting.for_forward(model, *first, config.half_float_casting)
         graph = capture_forward(model, first, config, training=training, casting=cast,
@@ -200,9 +190,6 @@ def add_signature(compiled: Compiled, args: tuple, kwargs: dict, *, config: RunC
                 compile_backend=config.compile_backend, loss_index=found.loss_index)
             key = engine.add_signature(graphs.staged, graphs.routes, graphs.specs)
         graph.save()
-    finally:
-        for module, training_mode in modes.items():  # capturing set the wrapper's mode
-            module.training = training_mode
     return key, _synthetic_like(micro, engine.input_device) if config.synthetic else None
 
 

@@ -16,10 +16,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-import torch
-from torch.utils import _pytree as pytree
-
 from pipetorch.errors import ConfigError, IpuOnlyError, createPoptorchError
+from pipetorch.losses import tensor_leaves
 from pipetorch.runtime.batching import split_micro_batches, to_device
 
 if TYPE_CHECKING:
@@ -94,10 +92,8 @@ class PerfCounters:
 
         o = self._options
         assert o.profiling_dir  # the caller checked it
-        sample = to_device(split_micro_batches(
-            args, kwargs, device_iterations=o.device_iterations,
-            gradient_accumulation=o.Training.gradient_accumulation,
-            replication_factor=o.replication_factor)[0], compiled.engine.input_device)
+        sample = to_device(split_micro_batches(args, kwargs, compiled.engine.batching)[0],
+                           compiled.engine.input_device)
         directory = os.path.join(o.profiling_dir, "training" if self._training else "inference")
         try:  # now, not at destroy(): a report that cannot be written must not be lost
             os.makedirs(directory, exist_ok=True)
@@ -120,8 +116,7 @@ class PerfCounters:
         """PopTorch's counters of the last call of `compiled`, run with `signature`."""
         if compiled is None or signature is None:
             return perf_counters(None, inputs=0, outputs=0, iterations=0)
-        outputs = len([x for x in pytree.tree_leaves(compiled.capture.output)
-                       if isinstance(x, torch.Tensor)])
+        outputs = len(tensor_leaves(compiled.capture.output))
         return perf_counters(
             self.times, inputs=sum(leaf.shape is not None for leaf in signature.leaves),
             outputs=outputs,

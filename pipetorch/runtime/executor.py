@@ -124,10 +124,7 @@ class PoplarExecutor:
         times = counters.CallTimes()
         if compiled.synthetic is None:  # one move of the whole call, then views of it
             args, kwargs = to_device((args, kwargs), compiled.engine.input_device)
-        micro = compiled.synthetic or split_micro_batches(
-            args, kwargs, device_iterations=o.device_iterations,
-            gradient_accumulation=o.Training.gradient_accumulation,
-            replication_factor=o.replication_factor)
+        micro = compiled.synthetic or split_micro_batches(args, kwargs, compiled.engine.batching)
         collector: Collector = OutputCollector(
             o.output_mode, steps=compiled.engine.batching.steps,
             replicas=o.replication_factor, period=o.output_return_period)

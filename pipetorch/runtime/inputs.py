@@ -21,6 +21,7 @@ from pipetorch.runtime.batching import (
 from pipetorch.runtime.checks import device_mismatch_explained, forward_errors_explained, held
 from pipetorch.runtime.compile import Compiled, add_signature
 from pipetorch.runtime.config import run_config
+from pipetorch.schedule.plans import Batching
 
 if TYPE_CHECKING:
     from pipetorch.options import Options
@@ -133,18 +134,16 @@ class Inputs:
         cannot be cut into micro-batches; the inputs' names for later messages."""
         self._bound(args, kwargs)
         names = input_names(args, kwargs, self.params)
-        o = self._options
-        check_batch(args, kwargs, device_iterations=o.device_iterations,
-                    gradient_accumulation=o.Training.gradient_accumulation,
-                    replication_factor=o.replication_factor, names=names)
+        check_batch(args, kwargs, self._batching(), names=names)
         return names
 
     def first_micro_batch(self, args: tuple, kwargs: dict) -> list[object]:
+        return pytree.tree_leaves(split_micro_batches(args, kwargs, self._batching())[0])
+
+    def _batching(self) -> Batching:
         o = self._options
-        return pytree.tree_leaves(split_micro_batches(
-            args, kwargs, device_iterations=o.device_iterations,
-            gradient_accumulation=o.Training.gradient_accumulation,
-            replication_factor=o.replication_factor)[0])
+        return Batching(o.device_iterations, o.Training.gradient_accumulation,
+                        o.replication_factor)
 
     def prompts(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, Signature]:
         """What generate()'s first call compiles for: forward on the prompts (one row per

@@ -55,8 +55,7 @@ def stages_of(owners: Sequence[int], device: int) -> tuple[int, ...]:
     return tuple(s for s, d in enumerate(owners) if d == device)
 
 
-def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
-          backward: int = 1, weight: int = 1) -> DevicePlan:
+def merge(plan: Plan, owners: Sequence[int], *, backward: int = 1) -> DevicePlan:
     """The device plan running `plan` with stage s on device `owners[s]`.
 
     A free device runs the action of its stages that the per-stage timeline (`simulate`)
@@ -65,9 +64,8 @@ def merge(plan: Plan, owners: Sequence[int], *, forward: int = 1,
     receive is next; the receiving device waits for it only if it has nothing else to do.
     """
     _check_owners(plan, owners)
-    started = {e.action: e.start for row in simulate(
-        plan, forward=forward, backward=backward, weight=weight).events for e in row}
-    costs = {Kind.FORWARD: forward, Kind.BACKWARD: backward, Kind.BACKWARD_WEIGHT: weight}
+    started = {e.action: e.start for row in simulate(plan, backward=backward).events for e in row}
+    costs = {Kind.FORWARD: 1, Kind.BACKWARD: backward, Kind.BACKWARD_WEIGHT: 1}
     lists = [[a for a in actions if not a.kind.is_whole_step] for actions in plan]
     devices = max(owners) + 1
     merged: DevicePlan = [[] for _ in range(devices)]
@@ -135,8 +133,8 @@ def interleaved_plan(stages: int, micro_batches: int, owners: Sequence[int], *,
                      backward=1 if split else 2)
 
 
-def serialize(orders: list[list[Action]], owners: Sequence[int], *, forward: int = 1,
-              backward: int = 1, weight: int = 1) -> list[list[Action]]:
+def serialize(orders: list[list[Action]], owners: Sequence[int], *,
+              backward: int = 1) -> list[list[Action]]:
     """Device plans from each device's compute order: transfers placed where a dry run with
     buffered sends has their data ready, in one global order (see interleaved.py)."""
     stages = len(owners)
@@ -144,7 +142,7 @@ def serialize(orders: list[list[Action]], owners: Sequence[int], *, forward: int
     dry = [[t for a in order for t in (steps[a.kind](a.stage, a.micro_batch, stages)
                                        if a.kind in steps and a.micro_batch is not None
                                        else [a])] for order in orders]
-    timeline = simulate_devices(dry, owners, forward=forward, backward=backward, weight=weight,
+    timeline = simulate_devices(dry, owners, backward=backward,
                                 buffered=True)  # raises DeadlockError if the orders wait in a ring
     sent = {e.action: (e.start, 0, e.action.stage, _TIES[e.action.kind], e.action.micro_batch)
             for row in timeline.events for e in row if e.action.kind in _TIES}
@@ -314,20 +312,17 @@ def simulate_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward:
     return Timeline(tuple(tuple(row) for row in events))
 
 
-def check_devices(device_plan: DevicePlan, owners: Sequence[int], *, forward: int = 1,
-                  backward: int = 1, weight: int = 1) -> Report:
+def check_devices(device_plan: DevicePlan, owners: Sequence[int], *, backward: int = 1) -> Report:
     """Verify a device plan: no deadlock between devices, each stage's work done once in
     dependency order (`check` on the projection), at most one STEP per device and last.
     The Report's timeline has one row per device."""
-    timeline = simulate_devices(device_plan, owners, forward=forward, backward=backward,
-                                weight=weight)
+    timeline = simulate_devices(device_plan, owners, backward=backward)
     for d, actions in enumerate(device_plan):
         steps = [n for n, a in enumerate(actions) if a.kind is Kind.STEP]
         if steps and steps != [len(actions) - 1]:
             raise ScheduleError(f"Device {d} must run one STEP, last; it runs STEP at "
                                 f"actions {steps} of {len(actions)}")
-    report = check(project(device_plan, owners), forward=forward, backward=backward,
-                   weight=weight)
+    report = check(project(device_plan, owners), backward=backward)
     return Report(timeline, report.training, report.micro_batches, report.peak_stash)
 
 

@@ -79,7 +79,8 @@ class SharedWeights:
         offsets, total = [], 0
         for tensors in by_storage.values():
             offsets.append(total)
-            total += _aligned(tensors[0].untyped_storage().nbytes())
+            total += memfd.aligned(tensors[0].untyped_storage().nbytes(),
+                                   mmap.ALLOCATIONGRANULARITY)
         try:
             fd = memfd.new_file(total, name="pipetorch-weights", reserve=True)
         except OSError as exc:
@@ -113,10 +114,6 @@ class SharedWeights:
 def _close(path: str, fd: int) -> None:
     mapped.disown(path)
     os.close(fd)
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
 
 
 def _write_all(fd: int, storage: torch.UntypedStorage, offset: int) -> None:

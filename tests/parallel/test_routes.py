@@ -86,7 +86,7 @@ def test_routes_of_a_training_graph_for_inference_locate_no_loss(skip_training):
     routes = routes_of(staged)
     assert [r.loss for r in routes] == [None, None, None]
     assert routes[2].host_outputs == (stage(2, 0), stage(2, 1))
-    assert [(r.is_first, r.is_last) for r in routes] == [(True, False), (False, False),
+    assert [(r.index == 0, r.is_last) for r in routes] == [(True, False), (False, False),
                                                          (False, True)]
 
 
@@ -200,7 +200,7 @@ def test_a_single_stage_sends_and_receives_nothing():
     (route,) = routes_of(staged, loss_index=last_output(staged))
     assert route == Route(index=0, stages=1, host_inputs=(0, 1), receive=(), send=(),
                           host_outputs=(stage(0, 0), stage(0, 1)), loss=stage(0, 1))
-    assert route.is_first and route.is_last
+    assert route.index == 0 and route.is_last
     specs = value_specs(staged, (x, y), {}, training=True)
     assert specs == {stage(0, 0): TensorSpec((4, 3), torch.float32, True),
                      stage(0, 1): TensorSpec((), torch.float32, True)}

@@ -12,7 +12,7 @@ from torch import nn
 import pipetorch as poptorch
 from pipetorch import ops
 from pipetorch.errors import CompileError
-from pipetorch.parallel.worker.recompute import with_recomputation
+from pipetorch.parallel.worker.recompute import _RecomputedModule
 
 from helpers.activations import saved_activation_bytes
 
@@ -90,23 +90,23 @@ def _assert_same_training_step(plain, wrapped_of, inputs):
 def test_mlp_outputs_and_gradients_are_bitwise_equal():
     torch.manual_seed(0)
     inputs = (torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH))
-    _assert_same_training_step(CheckpointedMLP(), with_recomputation, inputs)
+    _assert_same_training_step(CheckpointedMLP(), _RecomputedModule, inputs)
 
 
 def test_skip_connection_over_checkpoint_is_bitwise_equal():
     torch.manual_seed(0)
-    _assert_same_training_step(SkipModel(), with_recomputation, (torch.randn(BATCH, WIDTH),))
+    _assert_same_training_step(SkipModel(), _RecomputedModule, (torch.randn(BATCH, WIDTH),))
 
 
 def test_batchnorm_statistics_update_once_despite_recompute():
     # Recomputing the forward in backward runs BatchNorm again; its running statistics and
     # num_batches_tracked must still move exactly once per step.
     torch.manual_seed(0)
-    _assert_same_training_step(BatchNormModel(), with_recomputation, (torch.randn(BATCH, WIDTH),))
+    _assert_same_training_step(BatchNormModel(), _RecomputedModule, (torch.randn(BATCH, WIDTH),))
 
 
 def test_segments_are_checkpointed_and_cut_at_each_checkpoint():
-    wrapped = with_recomputation(CheckpointedMLP())
+    wrapped = _RecomputedModule(CheckpointedMLP())
     segments = [type(m).__name__ for m in wrapped._program().children()]
     assert segments == ["_CheckpointedSegment", "_CheckpointedSegment", "GraphModule"]
 
@@ -115,7 +115,7 @@ def test_shares_parameters_and_trains_with_optimiser_on_original():
     torch.manual_seed(0)
     plain = SkipModel()
     original = copy.deepcopy(plain)
-    wrapped = with_recomputation(original)
+    wrapped = _RecomputedModule(original)
     assert [id(p) for p in wrapped.parameters()] == [id(p) for p in original.parameters()]
     x = torch.randn(BATCH, WIDTH)
     for model, params in ((plain, plain.parameters()), (wrapped, original.parameters())):
@@ -131,7 +131,7 @@ def test_shares_parameters_and_trains_with_optimiser_on_original():
 def test_recomputation_saves_fewer_activation_bytes():
     torch.manual_seed(0)
     plain = CheckpointedMLP()
-    wrapped = with_recomputation(copy.deepcopy(plain))
+    wrapped = _RecomputedModule(copy.deepcopy(plain))
     inputs = (torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH))
     plain_bytes = saved_activation_bytes(plain, inputs)
     wrapped_bytes = saved_activation_bytes(wrapped, inputs)
@@ -146,7 +146,7 @@ def test_recomputation_saves_fewer_activation_bytes():
 
 def test_checkpointed_segments_rerun_in_backward():
     torch.manual_seed(0)
-    wrapped = with_recomputation(CheckpointedMLP())
+    wrapped = _RecomputedModule(CheckpointedMLP())
     calls = [0] * 6
     for index, act in enumerate(wrapped.module.acts):
         act.register_forward_hook(lambda m, i, o, index=index: calls.__setitem__(
@@ -173,7 +173,7 @@ def test_untraceable_forward_is_a_compile_error_naming_the_line():
             return x.sum()
 
     with pytest.raises(CompileError) as error:
-        with_recomputation(DataDependent())
+        _RecomputedModule(DataDependent())
     message = str(error.value)
     assert "DataDependent.forward" in message
     assert "test_recompute.py" in message and "`if x.sum() > 0:`" in message
@@ -205,9 +205,9 @@ def test_context_managers_in_forward_and_no_grad_path():
                 return self.b(h).sum()
 
     torch.manual_seed(0)
-    _assert_same_training_step(Blocks(), with_recomputation, (torch.randn(BATCH, WIDTH),))
+    _assert_same_training_step(Blocks(), _RecomputedModule, (torch.randn(BATCH, WIDTH),))
     model = Blocks()
-    wrapped = with_recomputation(model)
+    wrapped = _RecomputedModule(model)
     x = torch.randn(BATCH, WIDTH)
     with torch.no_grad():
         assert torch.equal(wrapped(x), model(x))
@@ -224,7 +224,7 @@ def test_mode_specific_python_branches_are_traced_per_mode():
             return (h * 3 if self.training else h).sum()
 
     model = ModeBranch()
-    wrapped = with_recomputation(model)
+    wrapped = _RecomputedModule(model)
     x = torch.randn(BATCH, WIDTH)
     assert torch.equal(wrapped(x), model(x))
     wrapped.eval()
@@ -249,7 +249,7 @@ def test_ops_in_segments_print_once_and_count_once():
             return F.mse_loss(self.b(h), x[:, :1] * 0)
 
     try:
-        wrapped = with_recomputation(Printing())
+        wrapped = _RecomputedModule(Printing())
         with ops.record_calls() as counts:
             wrapped(torch.randn(BATCH, WIDTH)).backward()
     finally:
@@ -275,7 +275,7 @@ class ScaledLinear(nn.Module):
 
 def test_tensor_constants_and_returned_parameters():
     model = ScaledLinear()
-    wrapped = with_recomputation(model)
+    wrapped = _RecomputedModule(model)
     # fx parks constants on the traced module as `_tensor_constant0`; none may be left there.
     assert not [name for name in vars(model) if name.startswith("_tensor_constant")]
     x = torch.randn(4, 2)
@@ -288,7 +288,7 @@ def test_conversion_replacing_parameters_after_wrapping_retraces():
     # .double() with this torch flag swaps in new Parameter objects; a stale trace would train
     # the old `scale` and leave the model's gradient empty.
     model = ScaledLinear()
-    wrapped = with_recomputation(model)
+    wrapped = _RecomputedModule(model)
     previous = torch.__future__.get_overwrite_module_params_on_conversion()
     torch.__future__.set_overwrite_module_params_on_conversion(True)
     try:

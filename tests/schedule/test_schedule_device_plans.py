@@ -6,7 +6,7 @@ from pipetorch.schedule.actions import Action, Kind
 from pipetorch.schedule.simulator import DeadlockError, ScheduleError, check
 from pipetorch.schedule.device_plans import (check_devices, merge, owners_of, project,
                                         simulate_devices, stages_of)
-from pipetorch.schedule.grid import render
+from helpers.grid import render
 from pipetorch.schedule.plans import fill_drain, one_f_one_b, plan
 
 KINDS = [("1f1b", True), ("zero_bubble", True), ("fill_drain", True), ("fill_drain", False), ("sharded", True),

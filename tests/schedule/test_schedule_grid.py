@@ -1,7 +1,7 @@
 """ASCII grids of schedules, as drawn in docs and reports."""
 import pipetorch.schedule.plans as plans
 from pipetorch.schedule.simulator import simulate
-from pipetorch.schedule.grid import render
+from helpers.grid import render
 
 
 def test_one_f_one_b_grid():

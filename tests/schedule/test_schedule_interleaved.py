@@ -5,7 +5,7 @@ from pipetorch.schedule import device_plans, interleaved
 from pipetorch.schedule.actions import Kind
 from pipetorch.schedule.simulator import check
 from pipetorch.schedule.device_plans import check_devices, merge, simulate_devices
-from pipetorch.schedule.grid import render
+from helpers.grid import render
 from pipetorch.schedule.plans import one_f_one_b, plan
 
 

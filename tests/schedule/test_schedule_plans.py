@@ -3,7 +3,7 @@ import pytest
 
 from pipetorch.schedule.actions import Action, Kind
 import pipetorch.schedule.plans as plans
-from pipetorch.schedule.grid import render
+from helpers.grid import render
 from pipetorch.schedule.plans import fill_drain, one_f_one_b, plan, sharded, zero_bubble
 
 

@@ -12,6 +12,7 @@ other is still reading, and a writer replaces its file only after the reader att
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -46,10 +47,7 @@ class Packed:
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     """Bytes of a tensor of this shape and dtype."""
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def nbytes(place: Place) -> int:

@@ -50,10 +50,6 @@ def started(work: dist.Work | None) -> dist.Work:
     return work
 
 
-def _aligned(size: int) -> int:
-    return (size + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 @dataclass(frozen=True)
 class BundleLayout:
     """Byte offsets of a bundle's tensors inside its packed buffer."""
@@ -65,12 +61,12 @@ class BundleLayout:
         offsets, at = [], 0
         for spec in self.specs:
             offsets.append(at)
-            at += _aligned(spec.nbytes)
+            at += memfd.aligned(spec.nbytes, _ALIGN)
         return offsets
 
     @functools.cached_property
     def nbytes(self) -> int:
-        return sum(_aligned(spec.nbytes) for spec in self.specs)
+        return sum(memfd.aligned(spec.nbytes, _ALIGN) for spec in self.specs)
 
     def check(self, tensors: Sequence[torch.Tensor]) -> None:
         """DeviceError unless `tensors` have the layout's shapes and dtypes."""

@@ -14,6 +14,7 @@ the forward outputs it computes straight to the host.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,10 +40,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -64,10 +62,6 @@ class Route:
     send: tuple[Source, ...]          # bundle to stage index+1
     host_outputs: tuple[Source, ...]  # outputs of this stage that forward returns
     loss: Source | None               # the loss, when this stage computes it
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
 
     @property
     def is_last(self) -> bool:

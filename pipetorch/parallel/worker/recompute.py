@@ -33,7 +33,7 @@ def stage_module(module: nn.Module, *, checkpoint: bool) -> nn.Module:
     activation checkpointing, so only the inputs stay alive until backward, which reruns the
     forward first (same RNG state, so dropout masks match). Otherwise, when forward calls
     poptorch.recomputationCheckpoint, the activations between checkpoints are recomputed (see
-    with_recomputation); without calls `module` itself is returned. An fx.GraphModule (a stage
+    _RecomputedModule); without calls `module` itself is returned. An fx.GraphModule (a stage
     from split_stages) is read as it is; another module is traced with torch.fx to find the
     calls (CompileError when it can't be).
 
@@ -50,21 +50,8 @@ def stage_module(module: nn.Module, *, checkpoint: bool) -> nn.Module:
     return recomputed if recomputed.segmented else module
 
 
-def with_recomputation(module: nn.Module) -> nn.Module:
-    """A module running `module` with activations between recomputationCheckpoint calls
-    recomputed in backward instead of kept.
-
-    The forward is traced with torch.fx (an fx.GraphModule's own graph is used as it is) and
-    cut after every checkpoint call; each segment that ends in a checkpoint runs under
-    torch.utils.checkpoint, so only the values crossing segments stay alive. The result shares
-    `module`'s parameters, buffers and submodules under the same names and computes the same
-    numbers. Raises CompileError when forward cannot be traced.
-    """
-    return _RecomputedModule(module)
-
-
 def original_module(module: nn.Module) -> nn.Module:
-    """The module stage_module, with_recomputation or compiled_stage wrapped (through every
+    """The module stage_module or compiled_stage wrapped (through every
     layer of wrapping); `module` itself otherwise."""
     while isinstance(module, _SharedView):
         module = module.module
@@ -116,7 +103,14 @@ class _CheckpointedStage(_SharedView):
 
 
 class _RecomputedModule(_SharedView):
-    """Runs the segmented program traced for the current train/eval modes of `module`."""
+    """Runs the segmented program traced for the current train/eval modes of `module`: its
+    activations between recomputationCheckpoint calls are recomputed in backward, not kept.
+
+    The forward is traced with torch.fx (an fx.GraphModule's own graph is used as it is) and
+    cut after every checkpoint call; each segment that ends in a checkpoint runs under
+    torch.utils.checkpoint, so only the values crossing segments stay alive. It computes the
+    same numbers as `module`. Raises CompileError when forward cannot be traced.
+    """
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__(module)
@@ -182,7 +176,7 @@ def _checkpoint_call(module: nn.Module, mutated: tuple[int, ...], args: tuple[ob
     versions = [(i, a, a._version) for i, a in enumerate(kept) if isinstance(a, torch.Tensor)]
     run = functools.partial(_run_on_copies, module, tuple(given), **kwargs)
     outputs, changed = _checkpoint(run, *kept, use_reentrant=False,
-                                   context_fn=_replay_contexts(module))
+                                   context_fn=functools.partial(_contexts, module))
     for index, arg, version in versions:
         if arg._version != version:
             raise CompileError(
@@ -210,13 +204,10 @@ def _input_name(module: nn.Module, index: int) -> str:
     return str(index)
 
 
-def _replay_contexts(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
-    """checkpoint's context_fn: nothing around the forward, _recomputation around the rerun."""
-    return functools.partial(_contexts, module)
-
-
 def _contexts(module: nn.Module
               ) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """checkpoint's context_fn (with `module` bound): nothing around the forward,
+    _recomputation around the rerun."""
     # Called as the forward starts: the rerun casts as this forward does (partition.casting).
     casting = [m for m in torch.overrides._get_current_function_mode_stack()
                if isinstance(m, HalfFloatCasting)]
