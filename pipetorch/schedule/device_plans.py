@@ -8,7 +8,7 @@ between two stages of one device is a hand-over in memory (its send comes first,
 right after); a transfer between devices is posted in the same order on both sides.
 
 AutoIncrement with blocks on ipus 0, 1, 0 (stage 2 back on device 0), 1F1B, G=3 to fit the
-page (training asks for G >= 5), from `grid.render(simulate_devices(merge(one_f_one_b(3, 3),
+page (training asks for G >= 5), from the tests' `render(simulate_devices(merge(one_f_one_b(3, 3),
 (0, 1, 0)), (0, 1, 0)), unit="device")`; a cell names stage:micro-batch. Device 0 does twice
 device 1's work and is never idle:
 

@@ -8,8 +8,8 @@ d+N for them, ...), backwards the same way from its last stage down, and, after
 (V-1)R + 2(N-1-d) warm-up forwards, one forward then one backward. Each of a device's stages costs 1/V of its work, so the (N-1)-stage ramp that is
 1F1B's bubble shrinks V times: (N-1)/(VG+N-1) of a step against (N-1)/(G+N-1).
 
-4 stages on 2 devices (V=2), G=4, forward one tick and backward two, from
-`grid.render(devices.simulate_devices(devices.interleaved_plan(4, 4, (0, 1, 0, 1)),
+4 stages on 2 devices (V=2), G=4, forward one tick and backward two, from the tests'
+`render(devices.simulate_devices(devices.interleaved_plan(4, 4, (0, 1, 0, 1)),
 (0, 1, 0, 1), backward=2, buffered=True), unit="device")`, a cell naming stage:micro-batch. It takes 27 ticks: the
 same blocks as two stages under 1F1B take 30, the four merged onto the devices (`merge`) 28.
 

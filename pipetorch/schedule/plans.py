@@ -4,8 +4,8 @@ A plan covers one optimiser step of G micro-batches (training, ending in STEP on
 or the D micro-batches of one inference call. The runtime repeats a training plan once per
 device iteration. Micro-batches are numbered from 0.
 
-1F1B for S=3 stages, G=6 micro-batches, forward and backward one tick each (from
-`grid.render(one_f_one_b(3, 6))`): stage i runs S-1-i warm-up forwards, then alternates one
+1F1B for S=3 stages, G=6 micro-batches, forward and backward one tick each (from the
+tests' `render(one_f_one_b(3, 6))`, tests/helpers/grid.py): stage i runs S-1-i warm-up forwards, then alternates one
 forward and one backward, then drains the remaining backwards. At most S-i micro-batches'
 activations wait for their backward on stage i, against G for fill-drain, in the same time.
 
