@@ -1,23 +1,8 @@
 """`plan`: each device's memory and the step time of a pipelined run before having the
-machines, for one layout or (`search=True`) for every layout the devices allow, ranked.
-
-The model may live on the meta device: nothing is allocated. One forward on fake tensors (under
-saved-tensor hooks, as the memory estimate sizes a stage) measures each candidate segment: what
-runs before the model's layer list, each layer, what runs after it. Identical layers (same class
-and parameter shapes) are measured once: for that forward the others stand aside, giving back the
-first one's output.
-The segments are priced with the memory estimate's own functions (`estimate.price`: weights,
-gradients, optimiser state, activations x the schedule's micro-batches in flight from
-`schedule.device_plans.peak_stash`; `estimate.rank_remedies` for what would make it fit), the cut is
-chosen by the balancer (`partition.balance.plan`) and the step time comes from the schedule
-simulator (`simulate_devices`) with each stage's seconds: its FLOPs (counted on the same fake
-forward) at a given rate (`flops`), or each segment timed for real on this CPU
-(`measure_here`, with the transfers, the optimiser step and tied weights crossing):
-`layout_plan.py`. The search over layouts is `search.py`.
-"""
+machines, for one layout (`layout_plan.py`: how a model is measured once and each layout
+priced and timed) or, `search=True`, for every layout the devices allow, ranked
+(`search.py`)."""
 from __future__ import annotations
-
-from typing import Literal, overload
 
 import torch.nn as nn
 
@@ -27,26 +12,6 @@ from pipetorch.planning.layout_plan import Plan, measured, plan_measured
 from pipetorch.planning.search import Search, search as find
 
 __all__ = ["plan", "Plan", "Search"]
-
-
-@overload
-def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = ...,
-         device_memory: int | None = ..., flops: float | None = ...,
-         accumulation: int | None = ..., replicas: int = ..., optimizer: str = ...,
-         loss_scaling: float | None = ..., recompute: bool = ..., offload: bool = ...,
-         sharded: bool = ..., schedule: str = ..., split: list[str] | None = ...,
-         measure_here: bool = ..., flash_attention: bool = ..., min_elements: int = ...,
-         search: Literal[False] = ...) -> Plan: ...
-
-
-@overload
-def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = ...,
-         device_memory: int | None = ..., flops: float | None = ...,
-         accumulation: int | None = ..., replicas: int = ..., optimizer: str = ...,
-         loss_scaling: float | None = ..., recompute: bool = ..., offload: bool = ...,
-         sharded: bool = ..., schedule: str = ..., split: list[str] | None = ...,
-         measure_here: bool = ..., flash_attention: bool = ..., min_elements: int = ...,
-         search: Literal[True]) -> Search: ...
 
 
 def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,

@@ -135,27 +135,33 @@ LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28
              "tie_word_embeddings": False}
 
 
-@pytest.mark.slow
-@pytest.mark.transformers
-def test_llama_70b_is_planned_without_allocating_its_weights(tmp_path):
+def plan_70b(tmp_path, *flags: str) -> tuple[dict, int]:
+    """`pipetorch plan` of the 70B shape on 4 machines x 8 x 80 GB (bf16, sequence 4096) with
+    `flags`, in a process of its own: the JSON it prints and the process's peak in bytes
+    (VmHWM: ru_maxrss would carry pytest's over the exec)."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
-    # VmHWM, the process's own peak (ru_maxrss would carry pytest's over the exec)
     code = ("import sys; from pipetorch.cli.main import main; code = main(sys.argv[1:]); "
             "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]); "
             "sys.exit(code)")
     done = subprocess.run(
         [sys.executable, "-c", code, "plan", str(tmp_path / "config.json"), "--machines", "4",
          "--devices-per-machine", "8", "--device-memory", "80GB", "--dtype", "bfloat16",
-         "--sequence", "4096", "--replicas", "2", "--sharded", "--recompute",
-         "--flash-attention", "--accumulation", "32", "--schedule", "1f1b", "--json"],
+         "--sequence", "4096", "--flash-attention", *flags, "--json"],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     *found, peak = done.stdout.strip().splitlines()
-    found = json.loads("\n".join(found))
+    return json.loads("\n".join(found)), int(peak) * 1024
+
+
+@pytest.mark.slow
+@pytest.mark.transformers
+def test_llama_70b_is_planned_without_allocating_its_weights(tmp_path):
+    found, peak = plan_70b(tmp_path, "--replicas", "2", "--sharded", "--recompute",
+                           "--accumulation", "32", "--schedule", "1f1b")
     assert found["fits"] is True and found["stages"] == 16
     weights = sum(d["parameters"] for d in found["devices"])
     assert 70e9 * 2 < weights < 71e9 * 2  # bfloat16, the output layer untied
-    assert int(peak) * 1024 < 2**30  # kB resident at the peak: no weight allocated
+    assert peak < 2**30  # resident at the peak: no weight allocated
 
 
 @pytest.mark.slow
@@ -163,24 +169,13 @@ def test_llama_70b_is_planned_without_allocating_its_weights(tmp_path):
 def test_llama_70b_searches_every_layout_of_32_devices_in_under_a_gb(tmp_path):
     # issue 53: the 70B shape on 4 x 8 x 80 GB searches in under 30 s (measured in the note:
     # tests never fail on timing) with a peak RSS under 1 GB
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
-    code = ("import sys; from pipetorch.cli.main import main; code = main(sys.argv[1:]); "
-            "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]); "
-            "sys.exit(code)")
-    done = subprocess.run(
-        [sys.executable, "-c", code, "plan", str(tmp_path / "config.json"), "--machines", "4",
-         "--devices-per-machine", "8", "--device-memory", "80GB", "--dtype", "bfloat16",
-         "--sequence", "4096", "--flash-attention", "--flops", "400T", "--search", "--json"],
-        capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    *found, peak = done.stdout.strip().splitlines()
-    found = json.loads("\n".join(found))
+    found, peak = plan_70b(tmp_path, "--flops", "400T", "--search")
     shapes = {(e["stages"], e["replicas"]) for e in found["layouts"]}
     assert len(shapes) > 1 and all(s * r == 32 for s, r in shapes)
     assert all(e["peak"] <= 80e9 for e in found["layouts"])
     assert (1, 32) in {(e["stages"], e["replicas"]) for e in found["refused"]}  # 140 GB a copy
     assert found["code"][0] == "opts = poptorch.Options()"
-    assert int(peak) * 1024 < 2**30
+    assert peak < 2**30
 
 
 def test_the_plan_path_imports_neither_the_engine_nor_transformers(net):
