@@ -14,8 +14,6 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from pipetorch.planning.layout_plan import Plan
-
 __all__ = ["register", "load_model"]
 
 _HELP = "predict each device's memory and the step time of a pipelined run, on the meta device"
@@ -172,20 +170,13 @@ def _command(args: argparse.Namespace) -> int:
         memory = _memory(args.device_memory)
         model, inputs = load_model(args.model, dtype=getattr(torch, args.dtype),
                                    micro_batch=args.micro_batch, sequence=args.sequence)
-        devices, flops = args.machines * args.devices_per_machine, _flops(args.flops)
-        if args.search:
-            found: Plan | Search = plan(
-                model, inputs, devices=devices, device_memory=memory, flops=flops,
-                accumulation=args.accumulation, optimizer=args.optimizer,
-                loss_scaling=args.loss_scaling, measure_here=args.measure_here,
-                flash_attention=args.flash_attention, search=True)
-        else:
-            found = plan(model, inputs, devices=devices, device_memory=memory, flops=flops,
-                         accumulation=args.accumulation, replicas=args.replicas,
-                         optimizer=args.optimizer, loss_scaling=args.loss_scaling,
-                         recompute=args.recompute, offload=args.offload, sharded=args.sharded,
-                         schedule=args.schedule, split=args.split,
-                         measure_here=args.measure_here, flash_attention=args.flash_attention)
+        found = plan(model, inputs, devices=args.machines * args.devices_per_machine,
+                     device_memory=memory, flops=_flops(args.flops),
+                     accumulation=args.accumulation, replicas=args.replicas,
+                     optimizer=args.optimizer, loss_scaling=args.loss_scaling,
+                     recompute=args.recompute, offload=args.offload, sharded=args.sharded,
+                     schedule=args.schedule, split=args.split, measure_here=args.measure_here,
+                     flash_attention=args.flash_attention, search=args.search)
     except TooManyStagesError as error:
         args.parser.error(
             f"{error.stages} stages (--machines x --devices-per-machine / --replicas) but "

@@ -191,12 +191,9 @@ class HostLink:
         data = stream.dumps(value) if value is not None else b""
         what = self._describe(kind, self._calls)
         while True:
-            head = torch.tensor([kind, len(data), check, self._calls, flags])
-            opening = torch.zeros(_OPENING, dtype=torch.uint8)
-            opening[:_HEAD] = head.view(torch.uint8)
-            if len(data) <= _OPENING - _HEAD and data:
-                opening[_HEAD:_HEAD + len(data)] = torch.frombuffer(bytearray(data),
-                                                                    dtype=torch.uint8)
+            head = torch.tensor([kind, len(data), check, self._calls, flags]).view(torch.uint8)
+            fits = len(data) <= _OPENING - _HEAD
+            opening = _padded(head.numpy().tobytes() + (data if fits else b""), _OPENING)
             openings = self._all_gather_list(opening, what)
             heads = [o[:_HEAD].view(torch.int64).tolist() for o in openings]
             kinds = {h[0] for h in heads}
@@ -206,8 +203,7 @@ class HostLink:
                 sizes = [h[1] for h in heads]
                 if max(sizes) > _OPENING - _HEAD:
                     return self._values(data, sizes, what)
-                return {q: stream.loads(openings[q][_HEAD:_HEAD + sizes[q]].numpy().tobytes())
-                        for q in self._others() if sizes[q]}
+                return self._unpickled(openings, sizes, at=_HEAD)
             readers = [q for q, h in enumerate(heads) if h[0] == Kind.READ]
             if not (kinds <= {Kind.READ, Kind.CALL} and all(heads[q][4] & _SERVABLE
                                                              for q in readers)):
@@ -223,11 +219,13 @@ class HostLink:
         headers carried them)."""
         if sizes is None:
             sizes = [int(s) for s in self._all_gather(torch.tensor([len(data)]), what)]
-        padded = torch.zeros(max(sizes), dtype=torch.uint8)
-        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else 0
-        parts = self._all_gather_list(padded, what)
-        return {q: stream.loads(parts[q][:sizes[q]].numpy().tobytes()) for q in self._others()
-                if sizes[q]}
+        return self._unpickled(self._all_gather_list(_padded(data, max(sizes)), what), sizes)
+
+    def _unpickled(self, parts: list[torch.Tensor], sizes: list[int], *, at: int = 0
+                   ) -> dict[int, object]:
+        """The other processes' values: `sizes[q]` bytes of `parts[q]` from byte `at`."""
+        return {q: stream.loads(parts[q][at:at + sizes[q]].numpy().tobytes())
+                for q in self._others() if sizes[q]}
 
     def _all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         return torch.stack(self._all_gather_list(tensor, what))
@@ -367,3 +365,10 @@ class HostLink:
         except Exception:
             return ""
 
+
+def _padded(data: bytes, size: int) -> torch.Tensor:
+    """`data` at the start of `size` bytes of zeros: what an all-gather of equal shapes sends."""
+    padded = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return padded
