@@ -126,13 +126,14 @@ def _attribute_path(dotted: str) -> str:
     return out
 
 
-def _in_flight(devices: int, *, schedule: str = "pipelined",
-              micro_batches: int | None = None) -> tuple[int, ...]:
-    """The micro-batches each device's stage holds for backward: the schedule's peak stash
-    (`schedule.device_plans.peak_stash`) of plan kind `schedule` with one stage per device, over
-    `micro_batches` (default: the smallest G `propose_gradient_accumulation` allows)."""
+def _in_flight(devices: int, *, schedule: str = "pipelined", micro_batches: int | None = None,
+               owners: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The micro-batches each stage holds for backward: the schedule's peak stash
+    (`schedule.device_plans.peak_stash`) of plan kind `schedule` with stage s on device
+    `owners[s]` (default one stage per device), over `micro_batches` (default: the smallest G
+    `propose_gradient_accumulation` allows)."""
     count = micro_batches or propose_gradient_accumulation(devices)
-    return peak_stash(schedule, devices, count, training=True)
+    return peak_stash(schedule, devices, count, owners, training=True)
 
 
 class _Costs:
@@ -164,7 +165,7 @@ def _prefix(values: list) -> list:
 
 def plan(segments: Sequence[Segment], devices: int, *,
          budgets: int | Sequence[int] | None = None, schedule: str = "pipelined",
-         micro_batches: int | None = None) -> Placement:
+         micro_batches: int | None = None, owners: Sequence[int] | None = None) -> Placement:
     """The placement of contiguous segments on `devices` devices minimising the slowest stage.
 
     Every device gets at least one segment and holds its activations times its micro-batches
@@ -173,11 +174,16 @@ def plan(segments: Sequence[Segment], devices: int, *,
     deterministic. Raises `OutOfMemoryError` when no placement fits `budgets` (bytes, one for
     all devices or one per device); its `placement` is the one whose fullest device is least
     full against its budget.
+
+    `owners` puts the `devices` stages on fewer devices, stage s on device `owners[s]` (ipus
+    0,1,0,1 for interleaved): the in-flight counts are the schedule's on them, and a device's
+    budget (one for all, or one per device) is shared evenly between its stages, so that
+    whatever the cut their sum fits it.
     """
     _check(segments, devices)
     costs = _Costs(segments)
-    caps = _caps(budgets, devices)
-    flight = _in_flight(devices, schedule=schedule, micro_batches=micro_batches)
+    caps = _caps(budgets, devices, owners)
+    flight = _in_flight(devices, schedule=schedule, micro_batches=micro_batches, owners=owners)
     starts = _solve(costs, devices, lambda d, i, j: (
         costs.seconds(i, j) if costs.peak(i, j, flight[d]) <= caps[d] else math.inf))
     if starts is None:
@@ -209,15 +215,21 @@ def _check(segments: Sequence[Segment], devices: int) -> None:
             "device needs at least one; use fewer devices or mark more blocks (BeginBlock)")
 
 
-def _caps(budgets: int | Sequence[int] | None, devices: int) -> list[float]:
+def _caps(budgets: int | Sequence[int] | None, devices: int,
+          owners: Sequence[int] | None = None) -> list[float]:
+    """Each stage's share of its device's budget (`plan`)."""
+    owners = list(range(devices)) if owners is None else list(owners)
+    if len(owners) != devices:
+        raise ValueError(f"owners {owners} must give a device for each of the {devices} stages")
     if budgets is None:
         return [math.inf] * devices
+    count = max(owners) + 1
     if isinstance(budgets, int):
-        return [float(budgets)] * devices
-    if len(budgets) != devices:
-        raise ValueError(f"{len(budgets)} memory budgets given for {devices} devices; "
+        budgets = [budgets] * count
+    if len(budgets) != count:
+        raise ValueError(f"{len(budgets)} memory budgets given for {count} devices; "
                          "give one per device or a single int")
-    return [float(b) for b in budgets]
+    return [budgets[d] / owners.count(d) for d in owners]
 
 
 def _solve(costs: _Costs, devices: int,

@@ -17,6 +17,7 @@ forward) at a given rate (`flops`), or each segment timed for real on this CPU
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
@@ -32,12 +33,14 @@ from pipetorch.planning.estimate import (
 )
 from pipetorch.planning.memory import ZERO, Footprint, Size, size_of, state_layout
 from pipetorch.planning.segments import Piece, Rates, measure, measure_here as timed
+from pipetorch.planning.stage_devices import (
+    SCHEDULES, default_accumulation, owners, refusal,
+)
 from pipetorch.schedule.device_plans import peak_stash, read_only_plan, simulate_devices
 
 __all__ = ["Plan", "Measured", "measured", "plan_measured", "TooManyStagesError"]
 
 OPTIMIZERS = {"adamw": ("AdamW", {}), "sgd": ("SGD", {"momentum": 0.9}), "lamb": ("LAMB", {})}
-SCHEDULES = {"1f1b": "pipelined", "zero_bubble": "zero_bubble"}
 METHOD = ("activations: one forward on fake tensors under saved-tensor hooks (identical layers "
           "measured once), x the schedule's micro-batches in flight; weights, gradients and "
           "optimiser state from tensor sizes and the state one optimiser step creates")
@@ -57,17 +60,19 @@ class TooManyStagesError(ConfigError):
 
 @dataclass(frozen=True)
 class Plan:
-    """The planned run: its cut, schedule, each device's memory and the step time."""
+    """The planned run: its cut, schedule, each device's memory and the step time. Its
+    stages sit on the devices as `owners` says (interleaved: stage s of 2P on device s % P);
+    `estimate.devices`, `peaks` and `temporaries` are by device, each its stages' sum."""
 
     estimate: MemoryEstimate
     names: tuple[str, ...]           # each stage's first and last segment, "first .. last"
     cut: tuple[str, ...]             # the BeginBlock names where stages 1.. begin
-    schedule: str                    # "1f1b", "zero_bubble", or "none" (one stage)
+    schedule: str                    # "1f1b", "zero_bubble", "interleaved", or "none" (one stage)
     replicas: int
     accumulation: int
     budget: int | None               # bytes per device
     overhead: int                    # bytes per worker process outside the model (measured here)
-    temporaries: dict[int, int]      # per stage: the CPU step's temporaries (measured runs only)
+    temporaries: dict[int, int]      # per device: the CPU step's temporaries (measured runs only)
     remedies: tuple[Remedy, ...]
     step_seconds: float | None
     bubble: float
@@ -84,15 +89,28 @@ class Plan:
     def fits(self) -> bool | None:
         return None if self.budget is None else max(self.peaks.values()) <= self.budget
 
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """Each stage's device: the ipu_id of the BeginBlock where it begins."""
+        return tuple(stage.ipu for stage in self.estimate.stages)
+
+    def _held(self, ipu: int) -> str:
+        """The segments of device `ipu`'s stage, or "s: segments" of each where it holds
+        several."""
+        stages = self.estimate.devices[ipu].stages
+        return "; ".join(self.names[s] if len(stages) == 1 else f"{s}: {self.names[s]}"
+                         for s in stages)
+
     def to_json(self) -> dict[str, Any]:
         """The plan as a JSON-ready dict (bytes and seconds)."""
-        devices = [{"stage": ipu, "segments": self.names[ipu], **d.categories,
+        devices = [{"device": ipu, "stages": list(d.stages),
+                    "segments": [self.names[s] for s in d.stages], **d.categories,
                     "host_optimiser_state": d.host_optimiser_state, "in_flight": d.in_flight,
                     "process": self.overhead,
                     "step_temporaries": self.temporaries.get(ipu, 0), "peak": self.peaks[ipu],
                     "fits": None if self.budget is None else self.peaks[ipu] <= self.budget}
                    for ipu, d in self.estimate.devices.items()]
-        return {"model": self.model, "schedule": self.schedule, "stages": len(devices),
+        return {"model": self.model, "schedule": self.schedule, "stages": len(self.names),
                 "replicas": self.replicas,
                 "accumulation": self.accumulation, "cut": list(self.cut),
                 "budget": self.budget, "fits": self.fits, "devices": devices,
@@ -105,7 +123,7 @@ class Plan:
 
     def table(self) -> str:
         """The plan as text: one row per device, then the cut, the step time, the remedies."""
-        heads = ["stage", "weights", "gradients", "optimiser", "activations", "in flight",
+        heads = ["device", "weights", "gradients", "optimiser", "activations", "in flight",
                  "peak", "fits", "segments"]
         rows = [heads]
         for ipu, d in self.estimate.devices.items():
@@ -116,19 +134,22 @@ class Plan:
                          fmt(d.optimiser_state) + (f" (+{fmt(d.host_optimiser_state)} host)"
                                                    if d.host_optimiser_state else ""),
                          fmt(d.activations + d.received), str(d.in_flight),
-                         fmt(self.peaks[ipu]), fits, self.names[ipu]])
+                         fmt(self.peaks[ipu]), fits, self._held(ipu)])
         widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
         lines = [f"model {self.model}"]
         lines += ["  ".join(c.rjust(w) if 0 < i < len(heads) - 1 else c.ljust(w)
                             for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
                   for r in rows]
-        lines.append(f"schedule {self.schedule}, {len(rows) - 1} stages x {self.replicas} "
-                     f"replicas, gradient accumulation {self.accumulation}; cut: "
-                     + (", ".join(self.cut) or "none"))
+        devices, stages = len(rows) - 1, len(self.names)
+        lines.append(f"schedule {self.schedule}, {stages} stages"
+                     + (f" on {devices} devices (stage s on device s % {devices})"
+                        if stages > devices else "")
+                     + f" x {self.replicas} replicas, gradient accumulation "
+                     f"{self.accumulation}; cut: " + (", ".join(self.cut) or "none"))
         if self.overhead:
             lines.append(f"peaks include {fmt(self.overhead)} per worker process outside the "
                          "model (an interpreter with torch, measured here) and the step's "
-                         "temporaries (two of the stage's largest parameter: "
+                         "temporaries (two of the device's largest parameter: "
                          + ", ".join(fmt(t) for t in self.temporaries.values()) + ")")
         if self.budget is not None:
             lines.append(f"budget {fmt(self.budget)} per device: "
@@ -147,14 +168,23 @@ class Plan:
 
 @dataclass(frozen=True)
 class _Run:
-    """What prices a cut: the run's choices and the optimiser's state per element."""
+    """What prices a cut: each stage's device, the run's choices and the optimiser's state
+    per element."""
 
-    stages: int
+    owners: tuple[int, ...]  # stage s on device owners[s] (`stage_devices.owners`)
     replicas: int
     accumulation: int
     setting: Setting
     layouts: dict[torch.dtype, tuple[int, int]]  # dtype -> (state bytes per element, fixed)
     min_elements: int  # weights of more elements have their state sharded (with shards > 1)
+
+    @property
+    def stages(self) -> int:
+        return len(self.owners)
+
+    @property
+    def devices(self) -> int:
+        return max(self.owners) + 1
 
 
 def _optimizer(optimizer: str, loss_scaling: float | None
@@ -197,9 +227,10 @@ def _unique(tensors: Iterable[_Tensor]) -> list[_Tensor]:
 def stage_memory(pieces: list[Piece], starts: tuple[int, ...], kind: str,
                  run: _Run) -> tuple[StageMemory, ...]:
     """Each stage's sizes for the cut `starts` (first piece of each stage) under plan kind
-    `kind`; a weight several stages hold (tied) is stepped on the first of them."""
+    `kind`, on the run's devices; a weight several stages hold (tied) is stepped on the first
+    of them."""
     ends = (*starts[1:], len(pieces))
-    flights = peak_stash(kind, len(starts), run.accumulation, training=True)
+    flights = peak_stash(kind, len(starts), run.accumulation, run.owners, training=True)
     records = []
     for s, (i, j) in enumerate(zip(starts, ends, strict=True)):
         part = pieces[i:j]
@@ -210,7 +241,7 @@ def stage_memory(pieces: list[Piece], starts: tuple[int, ...], kind: str,
         footprint = Footprint(prints[0].received,
                               sum((f.saved for f in prints), ZERO)
                               + sum((f.outputs for f in prints[:-1]), ZERO), prints[-1].outputs)
-        records.append(StageMemory(s, s, size_of(params),
+        records.append(StageMemory(s, run.owners[s], size_of(params),
                                    size_of(_unique(b for piece in part for b in piece.buffers)),
                                    size_of(trainable), _state(steps, run.layouts), footprint,
                                    flights[s], _state([p for p in steps if p.numel()
@@ -222,9 +253,9 @@ def _segments(pieces: list[Piece], run: _Run) -> list[balance.Segment]:
     """The pieces as the balancer's cost table: FLOPs of forward and backward (as seconds:
     only their ratios matter to the cut), activations per micro-batch, and the bytes of
     weights, gradients and optimiser state priced under the run's setting."""
-    setting, segments = run.setting, []
+    setting, segments, alone = run.setting, [], dataclasses.replace(run, owners=(0,))
     for piece in pieces:
-        one = stage_memory([piece], (0,), "sharded", run)[0]
+        one = stage_memory([piece], (0,), "sharded", alone)[0]
         device = price((dataclasses.replace(one, footprint=Footprint(ZERO, ZERO, ZERO)),),
                        setting)[0]
         kept = piece.footprint()
@@ -234,14 +265,24 @@ def _segments(pieces: list[Piece], run: _Run) -> list[balance.Segment]:
     return segments
 
 
-def _kinds(schedule: str, stages: int) -> list[str]:
-    if stages == 1:
-        return ["sharded"]
-    if schedule == "auto":
-        return list(SCHEDULES.values())
-    if schedule not in SCHEDULES:
+def _kinds(schedule: str, devices: int, segments: int, accumulation: int,
+           split: list[str] | None) -> list[str]:
+    """The plan kinds to price on a pipeline of `devices` devices: `schedule`'s (refused,
+    with the reason, where it cannot train), or for "auto" each that can, of the stage count
+    `split` gives when it is given."""
+    if schedule != "auto" and schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of auto, {', '.join(SCHEDULES)}")
-    return [SCHEDULES[schedule]]
+    if schedule != "auto":
+        why = refusal(SCHEDULES[schedule], devices, segments, accumulation)
+        if why:
+            raise ValueError(f"schedule {schedule!r}: {why}")
+        return [SCHEDULES[schedule] if devices > 1 else "sharded"]
+    if devices == 1:
+        return ["sharded"]
+    able = [kind for kind in SCHEDULES.values()
+            if not refusal(kind, devices, segments, accumulation)
+            and (split is None or len(split) + 1 == len(owners(kind, devices)))]
+    return able or ["pipelined"]  # none of the split's length: `_starts` says what to give
 
 
 def _starts(pieces: list[Piece], split: list[str] | None, kind: str, run: _Run,
@@ -252,9 +293,11 @@ def _starts(pieces: list[Piece], split: list[str] | None, kind: str, run: _Run,
     names = [p.name for p in pieces]
     if split is not None:
         if len(split) != run.stages - 1:
+            per = run.stages // run.devices
             raise ValueError(f"split names {len(split)} BeginBlock places ({split}) for "
                              f"{run.stages} stages; give {run.stages - 1}, or set the devices "
-                             "and replicas so that devices / replicas = len(split) + 1")
+                             f"and replicas so that {f'{per} x ' if per > 1 else ''}devices / "
+                             "replicas = len(split) + 1")
         unknown = [n for n in split if n not in names[1:]]
         if unknown:
             raise ValueError(f"split: {unknown} do not begin a segment; the places a stage "
@@ -269,34 +312,48 @@ def _starts(pieces: list[Piece], split: list[str] | None, kind: str, run: _Run,
     schedule = kind if kind != "sharded" else "pipelined"
     try:
         return balance.plan(segments, run.stages, budgets=budget, schedule=schedule,
-                            micro_batches=run.accumulation).starts
+                            micro_batches=run.accumulation, owners=run.owners).starts
     except balance.NoPlacementFits as error:
         return error.placement.starts
 
 
-def _timeline(kind: str, stages: int, run: _Run, forward: list[float],
-              backward: list[float], step: list[float]) -> tuple[float, float]:
+def _timeline(kind: str, run: _Run, forward: list[float], backward: list[float],
+              step: list[float]) -> tuple[float, float]:
     """(makespan, bubble share) of one step in seconds, from each stage's forward and backward
     seconds for one micro-batch (recomputation runs forward again in backward; zero-bubble
     splits backward into halves, the input's gradient and the weights') and its optimiser
-    step."""
-    again = forward if run.setting.recomputation else [0.0] * stages
+    step, the stages on the run's devices."""
+    again = forward if run.setting.recomputation else [0.0] * run.stages
     if kind == "sharded":
         return run.accumulation * (forward[0] + backward[0] + again[0]) + step[0], 0.0
     unit = max(forward + backward) / 200 or 1.0
 
-    def ticks(seconds: list[float]) -> list[int]:
-        return [max(1, round(t / unit)) for t in seconds]
+    def ticks(seconds: list[float]) -> tuple[int, ...]:
+        return tuple(max(1, round(t / unit)) for t in seconds)
 
     split = kind == "zero_bubble"
-    timeline = simulate_devices(
-        read_only_plan(kind, stages, run.accumulation, tuple(range(stages)), True),
-        tuple(range(stages)), forward=ticks(forward), buffered=True,
-        step=[round(t / unit) for t in step],
-        backward=ticks([b / 2 + a if split else b + a
-                        for b, a in zip(backward, again, strict=True)]),
-        weight=ticks([b / 2 for b in backward]))
-    return timeline.makespan * unit, timeline.bubble_fraction
+    # a device steps once for all its stages, in the action named for its first one
+    firsts = {d: run.owners.index(d) for d in range(run.devices)}
+    stepping = [sum(t for t, d in zip(step, run.owners, strict=True) if d == own)
+                if firsts[own] == s else 0.0 for s, own in enumerate(run.owners)]
+    makespan, bubble = _simulated(
+        kind, run.accumulation, run.owners, ticks(forward),
+        ticks([b / 2 + a if split else b + a for b, a in zip(backward, again, strict=True)]),
+        ticks([b / 2 for b in backward]), tuple(round(t / unit) for t in stepping))
+    return makespan * unit, bubble
+
+
+@functools.lru_cache(maxsize=64)
+def _simulated(kind: str, accumulation: int, owners: tuple[int, ...], forward: tuple[int, ...],
+               backward: tuple[int, ...], weight: tuple[int, ...],
+               step: tuple[int, ...]) -> tuple[int, float]:
+    """(makespan, bubble share) in ticks of the device plan the workers run, kept for the
+    next caller asking the same: a search's ways of saving memory mostly take the same
+    time (a 32-stage plan simulates in most of a second)."""
+    timeline = simulate_devices(read_only_plan(kind, len(owners), accumulation, owners, True),
+                                owners, forward=forward, backward=backward, weight=weight,
+                                step=step, buffered=True)
+    return timeline.makespan, timeline.bubble_fraction
 
 
 def _seconds(pieces: list[Piece], starts: tuple[int, ...], run: _Run, flops: float | None,
@@ -372,31 +429,34 @@ def measured(model: nn.Module, inputs: tuple[tuple, dict], *, workers: int, stag
                     size_of(_unique(model.parameters())).bytes)
 
 
-def plan_measured(found: Measured, *, stages: int, replicas: int, device_memory: int | None,
+def plan_measured(found: Measured, *, devices: int, replicas: int, device_memory: int | None,
                   accumulation: int | None, recompute: bool, offload: bool, sharded: bool,
                   schedule: str, split: list[str] | None = None,
                   min_elements: int = DEFAULT_MIN_ELEMENTS, remedies: bool = True) -> Plan:
-    """The plan of a model already `measured` on `stages` x `replicas` devices (the arguments
-    as `plan.plan` describes them); `remedies` False: none ranked for a plan over budget."""
+    """The plan of a model already `measured` on `replicas` pipelines of `devices` devices
+    (the arguments as `plan.plan` describes them); `remedies` False: none ranked for a plan
+    over budget."""
     pieces, rates, flops = found.pieces, found.rates, found.flops
     setting = Setting(True, recompute, offload, shards=replicas if sharded else 1)
-    run = _Run(stages, replicas, accumulation or balance.propose_gradient_accumulation(stages),
-               setting, found.layouts, min_elements)
+    accumulation = accumulation or default_accumulation(SCHEDULES.get(schedule, "pipelined"),
+                                                        devices)
     overhead = rates.overhead if rates else 0
     budget = None if device_memory is None else device_memory - overhead
     options = []
-    for kind in _kinds(schedule, stages):
+    for kind in _kinds(schedule, devices, len(pieces), accumulation, split):
+        run = _Run(owners(kind, devices), replicas, accumulation, setting, found.layouts,
+                   min_elements)
         starts = _starts(pieces, split, kind, run, budget)
         records = stage_memory(pieces, starts, kind, run)
         devices_memory = price(records, setting)
         seconds = _seconds(pieces, starts, run, flops, rates)
-        span, bubble = _timeline(kind, stages, run, *seconds) if seconds else (None, 0.0)
+        span, bubble = _timeline(kind, run, *seconds) if seconds else (None, 0.0)
         worst = max(d.total for d in devices_memory.values())
-        options.append((budget is not None and worst > budget, span or 0.0, kind, starts,
+        options.append((budget is not None and worst > budget, span or 0.0, kind, run, starts,
                         records, devices_memory, bubble))
-    over, span, kind, starts, records, devices_memory, bubble = min(
-        options, key=lambda o: (o[0], o[1] if not o[0] else max(d.total for d in o[5].values())))
-    estimate = MemoryEstimate(devices_memory, records, setting, stages > 1,
+    over, span, kind, run, starts, records, devices_memory, bubble = min(
+        options, key=lambda o: (o[0], o[1] if not o[0] else max(d.total for d in o[6].values())))
+    estimate = MemoryEstimate(devices_memory, records, setting, run.stages > 1,
                               Batching(1, run.accumulation, replicas), found.micro_batch,
                               METHOD, kind)
     ranked: tuple[Remedy, ...] = ()
@@ -410,20 +470,23 @@ def plan_measured(found: Measured, *, stages: int, replicas: int, device_memory:
                 tuple(pieces[i].name for i in starts[1:]),
                 {v: k for k, v in SCHEDULES.items()}.get(kind, "none"), replicas,
                 run.accumulation, device_memory, overhead,
-                _temporaries(pieces, starts) if rates else {}, ranked,
+                _temporaries(pieces, starts, run.owners) if rates else {}, ranked,
                 span if flops or rates else None, bubble, _time_method(flops, rates),
                 found.host_weights, found.model)
 
 
-def _temporaries(pieces: list[Piece], starts: tuple[int, ...]) -> dict[int, int]:
-    """Per stage, what a CPU worker's optimiser step adds at its peak: torch steps one
-    parameter at a time on a CPU, with two temporaries of its size (AdamW's square root of the
-    second moment and the quotient), and a tied weight's gradient and value cross between its
-    devices whole: two of the stage's largest parameter."""
+def _temporaries(pieces: list[Piece], starts: tuple[int, ...],
+                 owners: tuple[int, ...]) -> dict[int, int]:
+    """Per device (stage s on `owners[s]`), what a CPU worker's optimiser step adds at its
+    peak: torch steps one parameter at a time on a CPU, with two temporaries of its size
+    (AdamW's square root of the second moment and the quotient), and a tied weight's gradient
+    and value cross between its devices whole: two of the device's largest parameter."""
     ends = (*starts[1:], len(pieces))
-    return {s: 2 * max((p.numel() * p.element_size() for piece in pieces[i:j]
-                        for p in piece.params), default=0)
-            for s, (i, j) in enumerate(zip(starts, ends, strict=True))}
+    stages = {s: 2 * max((p.numel() * p.element_size() for piece in pieces[i:j]
+                          for p in piece.params), default=0)
+              for s, (i, j) in enumerate(zip(starts, ends, strict=True))}
+    return {d: max(t for s, t in stages.items() if owners[s] == d)
+            for d in sorted(set(owners))}
 
 
 def _stepped(pieces: list[Piece], starts: tuple[int, ...], stage: int) -> list[nn.Parameter]:

@@ -25,8 +25,12 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
     `device_memory` bytes each: `replicas` pipelines of devices / replicas stages, one
     micro-batch being `inputs` (args, kwargs), `accumulation` micro-batches per step (default:
     what keeps the bubble under 10%). `split` names the BeginBlock places where stages 1..
-    begin; without it the balancer chooses the cut. `schedule` is "1f1b", "zero_bubble" or
-    "auto" (the faster that fits). `sharded` shards the optimiser state over the replicas
+    begin; without it the balancer chooses the cut. `schedule` is "1f1b", "zero_bubble",
+    "interleaved" or "auto" (the fastest that fits, of those that can run). Interleaved puts
+    two stages on each of the devices / replicas = P devices of a pipeline, round-robin
+    (stage s of 2P on device s % P, `split` then naming 2P - 1 places), and needs 2P segments
+    and an `accumulation` of 4P - 1 or more that its rounds split evenly (the default is
+    raised to one); `Plan.peaks` are then each device's, the sum of its two stages. `sharded` shards the optimiser state over the replicas
     (replicated tensor sharding: that of weights over `min_elements` elements, as
     minElementsForReplicatedTensorSharding), `offload` keeps it in host memory. The step time needs a
     rate: `flops` (sustained FLOP/s per device) or `measure_here` (each segment timed for
@@ -60,7 +64,7 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
     if search:
         return find(found, devices=devices, device_memory=device_memory,
                     accumulation=accumulation, min_elements=min_elements)
-    return plan_measured(found, stages=stages, replicas=replicas, device_memory=device_memory,
+    return plan_measured(found, devices=stages, replicas=replicas, device_memory=device_memory,
                          accumulation=accumulation, recompute=recompute, offload=offload,
                          sharded=sharded, schedule=schedule, split=split,
                          min_elements=min_elements)

@@ -1,9 +1,10 @@
 """The layouts a model's training may take on its devices, each planned, those that fit ranked
 by predicted step time (`plan(..., search=True)`, `pipetorch plan --search`).
 
-A layout is a number of pipeline stages x replicas (their product the devices), a schedule
-(1F1B or zero-bubble; none for one stage), the optimiser state kept whole, sharded over the
-replicas or offloaded to the host, and recomputation on or off. Every layout trains the same
+A layout is a number of pipeline stages x replicas, a schedule (1F1B or zero-bubble, one
+stage on each device: stages x replicas the devices; interleaved, two stages on each device
+round-robin; none for one stage), the optimiser state kept whole, sharded over the replicas
+or offloaded to the host, and recomputation on or off. Every layout trains the same
 samples per step: the given (or proposed) gradient accumulation of one replica, divided over
 the replicas. Each is planned as `plan` plans one: the cut balanced by the model's own
 segment costs within the budget, each device's peak priced, the step simulated. The model is
@@ -19,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipetorch.partition import balance
-from pipetorch.partition.stage_rules import min_gradient_accumulation
 from pipetorch.planning.estimate import fmt
-from pipetorch.planning.layout_plan import SCHEDULES, Measured, Plan, plan_measured
+from pipetorch.planning.layout_plan import Measured, Plan, plan_measured
+from pipetorch.planning.stage_devices import SCHEDULES, kind_of, owners, per_device, refusal
 
 __all__ = ["Layout", "Considered", "Search", "search"]
 
@@ -36,16 +37,23 @@ class Layout:
 
     stages: int
     replicas: int
-    schedule: str          # "1f1b", "zero_bubble", or "none" (one stage)
+    schedule: str          # "1f1b", "zero_bubble", "interleaved", or "none" (one stage)
     state: str             # "whole", "sharded" (over the replicas) or "offloaded" (to the host)
     recompute: bool
     accumulation: int      # micro-batches per step on each replica
 
+    @property
+    def devices(self) -> int:
+        """Devices of one replica's pipeline (interleaved: half its stages)."""
+        return self.stages // per_device(kind_of(self.schedule))
+
     def describe(self) -> str:
-        """'2 stages x 1 replica, 1f1b, G 8' and what saves memory."""
-        words = [f"{self.stages} stage{'s' * (self.stages > 1)} x {self.replicas} "
-                 f"replica{'s' * (self.replicas > 1)}", self.schedule if self.stages > 1 else
-                 "no pipeline", f"G {self.accumulation}"]
+        """'2 stages x 1 replica, 1f1b, G 8' ('4 stages on 2 devices x 1 replica,
+        interleaved, G 8') and what saves memory."""
+        words = [f"{self.stages} stage{'s' * (self.stages > 1)}"
+                 + (f" on {self.devices} devices" if self.devices < self.stages else "")
+                 + f" x {self.replicas} replica{'s' * (self.replicas > 1)}",
+                 self.schedule if self.stages > 1 else "no pipeline", f"G {self.accumulation}"]
         if self.state != "whole":
             words.append(f"optimiser state {self.state}")
         if self.recompute:
@@ -84,8 +92,8 @@ class Search:
         if layout.replicas > 1:
             lines.append(f"opts.replicationFactor({layout.replicas})")
         lines.append(f"opts.Training.gradientAccumulation({layout.accumulation})")
-        if layout.schedule == "zero_bubble":
-            lines.append('opts.Training.pipelineSchedule("zero_bubble")')
+        if layout.schedule not in ("1f1b", "none"):
+            lines.append(f'opts.Training.pipelineSchedule("{layout.schedule}")')
         if layout.recompute:
             lines.append("opts.Training.setRecomputation(True)")
         if layout.state != "whole":
@@ -93,7 +101,7 @@ class Search:
                        "useOnChipStorage(False)")
             lines.append("opts.TensorLocations.setOptimizerLocation("
                          f"poptorch.TensorLocationSettings().{setting})")
-        for ipu, name in enumerate(best.plan.cut, 1):
+        for name, ipu in zip(best.plan.cut, best.plan.owners[1:], strict=True):
             path = python_path(name)
             lines.append(f"{path} = poptorch.BeginBlock({path}, ipu_id={ipu})")
         return lines
@@ -102,7 +110,8 @@ class Search:
         """The search as a JSON-ready dict (bytes and seconds)."""
         def entry(c: Considered, rank: int | None) -> dict[str, Any]:
             layout, found = c.layout, c.plan
-            return {"rank": rank, "stages": layout.stages, "replicas": layout.replicas,
+            return {"rank": rank, "stages": layout.stages, "devices": layout.devices,
+                    "replicas": layout.replicas,
                     "schedule": layout.schedule, "optimiser_state": layout.state,
                     "recompute": layout.recompute, "accumulation": layout.accumulation,
                     "step_seconds": found.step_seconds if found else None,
@@ -145,17 +154,19 @@ def python_path(name: str) -> str:
 
 def layouts(devices: int, accumulation: int) -> list[list[Layout]]:
     """Every layout of `devices`, each replica accumulating its share of `accumulation`
-    (one replica's micro-batches per step), where that share is whole: for each stages x
-    replicas and schedule, its ways of saving memory, the cheapest first (the state whole,
-    sharded, offloaded; then each again with recomputation)."""
+    (one replica's micro-batches per step), where that share is whole: for each pipeline of
+    devices x replicas and schedule (its stages on those devices), its ways of saving
+    memory, the cheapest first (the state whole, sharded, offloaded; then each again with
+    recomputation)."""
     found = []
     for replicas in (r for r in range(1, devices + 1) if devices % r == 0):
-        stages = devices // replicas
+        pipeline = devices // replicas
         share, rest = divmod(accumulation, replicas)
         if rest or not share:
             continue
         states = _STATE if replicas > 1 else ("whole", "offloaded")
-        for schedule in list(SCHEDULES) if stages > 1 else ["none"]:
+        for schedule in list(SCHEDULES) if pipeline > 1 else ["none"]:
+            stages = len(owners(kind_of(schedule), pipeline))
             found.append([Layout(stages, replicas, schedule, state, recompute, share)
                           for recompute, state in itertools.product((False, True), states)])
     return found
@@ -193,14 +204,11 @@ def _proposed(devices: int) -> int:
 
 def _consider(found: Measured, layout: Layout, device_memory: int | None,
               min_elements: int) -> Considered:
-    if layout.stages > len(found.pieces):
-        return Considered(layout, None, f"{layout.stages} stages, but the model has "
-                          f"{len(found.pieces)} segments a stage may hold")
-    least = min_gradient_accumulation(layout.stages) if layout.stages > 1 else 1
-    if layout.accumulation < least:
-        return Considered(layout, None, f"G {layout.accumulation} is below {least}, the "
-                          f"fewest micro-batches a pipeline of {layout.stages} stages trains")
-    planned = plan_measured(found, stages=layout.stages, replicas=layout.replicas,
+    why = refusal(kind_of(layout.schedule), layout.devices, len(found.pieces),
+                  layout.accumulation)
+    if why:
+        return Considered(layout, None, why)
+    planned = plan_measured(found, devices=layout.devices, replicas=layout.replicas,
                             device_memory=device_memory, accumulation=layout.accumulation,
                             recompute=layout.recompute, offload=layout.state == "offloaded",
                             sharded=layout.state == "sharded", schedule=layout.schedule
@@ -208,7 +216,7 @@ def _consider(found: Measured, layout: Layout, device_memory: int | None,
                             remedies=False)
     if planned.fits is False:
         assert device_memory is not None
-        stage, peak = max(planned.peaks.items(), key=lambda kv: kv[1])
-        return Considered(layout, planned, f"stage {stage} peaks at {fmt(peak)}, over the "
+        device, peak = max(planned.peaks.items(), key=lambda kv: kv[1])
+        return Considered(layout, planned, f"device {device} peaks at {fmt(peak)}, over the "
                           f"{fmt(device_memory)} of a device by {fmt(peak - device_memory)}")
     return Considered(layout, planned)

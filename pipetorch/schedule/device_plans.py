@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pipetorch.schedule import interleaved, plans
 from pipetorch.schedule.actions import Action, Kind, Plan
 from pipetorch.schedule.simulator import (DeadlockError, Event, Report, ScheduleError, Timeline,
-                                       check, simulate)
+                                       check, peak_stashes, simulate)
 
 __all__: list[str] = []
 
@@ -122,7 +122,10 @@ def device_plan(kind: str, stages: int, micro_batches: int, owners: Sequence[int
             return interleaved_plan(stages, micro_batches, owners,
                                     split=kind == "interleaved_zero_bubble")
         kind = "zero_bubble" if kind == "interleaved_zero_bubble" else "pipelined"
-    return merge(plans.plan(kind, stages, micro_batches, training=training), owners)
+    plan = plans.plan(kind, stages, micro_batches, training=training)
+    if tuple(owners) == tuple(range(stages)):  # one stage a device: merging gives it back
+        return plan
+    return merge(plan, owners)
 
 
 def interleaved_plan(stages: int, micro_batches: int, owners: Sequence[int], *,
@@ -202,11 +205,12 @@ def read_only_plan(kind: str, stages: int, micro_batches: int, owners: tuple[int
 @functools.lru_cache(maxsize=32)
 def _peak_stash(kind: str, stages: int, micro_batches: int, owners: tuple[int, ...],
                 training: bool) -> tuple[int, ...]:
-    # cached: simulating many stages over many micro-batches takes seconds (the planner and
-    # its remedies ask the same question several times)
+    # cached: building many stages' plans over many micro-batches takes seconds (the planner
+    # and its remedies ask the same question several times); counted along each stage's
+    # actions as its device runs them, the plans being `check_devices`' tested ones
     kinds = ["pipelined", "zero_bubble", *INTERLEAVED] if kind == "auto" else [kind]
-    peaks = [check_devices(read_only_plan(k, stages, micro_batches, owners, training),
-                           owners).peak_stash for k in kinds]
+    peaks = [peak_stashes(project(read_only_plan(k, stages, micro_batches, owners, training),
+                                  owners)) for k in kinds]
     return tuple(max(column) for column in zip(*peaks, strict=True))
 
 

@@ -43,7 +43,7 @@ def test_json_gives_each_stage_and_matches_the_api(net, capsys):
                  "--accumulation", "4", "--flops", "1G", "--json"])
     found = json.loads(capsys.readouterr().out)
     assert code == 0 and found["stages"] == 2 and found["fits"] is None
-    assert [d["stage"] for d in found["devices"]] == [0, 1]
+    assert [(d["device"], d["stages"]) for d in found["devices"]] == [(0, [0]), (1, [1])]
     weights = sum(d["parameters"] for d in found["devices"])
     assert weights == (4 * (64 * 64 + 64) + 64 * 2 + 2) * 4
     for device in found["devices"]:
@@ -170,7 +170,7 @@ def test_llama_70b_searches_every_layout_of_32_devices_in_under_a_gb(tmp_path):
     # issue 53: the 70B shape on 4 x 8 x 80 GB searches in under 30 s (measured in the note:
     # tests never fail on timing) with a peak RSS under 1 GB
     found, peak = plan_70b(tmp_path, "--flops", "400T", "--search")
-    shapes = {(e["stages"], e["replicas"]) for e in found["layouts"]}
+    shapes = {(e["devices"], e["replicas"]) for e in found["layouts"]}
     assert len(shapes) > 1 and all(s * r == 32 for s, r in shapes)
     assert all(e["peak"] <= 80e9 for e in found["layouts"])
     assert (1, 32) in {(e["stages"], e["replicas"]) for e in found["refused"]}  # 140 GB a copy

@@ -15,14 +15,14 @@ WIDTH, BATCH = 64, 4
 
 
 class Stack(nn.Module):
-    """Six identical layers between an input layer and a head that returns the loss."""
+    """Identical layers (six) between an input layer and a head that returns the loss."""
 
-    def __init__(self):
+    def __init__(self, layers=6):
         super().__init__()
         self.embed = nn.Linear(8, WIDTH)
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(),
                                                   nn.Linear(4 * WIDTH, WIDTH))
-                                    for _ in range(6))
+                                    for _ in range(layers))
         self.head = nn.Linear(WIDTH, 3)
 
     def forward(self, x, labels):
@@ -37,22 +37,25 @@ def inputs():
     return (torch.randn(BATCH, 8), torch.randint(0, 3, (BATCH,))), {}
 
 
-def search(**kwargs):
+def search(layers=6, **kwargs):
     torch.manual_seed(0)
-    return poptorch.plan(Stack(), inputs(), devices=2, flops=1e9, search=True, **kwargs)
+    return poptorch.plan(Stack(layers), inputs(), devices=2, flops=1e9, search=True, **kwargs)
 
 
 def test_every_layout_keeps_the_samples_per_step_and_saves_memory_cheapest_first():
     found = layouts(4, 8)
     shapes = {(w[0].stages, w[0].replicas, w[0].schedule) for w in found}
-    assert shapes == {(4, 1, "1f1b"), (4, 1, "zero_bubble"), (2, 2, "1f1b"),
-                      (2, 2, "zero_bubble"), (1, 4, "none")}
+    assert shapes == {(4, 1, "1f1b"), (4, 1, "zero_bubble"), (8, 1, "interleaved"),
+                      (2, 2, "1f1b"), (2, 2, "zero_bubble"), (4, 2, "interleaved"),
+                      (1, 4, "none")}
+    # interleaved: two stages on each device of the pipeline
+    assert {w[0].devices * w[0].replicas for w in found} == {4}
     for ways in found:
         assert {w.accumulation * w.replicas for w in ways} == {8}
         assert ways[0].state == "whole" and not ways[0].recompute  # the cheapest first
         assert [w.recompute for w in ways] == sorted(w.recompute for w in ways)
         assert ("sharded" in {w.state for w in ways}) == (ways[0].replicas > 1)
-    assert {(w[0].stages, w[0].replicas) for w in layouts(4, 6)} == {(4, 1), (2, 2)}  # 6 / 4
+    assert {(w[0].devices, w[0].replicas) for w in layouts(4, 6)} == {(4, 1), (2, 2)}  # 6 / 4
 
 
 def test_the_layouts_that_fit_are_ranked_by_step_time_with_distinct_shapes():
@@ -61,11 +64,11 @@ def test_the_layouts_that_fit_are_ranked_by_step_time_with_distinct_shapes():
     seconds = [c.plan.step_seconds for c in found.fitting]
     assert seconds == sorted(seconds)
     assert {(c.layout.stages, c.layout.replicas, c.layout.schedule) for c in found.fitting} == {
-        (2, 1, "1f1b"), (2, 1, "zero_bubble"), (1, 2, "none")}
+        (2, 1, "1f1b"), (2, 1, "zero_bubble"), (4, 1, "interleaved"), (1, 2, "none")}
     # with no budget the cheapest way is kept: nothing sharded, offloaded or recomputed
     assert all(c.layout.state == "whole" and not c.layout.recompute for c in found.fitting)
     data = found.to_json()
-    assert [e["rank"] for e in data["layouts"]] == [1, 2, 3]
+    assert [e["rank"] for e in data["layouts"]] == [1, 2, 3, 4]
     assert data["layouts"][0]["step_seconds"] == seconds[0] and data["code"] == found.code()
     assert "1 stage x 2 replicas" in found.table()
 
@@ -86,7 +89,9 @@ def test_a_budget_refuses_with_the_reason_and_saves_memory_the_cheapest_way():
     for c in found.fitting:  # the whole state does not fit; offloading it is enough
         assert c.layout.state == "offloaded" and not c.layout.recompute
         assert max(c.plan.peaks.values()) <= budget
-    [alone] = found.refused  # one stage, every way tried: the last one says by how much
+    interleaved, alone = found.refused
+    assert interleaved.plan is None and "G 4 is below 7" in interleaved.reason
+    # one stage, every way tried: the last one says by how much
     assert alone.layout.stages == 1 and alone.layout.recompute
     assert alone.layout.state == "offloaded" and "over the" in alone.reason
     assert max(alone.plan.peaks.values()) > budget
@@ -148,7 +153,7 @@ def test_the_command_lists_the_search_as_json_and_refuses_its_choices(tmp_path, 
     assert main(["plan", "search_net:net", "--devices-per-machine", "2", "--flops", "1G",
                  "--search", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [e["rank"] for e in data["layouts"]] == [1, 2, 3] and data["code"]
+    assert [e["rank"] for e in data["layouts"]] == [1, 2, 3, 4] and data["code"]
     with pytest.raises(SystemExit) as exit_:
         main(["plan", "search_net:net", "--devices-per-machine", "2", "--flops", "1G",
               "--search", "--sharded"])

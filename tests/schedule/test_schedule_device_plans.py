@@ -48,6 +48,15 @@ def test_the_grid_in_the_module_docstring_is_what_render_draws():
                                     "2:B2 0:B1 0:B2")
 
 
+@pytest.mark.parametrize("stages", [1, 2, 5])
+@pytest.mark.parametrize("kind,training", KINDS)
+def test_one_stage_a_device_is_the_per_stage_plan_that_merging_gives_back(kind, training, stages):
+    # device_plan no longer merges one stage a device: 32 stages' merge took seconds of a search
+    owners, G = tuple(range(stages)), 2 * stages + 1
+    assert device_plans.device_plan(kind, stages, G, owners, training=training) == merge(
+        plan(kind, stages, G, training=training), owners)
+
+
 @pytest.mark.parametrize("owners", LAYOUTS)
 @pytest.mark.parametrize("kind,training", KINDS)
 def test_every_merged_plan_is_deadlock_free_and_keeps_each_stages_order(kind, training, owners):
