@@ -33,17 +33,23 @@ micro_batch and sequence. A model alone gets input_ids of shape (micro-batch, se
 decoder_input_ids and labels where its forward takes them (pixel_values of the config's
 image_size for an image model).
 
---json prints one object: model (its class), schedule, stages, replicas, accumulation, cut
-(BeginBlock names where stages 1.. begin), budget, fits, devices (per stage: parameters,
-buffers, gradients, optimiser_state, activations, received, host_optimiser_state, in_flight,
-process, peak, fits, segments; bytes), host, step_seconds, bubble, time_method, method,
-remedies (name, code, saving, fits).
+--schedule interleaved puts 2 stages on each device of a pipeline of P = devices / replicas
+devices, round-robin (stage s of 2P on device s % P, as BeginBlock(..., ipu_id=s % P) and
+Training.pipelineSchedule("interleaved") run it; --split then names 2P - 1 places): each
+device's memory is its two stages' sum. It needs 2P segments and an --accumulation of 4P - 1
+or more that its rounds split evenly (the default is raised to one).
 
---search plans every layout of the devices (stages x replicas, 1F1B or zero-bubble, optimiser
-state whole, sharded or offloaded, recomputation; the samples per step kept, --accumulation
-being one replica's) and lists those that fit by predicted step time, then the others with
-their reasons, then the fastest as the Options and BeginBlock lines that set it up; with
---json: layouts, refused and code. It needs --flops or --measure-here.
+--json prints one object: model (its class), schedule, stages, replicas, accumulation, cut
+(BeginBlock names where stages 1.. begin), budget, fits, devices (per device: device, stages,
+segments (each stage's), parameters, buffers, gradients, optimiser_state, activations,
+received, host_optimiser_state, in_flight, process, peak, fits; bytes), host, step_seconds,
+bubble, time_method, method, remedies (name, code, saving, fits).
+
+--search plans every layout of the devices (stages x replicas, 1F1B, zero-bubble or
+interleaved, optimiser state whole, sharded or offloaded, recomputation; the samples per step
+kept, --accumulation being one replica's) and lists those that fit by predicted step time,
+then the others with their reasons, then the fastest as the Options and BeginBlock lines that
+set it up; with --json: layouts, refused and code. It needs --flops or --measure-here.
 
 Exit code 0 when the plan fits (or no --device-memory), 1 when it does not (with --search:
 when no layout fits), 2 for a run that cannot happen (e.g. --accumulation below
@@ -81,7 +87,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--offload", action="store_true", help="optimiser state in host memory")
     p.add_argument("--sharded", action="store_true",
                    help="optimiser state sharded over the replicas (replicated tensor sharding)")
-    p.add_argument("--schedule", default="auto", choices=("auto", "1f1b", "zero_bubble"))
+    p.add_argument("--schedule", default="auto",
+                   choices=("auto", "1f1b", "zero_bubble", "interleaved"),
+                   help="the pipeline schedule (default: the fastest that fits); interleaved "
+                        "puts 2 stages on each device, stage s on device s %% devices")
     p.add_argument("--flash-attention", action="store_true",
                    help="size attention as a GPU's flash kernel keeps it (no scores)")
     p.add_argument("--split", nargs="+", metavar="NAME",

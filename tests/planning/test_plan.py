@@ -198,3 +198,103 @@ def test_replicas_on_a_crowded_cpu_slow_the_step_and_add_their_gradient_reductio
     assert slow >= alone + 0.5 * 0.98
     # sharded: the replicas also send each other their slice of the stepped weights
     assert step(2, all_reduce_rate=stage_bytes / 0.5, sharded=True) > slow
+
+
+class Eight(nn.Module):
+    """Eight identical layers in four blocks of two, the loss on the last."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(8))
+
+    def forward(self, x):
+        for b in range(4):
+            with poptorch.Block(f"B{b}"):
+                for layer in self.layers[2 * b:2 * b + 2]:
+                    x = layer(x)
+        with poptorch.Block("B3"):
+            loss = poptorch.identity_loss(x, reduction="sum")
+        return x, loss
+
+
+def eight_plan(**kwargs):
+    torch.manual_seed(0)
+    model = Eight()
+    options = dict(devices=2, accumulation=8, schedule="interleaved", flops=1e9)
+    return model, poptorch.plan(model, ((torch.randn(M, WIDTH),), {}), **{**options, **kwargs})
+
+
+def test_interleaved_prices_each_device_as_its_two_stages_and_the_compile_time_estimate():
+    from pipetorch.planning.estimate import price
+    from pipetorch.schedule.device_plans import peak_stash
+
+    model, found = eight_plan()
+    assert found.schedule == "interleaved" and found.owners == (0, 1, 0, 1)
+    assert found.cut == ("layers.2", "layers.4", "layers.6") and len(found.names) == 4
+    assert sorted(found.peaks) == sorted(found.estimate.devices) == [0, 1]
+    # each stage's micro-batches in flight are interleaved 1F1B's on ipus 0,1,0,1
+    flights = peak_stash("interleaved", 4, 8, (0, 1, 0, 1))
+    assert [s.in_flight for s in found.estimate.stages] == list(flights) == [4, 3, 2, 1]
+    for ipu, device in found.estimate.devices.items():
+        alone = [price((s,), found.estimate.setting)[ipu]
+                 for s in found.estimate.stages if s.ipu == ipu]
+        assert device.stages == (ipu, ipu + 2) and device.in_flight == alone[0].in_flight
+        assert device.categories == {k: sum(a.categories[k] for a in alone)
+                                     for k in device.categories}
+        assert found.peaks[ipu] == sum(a.total for a in alone)
+    # the runtime's own estimate of the same blocks on ipus 0,1,0,1, run interleaved
+    stages = [StageSpec(s, s % 2, (f"B{s}",)) for s in range(4)]
+    estimate = estimate_memory(model, ((torch.randn(M, WIDTH),), {}), stages,
+                               batching=Batching(1, 8, 1),
+                               optimizer=poptorch.optim.AdamW(model.parameters()),
+                               pipelined=True, training=True, offload=False,
+                               recomputation=False, schedule="interleaved")
+    for ipu, device in estimate.devices.items():
+        planned = found.estimate.devices[ipu]
+        assert planned.in_flight == device.in_flight and planned.stages == device.stages
+        for name in ("parameters", "buffers", "gradients", "optimiser_state", "received"):
+            assert getattr(planned, name) == getattr(device, name), (ipu, name)
+        assert planned.activations == pytest.approx(device.activations, abs=8)
+
+
+def test_interleaved_reads_by_device_and_auto_takes_it_where_it_is_fastest():
+    _, found = eight_plan(split=["layers.2", "layers.4", "layers.6"])
+    data = found.to_json()
+    assert data["schedule"] == "interleaved" and data["stages"] == 4
+    assert [(d["device"], d["stages"], d["segments"]) for d in data["devices"]] == [
+        (0, [0, 2], ["layers.0 .. layers.1", "layers.4 .. layers.5"]),
+        (1, [1, 3], ["layers.2 .. layers.3", "layers.6 .. layers.7"])]
+    table = found.table()
+    assert "0: layers.0 .. layers.1; 2: layers.4 .. layers.5" in table
+    assert "4 stages on 2 devices (stage s on device s % 2) x 1 replicas" in table
+    _, auto = eight_plan(schedule="auto")
+    _, one_f_one_b = eight_plan(schedule="1f1b")
+    assert auto.schedule == "interleaved" and auto.step_seconds == found.step_seconds
+    assert found.step_seconds < one_f_one_b.step_seconds and found.bubble < one_f_one_b.bubble
+    # where its rounds cannot split G, auto plans the others
+    assert eight_plan(schedule="auto", accumulation=7)[1].schedule in ("1f1b", "zero_bubble")
+
+
+def test_interleaved_shares_a_devices_budget_between_its_stages():
+    _, roomy = eight_plan()
+    budget = max(roomy.peaks.values())
+    _, tight = eight_plan(device_memory=budget)
+    assert tight.fits and max(tight.peaks.values()) <= budget
+    _, over = eight_plan(device_memory=budget - 1)
+    assert over.fits is False and over.remedies
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(devices=1), r"2 or more devices, but devices / replicas is 1"),
+    (dict(devices=2, replicas=2), r"devices / replicas is 1: give more devices or fewer"),
+    (dict(devices=4, accumulation=16), r"8 stages \(2 on each of 4 devices: interleaved\), "
+                                       r"but the model has 6 segments"),
+    (dict(accumulation=5), r"G 5 is below 7, the fewest .* 4 stages .*: give G 8 or more"),
+    (dict(devices=3, accumulation=19), r"G 19 does not split into 6 equal rounds over the 3 "
+                                       r"devices .*: give G 18 or 21"),
+    (dict(split=["layers.2"]), r"split names 1 BeginBlock places \(\['layers.2'\]\) for 4 "
+                               r"stages; give 3, or .* 2 x devices / replicas"),
+])
+def test_interleaved_is_refused_where_it_cannot_run_with_the_values_and_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_plan(**{"schedule": "interleaved", "accumulation": 8, "split": None, **kwargs})

@@ -1,13 +1,16 @@
 """plan(..., search=True) and `pipetorch plan --search`: every layout of the devices planned,
 those that fit ranked by step time, the others with their reasons, the fastest as code."""
+import copy
 import json
 import os
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.testing import assert_close
 
 import pipetorch as poptorch
+from helpers.reference import plain_train_call
 from pipetorch.parallel.layout import placement
 from pipetorch.planning.search import Layout, layouts, python_path
 
@@ -73,12 +76,12 @@ def test_the_layouts_that_fit_are_ranked_by_step_time_with_distinct_shapes():
     assert "1 stage x 2 replicas" in found.table()
 
 
-def tight_budget():
+def tight_budget(layers=6):
     """Just under the least one device holding the whole model needs (its optimiser state
     offloaded, recomputing), and so under two stages' peak with nothing saved."""
     torch.manual_seed(0)
-    least = poptorch.plan(Stack(), inputs(), devices=2, replicas=2, flops=1e9, accumulation=2,
-                          offload=True, recompute=True)
+    least = poptorch.plan(Stack(layers), inputs(), devices=2, replicas=2, flops=1e9,
+                          accumulation=2, offload=True, recompute=True)
     return max(least.peaks.values()) - 1
 
 
@@ -122,12 +125,51 @@ def test_the_fastest_layouts_lines_run_and_train():
         training.destroy()
 
 
+def test_an_interleaved_layouts_lines_run_it_interleaved_and_train_as_plain_pytorch():
+    # eight equal layers on two devices: interleaving halves the ramp, the fastest that fits
+    found = search(layers=8, device_memory=tight_budget(8), accumulation=8)
+    best = found.fitting[0]
+    assert (best.layout.schedule, best.layout.stages, best.layout.devices) == (
+        "interleaved", 4, 2)
+    assert best.layout.describe().startswith("4 stages on 2 devices x 1 replica, interleaved")
+    lines = found.code()
+    assert 'opts.Training.pipelineSchedule("interleaved")' in lines
+    blocks = [line for line in lines if "BeginBlock" in line]
+    assert [line.split("ipu_id=")[1] for line in blocks] == ["1)", "0)", "1)"]
+    torch.manual_seed(0)
+    model = Stack(8)
+    plain = copy.deepcopy(model)
+    scope = {"model": model, "poptorch": poptorch}
+    exec("\n".join(lines), scope)
+    opts = scope["opts"]
+    opts.showCompilationProgressBar(False)
+    training = poptorch.trainingModel(model, opts, optimizer=torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9))
+    try:
+        x, labels = torch.randn(8 * BATCH, 8), torch.randint(0, 3, (8 * BATCH,))
+        _, loss = training(x, labels)
+        assert [s.ipu_id for s in training._compiled.stages] == [0, 1, 0, 1]
+        spans = {t.stage: t.spans for t in training._compiled.engine.last_trace}
+        # interleaved: device 0 runs stage 2's first forward before stage 0's last one
+        assert (next(s.start for s in spans[2] if s.kind == "F")
+                < [s.start for s in spans[0] if s.kind == "F"][-1])
+        rows = plain_train_call(plain, torch.optim.SGD(plain.parameters(), lr=0.1,
+                                                       momentum=0.9), x, labels, D=1, G=8, R=1)
+        assert_close(loss, rows[-1][3])
+        for got, want in zip(training.model.parameters(), plain.parameters(), strict=True):
+            assert_close(got, want)
+    finally:
+        training.destroy()
+
+
 def test_a_modules_name_becomes_the_python_that_reaches_it():
     assert python_path("transformer.h.6") == "model.transformer.h[6]"
     assert python_path("model.layers.40.mlp") == "model.model.layers[40].mlp"
     assert python_path("blocks.first-half") == "model.blocks['first-half']"
     assert Layout(2, 1, "1f1b", "offloaded", True, 8).describe() == (
         "2 stages x 1 replica, 1f1b, G 8, optimiser state offloaded, recomputation")
+    assert Layout(8, 2, "interleaved", "sharded", False, 8).describe() == (
+        "8 stages on 4 devices x 2 replicas, interleaved, G 8, optimiser state sharded")
 
 
 @pytest.mark.parametrize("kwargs, message", [
