@@ -176,16 +176,19 @@ def plan(segments: Sequence[Segment], devices: int, *,
     full against its budget.
 
     `owners` puts the `devices` stages on fewer devices, stage s on device `owners[s]` (ipus
-    0,1,0,1 for interleaved): the in-flight counts are the schedule's on them, and a device's
+    0,1,0,1 for interleaved): the in-flight counts are the schedule's on them, a device's
     budget (one for all, or one per device) is shared evenly between its stages, so that
-    whatever the cut their sum fits it.
+    whatever the cut their sum fits it, and of the placements whose slowest stage is fastest
+    the one with the evenest stages is returned (a device's time is its stages' sum: the
+    earliest cuts would pile the slack onto the last stages).
     """
     _check(segments, devices)
     costs = _Costs(segments)
     caps = _caps(budgets, devices, owners)
     flight = _in_flight(devices, schedule=schedule, micro_batches=micro_batches, owners=owners)
     starts = _solve(costs, devices, lambda d, i, j: (
-        costs.seconds(i, j) if costs.peak(i, j, flight[d]) <= caps[d] else math.inf))
+        costs.seconds(i, j) if costs.peak(i, j, flight[d]) <= caps[d] else math.inf),
+        even=owners is not None and len(set(owners)) < devices)
     if starts is None:
         best = _solve(costs, devices, lambda d, i, j: costs.peak(i, j, flight[d]) / caps[d])
         assert best is not None
@@ -232,9 +235,10 @@ def _caps(budgets: int | Sequence[int] | None, devices: int,
     return [budgets[d] / owners.count(d) for d in owners]
 
 
-def _solve(costs: _Costs, devices: int,
-           cost: Callable[[int, int, int], float]) -> tuple[int, ...] | None:
-    """Min-max contiguous split by dynamic programming, then the earliest cuts within it."""
+def _solve(costs: _Costs, devices: int, cost: Callable[[int, int, int], float], *,
+           even: bool = False) -> tuple[int, ...] | None:
+    """Min-max contiguous split by dynamic programming, then the earliest cuts within it
+    (`even`: the cuts whose stage costs have the least sum of squares within it)."""
     n = len(costs.segments)
 
     @functools.lru_cache(maxsize=None)
@@ -248,10 +252,20 @@ def _solve(costs: _Costs, devices: int,
     if value == math.inf:
         return None
     bound = value + TIE * abs(value)
+
+    @functools.lru_cache(maxsize=None)
+    def spread(d: int, i: int) -> tuple[float, int]:
+        """(the least sum of squared stage costs from stage d at segment i within `bound`,
+        where stage d + 1 then begins)."""
+        ends = range(i + 1, n - (devices - d - 1) + 1) if d < devices - 1 else [n]
+        return min(((c * c + (spread(d + 1, j)[0] if j < n else 0.0), j)
+                    if (c := cost(d, i, j)) <= bound else (math.inf, j)) for j in ends)
+
     starts, i = [0], 0
     for d in range(devices - 1):
-        i = next(j for j in range(i + 1, n - (devices - d - 1) + 1)
-                 if cost(d, i, j) <= bound and best(d + 1, j) <= bound)
+        i = spread(d, i)[1] if even else next(
+            j for j in range(i + 1, n - (devices - d - 1) + 1)
+            if cost(d, i, j) <= bound and best(d + 1, j) <= bound)
         starts.append(i)
     return tuple(starts)
 

@@ -54,6 +54,16 @@ def test_json_gives_each_stage_and_matches_the_api(net, capsys):
     assert len(found["cut"]) == 1
 
 
+def test_interleaved_puts_two_stages_on_each_device_round_robin(net, capsys):
+    code = main(["plan", net, "--devices-per-machine", "2", "--schedule", "interleaved",
+                 "--accumulation", "8", "--flops", "1G", "--json"])
+    found = json.loads(capsys.readouterr().out)
+    assert code == 0 and found["schedule"] == "interleaved" and found["stages"] == 4
+    assert len(found["cut"]) == 3
+    assert [(d["device"], d["stages"]) for d in found["devices"]] == [(0, [0, 2]), (1, [1, 3])]
+    assert all(len(d["segments"]) == 2 for d in found["devices"])
+
+
 def test_a_plan_that_does_not_fit_exits_1_with_what_would(net, capsys):
     code = main(["plan", net, "--devices-per-machine", "2", "--device-memory", "60KB",
                  "--replicas", "2"])
@@ -87,6 +97,11 @@ def test_a_split_that_names_no_segment_is_refused(net, capsys):
      "segments a stage may hold (layers.0, layers.1, layers.2, layers.3, head); plan at most 5 "
      "stages"),
     (["--device-memory", "lots"], "--device-memory 'lots': give the bytes of one device"),
+    (["--devices-per-machine", "2", "--schedule", "interleaved", "--accumulation", "6"],
+     "schedule 'interleaved': G 6 is below 7, the fewest micro-batches a pipeline of 4 stages "
+     "(2 on each of 2 devices: interleaved) trains (2 x stages - 1): give G 8 or more"),
+    (["--devices-per-machine", "4", "--schedule", "interleaved", "--accumulation", "16"],
+     "8 stages (2 on each of 4 devices: interleaved), but the model has 5 segments"),
 ])
 def test_a_run_that_cannot_happen_is_refused_in_one_line(net, capsys, flags, message):
     with pytest.raises(SystemExit) as exited:

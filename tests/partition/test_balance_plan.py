@@ -78,6 +78,11 @@ def test_stages_sharing_a_device_share_its_budget_and_stash_as_their_schedule_do
     assert peaks == [500, 800, 600, 600] and peaks[0] + peaks[2] <= 1200
     with pytest.raises(ValueError, match="3 memory budgets given for 2 devices"):
         plan(segs, 4, budgets=[1, 2, 3], owners=owners)
+    # a heavy head bounds the slowest stage: the earliest cuts would leave the first stages
+    # nearly empty and the others full, the devices' sums uneven; shared, they are even
+    headed = [Segment(f"m{k}", 1.0) for k in range(6)] + [Segment("head", 3.0)]
+    assert plan(headed, 4).starts == (0, 1, 3, 6)
+    assert plan(headed, 4, micro_batches=8, owners=owners).starts == (0, 2, 4, 6)
 
 
 def test_infeasible_budget_raises_with_per_device_peak_and_remedies():
