@@ -8,7 +8,8 @@ import torch.nn as nn
 
 from pipetorch.parallel.worker.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition.stage_rules import min_gradient_accumulation
-from pipetorch.planning.layout_plan import Plan, measured, plan_measured
+from pipetorch.planning.layout_plan import measured, plan_measured
+from pipetorch.planning.planned import Plan
 from pipetorch.planning.search import Search, search as find
 
 __all__ = ["plan", "Plan", "Search"]

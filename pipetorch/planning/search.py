@@ -21,7 +21,8 @@ from typing import Any
 
 from pipetorch.partition import balance
 from pipetorch.planning.estimate import fmt
-from pipetorch.planning.layout_plan import Measured, Plan, plan_measured
+from pipetorch.planning.layout_plan import Measured, plan_measured
+from pipetorch.planning.planned import Plan
 from pipetorch.planning.stage_devices import SCHEDULES, kind_of, owners, per_device, refusal
 
 __all__ = ["Layout", "Considered", "Search", "search"]
