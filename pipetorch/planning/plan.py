@@ -65,7 +65,7 @@ def plan(model: nn.Module, inputs: tuple[tuple, dict], *, devices: int = 1,
     if search:
         return find(found, devices=devices, device_memory=device_memory,
                     accumulation=accumulation, min_elements=min_elements)
-    return plan_measured(found, devices=stages, replicas=replicas, device_memory=device_memory,
-                         accumulation=accumulation, recompute=recompute, offload=offload,
-                         sharded=sharded, schedule=schedule, split=split,
-                         min_elements=min_elements)
+    return plan_measured(found, devices=devices // replicas, replicas=replicas,
+                         device_memory=device_memory, accumulation=accumulation,
+                         recompute=recompute, offload=offload, sharded=sharded,
+                         schedule=schedule, split=split, min_elements=min_elements)

@@ -49,10 +49,10 @@ def refusal(kind: str, devices: int, segments: int, accumulation: int) -> str:
         return (f"{stages} stages{_where(kind, devices)}, but the model has {segments} "
                 "segments a stage may hold: give fewer devices / replicas"
                 + (" or another schedule" if stages > devices else ""))
-    return accumulation_refusal(kind, devices, accumulation)
+    return _accumulation_refusal(kind, devices, accumulation)
 
 
-def accumulation_refusal(kind: str, devices: int, accumulation: int) -> str:
+def _accumulation_refusal(kind: str, devices: int, accumulation: int) -> str:
     """Why `accumulation` micro-batches per step cannot train plan kind `kind` on a pipeline
     of `devices` devices, and the G that would ("" where they can)."""
     if _trains(kind, devices, accumulation):
