@@ -145,13 +145,27 @@ def plain_from(result: dict):
         yield torch.stack([loss for *_, loss in got]), plain.state_dict()
 
 
+# The habits job's modes that leave both processes running share one launch, each mode with
+# a wrapper of its own (a mode's error, as the refusals raise, must not spoil the next one's):
+# one torchrun job of two processes for five tests.
+HABITS = ("seeded", "seeded-async", "rank0-read", "mismatch", "out-of-step")
+
+
+@pytest.fixture(scope="module")
+def habits_run(tmp_path_factory) -> dict[str, list[dict]]:
+    results = two_nodes(habits.__file__, tmp_path_factory.mktemp("habits"), ",".join(HABITS))
+    return {mode: [result[mode] for result in results] for mode in HABITS}
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("habits")
+@pytest.mark.timeout(300)  # the first one starts the launch of all five modes
 @pytest.mark.parametrize("mode", ["seeded", "seeded-async"])
-def test_per_rank_seeds_give_one_model_and_the_same_batches(tmp_path, mode):
+def test_per_rank_seeds_give_one_model_and_the_same_batches(habits_run, mode):
     # Data-parallel scripts seed each rank (100 + rank): each process shuffled its own order
     # and built its own initial weights, and stage 0 trained on one process's inputs while
     # the loss stage scored the other's labels, silently.
-    results = two_nodes(habits.__file__, tmp_path, mode)
+    results = habits_run[mode]
     assert "error" not in results[0] and "error" not in results[1], results
     assert len(results[0]["batches"]) == job.CALLS
     for (x0, y0), (x1, y1) in zip(results[0]["batches"], results[1]["batches"], strict=True):
@@ -165,8 +179,10 @@ def test_per_rank_seeds_give_one_model_and_the_same_batches(tmp_path, mode):
 
 
 @pytest.mark.slow
-def test_inputs_that_differ_between_processes_are_refused_on_every_process(tmp_path):
-    results = two_nodes(habits.__file__, tmp_path, "mismatch")
+@pytest.mark.xdist_group("habits")
+@pytest.mark.timeout(300)  # the first one starts the launch of all five modes
+def test_inputs_that_differ_between_processes_are_refused_on_every_process(habits_run):
+    results = habits_run["mismatch"]
     for p, result in enumerate(results):
         assert result["error"].startswith("InputMismatchError"), (p, result["error"])
         assert "['x']" in result["error"], result["error"]  # the input that differs
@@ -175,8 +191,10 @@ def test_inputs_that_differ_between_processes_are_refused_on_every_process(tmp_p
 
 
 @pytest.mark.slow
-def test_a_read_on_process_0_alone_is_served_by_the_other(tmp_path):
-    results = two_nodes(habits.__file__, tmp_path, "rank0-read")
+@pytest.mark.xdist_group("habits")
+@pytest.mark.timeout(300)  # the first one starts the launch of all five modes
+def test_a_read_on_process_0_alone_is_served_by_the_other(habits_run):
+    results = habits_run["rank0-read"]
     assert "error" not in results[0] and "error" not in results[1], results
     assert len(results[1]["losses"]) == job.CALLS and not results[1]["states"]
     for c, (losses, state) in enumerate(plain_from(results[0])):
@@ -186,8 +204,10 @@ def test_a_read_on_process_0_alone_is_served_by_the_other(tmp_path):
 
 
 @pytest.mark.slow
-def test_rounds_out_of_step_raise_on_every_process_naming_each(tmp_path):
-    results = two_nodes(habits.__file__, tmp_path, "out-of-step")
+@pytest.mark.xdist_group("habits")
+@pytest.mark.timeout(300)  # the first one starts the launch of all five modes
+def test_rounds_out_of_step_raise_on_every_process_naming_each(habits_run):
+    results = habits_run["out-of-step"]
     for p, result in enumerate(results):
         error = result["error"]
         assert "process 0" in error and "setOptimizer" in error, (p, error)
@@ -198,7 +218,8 @@ def test_rounds_out_of_step_raise_on_every_process_naming_each(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("dead", [0, 1])
 def test_a_process_killed_is_named_by_the_survivor(tmp_path, dead):
-    results = two_nodes(habits.__file__, tmp_path, f"kill{dead}", dies=dead)
+    results = [r.get(f"kill{dead}", {}) for r in
+               two_nodes(habits.__file__, tmp_path, f"kill{dead}", dies=dead)]
     survivor = results[1 - dead]
     error = survivor["error"]
     assert f"rocess {dead} of 2" in error and f"stage(s) [{dead}]" in error, error

@@ -261,9 +261,11 @@ def _niceness(pid: int) -> int:
 
 # Workers lower their priority (PIPETORCH_WORKER_NICE, default 10) so that the user's process,
 # on every step's path, gets a core first on a machine with fewer cores than busy processes.
+# Every worker applies it in serve.main, forked or spawned: each value on the pool's workers,
+# and one on spawned workers (that the variable reaches them), not the matrix of both.
 @pytest.mark.slow
-@pytest.mark.parametrize("pooled", ["1", "0"], ids=["pool", "fresh"])
-@pytest.mark.parametrize("nice", [None, "0", "3"], ids=["default", "off", "3"])
+@pytest.mark.parametrize("pooled, nice", [("1", None), ("1", "0"), ("1", "3"), ("0", "3")],
+                         ids=["default-pool", "off-pool", "3-pool", "3-fresh"])
 def test_workers_run_at_the_niceness_asked(registry, monkeypatch, pooled, nice):
     monkeypatch.setenv("PIPETORCH_WORKER_POOL", pooled)
     if nice is not None:
