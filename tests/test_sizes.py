@@ -7,6 +7,7 @@ shrink, never grow, and nothing new may join it. Remove an entry once it is with
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -36,6 +37,7 @@ CAPS = {"parameters typed object": 149, "parameters typed Any": 10, "type: ignor
 IGNORE = re.compile(r"#\s*type:\s*ignore(\[[^\]]*\])?(?P<rest>.*)$")
 
 
+@functools.cache  # parsed once for every check (the trees are only read)
 def sources() -> dict[str, ast.Module]:
     return {str(p.relative_to(ROOT.parent)): ast.parse(p.read_text()) for p in ROOT.rglob("*.py")}
 
