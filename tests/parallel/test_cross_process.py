@@ -33,11 +33,21 @@ def plain_calls(replicas: int):
         yield torch.stack([loss for *_, loss in got]), plain.state_dict()
 
 
+@pytest.fixture(scope="module")
+def training_run(tmp_path_factory) -> dict[str, list[dict]]:
+    """One launch of the pipeline job training with 1 replica, then 2, a wrapper each."""
+    modes = ("train", "replicas")
+    results = two_nodes(job.__file__, tmp_path_factory.mktemp("training"), ",".join(modes))
+    return {mode: [result[mode] for result in results] for mode in modes}
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("training")
+@pytest.mark.timeout(300)  # the first one starts the launch of both modes
 @pytest.mark.parametrize("mode, replicas, workers", [("train", 1, 1), ("replicas", 2, 2)])
-def test_one_pipeline_over_two_processes_trains_like_plain_pytorch(tmp_path, mode, replicas,
+def test_one_pipeline_over_two_processes_trains_like_plain_pytorch(training_run, mode, replicas,
                                                                    workers):
-    results = two_nodes(job.__file__, tmp_path, mode)
+    results = training_run[mode]
     # each process runs its own stage's workers (of every replica) and no other
     assert [len(r["pids"]) for r in results] == [workers, workers]
     for c, (losses, state) in enumerate(plain_calls(replicas)):
@@ -50,7 +60,8 @@ def test_one_pipeline_over_two_processes_trains_like_plain_pytorch(tmp_path, mod
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["kill", "stop", "absent"])
 def test_a_fault_on_one_process_raises_on_every_process(tmp_path, mode):
-    results = two_nodes(job.__file__, tmp_path, mode, env={"PIPETORCH_TIMEOUT": str(TIMEOUT)})
+    results = [r[mode] for r in two_nodes(job.__file__, tmp_path, mode,
+                                          env={"PIPETORCH_TIMEOUT": str(TIMEOUT)})]
     for p, result in enumerate(results):
         error = result.get("error", "")
         assert "rocess" in error and "stage" in error, (p, error)

@@ -1,11 +1,12 @@
 """A torchrun job whose processes run ONE pipeline together (stagesAcrossProcesses).
 
     torchrun --nnodes 2 --node-rank N --nproc-per-node 1 --master-addr 127.0.0.1 \\
-        --master-port PORT tests/parallel/torchrun_pipeline_job.py OUT_DIR MODE
+        --master-port PORT tests/parallel/torchrun_pipeline_job.py OUT_DIR MODE[,MODE...]
 
 MODE: "train" (1 replica), "replicas" (2 replicas), or a fault process 1 causes before the
 second call: "kill" (its worker killed), "stop" (its worker stops answering), "absent" (it
-joins only after the others gave up). Each process saves what it saw in OUT_DIR.
+joins only after the others gave up). The modes run one after another in the same processes,
+each with a wrapper of its own; each process saves what it saw, {mode: result}, in OUT_DIR.
 """
 import os
 import signal
@@ -48,7 +49,13 @@ def fault(mode: str, process: int, wrapper) -> None:
         os.kill(pids[0], signal.SIGSTOP)
 
 
-def main(out: str, mode: str) -> None:
+def main(out: str, modes: str) -> None:
+    results = {mode: run(mode) for mode in modes.split(",")}
+    torch.save(results, f"{out}/process{int(os.environ['RANK'])}.pt")
+
+
+def run(mode: str) -> dict:
+    """One mode's wrapper and calls: what this process saw."""
     replicas = 2 if mode == "replicas" else 1
     opts = poptorch.Options().deviceIterations(D).replicationFactor(replicas)
     opts.showCompilationProgressBar(False).outputMode(poptorch.OutputMode.All)
@@ -77,7 +84,7 @@ def main(out: str, mode: str) -> None:
         wrapper.destroy()
     except Exception as exc:  # the fault modes: what each process raised, and when
         result |= {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
-    torch.save(result, f"{out}/process{process}.pt")
+    return result
 
 
 if __name__ == "__main__":
