@@ -236,10 +236,10 @@ def lines(row: dict[str, Any]) -> list[str]:
     model's own bytes as a share of the measured peak), the step on the first."""
     name = row["config"]["name"]
     if "failed" in row:
-        return [f"| {name} | failed: {row['failed']} | | | | |"]
+        return [f"| {name} | failed: {row['failed']} | | | |"]
     if "skipped" in row:
         measured = " / ".join(f"{w / MIB:.0f}" for w in row["workers"])
-        return [f"| {name} | measured {measured} MiB; not planned ({row['skipped']}) | | | | |"]
+        return [f"| {name} | measured {measured} MiB; not planned ({row['skipped']}) | | | |"]
     step = min(row["seconds"][1:])
     out = []
     for worker, real in enumerate(row["workers"]):

@@ -462,8 +462,9 @@ def _heap(pieces: list[Piece], starts: tuple[int, ...], records: tuple[StageMemo
     tensor's gradient before it frees the tensor, and a worker keeps freed heap memory
     (`resident.reuse_freed`: trimmed only past 1 GiB), so the heap settles at about twice
     them; the optimiser step's state and temporaries come on top. Measured on this CPU over
-    GPT-2, Llama, BERT and T5 stages (2026-12-07, `benchmarks/plan_configs.py`): with it
-    the peaks of the workers outside recomputation are within 5%, without it 4-14% low."""
+    GPT-2, Llama, BERT and T5 stages (2026-12-07, `benchmarks/plan_configs.py`): without it
+    the first stages were 5-16% low; with it 18 of 20 workers are within 3.8% (not the first
+    stages under recomputation, -10%, and of an uneven split, -5 to -7%)."""
     ends = (*starts[1:], len(pieces))
     out: dict[int, int] = {}
     for record, i, j in zip(records, starts, ends, strict=True):
