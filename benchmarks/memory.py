@@ -5,8 +5,9 @@
     python benchmarks/memory.py --layers 36 --width 1280   # GPT-2 large's shape
     python benchmarks/memory.py --quick               # 4 layers of width 256 (a smoke run)
     python benchmarks/memory.py --layers 24 --apart   # and workers holding their own copies
-    python benchmarks/memory.py --layers 12 --plan --schedule zero_bubble  # beside the plan
-    python benchmarks/memory.py --plan --schedule both  # 12 and 24 layers, 1F1B and zero-bubble
+    python benchmarks/memory.py --plan                # poptorch.plan against every worker's
+                                                      # VmHWM and the step (plan_configs.py)
+    python benchmarks/memory.py --plan --only gpt2-tied llama   # some of its rows
     python benchmarks/memory.py --sharding            # optimiser state sharded over replicas
     python benchmarks/memory.py --sharding --plan     # and each worker beside the plan
 
@@ -88,9 +89,7 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
     from tree_memory import TreeSampler
 
-    # --plan times the steps: no Pss then (reading it walks every page of every process)
-    with TreeSampler(interval=0.1,
-                     shares=os.environ.get("MEMORY_BENCHMARK_PSS", "1") == "1") as sampler:
+    with TreeSampler(interval=0.1) as sampler:
         import torch
 
         sampler.phase("model")
@@ -139,7 +138,7 @@ def child(setting: str, layers: int, width: int, dtype: str) -> None:
             sampler.phase("compile")
             wrapper.compile(**_inputs(0))
             extra["seconds"] = []
-            for call in range(int(os.environ.get("MEMORY_BENCHMARK_CALLS", CALLS))):
+            for call in range(CALLS):
                 sampler.phase(f"call {call + 1}")
                 start = time.perf_counter()
                 wrapper(**_inputs(call))
@@ -351,15 +350,7 @@ def _row(name: str, runs: list[dict], plain: dict[str, float]) -> str:
                           for w in workers) or "-") + " |")
 
 
-def report(args: argparse.Namespace, steps: list[str]) -> None:
-    if args.plan:  # the plan beside pipetorch's workers alone: no plain PyTorch to compare
-        # 3 calls: the first one's step allocates the optimiser state
-        os.environ["MEMORY_BENCHMARK_CALLS"] = "3"
-        os.environ["MEMORY_BENCHMARK_PSS"] = "0"
-        load = os.getloadavg()[0]
-        print(_plan_lines(args, [_run("pipetorch", args) for _ in range(args.repeats)], steps,
-                          load))
-        return
+def report(args: argparse.Namespace) -> None:
     rows: dict[str, list[dict]] = {"plain": [], "pipetorch": []}
     if args.apart:
         rows[_APART] = []
@@ -401,42 +392,6 @@ def report(args: argparse.Namespace, steps: list[str]) -> None:
               rows["pipetorch"][0]["cuda"])
 
 
-def _plan_lines(args: argparse.Namespace, runs: list[dict], steps: list[str],
-                load: float) -> str:
-    """`poptorch.plan`'s predicted per-worker peak and step time (each piece timed here)
-    beside the measured: each worker's RSS peak over the run, the quickest call's seconds
-    after the first; the
-    step's row is also added to `steps`, with the load average before the run and after the
-    plan's timing."""
-    if "failed" in runs[0]:
-        return f"pipetorch failed: {runs[0]['failed']}"
-    import torch
-
-    import pipetorch as poptorch
-
-    with torch.device("meta"):
-        model = _model(args.layers, args.width, args.dtype)
-    ids = torch.zeros(1, SEQUENCE, dtype=torch.long, device="meta")
-    found = poptorch.plan(model, ((), {"input_ids": ids, "labels": ids}), devices=2,
-                          accumulation=ACCUMULATION, split=[f"transformer.h.{args.layers // 2}"],
-                          schedule=args.schedule, measure_here=True)
-    measured = [statistics.median(w) for w in zip(*(_workers(r) for r in runs))]
-    # the quickest call after the first (what other work on the machine slowed the least),
-    # as the plan times each piece
-    seconds = statistics.median(min(r["seconds"][1:]) for r in runs)
-    lines = [f"\nplan ({args.schedule}) against measured, per worker (RSS):"]
-    for stage, peak in found.peaks.items():
-        real = measured[stage]
-        lines.append(f"  stage {stage}: predicted {peak / GB:.2f} GB, measured {real / GB:.2f} GB "
-                     f"({peak / real - 1:+.0%})")
-    lines.append(f"  step: predicted {found.step_seconds:.2f} s, measured {seconds:.2f} s "
-                 f"({found.step_seconds / seconds - 1:+.0%}); {found.time_method}")
-    steps.append(f"| {args.layers} | {args.schedule} | {found.step_seconds:.2f} s | "
-                 f"{seconds:.2f} s | {found.step_seconds / seconds:.2f} | {load:.1f} / "
-                 f"{os.getloadavg()[0]:.1f} |")
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", choices=("plain", "pipetorch", "mapped", "save"))
@@ -457,8 +412,11 @@ def main() -> None:
                              "(poptorch.map_weights), trained weights written to a file")
     parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "zero_bubble", "both"))
     parser.add_argument("--plan", action="store_true",
-                        help="run pipetorch only, and print poptorch.plan's predicted "
-                             "per-worker peak and step time beside the measured")
+                        help="poptorch.plan's predicted peak of each worker and step beside "
+                             "the measured, on plan_configs.py's configurations (with "
+                             "--sharding: the MLP's)")
+    parser.add_argument("--only", nargs="*", help="--plan: the configurations to run")
+    parser.add_argument("--json", help="--plan: also write the rows as JSON to this file")
     args = parser.parse_args()
     schedules = ("1f1b", "zero_bubble") if args.schedule == "both" else (args.schedule,)
     os.environ["MEMORY_BENCHMARK_SCHEDULE"] = schedules[0]
@@ -476,18 +434,17 @@ def main() -> None:
     if args.sharding:
         sharding_report(args)
         return
+    if args.plan:
+        import plan_configs
+
+        print(plan_configs.report(args.only, args.json))
+        return
     if args.quick:
         args.layers, args.width = [4], 256
-    steps: list[str] = []
     for layers in args.layers or [12, 24]:
         for schedule in schedules:
             os.environ["MEMORY_BENCHMARK_SCHEDULE"] = schedule
-            report(argparse.Namespace(**{**vars(args), "layers": layers, "schedule": schedule}),
-                   steps)
-    if steps:
-        print("\n| layers | schedule | step predicted | measured | predicted / measured | "
-              "load average (1 min) before the run / after the plan |\n|---|---|---|---|---|---|")
-        print("\n".join(steps))
+            report(argparse.Namespace(**{**vars(args), "layers": layers, "schedule": schedule}))
 
 
 if __name__ == "__main__":

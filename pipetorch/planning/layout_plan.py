@@ -29,12 +29,15 @@ import torch.nn as nn
 
 from pipetorch.errors import ConfigError
 from pipetorch.schedule.plans import Batching
+from pipetorch.parallel.comm.resident import MMAP_THRESHOLD
 from pipetorch.parallel.worker.sharded_step import DEFAULT_MIN_ELEMENTS
 from pipetorch.partition import balance
 from pipetorch.planning.estimate import (
     MemoryEstimate, Remedy, Setting, StageMemory, batch_size, price, rank_remedies,
 )
-from pipetorch.planning.memory import ZERO, Footprint, Size, size_of, state_layout
+from pipetorch.planning.memory import (
+    ZERO, Footprint, Size, backward_transient, largest, size_of, state_layout,
+)
 from pipetorch.planning.planned import Plan
 from pipetorch.planning.segments import Piece, Rates, measure, measure_here as timed
 from pipetorch.planning.stage_devices import (
@@ -136,7 +139,8 @@ def stage_memory(pieces: list[Piece], starts: tuple[int, ...], kind: str,
         prints = [piece.footprint() for piece in part]
         footprint = Footprint(prints[0].received,
                               sum((f.saved for f in prints), ZERO)
-                              + sum((f.outputs for f in prints[:-1]), ZERO), prints[-1].outputs)
+                              + sum((f.outputs for f in prints[:-1]), ZERO), prints[-1].outputs,
+                              largest(f.largest for f in prints))
         records.append(StageMemory(s, run.owners[s], size_of(params),
                                    size_of(_unique(b for piece in part for b in piece.buffers)),
                                    size_of(trainable), _state(steps, run.layouts), footprint,
@@ -368,7 +372,9 @@ def plan_measured(found: Measured, *, devices: int, replicas: int, device_memory
                 run.accumulation, device_memory, overhead,
                 _temporaries(pieces, starts, run.owners) if rates else {}, ranked,
                 span if flops or rates else None, bubble, _time_method(flops, rates),
-                found.host_weights, found.model)
+                found.host_weights, found.model,
+                _transients(records, recompute) if rates else {},
+                _heap(pieces, starts, records, recompute) if rates else {})
 
 
 def _temporaries(pieces: list[Piece], starts: tuple[int, ...],
@@ -383,6 +389,35 @@ def _temporaries(pieces: list[Piece], starts: tuple[int, ...],
               for s, (i, j) in enumerate(zip(starts, ends, strict=True))}
     return {d: max(t for s, t in stages.items() if owners[s] == d)
             for d in sorted(set(owners))}
+
+
+def _transients(records: tuple[StageMemory, ...], recompute: bool) -> dict[int, int]:
+    """Per device, its fullest stage's backward transient (`memory.backward_transient`): one
+    backward runs at a time on a device."""
+    out: dict[int, int] = {}
+    for record in records:
+        extra = backward_transient(record.footprint, recomputation=recompute).bytes
+        out[record.ipu] = max(out.get(record.ipu, 0), extra)
+    return out
+
+
+def _heap(pieces: list[Piece], starts: tuple[int, ...], records: tuple[StageMemory, ...],
+          recompute: bool) -> dict[int, int]:
+    """Per device, what a CPU worker's heap holds beyond the tensors alive at its peak: the
+    activations in flight that glibc serves from its heap (tensors under its mmap threshold;
+    larger ones are mapped apart and unmapped when freed) once more. Backward makes each such
+    tensor's gradient before it frees the tensor, and a worker keeps freed heap memory
+    (`resident.reuse_freed`: trimmed only past 1 GiB), so the heap settles at about twice
+    them; the optimiser step's state and temporaries come on top. Measured on this CPU over
+    GPT-2, Llama, BERT and T5 stages (2026-12-07, `benchmarks/plan_configs.py`): without it
+    the first stages were 5-16% low; with it 18 of 20 workers are within 3.8% (not the first
+    stages under recomputation, -10%, and of an uneven split, -5 to -7%)."""
+    ends = (*starts[1:], len(pieces))
+    out: dict[int, int] = {}
+    for record, i, j in zip(records, starts, ends, strict=True):
+        small = sum(piece.small(MMAP_THRESHOLD) for piece in pieces[i:j])
+        out[record.ipu] = out.get(record.ipu, 0) + small * (1 if recompute else record.in_flight)
+    return out
 
 
 def _stepped(pieces: list[Piece], starts: tuple[int, ...], stage: int) -> list[nn.Parameter]:

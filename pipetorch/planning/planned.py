@@ -2,7 +2,7 @@
 device's memory and the step time, as a table or JSON-ready dict."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipetorch.planning.estimate import MemoryEstimate, Remedy, fmt
@@ -31,10 +31,17 @@ class Plan:
     time_method: str
     host_weights: int
     model: str                       # the model's class, e.g. "BertForMaskedLM"
+    transient: dict[int, int] = field(default_factory=dict)  # per device: `_transients` (measured)
+    heap: dict[int, int] = field(default_factory=dict)  # per device: `_heap` (measured runs)
 
     @property
     def peaks(self) -> dict[int, int]:
-        return {ipu: d.total + self.overhead + self.temporaries.get(ipu, 0)
+        """Each device's peak: its tensors; measured here, a CPU worker's, with its process,
+        its backward's transient, its step's temporaries, its heap's high-water and,
+        offloaded, its optimiser state (a CPU worker's host memory is its own)."""
+        return {ipu: d.total + self.transient.get(ipu, 0) + self.overhead
+                + self.temporaries.get(ipu, 0) + self.heap.get(ipu, 0)
+                + (d.host_optimiser_state if self.overhead else 0)
                 for ipu, d in self.estimate.devices.items()}
 
     @property
@@ -59,7 +66,9 @@ class Plan:
                     "segments": [self.names[s] for s in d.stages], **d.categories,
                     "host_optimiser_state": d.host_optimiser_state, "in_flight": d.in_flight,
                     "process": self.overhead,
-                    "step_temporaries": self.temporaries.get(ipu, 0), "peak": self.peaks[ipu],
+                    "step_temporaries": self.temporaries.get(ipu, 0),
+                    "backward_transient": self.transient.get(ipu, 0),
+                    "heap": self.heap.get(ipu, 0), "peak": self.peaks[ipu],
                     "fits": None if self.budget is None else self.peaks[ipu] <= self.budget}
                    for ipu, d in self.estimate.devices.items()]
         return {"model": self.model, "schedule": self.schedule, "stages": len(self.names),
@@ -85,8 +94,8 @@ class Plan:
             rows.append([str(ipu), fmt(d.parameters + d.buffers), fmt(d.gradients),
                          fmt(d.optimiser_state) + (f" (+{fmt(d.host_optimiser_state)} host)"
                                                    if d.host_optimiser_state else ""),
-                         fmt(d.activations + d.received), str(d.in_flight),
-                         fmt(self.peaks[ipu]), fits, self._held(ipu)])
+                         fmt(d.activations + d.received + self.transient.get(ipu, 0)),
+                         str(d.in_flight), fmt(self.peaks[ipu]), fits, self._held(ipu)])
         widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
         lines = [f"model {self.model}"]
         lines += ["  ".join(c.rjust(w) if 0 < i < len(heads) - 1 else c.ljust(w)
@@ -100,9 +109,11 @@ class Plan:
                      f"{self.accumulation}; cut: " + (", ".join(self.cut) or "none"))
         if self.overhead:
             lines.append(f"peaks include {fmt(self.overhead)} per worker process outside the "
-                         "model (an interpreter with torch, measured here) and the step's "
-                         "temporaries (two of the device's largest parameter: "
-                         + ", ".join(fmt(t) for t in self.temporaries.values()) + ")")
+                         "model (a worker with torch and the model's libraries, measured here), "
+                         "the step's temporaries (two of the device's largest parameter: "
+                         + ", ".join(fmt(t) for t in self.temporaries.values()) + ") and the "
+                         "heap's high-water (the small activations again: "
+                         + ", ".join(fmt(h) for h in self.heap.values()) + ")")
         if self.budget is not None:
             lines.append(f"budget {fmt(self.budget)} per device: "
                          + ("fits" if self.fits else "does NOT fit"))

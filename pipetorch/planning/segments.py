@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 
 from pipetorch.losses import tensor_leaves
-from pipetorch.parallel.host import pool
+from pipetorch.parallel.host import pool, preload
 from pipetorch.partition.probe import modes_kept
 from pipetorch.planning.memory import (
-    ZERO, Footprint, Size, fake_tensors, faked, module_tensors, sized, storage_key,
+    ZERO, Footprint, Size, fake_tensors, faked, largest, module_tensors, sized, storage_key,
 )
 
 __all__: list[str] = []
@@ -45,9 +45,23 @@ class Piece:
     flops: int = 0
 
     def footprint(self) -> Footprint:
-        kept = {k: v for k, v in self.saved.items()
+        kept = self._kept()
+
+        def total(sizes: dict[int, Size]) -> Size:
+            return sum(sizes.values(), ZERO)
+
+        return Footprint(total(self.received), total(kept), total(self.outputs),
+                         largest([*kept.values(), *self.outputs.values()]))
+
+    def small(self, threshold: int) -> int:
+        """Bytes of what one forward leaves on it (kept for backward or produced) in tensors
+        of fewer than `threshold` bytes each."""
+        return sum(s.bytes for s in (*self._kept().values(), *self.outputs.values())
+                   if s.bytes < threshold)
+
+    def _kept(self) -> dict[int, Size]:
+        return {k: v for k, v in self.saved.items()
                 if k not in self.received and k not in self.outputs}
-        return Footprint(*(sum(d.values(), ZERO) for d in (self.received, kept, self.outputs)))
 
 
 def _layer_list(model: nn.Module) -> tuple[str, nn.ModuleList | None]:
@@ -396,18 +410,30 @@ def measure_here(model: nn.Module, pieces: list[Piece], inputs: tuple[tuple, dic
         rate = copy_rate()
     finally:
         torch.set_num_threads(threads)
-    overhead, all_reduce_rate = _workers(each)
+    overhead, all_reduce_rate = _workers(each, preload.libraries(model))
     return Rates(seconds, per_element, rate, all_reduce_rate, overhead,
                  crowding=max(1.0, workers * each / cores))
 
 
 _WORKER = """
-import datetime, sys, time, torch, torch.distributed as dist, pipetorch.parallel.worker.serve
-rank, path, threads = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+import datetime, importlib, os, sys, time, torch, torch._dynamo, torch.distributed as dist
+import torch.optim, pipetorch.parallel.worker.serve
+rank, path, threads, fork = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+for name in sys.argv[5:]:
+    try:
+        importlib.import_module(name)
+    except Exception:
+        pass
+if fork:  # as the zygote forks a worker: its anonymous pages come along, not its file pages
+    child = os.fork()
+    if child:
+        os._exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
 torch.set_num_threads(threads)
 dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
+layer = torch.nn.Linear(64, 64)
+torch.optim.AdamW(layer.parameters()).step(layer(torch.ones(8, 64)).sum().backward())
+rss = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
 bucket = torch.ones(2**23)
 dist.all_reduce(bucket)
 times = []
@@ -415,20 +441,23 @@ for _ in range(4):
     start = time.perf_counter()
     dist.all_reduce(bucket)
     times.append(time.perf_counter() - start)
-print(rss, bucket.nbytes / min(times))
+print(rss, bucket.nbytes / min(times), flush=True)
 dist.destroy_process_group()
 """
 
 
-def _workers(threads: int) -> tuple[int, float]:
-    """Two fresh interpreters that imported what a stage worker imports: one's resident bytes
-    then (its VmRSS: ru_maxrss would carry this process's peak over the exec), and the bytes a
-    second of an all-reduce of 32 MiB between them over gloo (how tied weights cross), the
-    fastest of 4."""
+def _workers(threads: int, libraries: tuple[str, ...]) -> tuple[int, float]:
+    """Two interpreters started as stage workers are (forked from one that imported torch,
+    pipetorch's worker and the model's `libraries`, as the worker pool's zygote does, unless
+    the pool is off): one's resident bytes once it has run a step of a small layer in its
+    process group (its VmRSS: ru_maxrss would carry this process's peak over the exec), and
+    the bytes a second of an all-reduce of 32 MiB between them over gloo (how tied weights
+    cross), the fastest of 4."""
+    fork = "1" if pool.enabled() else "0"
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "rendezvous")
         workers = [subprocess.Popen(pool.python_command("-c", _WORKER, str(rank), path,
-                                                        str(threads)),
+                                                        str(threads), fork, *libraries),
                                     stdout=subprocess.PIPE, text=True, env=pool.worker_env())
                    for rank in (0, 1)]
         try:

@@ -44,7 +44,8 @@ def reset_peak_rss() -> bool:
 
 # glibc's mallopt parameters, and the values a worker sets
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64 bits: a larger block is still mapped apart
+# glibc's largest on 64 bits: a larger block is still mapped apart (and unmapped when freed)
+MMAP_THRESHOLD = 32 << 20
 _TRIM_THRESHOLD = 1 << 30
 
 
@@ -60,7 +61,7 @@ def reuse_freed() -> None:
         return
     try:
         libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
         libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
     except (OSError, AttributeError):
         pass
