@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pipetorch.schedule import interleaved, plans
 from pipetorch.schedule.actions import Action, Kind, Plan
 from pipetorch.schedule.simulator import (DeadlockError, Event, Report, ScheduleError, Timeline,
-                                       check, peak_stashes, simulate)
+                                       check, simulate)
 
 __all__: list[str] = []
 
@@ -184,11 +184,15 @@ def engine_kind(pipelined: bool, pipeline_schedule: str) -> str:
 def peak_stash(kind: str, stages: int, micro_batches: int,
                owners: Sequence[int] | None = None, *, training: bool = True
                ) -> tuple[int, ...]:
-    """Most micro-batches each stage holds for backward at once: the peak stash of the device
-    plan the workers run for plan kind `kind` (`engine_kind`; "auto": the most of any
-    schedule it may pick) with stage s on device `owners[s]` (one each by default); 0 in
-    inference. The one count of micro-batches in flight: the memory estimate, the memory
-    report and the balancer all price activations with it."""
+    """Micro-batches each stage holds for backward when its device holds the most: the peak
+    stash of the device plan the workers run for plan kind `kind` (`engine_kind`; "auto": the
+    most of any schedule it may pick) with stage s on device `owners[s]` (one each by
+    default); 0 in inference. A stage alone on its device: its own most. Stages sharing a
+    device do not peak together (interleaved 1F1B's first-round stage fills while its
+    second-round one drains: 4 stages on ipus 0,1,0,1 over 8 micro-batches hold 3 + 2 on
+    device 0 at its peak, not 4 + 2), so what a device holds is priced at its own peak. The one
+    count of micro-batches in flight: the memory estimate, the memory report and the balancer
+    all price activations with it."""
     return _peak_stash(kind, stages, micro_batches,
                        tuple(range(stages)) if owners is None else tuple(owners), training)
 
@@ -206,12 +210,32 @@ def read_only_plan(kind: str, stages: int, micro_batches: int, owners: tuple[int
 def _peak_stash(kind: str, stages: int, micro_batches: int, owners: tuple[int, ...],
                 training: bool) -> tuple[int, ...]:
     # cached: building many stages' plans over many micro-batches takes seconds (the planner
-    # and its remedies ask the same question several times); counted along each stage's
-    # actions as its device runs them, the plans being `check_devices`' tested ones
+    # and its remedies ask the same question several times); counted along each device's
+    # actions as it runs them, the plans being `check_devices`' tested ones
+    if not training:
+        return (0,) * stages
     kinds = ["pipelined", "zero_bubble", *INTERLEAVED] if kind == "auto" else [kind]
-    peaks = [peak_stashes(project(read_only_plan(k, stages, micro_batches, owners, training),
-                                  owners)) for k in kinds]
+    peaks = [_held_at_device_peaks(read_only_plan(k, stages, micro_batches, owners, True),
+                                   stages) for k in kinds]
     return tuple(max(column) for column in zip(*peaks, strict=True))
+
+
+def _held_at_device_peaks(plan: DevicePlan, stages: int) -> tuple[int, ...]:
+    """Each stage's micro-batches forwarded and not yet through backward (its W, when split)
+    at the first moment its device holds the most of them, over all its stages."""
+    held = [0] * stages
+    for actions in plan:
+        done = (Kind.BACKWARD_WEIGHT if any(a.kind is Kind.BACKWARD_WEIGHT for a in actions)
+                else Kind.BACKWARD)
+        now: dict[int, int] = {}
+        most = 0
+        for a in actions:
+            if a.kind is Kind.FORWARD or a.kind is done:
+                now[a.stage] = now.get(a.stage, 0) + (1 if a.kind is Kind.FORWARD else -1)
+                if sum(now.values()) > most:
+                    most = sum(now.values())
+                    held = [now.get(s, c) for s, c in enumerate(held)]
+    return tuple(held)
 
 
 Ticks = int | Sequence[int]
