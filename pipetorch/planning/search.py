@@ -81,12 +81,13 @@ class Search:
     fitting: tuple[Considered, ...]
     refused: tuple[Considered, ...]
 
-    def code(self) -> list[str]:
-        """The fastest layout as the Options and BeginBlock lines that set it up, for a model
-        named `model` and `import pipetorch as poptorch` ([] when none fits)."""
-        if not self.fitting:
+    def code(self, rank: int = 1) -> list[str]:
+        """The `rank`-th fastest layout (the fastest by default) as the Options and BeginBlock
+        lines that set it up, for a model named `model` and `import pipetorch as poptorch`
+        ([] when fewer layouts fit)."""
+        if not 1 <= rank <= len(self.fitting):
             return []
-        best = self.fitting[0]
+        best = self.fitting[rank - 1]
         assert best.plan is not None
         layout = best.layout
         lines = ["opts = poptorch.Options()"]

@@ -74,6 +74,15 @@ def test_the_layouts_that_fit_are_ranked_by_step_time_with_distinct_shapes():
     assert [e["rank"] for e in data["layouts"]] == [1, 2, 3, 4]
     assert data["layouts"][0]["step_seconds"] == seconds[0] and data["code"] == found.code()
     assert "1 stage x 2 replicas" in found.table()
+    # each layout's own lines, by rank (benchmarks/search_check.py runs the top 3's)
+    codes = [found.code(rank) for rank in range(1, 5)]
+    assert codes[0] == found.code() and found.code(5) == found.code(0) == []
+    for code, considered in zip(codes, found.fitting, strict=True):
+        layout = considered.layout
+        assert sum("BeginBlock" in line for line in code) == layout.stages - 1, code
+        assert ("opts.replicationFactor(2)" in code) == (layout.replicas == 2), code
+        assert (f'opts.Training.pipelineSchedule("{layout.schedule}")' in code) == (
+            layout.schedule in ("zero_bubble", "interleaved")), code
 
 
 def tight_budget(layers=6):
