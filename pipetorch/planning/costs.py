@@ -12,7 +12,7 @@ from pipetorch.losses import tensor_leaves
 from pipetorch.partition.balance import Segment
 from pipetorch.planning.memory import bytes_of
 from pipetorch.planning.probes import BlockProbe, ModuleProbe, Probe
-from pipetorch.planning.segments import copy_rate
+from pipetorch.planning.timed_here import copy_rate
 
 __all__: list[str] = []
 

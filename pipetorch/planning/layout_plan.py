@@ -39,7 +39,8 @@ from pipetorch.planning.memory import (
     ZERO, Footprint, Size, backward_transient, largest, size_of, state_layout,
 )
 from pipetorch.planning.planned import Plan
-from pipetorch.planning.segments import Piece, Rates, measure, measure_here as timed
+from pipetorch.planning.segments import Piece, measure
+from pipetorch.planning.timed_here import Rates, measure_here as timed
 from pipetorch.planning.stage_devices import (
     SCHEDULES, default_accumulation, owners, refusal,
 )
@@ -218,11 +219,13 @@ def _starts(pieces: list[Piece], split: list[str] | None, kind: str, run: _Run,
 
 
 def _timeline(kind: str, run: _Run, forward: list[float], backward: list[float],
-              step: list[float]) -> tuple[float, float]:
+              step: list[float], shares: tuple[float, float] = (0.5, 0.5)
+              ) -> tuple[float, float]:
     """(makespan, bubble share) of one step in seconds, from each stage's forward and backward
     seconds for one micro-batch (recomputation runs forward again in backward; zero-bubble
-    splits backward into halves, the input's gradient and the weights') and its optimiser
-    step, the stages on the run's devices."""
+    splits backward into the input's gradient and the weights', `shares` of it as measured,
+    but on the first stage, whose input carries no gradient: the workers run its whole
+    backward as the input's part) and its optimiser step, the stages on the run's devices."""
     again = forward if run.setting.recomputation else [0.0] * run.stages
     if kind == "sharded":
         return run.accumulation * (forward[0] + backward[0] + again[0]) + step[0], 0.0
@@ -232,14 +235,17 @@ def _timeline(kind: str, run: _Run, forward: list[float], backward: list[float],
         return tuple(max(1, round(t / unit)) for t in seconds)
 
     split = kind == "zero_bubble"
+    parts = [(1.0, 0.0) if s == 0 else shares for s in range(run.stages)]
     # a device steps once for all its stages, in the action named for its first one
     firsts = {d: run.owners.index(d) for d in range(run.devices)}
     stepping = [sum(t for t, d in zip(step, run.owners, strict=True) if d == own)
                 if firsts[own] == s else 0.0 for s, own in enumerate(run.owners)]
     makespan, bubble = _simulated(
         kind, run.accumulation, run.owners, ticks(forward),
-        ticks([b / 2 + a if split else b + a for b, a in zip(backward, again, strict=True)]),
-        ticks([b / 2 for b in backward]), tuple(round(t / unit) for t in stepping))
+        ticks([b * i + a if split else b + a
+               for b, a, (i, _) in zip(backward, again, parts, strict=True)]),
+        ticks([b * w for b, (_, w) in zip(backward, parts, strict=True)]),
+        tuple(round(t / unit) for t in stepping))
     return makespan * unit, bubble
 
 
@@ -350,7 +356,8 @@ def plan_measured(found: Measured, *, devices: int, replicas: int, device_memory
         records = stage_memory(pieces, starts, kind, run)
         devices_memory = price(records, setting)
         seconds = _seconds(pieces, starts, run, flops, rates)
-        span, bubble = _timeline(kind, run, *seconds) if seconds else (None, 0.0)
+        span, bubble = (_timeline(kind, run, *seconds, shares=rates.split if rates else (0.5, 0.5))
+                        if seconds else (None, 0.0))
         worst = max(d.total for d in devices_memory.values())
         options.append((budget is not None and worst > budget, span or 0.0, kind, run, starts,
                         records, devices_memory, bubble))
@@ -435,8 +442,9 @@ def _time_method(flops: float | None, rates: Rates | None) -> str:
                 f" GB/s, the optimiser step at {rates.step_per_element * 1e9:.2f} ns a "
                 "parameter and a tied weight's gradient and value all-reduced at "
                 f"{rates.all_reduce_rate / 1e9:.3g} GB/s (as the replicas' gradients), computing "
-                f"{rates.crowding:.3g}x slower with more workers than cores, through the "
-                "schedule simulator")
+                f"{rates.crowding:.3g}x slower with more workers than cores, a zero-bubble "
+                f"backward's input and weight parts {rates.split[0]:.2f} + {rates.split[1]:.2f}"
+                " of a whole one, through the schedule simulator")
     if flops:
         return (f"each stage's forward FLOPs x3 (x4 recomputing) at {flops:.3g} FLOP/s a "
                 "device, through the schedule simulator; the optimiser step and transfers "

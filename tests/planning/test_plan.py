@@ -152,7 +152,8 @@ def test_bad_input_names_the_values_and_the_fix(kwargs, message):
 def test_measure_here_times_each_piece_and_leaves_the_model_as_it_was():
     # the step time was 36-70% low when one layer's FLOP rate stood for the embedding's
     # backward and the head's: every piece is now timed for real
-    from pipetorch.planning.segments import measure, measure_here
+    from pipetorch.planning.segments import measure
+    from pipetorch.planning.timed_here import measure_here
 
     torch.manual_seed(0)
     model, inputs = Tiny(), ((torch.randn(M, 6),), {})
@@ -164,6 +165,9 @@ def test_measure_here_times_each_piece_and_leaves_the_model_as_it_was():
     assert all(f > 0 and b > 0 for f, b in rates.seconds)
     assert rates.step_per_element > 0 and rates.copy_rate > 0 and rates.overhead > 0
     assert rates.all_reduce_rate > 0
+    # the zero-bubble backward split as the workers split it: both parts do work, together
+    # about a whole backward or more (each autograd call costs; on layers this small, most)
+    assert min(rates.split) > 0 and sum(rates.split) > 0.8, rates.split
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert torch.equal(rng, torch.get_rng_state())
@@ -179,7 +183,7 @@ def test_replicas_on_a_crowded_cpu_slow_the_step_and_add_their_gradient_reductio
     # the MLP of 2 stages x 2 replicas on 2 cores was planned at 1.7 s for 4.2 s measured:
     # four workers share two cores, and the replicas' gradients are reduced before each step
     from pipetorch.planning import layout_plan as planning
-    from pipetorch.planning.segments import Rates
+    from pipetorch.planning.timed_here import Rates
 
     def rates(crowding, all_reduce_rate):
         return lambda model, pieces, *_: Rates([(1.0, 2.0)] * len(pieces), 1e-12, 1e15,
@@ -198,6 +202,26 @@ def test_replicas_on_a_crowded_cpu_slow_the_step_and_add_their_gradient_reductio
     assert slow >= alone + 0.5 * 0.98
     # sharded: the replicas also send each other their slice of the stepped weights
     assert step(2, all_reduce_rate=stage_bytes / 0.5, sharded=True) > slow
+
+
+def test_a_zero_bubble_step_follows_its_measured_split_and_the_first_stages_whole_backward(
+        monkeypatch):
+    # on this CPU the split backward's two parts took 0.58 + 0.54 of a whole one (GPT-2, 4 x
+    # 512): priced as halves, zero-bubble was planned ahead of 1F1B and measured behind it;
+    # and the first stage, whose input carries no gradient, runs its whole backward as B
+    from pipetorch.planning import layout_plan as planning
+    from pipetorch.planning.timed_here import Rates
+
+    def step(split, schedule="zero_bubble"):
+        monkeypatch.setattr(planning, "timed", lambda model, pieces, *_: Rates(
+            [(1.0, 2.0)] * len(pieces), 1e-12, 1e15, 1e15, 0, split=split))
+        return tiny_plan(measure_here=True, schedule=schedule)[1].step_seconds
+
+    halves, dearer = step((0.5, 0.5)), step((0.6, 0.6))
+    assert dearer > halves * 1.05
+    # the first stage's B is its whole backward whatever the shares: all in B on stage 1
+    # too, zero-bubble is 1F1B
+    assert step((1.0, 0.0)) == pytest.approx(step((0.5, 0.5), schedule="1f1b"), rel=0.02)
 
 
 class Eight(nn.Module):
