@@ -152,6 +152,17 @@ def _options(config: Config) -> Any:
     return opts
 
 
+def timed_calls(wrapper: Any, config: Config, samples: int, calls: int) -> list[float]:
+    """The seconds of each of `calls` training calls of `wrapper`, each on `samples` fresh rows
+    of the row's random tokens."""
+    seconds = []
+    for call in range(calls):
+        start = time.perf_counter()
+        wrapper(**inputs(config, samples, call))
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
 def train(config: Config) -> dict[str, Any]:
     """Each worker's VmHWM (replica-major: device d of replica r at r * devices + d) and
     each call's seconds, from `CALLS` training calls of the row."""
@@ -165,12 +176,8 @@ def train(config: Config) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(built.parameters(), lr=1e-4)
     wrapper = poptorch.trainingModel(built, _options(config), optimizer)
     samples = config.batch * config.accumulation * config.replicas
-    seconds = []
     try:
-        for call in range(CALLS):
-            start = time.perf_counter()
-            wrapper(**inputs(config, samples, call))
-            seconds.append(time.perf_counter() - start)
+        seconds = timed_calls(wrapper, config, samples, CALLS)
         pids = wrapper._compiled.engine.worker_pids
         peaks = [peak_rss(pid) or 0 for pid in pids]
     finally:

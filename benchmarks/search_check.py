@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plan_configs import Config, inputs, model  # noqa: E402
+from plan_configs import Config, inputs, model, timed_calls  # noqa: E402
 
 ACCUMULATION = 8  # micro-batches of a step, over the replicas
 SHAPES = (
@@ -68,15 +68,10 @@ def child(name: str, code: list[str], samples: int, calls: int) -> dict[str, Any
     exec("\n".join(code), scope)  # the lines the search printed for this layout
     opts = scope["opts"].showCompilationProgressBar(False)
     wrapper = poptorch.trainingModel(built, opts, torch.optim.AdamW(built.parameters(), lr=1e-4))
-    seconds = []
     try:
-        for call in range(calls):
-            start = time.perf_counter()
-            wrapper(**inputs(config, samples, call))
-            seconds.append(time.perf_counter() - start)
+        return {"seconds": timed_calls(wrapper, config, samples, calls)}
     finally:
         wrapper.destroy()
-    return {"seconds": seconds}
 
 
 def _run(name: str, code: list[str], samples: int, calls: int) -> float:
