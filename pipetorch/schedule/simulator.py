@@ -128,15 +128,8 @@ def check(plan: Plan, *, forward: int = 1, backward: int = 1, weight: int = 1) -
     for s, actions in enumerate(plan):
         _check_stage(s, actions, len(plan), micro_batches, training, split)
     _check_timeline(timeline, training)
-    return Report(timeline, training, micro_batches, peak_stashes(plan))
-
-
-def peak_stashes(plan: Plan) -> tuple[int, ...]:
-    """Each stage's most micro-batches held for backward at once (0 in inference): its
-    list's order alone decides it, so it is counted without simulating (`check` verifies
-    the plan)."""
-    training = any(a.kind in (Kind.BACKWARD, Kind.STEP) for actions in plan for a in actions)
-    return tuple(_peak_stash(actions) if training else 0 for actions in plan)
+    stash = tuple(_peak_stash(actions) if training else 0 for actions in plan)
+    return Report(timeline, training, micro_batches, stash)
 
 
 def _check_shape(plan: Plan) -> None:
